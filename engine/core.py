@@ -22,7 +22,7 @@ from plait.engine.model_runner import ModelRunner, RunnerOutput
 from plait.engine.outputs import RequestDelta, TokenLogprob
 from plait.engine.request import Request
 from plait.engine.sampler import Sampler, SamplingMetadata
-from plait.engine.sampling_params import SamplingParams
+from plait.engine.sampling_params import InvalidParamError, SamplingParams
 from plait.engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 
 logger = logging.getLogger("plait.engine")
@@ -76,6 +76,12 @@ class EngineCore:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= int(t) < vocab), None)
+            if bad is not None:
+                raise InvalidParamError(name, f"token id {bad} in '{name}' is outside the "
+                                        f"vocabulary [0, {vocab})")
         req = Request(request_id, list(prompt_token_ids), params, extra_key=extra_key)
         self.scheduler.add_request(req)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
@@ -188,7 +194,9 @@ class EngineCore:
         if logprob is not None:
             req.cumulative_logprob += logprob.logprob
         reason, stop_reason = self._check_stop(req, token_id)
-        step = req.detokenizer.step([token_id], finished=reason is not None)
+        # A stop token (EOS or stop_token_ids) ends the text without its own text.
+        hide = reason == "stop" and not params.include_stop_str_in_output
+        step = req.detokenizer.step([] if hide else [token_id], finished=reason is not None)
         if step.stop_str is not None:
             reason, stop_reason = "stop", step.stop_str
         delta = RequestDelta(

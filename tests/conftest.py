@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # test helpers: tiny_model, server_harness
 
 from plait.engine.model_loader import ResolvedModel, load_tokenizer, resolve_model
 
