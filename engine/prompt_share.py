@@ -43,6 +43,8 @@ class ShareEntry:
     followers: list[Request] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)  # pinned once ready
     logits: Any = None  # the last prompt position's logits row once ready
+    # The scheduler step in which the owner computes the prompt's last token, if scheduled.
+    final_step: int | None = None
 
     @property
     def ready(self) -> bool:

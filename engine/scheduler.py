@@ -88,6 +88,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
+        self.step_idx = 0
 
     # ---------------------------------------------------------------- requests in / out
     def add_request(self, req: Request) -> None:
@@ -136,6 +137,7 @@ class Scheduler:
 
     # ---------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
+        self.step_idx += 1
         out = SchedulerOutput()
         scheduled: set[int] = set()
         budget = self._schedule_running(out, scheduled)
@@ -174,7 +176,13 @@ class Scheduler:
                     continue
                 if entry is not None and entry.owner is not req:
                     self.waiting.popleft()
-                    self.share.park(entry, req)
+                    if entry.final_step == self.step_idx and entry.owner is not None:
+                        # the owner computes the prompt's end in this very step: join it
+                        owner = entry.owner
+                        blocks = owner.block_ids[: cdiv(owner.num_prompt_tokens, self.block_size)]
+                        self._admit_shared(req, blocks, owner, None, out, scheduled)
+                    else:
+                        self.share.park(entry, req)
                     continue
                 if entry is None:
                     self.share.start(req.share_key, req)
@@ -259,6 +267,7 @@ class Scheduler:
         entry = req.share_entry
         if sample and entry is not None and entry.owner is req and not req.output_token_ids:
             # The prompt's last token is computed now: its parked followers join this step.
+            entry.final_step = self.step_idx
             num_prompt_blocks = cdiv(req.num_prompt_tokens, self.block_size)
             while entry.followers and len(self.running) < self.max_num_seqs:
                 follower = entry.followers.pop(0)
