@@ -151,7 +151,7 @@ class EngineCore:
         if not reqs:
             return []
         table = torch.cat([run.logits, torch.stack(kept)]) if kept else run.logits
-        logits = table[torch.tensor(rows, device=table.device)]  # [num_samples, vocab]
+        logits = table[self.runner.to_device(rows, torch.int64)]  # [num_samples, vocab]
         self._inject("sample", reqs)
         for req in reqs:
             if req.params.seed is not None and req.generator is None:

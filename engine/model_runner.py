@@ -96,8 +96,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Apply block copies, run the forward pass over `out.chunks`, return logits."""
         if out.block_copies:
-            src = torch.tensor([s for s, _ in out.block_copies], device=self.device)
-            dst = torch.tensor([d for _, d in out.block_copies], device=self.device)
+            src = self.to_device([s for s, _ in out.block_copies], torch.int64)
+            dst = self.to_device([d for _, d in out.block_copies], torch.int64)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         if not out.chunks:
             return RunnerOutput(torch.empty(0, self.model_config.vocab_size, device=self.device))
@@ -138,15 +138,21 @@ class ModelRunner:
             if chunk.sample:
                 sample_idx.append(cu_seqlens[-1] - 1)
             tables.append(table + [-1] * (max_blocks - len(table)))
-        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=self.to_device(slots, torch.int64),
+            cu_seqlens_q=self.to_device(cu_seqlens, torch.int32),
+            context_lens=self.to_device(context_lens, torch.int32),
+            block_tables=self.to_device(tables, torch.int32),
             max_query_len=max(c.num_tokens for c in chunks),
             max_context_len=max(context_lens),
         )
-        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta,
-                torch.tensor(sample_idx, dtype=torch.int64, device=dev))
+        return (self.to_device(input_ids, torch.int64), self.to_device(positions, torch.int64),
+                meta, self.to_device(sample_idx, torch.int64))
+
+    def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """Host list -> device tensor. On CUDA the copy is from pinned memory and
+        asynchronous, so building a step's inputs never waits for the GPU."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
