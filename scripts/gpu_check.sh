@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One prepared GPU check (see scripts/gpu_check.py). Usage: scripts/gpu_check.sh [OUT_DIR]
+# Installs nothing from the network: the project is installed with --no-index, or, if that
+# is impossible, imported through a symlinked `plait` package on PYTHONPATH.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-bench/results}"
+mkdir -p "$out"
+PY="${PYTHON:-python3}"
+if ! "$PY" -c "import plait.engine" 2>/dev/null; then
+  if ! "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1; then
+    shim="$(mktemp -d)/plait"
+    mkdir -p "$shim"
+    for f in plait/*.py; do ln -s "$PWD/$f" "$shim/"; done
+    for pkg in engine kernels server; do ln -s "$PWD/$pkg" "$shim/$pkg"; done
+    export PYTHONPATH="$(dirname "$shim")${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+fi
+"$PY" -c "import plait.engine, plait.kernels; print('plait imports from', plait.__file__)"
+timeout 460 "$PY" scripts/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu_check.log"

@@ -1,0 +1,176 @@
+"""Triton kernels against the plain-torch reference.
+
+On CPU the kernels run under the Triton interpreter in one subprocess
+(`triton_interpret_worker.py`, started once per module): TRITON_INTERPRET must be set
+before triton is imported, which this pytest process cannot promise. Each case's output
+is compared here, in the parent, with the reference on the same seeded inputs. The
+`cuda` tests run the compiled kernels in-process on larger shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from kernel_cases import MIXED_SEQS, BatchSpec, build_batch, build_write_case, dense_attention
+from triton_interpret_worker import ATTENTION_CASES, ERROR_CASES, WRITE_CASES, case_group
+
+from plait.kernels.reference import paged_attention_reference, write_kv_reference
+
+WORKER = pathlib.Path(__file__).with_name("triton_interpret_worker.py")
+# (atol, rtol) against the reference, which computes in fp32 and rounds once at the end
+TOLERANCES = {
+    torch.float32: (2e-5, 1e-5),
+    torch.float16: (4e-3, 4e-3),  # P is rounded to fp16 before the P @ V dot
+    torch.bfloat16: (3e-2, 2e-2),  # likewise in bf16 (8 mantissa bits)
+}
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs an NVIDIA GPU: torch.cuda.is_available() is False"
+)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory) -> dict:
+    """Outputs of every worker case: one TRITON_INTERPRET=1 subprocess per case group.
+
+    A group whose worker dies (e.g. a segfault from an overflowed address) maps each of
+    its cases to the crash report, so exactly those cases fail.
+    """
+    results = {}
+    for group in ("regular", "large"):
+        out_path = tmp_path_factory.mktemp("triton_interpret") / f"{group}.pt"
+        proc = subprocess.run(
+            [sys.executable, str(WORKER), str(out_path), group],
+            env={**os.environ, "TRITON_INTERPRET": "1"},
+            capture_output=True, text=True, timeout=600, check=False,
+        )
+        if proc.returncode == 0:
+            results |= torch.load(out_path, weights_only=True)
+            continue
+        crash = f"worker crashed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+        names = [*ATTENTION_CASES, *WRITE_CASES, *ERROR_CASES]
+        results |= {name: crash for name in names if case_group(name) == group}
+    return results
+
+
+def _result(interpreted: dict, name: str) -> torch.Tensor:
+    result = interpreted[name]
+    assert isinstance(result, torch.Tensor), result
+    return result
+
+
+@pytest.mark.parametrize("name", list(ATTENTION_CASES))
+def test_interpreted_attention_matches_reference(interpreted, name):
+    spec, _ = ATTENTION_CASES[name]
+    batch = build_batch(spec)
+    got = _result(interpreted, name)
+    if spec.nan_garbage or spec.first_block_id:
+        # the reference's decode path reads unused slots and block 0 (NaN garbage, or
+        # never-written memory here): compare with dense attention instead
+        expected = dense_attention(batch).to(spec.dtype)
+    else:
+        expected = paged_attention_reference(**batch.kernel_args())
+    atol, rtol = TOLERANCES[spec.dtype]
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+
+
+def test_interpreted_attention_would_catch_wrong_causal_offset(interpreted):
+    """The tolerance is tight enough that attending one key too many (or few) fails."""
+    spec, _ = ATTENTION_CASES["mixed_bs16_group4"]
+    batch = build_batch(spec)
+    got = _result(interpreted, "mixed_bs16_group4").double()
+    atol, rtol = TOLERANCES[spec.dtype]
+    torch.testing.assert_close(got, dense_attention(batch), atol=atol, rtol=rtol)
+    for shift in (1, -1):
+        wrong = dense_attention(batch, causal_shift=shift)
+        assert not torch.allclose(got, wrong, atol=atol, rtol=rtol, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", list(WRITE_CASES))
+def test_interpreted_write_kv_matches_direct_indexing(interpreted, name):
+    inputs = build_write_case(**WRITE_CASES[name])
+    slots, key, value = inputs["slot_mapping"], inputs["key"], inputs["value"]
+    valid = slots >= 0
+    got = _result(interpreted, name)
+    if WRITE_CASES[name].get("first_block_id", 0):  # worker returned only the written rows
+        dtype = inputs["k_cache"].dtype
+        expected = torch.stack([key[valid].to(dtype), value[valid].to(dtype)])
+    else:
+        expected = torch.stack([inputs["k_cache"], inputs["v_cache"]]).clone()
+        for cache, new in zip(expected, (key, value), strict=True):
+            cache.view(-1, *cache.shape[2:])[slots[valid]] = new[valid].to(cache.dtype)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("name", list(ERROR_CASES))
+def test_interpreted_launcher_rejects_bad_input(interpreted, name):
+    assert isinstance(interpreted[name], str) and interpreted[name].startswith("ValueError:")
+
+
+def _cuda_batch(spec: BatchSpec) -> dict:
+    args = build_batch(spec).kernel_args()
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize(
+    "seqs, num_heads, num_kv_heads, head_dim",
+    [
+        ((*MIXED_SEQS, (300, 700), (1, 2049), (128, 128)), 32, 8, 128),
+        (((1, 4000), (1, 33), (1, 1500), (1, 17)), 24, 8, 64),  # decode-only: split path
+        (((257, 257), (1, 90), (64, 1000)), 12, 4, 128),
+    ],
+)
+def test_cuda_attention_matches_reference(
+    seqs, num_heads, num_kv_heads, head_dim, block_size, dtype
+):
+    from plait.kernels.triton_attention import paged_attention_triton
+
+    spec = BatchSpec(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=7)
+    args = _cuda_batch(spec)
+    expected = paged_attention_reference(**args)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(paged_attention_triton(**args), expected, atol=atol, rtol=rtol)
+    split = paged_attention_triton(**args, num_splits=4)
+    torch.testing.assert_close(split, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_cuda_write_kv_matches_reference(block_size):
+    from plait.kernels.triton_write_kv import write_kv_triton
+
+    inputs = build_write_case(300, 8, 128, block_size, torch.bfloat16, seed=3)
+    expected = {k: v.clone() for k, v in inputs.items()}
+    write_kv_reference(**expected)
+    on_gpu = {k: v.cuda() for k, v in inputs.items()}
+    write_kv_triton(**on_gpu)
+    assert torch.equal(on_gpu["k_cache"].cpu(), expected["k_cache"])
+    assert torch.equal(on_gpu["v_cache"].cpu(), expected["v_cache"])
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_decode_bandwidth_reports_sane_numbers():
+    from plait.kernels.bench_decode import measure_copy_bandwidth, measure_decode_bandwidth
+
+    result = measure_decode_bandwidth(8, 4096, 32, 8, 128, 16, torch.bfloat16)
+    assert result["gbps"] > 0 and result["time_ms"] > 0
+    assert measure_copy_bandwidth(1 << 28) > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_bench_decode_imports_without_cuda_and_refuses_to_run():
+    from plait.kernels import bench_decode
+
+    with pytest.raises(RuntimeError, match="CUDA"):
+        bench_decode.measure_decode_bandwidth(1, 16, 2, 1, 64, 16, torch.float16)

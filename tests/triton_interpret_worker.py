@@ -1,0 +1,137 @@
+"""Runs the Triton kernels on CPU under TRITON_INTERPRET=1 and saves what they produced.
+
+`tests/test_kernels_triton.py` starts this file in a subprocess, so the interpreter flag is
+set before triton is first imported no matter what the pytest process imported already:
+
+    TRITON_INTERPRET=1 python tests/triton_interpret_worker.py OUT.pt {regular|large}
+
+OUT.pt maps each case name of the group to the kernel's output tensor, or to the text of
+the exception it raised. Cases with block ids past 2**31 elements run as their own group:
+an int32 overflow there is a wild pointer, and the segfault should fail only those cases.
+The case tables live here; the test module rebuilds the same seeded inputs and checks the
+outputs against the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch
+from kernel_cases import LARGE_FIRST_BLOCK_ID, MIXED_SEQS, BatchSpec, build_batch, build_write_case
+
+# name -> (batch, num_splits override or None for the launcher's default)
+ATTENTION_CASES: dict[str, tuple[BatchSpec, int | None]] = {
+    **{
+        f"mixed_bs{bs}_group{group}": (
+            BatchSpec(MIXED_SEQS, num_heads=2 * group, block_size=bs, seed=bs + group), None
+        )
+        for bs in (1, 8, 16, 32)
+        for group in (1, 3, 4)
+    },
+    "decode_only": (BatchSpec(((1, 5), (1, 17), (1, 33), (1, 16)), block_size=8), None),
+    "prefill_only": (BatchSpec(((33, 33), (16, 16), (1, 1))), None),
+    "head_dim_128": (BatchSpec(MIXED_SEQS, num_heads=8, head_dim=128), None),
+    "fp16": (BatchSpec(MIXED_SEQS, num_heads=8, dtype=torch.float16), None),
+    # no bf16 attention case: the interpreter "does not support operations on bfloat16"
+    # (Triton debugging guide) and its tl.dot multiplies bf16 bit patterns
+    # (triton-lang/triton#11584, closed unfixed). bf16 attention is tested on CUDA only.
+    "splits_decode": (BatchSpec(((1, 200), (1, 130), (1, 1), (1, 64)), num_heads=8), 3),
+    # (100, 110): queries at positions 58..63 share a tile with keys up to 73, so split 1
+    # (keys 64..) has rows that see no key at all (the m = -inf guard)
+    "splits_mixed": (BatchSpec(((1, 150), (5, 180), (100, 110)), num_heads=8, block_size=8), 2),
+    "nan_garbage": (BatchSpec(MIXED_SEQS, num_heads=8, nan_garbage=True), None),
+    "strided_query": (BatchSpec(MIXED_SEQS, num_heads=6, strided_query=True), None),
+    "empty_batch": (BatchSpec(()), None),
+    "large_block_ids": (
+        BatchSpec(
+            ((1, 40), (9, 33), (1, 7)), num_heads=2, num_kv_heads=1, head_dim=16,
+            dtype=torch.float16, first_block_id=LARGE_FIRST_BLOCK_ID,
+        ),
+        None,
+    ),
+}
+
+# name -> keyword arguments of kernel_cases.build_write_case
+WRITE_CASES: dict[str, dict] = {
+    "write_fp32_to_fp16_dim48": dict(
+        num_tokens=13, num_kv_heads=2, head_dim=48, block_size=8, cache_dtype=torch.float16
+    ),
+    "write_fp32_to_bf16": dict(  # bf16-exact inputs: the interpreter truncates the cast
+        num_tokens=7, num_kv_heads=2, head_dim=32, block_size=4, cache_dtype=torch.bfloat16,
+        exact_in_cache_dtype=True,
+    ),
+    "write_block_size_1": dict(
+        num_tokens=9, num_kv_heads=3, head_dim=16, block_size=1, cache_dtype=torch.float32
+    ),
+    "write_large_block_ids": dict(
+        num_tokens=10, num_kv_heads=1, head_dim=16, block_size=16,
+        cache_dtype=torch.float16, first_block_id=LARGE_FIRST_BLOCK_ID,
+    ),
+}
+
+# name -> (batch, which argument to break); each must raise ValueError in the launcher
+ERROR_CASES: dict[str, tuple[BatchSpec, str]] = {
+    "head_dim_not_power_of_two": (BatchSpec(((1, 4),), head_dim=48), "none"),
+    "heads_not_multiple_of_kv_heads": (BatchSpec(((1, 4),), num_heads=3), "none"),
+    "query_dtype_differs_from_cache": (BatchSpec(((1, 4),)), "query_dtype"),
+    "block_tables_rows_mismatch": (BatchSpec(((1, 4),)), "block_tables"),
+}
+
+
+def _run_attention(spec: BatchSpec, num_splits: int | None) -> torch.Tensor:
+    from plait.kernels.triton_attention import paged_attention_triton
+
+    batch = build_batch(spec)
+    return paged_attention_triton(**batch.kernel_args(), num_splits=num_splits)
+
+
+def _run_write(kwargs: dict) -> torch.Tensor:
+    """[2, ...] the caches after the write; for huge caches only the written rows."""
+    from plait.kernels.triton_write_kv import write_kv_triton
+
+    inputs = build_write_case(**kwargs)
+    write_kv_triton(**inputs)
+    k_cache, v_cache, slots = inputs["k_cache"], inputs["v_cache"], inputs["slot_mapping"]
+    if kwargs.get("first_block_id", 0) == 0:
+        return torch.stack([k_cache, v_cache])
+    rows = slots[slots >= 0]
+    return torch.stack([c.view(-1, *c.shape[2:])[rows] for c in (k_cache, v_cache)])
+
+
+def _run_error(spec: BatchSpec, broken: str) -> torch.Tensor:
+    from plait.kernels.triton_attention import paged_attention_triton
+
+    args = build_batch(spec).kernel_args()
+    if broken == "query_dtype":
+        args["query"] = args["query"].half()
+    elif broken == "block_tables":
+        args["block_tables"] = args["block_tables"].repeat(2, 1)
+    return paged_attention_triton(**args)
+
+
+def case_group(name: str) -> str:
+    """"large" for the cases whose cache addresses pass 2**31 elements, else "regular"."""
+    return "large" if "large" in name else "regular"
+
+
+def main(out_path: str, group: str) -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1" or "triton" in sys.modules:
+        raise SystemExit("run with TRITON_INTERPRET=1 and before anything imports triton")
+    jobs = {name: (_run_attention, case) for name, case in ATTENTION_CASES.items()}
+    jobs |= {name: (_run_write, (case,)) for name, case in WRITE_CASES.items()}
+    jobs |= {name: (_run_error, case) for name, case in ERROR_CASES.items()}
+    results: dict[str, torch.Tensor | str] = {}
+    for name, (fn, args) in jobs.items():
+        if case_group(name) != group:
+            continue
+        try:
+            results[name] = fn(*args)
+        except Exception as exc:  # recorded per case so one failure hides no other
+            results[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    torch.save(results, out_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
