@@ -57,19 +57,21 @@ def _attend(
     mask: torch.Tensor,  # [S, Q, L] bool, True = attend
     scale: float,
 ) -> torch.Tensor:  # [S, Q, H, D]
-    num_heads, num_kv_heads = query.shape[2], key.shape[2]
+    """Grouped-query attention without repeating K/V: the `group` query heads that share a
+    KV head are stacked along the query axis, [S, H_kv, group * Q, D]."""
+    num_seqs, num_q, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[2]
     group = num_heads // num_kv_heads
-    if group > 1:
-        key = key.repeat_interleave(group, dim=2)
-        value = value.repeat_interleave(group, dim=2)
+    # query heads h = kv * group + g  ->  rows ordered (g, q) inside each KV head
+    q = query.view(num_seqs, num_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, num_kv_heads, group * num_q, head_dim)
+    rows_mask = mask.repeat(1, group, 1).unsqueeze(1)  # [S, 1, group * Q, L]
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.transpose(1, 2).float(),
-        key.transpose(1, 2).float(),
-        value.transpose(1, 2).float(),
-        attn_mask=mask.unsqueeze(1),
-        scale=scale,
-    )
-    return out.transpose(1, 2).to(query.dtype)
+        q.float(), key.transpose(1, 2).float(), value.transpose(1, 2).float(),
+        attn_mask=rows_mask, scale=scale,
+    )  # [S, H_kv, group * Q, D]
+    out = out.view(num_seqs, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_seqs, num_q, num_heads, head_dim).to(query.dtype)
 
 
 def paged_attention_reference(
