@@ -166,7 +166,8 @@ class AsyncEngine:
         assert core is not None
         try:
             while not self._stop.is_set():
-                deltas = self._apply_commands(core, block=not core.has_unfinished())
+                idle = not core.has_unfinished() or core.stalled
+                deltas = self._apply_commands(core, block=idle)
                 if core.has_unfinished():
                     deltas.extend(core.step())
                 self._stats = core.stats()
@@ -187,11 +188,13 @@ class AsyncEngine:
             kind, arg = command
             if kind == "add":
                 request_id, token_ids, params = arg
+                core.stalled = False
                 try:
                     core.add_request(request_id, token_ids, params)
                 except ValueError as exc:  # RequestRejected or bad params
                     deltas.append(RequestDelta(request_id, finish_reason="error", error=str(exc)))
             elif kind == "abort":
+                core.stalled = False
                 delta = core.abort(arg)
                 if delta is not None:
                     deltas.append(delta)

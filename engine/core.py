@@ -65,6 +65,7 @@ class EngineCore:
         self.counters = StepCounters()
         self.last_error: str | None = None
         self.fault_hook: FaultHook | None = None
+        self.stalled = False
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -101,6 +102,8 @@ class EngineCore:
     # ---------------------------------------------------------------- one step
     def step(self) -> list[RequestDelta]:
         out = self.scheduler.schedule()
+        # Nothing schedulable: only a new command (add/abort) can change that.
+        self.stalled = out.is_empty
         deltas = [self._finish(req, "length" if req.output_token_ids else "error",
                                error="the request needs more KV blocks than the cache has")
                   for req in out.unservable]
