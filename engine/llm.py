@@ -32,8 +32,16 @@ class LLM:
         """Run every prompt's n choices to completion; one `RequestOutput` per prompt."""
         params = params or SamplingParams()
         batch = self._normalize(prompts)
-        outputs: list[RequestOutput] = []
         pending: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
+        try:
+            return self._run(batch, params, pending)
+        except BaseException:
+            for request_id in pending:  # leave nothing of this call behind in the engine
+                self.engine.abort(request_id)
+            raise
+
+    def _run(self, batch, params: SamplingParams, pending) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
         for text, token_ids in batch:
             result = RequestOutput(text, token_ids, [])
             outputs.append(result)
@@ -41,8 +49,8 @@ class LLM:
                 request_id = f"offline-{next(self._ids)}"
                 choice = CompletionOutput(index, [], "", None, cumulative_logprob=None)
                 result.outputs.append(choice)
-                pending[request_id] = (result, choice)
                 self.engine.add_request(request_id, token_ids, params.for_choice(index))
+                pending[request_id] = (result, choice)
         while self.engine.has_unfinished():
             for delta in self.engine.step():
                 self._apply(delta, pending)

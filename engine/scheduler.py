@@ -50,6 +50,8 @@ class SchedulerOutput:
     shared: list[SharedSample] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before forward
     new_block_ids: list[int] = field(default_factory=list)
+    # Blocks whose hash was registered this step (their K/V is written by this step).
+    registered_block_ids: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     # Requests that can never progress (need more blocks than the pool has): finish them.
     unservable: list[Request] = field(default_factory=list)
@@ -306,6 +308,7 @@ class Scheduler:
             self._extend_hashes(req, last_full)
             for idx in range(first_full, last_full):
                 self.pool.register(req.block_ids[idx], req.block_hashes[idx])
+                out.registered_block_ids.append(req.block_ids[idx])
         return True
 
     def _extend_hashes(self, req: Request, num_blocks: int) -> None:
@@ -336,5 +339,6 @@ class Scheduler:
             self.waiting.extendleft(reversed(followers))
 
     def fail_step(self, out: SchedulerOutput) -> None:
-        """The step's forward pass failed: blocks allocated for it hold no valid K/V."""
+        """The step's forward pass failed: blocks it was to fill hold no valid K/V."""
         self.pool.forget(out.new_block_ids)
+        self.pool.forget(out.registered_block_ids)
