@@ -1,0 +1,36 @@
+"""Plait's OpenAI-compatible HTTP server: `create_app(settings)` in `plait.server.app`.
+
+Modules, one job each:
+
+    app.py          create_app: lifespan (background model load), middleware, routers
+    serve.py        run under uvicorn for `plait serve` (drain on SIGTERM, exit codes)
+    settings.py     ServerSettings (built by plait/cli.py)
+    state.py        ServerState and the Annotated dependencies routes take
+    protocol.py     request bodies (pydantic), unsupported-parameter checks
+    params.py       request -> SamplingParams (+ the fan-out Plan)
+    prompts.py      chat template / completion prompts -> token ids, context checks
+    fanout.py       n choices -> n engine sub-requests, abort
+    merge.py        interleave the sub-requests' delta streams
+    generation.py   drive a fanned-out request: accumulate choices, usage, metrics
+    serving.py      a Generation as SSE or JSON; abort on client disconnect
+    logprobs.py     OpenAI logprob objects
+    chat.py         POST /v1/chat/completions
+    completions.py  POST /v1/completions
+    misc.py         /health /metrics /version /v1/models /tokenize /detokenize
+    sse.py          SSE framing and the streaming response
+    errors.py       error envelopes; middleware.py x-request-id; auth.py API keys
+    metrics.py      Prometheus registry per app
+
+DEVIATIONS (chosen on purpose):
+  * `stop`: at most 4 strings, as OpenAI (vLLM allows more).
+  * completions `text_offset` counts from the start of the returned text (vLLM), not from
+    the start of the prompt.
+  * completions `logprobs` 0..5 and `best_of` <= 20, as OpenAI; best_of choices are
+    returned best first, and usage counts every generated sample.
+  * prompt + max_tokens beyond the context is clamped by the engine, not rejected.
+  * role "developer" is accepted as "system"; `name` on messages is passed to the template.
+  * parameters Plait lacks are rejected (400, `param` set) unless null or an "off" value
+    (response_format {"type": "text"}, tool_choice "none", modalities ["text"], store false).
+  * `top_p: 0` means greedy; engine seeds: choice j of a prompt uses seed + j.
+  * a request cut off by the client gets status 499 (never seen by that client).
+"""

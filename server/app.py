@@ -1,0 +1,119 @@
+"""`create_app(settings)`: the FastAPI application around one `AsyncEngine`.
+
+The lifespan only *starts* loading the model (in a background thread) and returns, so the
+server socket listens while the model loads and /health answers 503 until the engine is
+ready. Middleware, outermost first: x-request-id (and the 500 envelope), CORS, routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+import plait
+from plait.engine.async_engine import AsyncEngine
+from plait.engine.token_text import TokenTextTable
+from plait.server import chat, completions, misc
+from plait.server.auth import require_api_key
+from plait.server.errors import install_error_handlers
+from plait.server.metrics import ServerMetrics
+from plait.server.middleware import RequestIdMiddleware
+from plait.server.settings import ServerSettings
+from plait.server.state import ServerState
+
+logger = logging.getLogger("plait.server")
+
+LoadErrorHook = Callable[[str], None]
+
+
+def create_app(settings: ServerSettings | None = None, engine: AsyncEngine | None = None,
+               on_load_error: LoadErrorHook | None = None) -> FastAPI:
+    """Build the app. `engine` defaults to `AsyncEngine(settings.engine)`; it is loaded and
+    started by the lifespan (not here) and shut down when the app stops. `on_load_error`
+    is called with a one-line message if loading fails (the CLI exits then)."""
+    settings = settings or ServerSettings()
+    engine = engine or AsyncEngine(settings.engine)
+    metrics = ServerMetrics(lambda: engine.stats() if engine.ready else None)
+    state = ServerState(settings, engine, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(_load(state, on_load_error))
+        try:
+            yield
+        finally:
+            loader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loader
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="Plait", version=plait.__version__, lifespan=lifespan)
+    app.state.plait = state
+    install_error_handlers(app)
+    app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                       allow_methods=list(settings.allowed_methods),
+                       allow_headers=list(settings.allowed_headers),
+                       expose_headers=["x-request-id"])
+    app.add_middleware(RequestIdMiddleware)
+    app.include_router(misc.open_router)
+    guarded = [Depends(require_api_key)]
+    for router in (chat.router, completions.router, misc.router):
+        app.include_router(router, dependencies=guarded)
+    return app
+
+
+async def _load(state: ServerState, on_error: LoadErrorHook | None) -> None:
+    """Load the model off the event loop, then start the engine thread on this loop."""
+    engine = state.engine
+    try:
+        if not engine.ready:
+            logger.info("loading the model (the server answers /health with 503 until ready)")
+            await _in_daemon_thread(engine.load)
+            engine.start(asyncio.get_running_loop())
+        state.token_text = TokenTextTable(engine.tokenizer)
+    except Exception as exc:  # one line, no traceback: usually a bad model path
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        logger.error("cannot load the model: %s", state.load_error)
+        if on_error is not None:
+            on_error(state.load_error)
+        return
+    info = engine.info
+    logger.info("ready: serving %s as %r (device %s, dtype %s, %d KV blocks, context %d)",
+                info.model_name, state.model_name, info.device, info.dtype,
+                info.num_kv_blocks, info.max_model_len)
+
+
+async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
+    """Like `asyncio.to_thread`, but a daemon thread: Ctrl-C during a long load exits at
+    once instead of waiting for the load to finish."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the awaiting coroutine
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(_settle, future, result, error)
+
+    threading.Thread(target=run, name="plait-load", daemon=True).start()
+    return await future
+
+
+def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

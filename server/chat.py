@@ -1,0 +1,96 @@
+"""POST /v1/chat/completions: messages -> chat template -> n choices, streamed or not.
+
+Stream of one request (n=2), one choice per chunk, same id/created on every chunk:
+
+    {"index":0,"delta":{"role":"assistant","content":""}}    one per index, first
+    {"index":1,"delta":{"role":"assistant","content":""}}
+    {"index":1,"delta":{"content":"Hi"}} ...                  interleaved in arrival order
+    {"index":0,"delta":{},"finish_reason":"stop"}             exactly one per index
+    {"choices":[],"usage":{...}}                              with include_usage only
+    [DONE]
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from plait.server.generation import ChoiceState, Generation, GenerationError, new_completion_id
+from plait.server.logprobs import chat_content
+from plait.server.params import chat_plan
+from plait.server.prompts import Prompt, chat_token_ids, check_context, message_dicts
+from plait.server.protocol import ChatCompletionRequest, reject_unsupported
+from plait.server.serving import serve_generation
+from plait.server.sse import DONE, encode, error_event
+from plait.server.state import ReadyDep, check_model, request_id_of
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                 state: ReadyDep) -> Response:
+    check_model(state, body.model)
+    reject_unsupported(body)
+    engine = state.engine
+    plan = chat_plan(body, engine.info.vocab_size)
+    token_ids = chat_token_ids(engine.tokenizer, message_dicts(body.messages))
+    check_context(engine, len(token_ids), "messages")
+    gen = Generation(state, new_completion_id("chatcmpl"), [Prompt(token_ids, "")], plan,
+                     keep_output=not body.streaming, log_id=request_id_of(request))
+    include_usage = body.include_usage
+    return await serve_generation(
+        request, gen, build=_response,
+        stream=(lambda g: _stream(g, include_usage)) if body.streaming else None)
+
+
+def _logprobs(gen: Generation, logprobs: list[Any]) -> dict[str, Any] | None:
+    if gen.plan.logprobs is None:
+        return None
+    table = gen.state.token_text
+    assert table is not None
+    return {"content": chat_content(table, logprobs, gen.plan.logprobs), "refusal": None}
+
+
+def _response(gen: Generation, choices: list[ChoiceState]) -> dict[str, Any]:
+    return {
+        "id": gen.request_id, "object": "chat.completion", "created": gen.created,
+        "model": gen.state.model_name,
+        "choices": [{
+            "index": choice.slot,
+            "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
+            "logprobs": _logprobs(gen, choice.logprobs),
+            "finish_reason": choice.finish_reason,
+        } for choice in choices],
+        "usage": gen.usage(),
+    }
+
+
+async def _stream(gen: Generation, include_usage: bool) -> AsyncIterator[bytes]:
+    base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
+            "model": gen.state.model_name}
+    tail = {"usage": None} if include_usage else {}
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
+              finish_reason: str | None = None) -> bytes:
+        return encode({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                            "finish_reason": finish_reason}], **tail})
+
+    try:
+        for index in range(gen.plan.n):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        async for choice, delta in gen.deltas():
+            if delta.text or delta.logprobs:
+                yield chunk(choice.slot, {"content": delta.text},
+                            _logprobs(gen, delta.logprobs or []))
+            if delta.finish_reason is not None:
+                yield chunk(choice.slot, {}, None, delta.finish_reason)
+        if include_usage:
+            yield encode({**base, "choices": [], "usage": gen.usage()})
+        yield DONE
+    except GenerationError as exc:
+        yield error_event(str(exc))
+        yield DONE

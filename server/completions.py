@@ -1,0 +1,108 @@
+"""POST /v1/completions: one or more prompts (text or tokens) x n choices, or best_of.
+
+Choice index for prompt p and returned sample k is p * n + k. With `echo`, each choice's
+text starts with its prompt; with `echo` + `logprobs` the arrays start with the prompt's
+tokens (the first one with null logprobs). `text_offset` counts characters from the start
+of the returned text (vLLM's convention; OpenAI counts from the start of the prompt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from plait.engine.outputs import TokenLogprob
+from plait.server.generation import Generation, GenerationError, new_completion_id
+from plait.server.logprobs import CompletionLogprobs
+from plait.server.params import completion_plan
+from plait.server.prompts import Prompt, check_context, completion_prompts
+from plait.server.protocol import CompletionRequest, reject_unsupported
+from plait.server.serving import serve_generation
+from plait.server.sse import DONE, encode, error_event
+from plait.server.state import ReadyDep, check_model, request_id_of
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request,
+                            state: ReadyDep) -> Response:
+    check_model(state, body.model)
+    reject_unsupported(body)
+    engine = state.engine
+    plan = completion_plan(body, engine.info.vocab_size)
+    prompts = completion_prompts(engine.tokenizer, body.prompt, engine.info.vocab_size)
+    for prompt in prompts:
+        check_context(engine, len(prompt.token_ids), "prompt")
+    gen = Generation(state, new_completion_id("cmpl"), prompts, plan,
+                     keep_output=not body.streaming, log_id=request_id_of(request))
+    echo, include_usage = bool(body.echo), body.include_usage
+    return await serve_generation(
+        request, gen, build=lambda g, _: _response(g, echo),
+        stream=(lambda g: _stream(g, echo, include_usage)) if body.streaming else None)
+
+
+def _text_and_logprobs(gen: Generation, prompt: Prompt | None, text: str,
+                       logprobs: list[TokenLogprob],
+                       prompt_logprobs: list[TokenLogprob | None] | None,
+                       offset: int) -> tuple[str, dict[str, Any] | None]:
+    """Text of one choice (or one stream chunk) and its logprobs object. `prompt` is set
+    when the prompt is echoed here; `offset` is where this text starts in the choice."""
+    plan = gen.plan
+    if plan.discard_output:
+        text, logprobs = "", []
+    prefix = prompt.text if prompt is not None else ""
+    if plan.logprobs is None:
+        return prefix + text, None
+    table = gen.state.token_text
+    assert table is not None
+    arrays = CompletionLogprobs()
+    if prompt is not None:
+        arrays.add_prompt(table, prompt.token_ids, prompt_logprobs, plan.logprobs)
+    arrays.add(table, logprobs, plan.logprobs, offset + len(prefix))
+    return prefix + text, arrays.to_dict()
+
+
+def _response(gen: Generation, echo: bool) -> dict[str, Any]:
+    choices = []
+    for p, prompt in enumerate(gen.prompts):
+        for k, choice in enumerate(gen.prompt_choices(p)):
+            text, logprobs = _text_and_logprobs(
+                gen, prompt if echo else None, "".join(choice.text), choice.logprobs,
+                choice.prompt_logprobs, 0)
+            choices.append({"text": text, "index": p * gen.plan.n + k, "logprobs": logprobs,
+                            "finish_reason": choice.finish_reason})
+    return {"id": gen.request_id, "object": "text_completion", "created": gen.created,
+            "model": gen.state.model_name, "choices": choices, "usage": gen.usage()}
+
+
+async def _stream(gen: Generation, echo: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    """One chunk per delta; the first chunk of a choice carries the echoed prompt; exactly
+    one chunk per choice carries its finish_reason (streaming never uses best_of)."""
+    base = {"id": gen.request_id, "object": "text_completion", "created": gen.created,
+            "model": gen.state.model_name}
+    tail = {"usage": None} if include_usage else {}
+    emitted: dict[int, int] = {}  # slot -> characters sent so far
+    try:
+        async for choice, delta in gen.deltas():
+            first = choice.slot not in emitted
+            prompt = gen.prompts[choice.prompt_idx] if echo and first else None
+            text, logprobs = _text_and_logprobs(
+                gen, prompt, delta.text, delta.logprobs or [], choice.prompt_logprobs,
+                emitted.get(choice.slot, 0))
+            emitted[choice.slot] = emitted.get(choice.slot, 0) + len(text)
+            has_tokens = bool(logprobs and logprobs["tokens"])
+            if not text and not has_tokens and delta.finish_reason is None:
+                continue
+            yield encode({**base, "choices": [{
+                "text": text, "index": choice.slot, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason}], **tail})
+        if include_usage:
+            yield encode({**base, "choices": [], "usage": gen.usage()})
+        yield DONE
+    except GenerationError as exc:
+        yield error_event(str(exc))
+        yield DONE

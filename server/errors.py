@@ -1,0 +1,204 @@
+"""OpenAI error envelopes: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+Handlers installed by `install_error_handlers` turn `APIError`, pydantic validation errors
+(400, never 422), unknown routes (404) and wrong methods (405) into that envelope. Unexpected
+exceptions are turned into a 500 envelope by `RequestIdMiddleware`, so no stack trace or
+file path ever reaches a client.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+JSON_PARSE_MESSAGE = (
+    "We could not parse the JSON body of your request. (HINT: This likely means you aren't "
+    "using your HTTP library correctly. The OpenAI API expects a JSON payload, but what was "
+    "sent was not valid JSON.)")
+
+
+class APIError(Exception):
+    """An error a client sees as an OpenAI envelope with HTTP status `status`."""
+
+    def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST,
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = INVALID_REQUEST, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def server_error(message: str = "The server had an error while processing your request.",
+                 ) -> APIError:
+    return APIError(500, message, type=SERVER_ERROR)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ------------------------------------------------------------------ pydantic -> envelope
+# Union branches show up in pydantic locations as type tags ("str", "list[int]", ...).
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|dict|list|.*\[.*\]|function-.*)$")
+
+
+def param_name(loc: tuple[Any, ...]) -> str | None:
+    """("body", "messages", 0, "content") -> "messages.[0].content" (OpenAI's spelling)."""
+    parts: list[str] = []
+    for item in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif not _TYPE_TAG.match(str(item)):
+            parts.append(str(item))
+    return ".".join(parts) or None
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """The envelope OpenAI would send for these pydantic errors (the first one wins, except
+    that a JSON syntax error or unknown fields are reported before anything else)."""
+    if not errors or any(e.get("type") == "json_invalid" for e in errors):
+        return bad_request(JSON_PARSE_MESSAGE)
+    if errors[0].get("type") == "missing" and tuple(errors[0]["loc"]) == ("body",):
+        return bad_request(JSON_PARSE_MESSAGE)  # no body at all
+    extra = [param_name(e["loc"]) for e in errors if e.get("type") == "extra_forbidden"]
+    top_level = [name for name in extra if name and "." not in name]
+    if top_level:
+        plural = "s" if len(top_level) > 1 else ""
+        return bad_request(f"Unrecognized request argument{plural} supplied: "
+                           f"{', '.join(top_level)}")
+    first = param_name(tuple(errors[0]["loc"]))
+    branches = [e for e in errors if param_name(tuple(e["loc"])) == first]
+    if len(branches) > 1:  # a union: report a range/length error, else a type error
+        specific = [e for e in branches if _expected(e) is None]
+        if specific:
+            return _one_error(specific[0])
+        expected = " or ".join(dict.fromkeys(_expected(e) or "" for e in branches))
+        return _type_error(first, expected, errors[0].get("input"))
+    return _one_error(errors[0])
+
+
+_EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": "a number",
+             "bool_type": "a boolean", "list_type": "an array", "dict_type": "an object",
+             "model_type": "an object", "model_attributes_type": "an object",
+             "none_required": "null", "int_from_float": "an integer"}
+
+
+def _expected(error: dict[str, Any]) -> str | None:
+    return _EXPECTED.get(error.get("type", ""))
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _type_error(param: str | None, expected: str, value: Any) -> APIError:
+    return bad_request(f"Invalid type for '{param or 'body'}': expected {expected}, but got "
+                       f"{_json_type(value)} instead.", param, "invalid_type")
+
+
+def _one_error(error: dict[str, Any]) -> APIError:
+    param = param_name(tuple(error.get("loc", ())))
+    kind = error.get("type", "")
+    ctx = error.get("ctx") or {}
+    value = error.get("input")
+    name = param or "body"
+    if kind == "missing":
+        return bad_request(f"Missing required parameter: '{name}'.", param,
+                           "missing_required_parameter")
+    if kind == "extra_forbidden":
+        return bad_request(f"Unrecognized argument supplied: '{name}'.", param)
+    if kind in ("less_than_equal", "less_than"):
+        what = "integer" if isinstance(value, int) else "decimal"
+        op = "<=" if kind == "less_than_equal" else "<"
+        return bad_request(
+            f"Invalid '{name}': {what} above maximum value. Expected a value {op} "
+            f"{ctx.get('le', ctx.get('lt'))}, but got {value} instead.", param,
+            f"{what}_above_max_value")
+    if kind in ("greater_than_equal", "greater_than"):
+        what = "integer" if isinstance(value, int) else "decimal"
+        op = ">=" if kind == "greater_than_equal" else ">"
+        return bad_request(
+            f"Invalid '{name}': {what} below minimum value. Expected a value {op} "
+            f"{ctx.get('ge', ctx.get('gt'))}, but got {value} instead.", param,
+            f"{what}_below_min_value")
+    if kind == "too_long":
+        return bad_request(
+            f"Invalid '{name}': array too long. Expected an array with maximum length "
+            f"{ctx.get('max_length')}, but got an array with length "
+            f"{ctx.get('actual_length')} instead.", param, "array_above_max_length")
+    if kind == "too_short":
+        return bad_request(
+            f"Invalid '{name}': empty array. Expected an array with minimum length "
+            f"{ctx.get('min_length')}, but got an empty array instead.", param, "empty_array")
+    expected = _expected(error)
+    if expected is not None:
+        return _type_error(param, expected, value)
+    message = str(error.get("msg", "invalid value"))
+    return bad_request(f"Invalid value for '{name}': {message}.", param, "invalid_value")
+
+
+# ------------------------------------------------------------------ handlers
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+async def _validation(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(validation_error(list(exc.errors())))
+
+
+async def _http(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    status = exc.status_code
+    if status == 404:
+        error = APIError(404, "Not found: no such route.", code="not_found")
+    elif status == 405:
+        error = APIError(405, "Method not allowed for this route.", code="method_not_allowed")
+    else:
+        error = APIError(status, str(exc.detail), type=INVALID_REQUEST if status < 500
+                         else SERVER_ERROR)
+    error.headers = dict(exc.headers or {})
+    return error_response(error)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(StarletteHTTPException, _http)

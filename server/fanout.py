@@ -1,0 +1,74 @@
+"""Fan-out: one HTTP request -> `num_prompts * num_samples` engine sub-requests.
+
+    prompt p, sample j  ->  choice slot p * num_samples + j
+                            engine id "<request_id>-<slot>", params.for_choice(j)
+
+`for_choice(j)` gives n=1 and seed+j (when seeded), so prompt p's samples are what the same
+prompt alone with the same seed would give. The engine never sees `n`; the sub-requests of
+one prompt share its prefill through the engine's prefix cache and prompt sharing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from plait.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from plait.engine.sampling_params import SamplingParams
+from plait.engine.scheduler import RequestRejected
+from plait.server.errors import APIError, bad_request
+
+logger = logging.getLogger("plait.server")
+
+
+class FanOut:
+    """Owns the sub-requests of one HTTP request; `abort()` stops every unfinished one.
+
+    Call on the event loop thread. `start` is all-or-nothing: if the engine refuses one
+    sub-request, the ones already added are aborted and an `APIError` is raised.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str,
+                 max_queued_requests: int | None = None) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.max_queued_requests = max_queued_requests
+        self.streams: dict[int, RequestStream] = {}
+
+    def start(self, prompts: list[list[int]], params: SamplingParams,
+              num_samples: int) -> dict[int, RequestStream]:
+        """Add every sub-request; returns the streams by choice slot."""
+        self._check_load(len(prompts) * num_samples)
+        try:
+            for p, token_ids in enumerate(prompts):
+                for j in range(num_samples):
+                    slot = p * num_samples + j
+                    sub_id = f"{self.request_id}-{slot}"
+                    self.streams[slot] = self.engine.add_request(
+                        sub_id, token_ids, params.for_choice(j))
+        except EngineDeadError:
+            self.abort()
+            raise APIError(503, "The engine stopped; the server must be restarted.",
+                           type="server_error", code="service_unavailable") from None
+        except RequestRejected as exc:
+            self.abort()
+            raise bad_request(str(exc), "prompt", "context_length_exceeded") from None
+        return self.streams
+
+    def abort(self) -> None:
+        """Abort every sub-request that has not delivered its final delta (idempotent)."""
+        unfinished = [slot for slot, stream in self.streams.items() if not stream.finished]
+        for slot in unfinished:
+            self.engine.abort(f"{self.request_id}-{slot}")
+        if unfinished:
+            logger.info("request %s: aborted %d sub-request(s)", self.request_id,
+                        len(unfinished))
+        self.streams = {}
+
+    def _check_load(self, num_new: int) -> None:
+        limit = self.max_queued_requests
+        if limit is None:
+            return
+        waiting = self.engine.num_queued + num_new - self.engine.config.max_num_seqs
+        if waiting > limit:
+            raise APIError(503, "The server is overloaded; retry shortly.", type="server_error",
+                           code="overloaded", headers={"Retry-After": "1"})

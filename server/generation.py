@@ -1,0 +1,210 @@
+"""Drive one fanned-out generation request: start the sub-requests, merge their deltas,
+accumulate each choice, observe metrics, compute usage, abort whatever is left on exit.
+
+    Generation.start()            FanOut.start -> StreamMerger
+    await gen.first_ready(t)      error before the first byte -> APIError (a 500 envelope)
+    async for choice, delta in gen.deltas():   streaming
+    await gen.run_to_end()                     non-streaming
+    gen.close()                   always (finally): aborts unfinished sub-requests, logs
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from plait.engine.async_engine import RequestStream
+from plait.engine.outputs import RequestDelta, TokenLogprob
+from plait.server.errors import server_error
+from plait.server.fanout import FanOut
+from plait.server.merge import StreamMerger
+from plait.server.params import Plan
+from plait.server.prompts import Prompt
+from plait.server.state import ServerState
+
+logger = logging.getLogger("plait.server")
+
+
+class GenerationError(Exception):
+    """A sub-request failed inside the engine (finish_reason "error", or an abort that this
+    request did not ask for). The message is safe to show to the client."""
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One sub-request's output so far. `text`/`logprobs` are kept only when asked to
+    (non-streaming); streaming keeps counts only."""
+
+    slot: int
+    prompt_idx: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+def new_completion_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Generation:
+    """The sub-requests of one HTTP request and their accumulated choices."""
+
+    def __init__(self, state: ServerState, request_id: str, prompts: list[Prompt], plan: Plan,
+                 *, keep_output: bool, log_id: str | None = None) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.log_id = log_id
+        self.prompts = prompts
+        self.plan = plan
+        self.keep_output = keep_output
+        self.created = int(time.time())
+        self.arrival = time.monotonic()
+        self.choices = {p * plan.num_samples + j: ChoiceState(p * plan.num_samples + j, p)
+                        for p in range(len(prompts)) for j in range(plan.num_samples)}
+        self._fanout = FanOut(state.engine, request_id, state.settings.max_queued_requests)
+        self._merger: StreamMerger[int, RequestDelta] | None = None
+        self._first: tuple[ChoiceState, RequestDelta] | None = None
+        self._outcome = "aborted"
+        self._closed = False
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        streams: dict[int, RequestStream] = self._fanout.start(
+            [p.token_ids for p in self.prompts], self.plan.params, self.plan.num_samples)
+        self._merger = StreamMerger(streams)
+        self.state.metrics.request_n.observe(self.plan.n)
+
+    async def first_ready(self, timeout: float | None) -> None:
+        """Wait up to `timeout` for the first delta; raise a 500 `APIError` if it is an
+        engine error, so that a failure before the first byte is a normal error response."""
+        assert self._merger is not None
+        if await self._merger.wait_ready(timeout):
+            item = await anext(self._merger, None)
+            if item is not None:
+                try:
+                    self._first = self._apply(*item)
+                except GenerationError as exc:
+                    self._outcome = "error"
+                    raise server_error(str(exc)) from None
+
+    async def deltas(self) -> AsyncIterator[tuple[ChoiceState, RequestDelta]]:
+        """Every delta in arrival order, after it was applied to its choice. Raises
+        `GenerationError` on an engine error."""
+        assert self._merger is not None
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        async for slot, delta in self._merger:
+            yield self._apply(slot, delta)
+        self._outcome = "ok"
+
+    async def run_to_end(self) -> list[ChoiceState]:
+        """Collect everything (non-streaming); engine errors become a 500 `APIError`."""
+        try:
+            async for _ in self.deltas():
+                pass
+        except GenerationError as exc:
+            self._outcome = "error"
+            raise server_error(str(exc)) from None
+        return [self.choices[slot] for slot in sorted(self.choices)]
+
+    def close(self) -> None:
+        """Abort unfinished sub-requests, stop the merger, record e2e latency and log.
+        Idempotent: only the first call does anything."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._merger is not None:
+            self._merger.close()
+        self._fanout.abort()
+        now = time.monotonic()
+        if self._outcome == "ok":
+            self.state.metrics.e2e_request_latency.observe(now - self.arrival)
+        self._log(now)
+
+    # ---------------------------------------------------------------- per delta
+    def _apply(self, slot: int, delta: RequestDelta) -> tuple[ChoiceState, RequestDelta]:
+        choice = self.choices[slot]
+        now = time.monotonic()
+        metrics = self.state.metrics
+        num_new = len(delta.token_ids)
+        if num_new:
+            # One inter-token sample per token after a choice's first (coalesced tokens
+            # share the gap; those that came with the first token count as 0).
+            if choice.first_token_time is None:
+                choice.first_token_time = now
+                metrics.time_to_first_token.observe(now - self.arrival)
+                gaps = [0.0] * (num_new - 1)
+            else:
+                gaps = [(now - (choice.last_token_time or now)) / num_new] * num_new
+            for gap in gaps:
+                metrics.inter_token_latency.observe(gap)
+            choice.last_token_time = now
+        choice.num_tokens += num_new
+        choice.num_cached_tokens = max(choice.num_cached_tokens, delta.num_cached_tokens)
+        if delta.logprobs:
+            choice.cumulative_logprob += sum(lp.logprob for lp in delta.logprobs)
+        if delta.prompt_logprobs is not None and choice.prompt_logprobs is None:
+            choice.prompt_logprobs = delta.prompt_logprobs
+        if self.keep_output:
+            choice.text.append(delta.text)
+            if delta.logprobs:
+                choice.logprobs.extend(delta.logprobs)
+        if delta.finish_reason in ("error", "abort"):
+            logger.warning("request %s: sub-request %s failed: %s", self.request_id,
+                           delta.request_id, delta.error or delta.finish_reason)
+            raise GenerationError(delta.error or "The request was aborted by the engine.")
+        if delta.finish_reason is not None:
+            choice.finish_reason = delta.finish_reason
+            metrics.request_success.labels(delta.finish_reason).inc()
+        return choice, delta
+
+    # ---------------------------------------------------------------- results
+    def prompt_choices(self, prompt_idx: int) -> list[ChoiceState]:
+        """The choices returned for one prompt: all samples, or the `n` with the highest
+        cumulative logprob when best_of > n (best first; ties keep sample order)."""
+        num = self.plan.num_samples
+        samples = [self.choices[prompt_idx * num + j] for j in range(num)]
+        if num == self.plan.n:
+            return samples
+        ranked = sorted(samples, key=lambda c: -c.cumulative_logprob)
+        return ranked[: self.plan.n]
+
+    def usage(self) -> dict[str, object]:
+        """Prompt tokens once per prompt (not per choice); completion tokens of every sample
+        generated (best_of candidates included); cached tokens per prompt = the minimum over
+        its samples (what the cache served for the once-counted prompt)."""
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        completion = 0 if self.plan.discard_output else sum(
+            c.num_tokens for c in self.choices.values())
+        cached = 0
+        for p in range(len(self.prompts)):
+            cached += min(c.num_cached_tokens for c in self.choices.values()
+                          if c.prompt_idx == p)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _log(self, now: float) -> None:
+        usage = self.usage()
+        reasons: dict[str, int] = {}
+        for c in self.choices.values():
+            reasons[c.finish_reason or "none"] = reasons.get(c.finish_reason or "none", 0) + 1
+        firsts = [c.first_token_time for c in self.choices.values() if c.first_token_time]
+        ttft = f"{min(firsts) - self.arrival:.3f}s" if firsts else "-"
+        logger.info(
+            "request %s (x-request-id %s) %s: prompts=%d samples=%d prompt_tokens=%d "
+            "completion_tokens=%d cached_tokens=%d finish=%s ttft=%s e2e=%.3fs",
+            self.request_id, self.log_id, self._outcome, len(self.prompts),
+            len(self.choices), usage["prompt_tokens"], usage["completion_tokens"],
+            usage["prompt_tokens_details"]["cached_tokens"],  # type: ignore[index]
+            reasons, ttft, now - self.arrival)

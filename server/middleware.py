@@ -1,0 +1,70 @@
+"""Outermost ASGI middleware: an `x-request-id` on every response, and a 500 envelope for any
+exception that escapes the app before the response started."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from plait.server.errors import server_error
+
+logger = logging.getLogger("plait.server")
+
+# A client's id is echoed only if it is short, printable ASCII without spaces.
+_CLIENT_ID = re.compile(r"^[\x21-\x7e]{1,200}$")
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class RequestIdMiddleware:
+    """Stores the request id in `scope["state"]["request_id"]` and echoes it as `x-request-id`.
+
+    The id is the client's `x-request-id` when it sent a sane one, else a fresh uuid4 hex.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _client_id(scope) or new_request_id()
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (b"x-request-id", request_id.encode())
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = [(k, v) for k, v in message.get("headers", [])
+                           if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, header]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            logger.exception("request %s failed", request_id)
+            if started:
+                raise
+            body = json.dumps(server_error().body()).encode()
+            await send({"type": "http.response.start", "status": 500, "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()), header]})
+            await send({"type": "http.response.body", "body": body})
+
+
+def _client_id(scope: Scope) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key == b"x-request-id":
+            text = value.decode("latin-1")
+            return text if _CLIENT_ID.match(text) else None
+    return None

@@ -1,0 +1,166 @@
+"""Request bodies of the OpenAI endpoints (pydantic v2), validated strictly.
+
+Models forbid unknown fields (-> 400 "Unrecognized request argument supplied: X", as OpenAI)
+and validate in strict mode (no "5" -> 5 coercion). Parameters that OpenAI defines but Plait
+does not implement are declared as `Any` so that they are recognised, then rejected by
+`reject_unsupported` unless they are null (or a value that means "off").
+Every optional field accepts an explicit `null`; defaults are applied in `params.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from plait.server.errors import bad_request
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 4  # OpenAI's limit; see README of the server package
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # accepted; Plait never obfuscates
+
+
+class ChatMessage(StrictModel):
+    """One message. `content` is a string or a list of `{"type": "text", "text": ...}` parts
+    (checked in prompts.py, which gives precise errors for other part types)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    # Assistant-message fields of features Plait lacks; the SDK round-trips them as null.
+    refusal: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: Any = None
+
+
+class SamplingRequest(StrictModel):
+    """Fields shared by chat and legacy completions (OpenAI's, then vLLM-style extras)."""
+
+    model: str
+    n: int | None = Field(None, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # extras (vLLM names)
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Identifiers that do not change the output.
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # OpenAI parameters Plait does not implement (see UNSUPPORTED).
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+
+
+class CompletionRequest(SamplingRequest):
+    # str | list[str] | list[int] | list[list[int]]; checked in prompts.py for clear errors.
+    prompt: str | list[Any]
+    max_tokens: int | None = Field(None, ge=0)
+    best_of: int | None = Field(None, ge=1, le=20)
+    echo: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    suffix: Any = None
+
+
+class TokenizeRequest(StrictModel):
+    """`prompt` (completion style) or `messages` (chat style), exactly one of them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ------------------------------------------------------------------ unsupported parameters
+# name -> the non-null values that mean "feature off" and are therefore accepted.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (), "tool_choice": ("none",), "functions": (), "function_call": ("none",),
+    "parallel_tool_calls": (), "response_format": ({"type": "text"},), "audio": (),
+    "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "verbosity": (),
+    "web_search_options": (), "store": (False,), "metadata": (), "service_tier": (),
+    "suffix": ("",),
+}
+MESSAGE_UNSUPPORTED = ("refusal", "tool_calls", "function_call", "audio", "annotations")
+
+
+def reject_unsupported(request: BaseModel) -> None:
+    """Raise a 400 naming the first parameter Plait cannot honour (never ignore it)."""
+    for name, allowed in UNSUPPORTED.items():
+        value = getattr(request, name, None)
+        if value is None or any(value == ok for ok in allowed):
+            continue
+        raise bad_request(f"Plait does not support the '{name}' parameter"
+                          f"{_what(name, value)}.", name, "unsupported_parameter")
+    for i, message in enumerate(getattr(request, "messages", None) or []):
+        for name in MESSAGE_UNSUPPORTED:
+            if getattr(message, name) is not None:
+                raise bad_request(f"Plait does not support '{name}' in messages.",
+                                  f"messages.[{i}].{name}", "unsupported_parameter")
+
+
+def _what(name: str, value: Any) -> str:
+    if name == "response_format" and isinstance(value, dict) and "type" in value:
+        return f" with type {value['type']!r} (only 'text' is supported)"
+    return ""

@@ -1,0 +1,93 @@
+"""Run a `Generation` as an HTTP response, streaming or not, and abort it when the client
+goes away.
+
+Streaming: the first delta is awaited (up to one ping interval) before the response starts,
+so an engine failure before the first byte is an ordinary error envelope; after that,
+failures are in-stream error events. Non-streaming: the collection runs as a task next to
+a watcher of `http.disconnect`; a disconnect cancels it and aborts the sub-requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.background import BackgroundTask
+from starlette.types import Receive
+
+from plait.server.generation import ChoiceState, Generation
+from plait.server.sse import sse_response
+
+logger = logging.getLogger("plait.server")
+T = TypeVar("T")
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; never seen by it
+
+StreamBody = Callable[[Generation], AsyncIterator[bytes]]
+BuildResponse = Callable[[Generation, list[ChoiceState]], dict[str, Any]]
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+async def serve_generation(request: Request, gen: Generation, *, stream: StreamBody | None,
+                           build: BuildResponse) -> Response:
+    """Start `gen` and answer with SSE (`stream`) or one JSON body (`build`).
+
+    Every path ends in `gen.close()`, which aborts unfinished sub-requests.
+    """
+    gen.start()
+    ping = gen.state.settings.sse_ping_interval
+    try:
+        if stream is not None:
+            await run_unless_disconnected(request.receive, gen.first_ready(ping or None))
+            return sse_response(_closing(stream(gen), gen), ping, BackgroundTask(gen.close))
+        choices = await run_unless_disconnected(request.receive, gen.run_to_end())
+        return JSONResponse(build(gen, choices),
+                            background=BackgroundTask(gen.close))
+    except ClientDisconnected:
+        gen.close()
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    except BaseException:
+        gen.close()
+        raise
+
+
+async def _closing(body: AsyncIterator[bytes], gen: Generation) -> AsyncIterator[bytes]:
+    """`body`, then `gen.close()` however the stream ends (done, disconnect, cancel)."""
+    try:
+        async for frame in body:
+            yield frame
+    finally:
+        gen.close()
+
+
+async def run_unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise
+    `ClientDisconnected`. Call after the request body has been read."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        watcher.cancel()
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

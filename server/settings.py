@@ -1,0 +1,41 @@
+"""HTTP-layer settings: one frozen dataclass built once by the CLI (or a test)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from plait.engine.config import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Everything `create_app` needs besides the engine.
+
+    `served_model_name=None` serves the model under the engine's own name (known once it has
+    loaded; "SmolLM2-135M-Instruct" for the embedded default). `api_keys` empty means no
+    authentication. `sse_ping_interval` is the idle time after which a stream gets an SSE
+    comment (`: ping`), 0 disables pings. `max_queued_requests=None` never rejects for load.
+    """
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_keys: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    sse_ping_interval: float = 15.0
+    max_queued_requests: int | None = None
+    drain_timeout: float = 30.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.sse_ping_interval < 0:
+            raise ValueError("sse_ping_interval must be >= 0")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0")
+        if self.drain_timeout < 0:
+            raise ValueError("drain_timeout must be >= 0")
+        if any(not key for key in self.api_keys):
+            raise ValueError("an API key must not be empty")

@@ -1,0 +1,295 @@
+"""Helpers for server tests: a real `plait serve` subprocess shared by the whole session, an
+in-process uvicorn server for apps built around a scripted engine, and SSE parsing.
+
+    shared_server()   -> RemoteServer   `python -m plait serve` with the default model,
+                                         started once (first use), stopped at exit
+    InProcessServer(app)                 uvicorn in a thread, for create_app(...) apps
+    ScriptedCore                         stands in for EngineCore inside a real AsyncEngine
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from plait.engine.config import EngineConfig, RuntimeInfo
+from plait.engine.outputs import RequestDelta, TokenLogprob
+from plait.engine.sampling_params import SamplingParams
+
+MODEL = "SmolLM2-135M-Instruct"
+API_KEY = "sk-plait-test-key"
+STARTUP_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
+    """Poll `predicate` until it is true or `timeout` seconds passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+# ---------------------------------------------------------------- real server (subprocess)
+@dataclass
+class RemoteServer:
+    """A `plait serve` subprocess on 127.0.0.1."""
+
+    port: int
+    process: subprocess.Popen
+    log_path: Path
+    api_key: str | None = API_KEY
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def openai(self, **kwargs: Any):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none",
+                             max_retries=0, timeout=120, **kwargs)
+
+    def async_openai(self, **kwargs: Any):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none",
+                                  max_retries=0, timeout=120, **kwargs)
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics as {"name{labels}": value}."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+        return samples
+
+    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"plait serve exited early:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"plait serve not healthy after {timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def start_server(args: list[str], env: dict[str, str] | None = None,
+                 api_key: str | None = None) -> RemoteServer:
+    """Start `python -m plait serve --port <free> *args`; returns before it is healthy."""
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="plait-serve-", suffix=".log")[1])
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PLAIT_")}
+    full_env.update(env or {})
+    if "PLAIT_CACHE" in os.environ:
+        full_env["PLAIT_CACHE"] = os.environ["PLAIT_CACHE"]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "plait", "serve", "--host", "127.0.0.1", "--port", str(port),
+             *args], stdout=out, stderr=subprocess.STDOUT, env=full_env)
+    return RemoteServer(port, process, log, api_key)
+
+
+_shared: RemoteServer | None = None
+
+
+def shared_server() -> RemoteServer:
+    """The session's real server: default model, API key and log level from PLAIT_* env
+    vars, a bogus PLAIT_PORT that the --port flag must override."""
+    global _shared
+    if _shared is None:
+        env = {"PLAIT_API_KEY": API_KEY, "PLAIT_PORT": "1", "PLAIT_LOG_LEVEL": "info"}
+        _shared = start_server([], env, api_key=API_KEY)
+        atexit.register(_shared.stop)
+        _shared.wait_healthy()
+    return _shared
+
+
+# ---------------------------------------------------------------- SSE
+@dataclass
+class SSE:
+    """A parsed event stream: `events` are data payloads (JSON or "[DONE]") in order."""
+
+    raw: bytes
+    events: list[Any] = field(default_factory=list)
+    comments: list[str] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if isinstance(e, dict)]
+
+
+def parse_sse(raw: bytes) -> SSE:
+    """Strict framing check: every block is `data: ...` or `: comment`, blank-line separated."""
+    result = SSE(raw)
+    text = raw.decode()
+    assert text.endswith("\n\n"), "stream must end with a blank line"
+    for block in text[:-2].split("\n\n"):
+        assert "\n" not in block, f"one line per event expected: {block!r}"
+        if block.startswith(": "):
+            result.comments.append(block[2:])
+        else:
+            assert block.startswith("data: "), block
+            data = block[len("data: "):]
+            result.events.append(data if data == "[DONE]" else json.loads(data))
+    return result
+
+
+# ---------------------------------------------------------------- scripted engine
+class ScriptedCore:
+    """Stands in for `EngineCore` inside a real `AsyncEngine` (pass `core_factory`).
+
+    Each step sleeps `step_delay` and gives every live request the next token of `SCRIPT`;
+    a request finishes with "length" at its max_tokens (default 8). Knobs for tests:
+    `fail_after` (emit an "error" delta after that many tokens), `reject` (every
+    add_request raises, so the request fails before its first token), `die` (stats()
+    raises: the engine loop dies). `added` / `aborted` record request ids.
+    """
+
+    SCRIPT_TEXT = " one two three four five six seven eight nine ten eleven twelve"
+
+    def __init__(self, tokenizer, step_delay: float = 0.01, max_model_len: int = 512) -> None:
+        self.tokenizer = tokenizer
+        self.script = tokenizer.encode(self.SCRIPT_TEXT, add_special_tokens=False)
+        self.info = RuntimeInfo(device="cpu", dtype="float32", num_kv_blocks=256,
+                                max_model_len=max_model_len, vocab_size=len(tokenizer),
+                                eos_token_ids=(2,), model_name="scripted-model")
+        self.step_delay = step_delay
+        self.fail_after: int | None = None
+        self.reject = False
+        self.die = False
+        self.live: dict[str, tuple[SamplingParams, int]] = {}
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.lock = threading.Lock()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        if self.reject:
+            raise ValueError("scripted rejection")
+        with self.lock:
+            self.live[request_id] = (params, 0)
+            self.added.append(request_id)
+
+    def abort(self, request_id: str) -> RequestDelta | None:
+        with self.lock:
+            if self.live.pop(request_id, None) is None:
+                return None
+            self.aborted.append(request_id)
+        return RequestDelta(request_id, finish_reason="abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[RequestDelta]:
+        time.sleep(self.step_delay)
+        deltas = []
+        with self.lock:
+            for request_id, (params, done) in list(self.live.items()):
+                if self.fail_after is not None and done >= self.fail_after:
+                    del self.live[request_id]
+                    deltas.append(RequestDelta(request_id, finish_reason="error",
+                                               error="scripted engine failure"))
+                    continue
+                token = self.script[done % len(self.script)]
+                done += 1
+                delta = RequestDelta(request_id, [token], self.tokenizer.decode([token]),
+                                     num_prompt_tokens=3)
+                if params.logprobs is not None:
+                    delta.logprobs = [TokenLogprob(token, -0.5, [(token, -0.5)])]
+                if done >= (params.max_tokens or 8):
+                    delta.finish_reason = "length"
+                    del self.live[request_id]
+                else:
+                    self.live[request_id] = (params, done)
+                deltas.append(delta)
+        return deltas
+
+    def stats(self) -> dict[str, Any]:
+        if self.die:
+            raise RuntimeError("scripted engine death")
+        return {"num_running": len(self.live), "num_waiting": 0, "kv_blocks_used": 0,
+                "kv_blocks_total": 256, "kv_cache_usage": 0.0, "generation_tokens": 0}
+
+
+def scripted_engine(core: ScriptedCore, gate: threading.Event | None = None):
+    """A real AsyncEngine around `core`; its load() blocks until `gate` is set."""
+    from plait.engine.async_engine import AsyncEngine
+
+    def factory(_: EngineConfig) -> ScriptedCore:
+        if gate is not None and not gate.wait(60):
+            raise RuntimeError("gate never opened")
+        return core
+
+    return AsyncEngine(EngineConfig(block_size=16), core_factory=factory)  # type: ignore[arg-type]
+
+
+class InProcessServer:
+    """Serve an ASGI app with uvicorn in a background thread (a context manager)."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> InProcessServer:
+        self.thread.start()
+        if not wait_for(lambda: self.server.started, 30):
+            raise RuntimeError("in-process server did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

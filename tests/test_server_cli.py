@@ -1,0 +1,111 @@
+"""`plait` CLI: env vars vs flags, help text, config building, import hygiene."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from plait.cli import OPTIONS, EnvError, api_keys, build_parser, engine_config, server_settings
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None):
+    return build_parser(env or {}).parse_args(["serve", *argv])
+
+
+def test_defaults_serve_the_embedded_model() -> None:
+    settings = server_settings(parse([]))
+    assert settings.engine.model is None
+    assert (settings.host, settings.port, settings.api_keys) == ("127.0.0.1", 8000, ())
+    assert settings.engine.enable_prefix_caching is True
+    assert settings.allowed_origins == ("*",)
+
+
+def test_env_sets_every_kind_and_flags_win() -> None:
+    env = {"PLAIT_MODEL": "/models/m.gguf", "PLAIT_PORT": "9001", "PLAIT_MAX_NUM_SEQS": "7",
+           "PLAIT_KV_CACHE_MEMORY_GB": "0.25", "PLAIT_ENABLE_PREFIX_CACHING": "false",
+           "PLAIT_ALLOWED_ORIGINS": "https://a.example, https://b.example",
+           "PLAIT_NUM_KV_BLOCKS": "64", "PLAIT_API_KEY": "from-env", "PLAIT_CACHE": "/x",
+           "PLAIT_SERVICE_HOST": "10.0.0.1"}  # not options: ignored
+    args = parse([], env)
+    config = engine_config(args)
+    assert (config.model, config.max_num_seqs, config.kv_cache_memory_gb) == \
+        ("/models/m.gguf", 7, 0.25)
+    assert (config.enable_prefix_caching, config.num_kv_blocks) == (False, 64)
+    assert args.port == 9001 and api_keys(args) == ("from-env",)
+    assert args.allowed_origins == ["https://a.example", "https://b.example"]
+
+    args = parse(["other.gguf", "--port", "9002", "--max-num-seqs", "3",
+                  "--enable-prefix-caching", "--allowed-origins", '["https://c.example"]'], env)
+    config = engine_config(args)
+    assert (config.model, args.port, config.max_num_seqs) == ("other.gguf", 9002, 3)
+    assert config.enable_prefix_caching is True
+    assert args.allowed_origins == ["https://c.example"]
+
+
+def test_no_enable_prefix_caching_flag() -> None:
+    assert engine_config(parse(["--no-enable-prefix-caching"])).enable_prefix_caching is False
+
+
+@pytest.mark.parametrize("env", [{"PLAIT_PORT": "eighty"}, {"PLAIT_DTYPE": "int3"},
+                                 {"PLAIT_ENABLE_PREFIX_CACHING": "maybe"}])
+def test_bad_env_values_are_named(env: dict[str, str]) -> None:
+    with pytest.raises(EnvError, match=next(iter(env))):
+        build_parser(env)
+
+
+def test_help_lists_the_env_var_of_every_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "400")
+    serve = build_parser({})._subparsers._group_actions[0].choices["serve"]  # type: ignore
+    text = serve.format_help()
+    assert "[env: PLAIT_MODEL]" in text
+    blocks = re.split(r"\n(?=  -)", text)  # one block per option: flags, then its help
+    for option in OPTIONS:
+        block = next(b for b in blocks if b.strip().startswith(option.flag + " ")
+                     or b.strip().startswith(option.flag + ","))
+        assert f"[env: {option.env}]" in " ".join(block.split()), block
+
+
+def test_api_key_file(tmp_path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nkey-one\n\n  key-two  \n")
+    assert api_keys(parse(["--api-key", "flag", "--api-key-file", str(keys)])) == \
+        ("flag", "key-one", "key-two")
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        api_keys(parse(["--api-key-file", str(empty)]))
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_help_and_engine_import_without_the_http_stack() -> None:
+    result = _run(
+        "import sys, contextlib, io\n"
+        "from plait.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    try: main(['serve', '--help'])\n"
+        "    except SystemExit: pass\n"
+        "import plait.engine.async_engine, plait.engine.llm\n"
+        "bad = [m for m in ('fastapi', 'uvicorn', 'starlette', 'sse_starlette') "
+        "if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "assert 'PLAIT_PORT' in out.getvalue()\n")
+    assert result.returncode == 0, result.stderr
+    top = subprocess.run([sys.executable, "-m", "plait", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert top.returncode == 0 and "serve" in top.stdout
+
+
+def test_bad_model_path_exits_1_with_one_line(tmp_path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "plait", "serve", str(tmp_path / "missing"), "--port", "0",
+         "--log-level", "warning"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "cannot load the model" in result.stderr
+    assert "Traceback" not in result.stderr
