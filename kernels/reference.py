@@ -18,6 +18,8 @@ cu_seqlens_q[s]` tokens of its `context_lens[s]` tokens; query j sits at absolut
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -38,23 +40,73 @@ def write_kv_reference(
     flat_v[slots] = value[valid].to(v_cache.dtype)
 
 
-def _gather_context(
-    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_table: torch.Tensor,  # [num_seqs, num_blocks_per_seq]
-    length: int,
-) -> torch.Tensor:  # [num_seqs, length, num_kv_heads, head_dim]
-    block_size = cache.shape[1]
-    num_blocks_needed = (length + block_size - 1) // block_size
-    ids = block_table[:, :num_blocks_needed].long().clamp_min(0)
-    gathered = cache[ids]  # [num_seqs, nb, block_size, H_kv, D]
-    return gathered.flatten(1, 2)[:, :length]
+@dataclass(slots=True)
+class _SeqGroup:
+    """Sequences attended in one SDPA call: their query rows, gathered blocks and mask."""
+
+    token_idx: torch.Tensor | slice  # rows of `query` (a slice for one prefill)
+    block_ids: torch.Tensor  # [S * nb] cache blocks to gather, in order
+    num_seqs: int
+    num_q: int  # queries per sequence (1 for decodes)
+    length: int  # keys attended (padded to the longest context in the group)
+    mask: torch.Tensor  # [S, 1, group * num_q, length] bool, True = attend
+
+
+def _plan(
+    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+    block_size: int, group: int, max_query_len: int, max_context_len: int,
+) -> list[_SeqGroup]:
+    """Split the batch into one group of all decodes plus one group per prefill chunk."""
+    device = block_tables.device
+    starts = cu_seqlens_q.tolist()
+    ctx = context_lens.tolist()
+    num_q = [starts[i + 1] - starts[i] for i in range(len(ctx))]
+    if max(num_q, default=0) > max_query_len or max(ctx, default=0) > max_context_len:
+        raise ValueError("max_query_len / max_context_len smaller than the batch needs")
+    groups = []
+    decode_idx = [i for i, n in enumerate(num_q) if n == 1]
+    if decode_idx:
+        length = max(ctx[i] for i in decode_idx)
+        nb = -(-length // block_size)
+        idx = torch.tensor(decode_idx, device=device)
+        lens = context_lens.to(device)[idx].long()
+        mask = torch.arange(length, device=device)[None, :] < lens[:, None]  # [S_d, L]
+        token_idx = torch.tensor([starts[i] for i in decode_idx], device=device)
+        groups.append(_SeqGroup(
+            token_idx, block_tables[idx, :nb].long().clamp_min(0).flatten(), len(decode_idx), 1,
+            length, mask[:, None, None, :].expand(-1, 1, group, -1)))
+    for i, n in enumerate(num_q):
+        if n <= 1:
+            continue
+        nb = -(-ctx[i] // block_size)
+        q_pos = torch.arange(ctx[i] - n, ctx[i], device=device)
+        mask = torch.arange(ctx[i], device=device)[None, :] <= q_pos[:, None]  # [n, L]
+        groups.append(_SeqGroup(
+            slice(starts[i], starts[i + 1]), block_tables[i, :nb].long().clamp_min(0), 1, n,
+            ctx[i], mask.repeat(group, 1)[None, None]))
+    return groups
+
+
+# The model calls attention once per layer with the same metadata tensors: plan once.
+_last_plan: tuple = ()
+
+
+def _cached_plan(cu_seqlens_q, context_lens, block_tables, *args) -> list[_SeqGroup]:
+    global _last_plan
+    cached = _last_plan
+    if cached and cached[0] is cu_seqlens_q and cached[1] is context_lens \
+            and cached[2] is block_tables and cached[3] == args:
+        return cached[4]
+    plan = _plan(cu_seqlens_q, context_lens, block_tables, *args)
+    _last_plan = (cu_seqlens_q, context_lens, block_tables, args, plan)
+    return plan
 
 
 def _attend(
     query: torch.Tensor,  # [S, Q, H, D]
     key: torch.Tensor,  # [S, L, H_kv, D]
     value: torch.Tensor,  # [S, L, H_kv, D]
-    mask: torch.Tensor,  # [S, Q, L] bool, True = attend
+    mask: torch.Tensor,  # [S, 1, group * Q, L] bool, True = attend
     scale: float,
 ) -> torch.Tensor:  # [S, Q, H, D]
     """Grouped-query attention without repeating K/V: the `group` query heads that share a
@@ -65,10 +117,9 @@ def _attend(
     # query heads h = kv * group + g  ->  rows ordered (g, q) inside each KV head
     q = query.view(num_seqs, num_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, num_kv_heads, group * num_q, head_dim)
-    rows_mask = mask.repeat(1, group, 1).unsqueeze(1)  # [S, 1, group * Q, L]
     out = torch.nn.functional.scaled_dot_product_attention(
         q.float(), key.transpose(1, 2).float(), value.transpose(1, 2).float(),
-        attn_mask=rows_mask, scale=scale,
+        attn_mask=mask, scale=scale,
     )  # [S, H_kv, group * Q, D]
     out = out.view(num_seqs, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(num_seqs, num_q, num_heads, head_dim).to(query.dtype)
@@ -92,30 +143,15 @@ def paged_attention_reference(
     `max_query_len` / `max_context_len` are upper bounds the Triton launcher needs; the
     reference only uses them for validation.
     """
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = query.shape[1] // num_kv_heads
     out = torch.empty_like(query)
-    starts = cu_seqlens_q.tolist()
-    ctx = context_lens.tolist()
-    num_q = [starts[i + 1] - starts[i] for i in range(len(ctx))]
-    if max(num_q, default=0) > max_query_len or max(ctx, default=0) > max_context_len:
-        raise ValueError("max_query_len / max_context_len smaller than the batch needs")
-    decode_idx = [i for i, n in enumerate(num_q) if n == 1]
-    if decode_idx:
-        idx = torch.tensor(decode_idx, device=query.device)
-        lens = context_lens.to(query.device)[idx].long()  # [S_d]
-        length = int(max(ctx[i] for i in decode_idx))
-        key = _gather_context(k_cache, block_tables[idx], length)
-        value = _gather_context(v_cache, block_tables[idx], length)
-        mask = torch.arange(length, device=query.device)[None, :] < lens[:, None]
-        token_idx = torch.tensor([starts[i] for i in decode_idx], device=query.device)
-        q = query[token_idx].unsqueeze(1)  # [S_d, 1, H, D]
-        out[token_idx] = _attend(q, key, value, mask.unsqueeze(1), scale).squeeze(1)
-    for i, n in enumerate(num_q):
-        if n <= 1:
-            continue
-        key = _gather_context(k_cache, block_tables[i : i + 1], ctx[i])
-        value = _gather_context(v_cache, block_tables[i : i + 1], ctx[i])
-        q_pos = torch.arange(ctx[i] - n, ctx[i], device=query.device)
-        mask = torch.arange(ctx[i], device=query.device)[None, :] <= q_pos[:, None]
-        q = query[starts[i] : starts[i + 1]].unsqueeze(0)
-        out[starts[i] : starts[i + 1]] = _attend(q, key, value, mask.unsqueeze(0), scale)[0]
+    plan = _cached_plan(cu_seqlens_q, context_lens, block_tables, block_size, group,
+                        max_query_len, max_context_len)
+    for g in plan:
+        shape = (g.num_seqs, -1, num_kv_heads, head_dim)
+        key = k_cache.index_select(0, g.block_ids).view(shape)[:, : g.length]
+        value = v_cache.index_select(0, g.block_ids).view(shape)[:, : g.length]
+        q = query[g.token_idx].view(g.num_seqs, g.num_q, -1, head_dim)
+        out[g.token_idx] = _attend(q, key, value, g.mask, scale).view(-1, *query.shape[1:])
     return out

@@ -36,6 +36,19 @@ class AttentionMetadata:
     max_context_len: int
 
 
+# On CPU, BLAS runs W @ x^T faster than x @ W^T when x has few rows (decode batches):
+# measured 25-35% faster for 16 rows on the default model's shapes.
+_SKINNY_ROWS = 32
+
+
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+    """`layer(x)`; for skinny CPU batches the result may be a transposed (strided) view."""
+    if x.device.type != "cpu" or x.shape[0] > _SKINNY_ROWS:
+        return layer(x)
+    out = torch.mm(layer.weight, x.t()).t()
+    return out if layer.bias is None else out + layer.bias
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -43,9 +56,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, D]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        # computed in float32 whatever the model dtype, as Hugging Face Llama does
+        out = nn.functional.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return out.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -69,10 +82,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = linear(self.qkv_proj, x).split(self.split, dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rope(positions, q, k)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -81,7 +94,7 @@ class Attention(nn.Module):
             scale=self.scale, max_query_len=meta.max_query_len,
             max_context_len=meta.max_context_len,
         )
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return linear(self.o_proj, out.reshape(num_tokens, -1))
 
 
 class MLP(nn.Module):
@@ -92,8 +105,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)
+        return linear(self.down_proj, nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -137,4 +150,4 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V]
-        return self.lm_head(hidden).float()
+        return linear(self.lm_head, hidden).float()
