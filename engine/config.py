@@ -30,7 +30,6 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     max_shared_logits: int = 32
-    enforce_eager: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -68,7 +68,6 @@ OPTIONS: tuple[Option, ...] = (
            "reuse cached KV blocks of identical prompt prefixes"),
     Option("--max-shared-logits", int, _ENGINE.max_shared_logits,
            "recent prompts whose last logits (and blocks) are kept for reuse"),
-    Option("--enforce-eager", bool, _ENGINE.enforce_eager, "disable graph capture"),
     Option("--seed", int, _ENGINE.seed, "engine seed for unseeded requests"),
     Option("--max-queued-requests", "int?", None,
            "most sub-requests waiting for a slot before new requests get 503"),
@@ -160,7 +159,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
-        max_shared_logits=args.max_shared_logits, enforce_eager=args.enforce_eager,
+        max_shared_logits=args.max_shared_logits,
         seed=args.seed)
 
 
