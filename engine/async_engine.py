@@ -24,7 +24,7 @@ from plait.engine.config import EngineConfig, RuntimeInfo
 from plait.engine.core import EngineCore
 from plait.engine.outputs import RequestDelta
 from plait.engine.sampling_params import SamplingParams
-from plait.engine.scheduler import RequestRejected, cdiv
+from plait.engine.scheduler import check_prompt_fits
 
 logger = logging.getLogger("plait.engine")
 
@@ -135,14 +135,8 @@ class AsyncEngine:
     def check_prompt(self, num_prompt_tokens: int) -> None:
         """Raise `RequestRejected` if a prompt of this length can never be served."""
         info = self.info
-        if num_prompt_tokens == 0:
-            raise RequestRejected("the prompt is empty")
-        if num_prompt_tokens + 1 > info.max_model_len:
-            raise RequestRejected(
-                f"This model's maximum context length is {info.max_model_len} tokens. However, "
-                f"your prompt has {num_prompt_tokens} tokens (no room for any output token).")
-        if cdiv(num_prompt_tokens + 1, self.config.block_size) > info.num_kv_blocks:
-            raise RequestRejected("the prompt is larger than the whole KV cache")
+        check_prompt_fits(num_prompt_tokens, info.max_model_len, info.num_kv_blocks,
+                          self.config.block_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> RequestStream:

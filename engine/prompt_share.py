@@ -76,13 +76,7 @@ class PromptShareTable:
     def publish(self, entry: ShareEntry, logits: Any, block_ids: list[int]) -> list[Request]:
         """The owner computed the prompt: keep `logits`, pin `block_ids`, return the parked
         followers (to be re-queued; they will hit this entry)."""
-        del self.in_flight[entry.key]
-        if entry.owner is not None:
-            entry.owner.share_entry = None
-        entry.owner = None
-        followers, entry.followers = entry.followers, []
-        for follower in followers:
-            follower.share_entry = None
+        followers = self._close(entry)
         if self.max_ready > 0:
             entry.logits = logits
             entry.block_ids = list(block_ids)
@@ -95,6 +89,10 @@ class PromptShareTable:
     def drop_owner(self, entry: ShareEntry) -> list[Request]:
         """The owner left before computing the prompt: forget the entry, return the parked
         followers (the first one re-queued becomes the next owner)."""
+        return self._close(entry)
+
+    def _close(self, entry: ShareEntry) -> list[Request]:
+        """End the in-flight phase: detach owner and followers, return the followers."""
         self.in_flight.pop(entry.key, None)
         if entry.owner is not None:
             entry.owner.share_entry = None

@@ -78,6 +78,21 @@ def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
+def check_prompt_fits(num_prompt: int, max_model_len: int, num_blocks: int,
+                      block_size: int) -> None:
+    """Raise `RequestRejected` unless the prompt plus one generated token can ever fit."""
+    if num_prompt == 0:
+        raise RequestRejected("the prompt is empty")
+    if num_prompt + 1 > max_model_len:
+        raise RequestRejected(
+            f"This model's maximum context length is {max_model_len} tokens. However, the "
+            f"prompt has {num_prompt} tokens; with one generated token that exceeds the "
+            f"maximum context length of {max_model_len} tokens.")
+    if cdiv(num_prompt + 1, block_size) > num_blocks:
+        raise RequestRejected(f"the prompt has {num_prompt} tokens, more than the KV cache "
+                              f"can hold ({num_blocks * block_size})")
+
+
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, max_shared_logits: int) -> None:
@@ -96,15 +111,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         """Queue `req`, or raise `RequestRejected` if it can never fit."""
         num_prompt = req.num_prompt_tokens
-        if num_prompt == 0:
-            raise RequestRejected("the prompt is empty")
-        if num_prompt + 1 > self.max_model_len:
-            raise RequestRejected(
-                f"the prompt has {num_prompt} tokens; with one generated token that exceeds "
-                f"the maximum context length of {self.max_model_len} tokens")
-        if cdiv(num_prompt + 1, self.block_size) > self.pool.num_blocks:
-            raise RequestRejected(f"the prompt has {num_prompt} tokens, more than the KV cache "
-                                  f"can hold ({self.pool.num_blocks * self.block_size})")
+        check_prompt_fits(num_prompt, self.max_model_len, self.pool.num_blocks, self.block_size)
         room = self.max_model_len - num_prompt
         wanted = req.params.max_tokens
         req.max_tokens = room if wanted is None else min(wanted, room)
