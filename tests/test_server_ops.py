@@ -86,7 +86,7 @@ def test_stream_disconnect_aborts_all_choices_and_frees_their_blocks(server) -> 
                 num_chunks += line.startswith("data: {")
                 if num_chunks == 6:
                     break
-            assert server.metrics()["plait_num_requests_running"] == 3
+            assert wait_for(lambda: server.metrics()["plait_num_requests_running"] == 3, 10)
         assert wait_for(lambda: server.metrics()["plait_num_requests_running"] == 0, 10)
     assert _idle_blocks(server) == baseline
     assert server.metrics()["plait_generation_tokens_total"] - generated < 3 * 300
