@@ -17,6 +17,7 @@ from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import ResolvedModel
 from plait.engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from plait.engine.scheduler import ScheduledChunk, SchedulerOutput
+from plait.engine.transfer import to_device
 from plait.engine.weights import load_weights
 
 logger = logging.getLogger("plait.engine")
@@ -150,9 +151,5 @@ class ModelRunner:
                 meta, self.to_device(sample_idx, torch.int64))
 
     def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """Host list -> device tensor. On CUDA the copy is from pinned memory and
-        asynchronous, so building a step's inputs never waits for the GPU."""
-        host = torch.tensor(values, dtype=dtype)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        """Host list -> device tensor, without waiting for the GPU (see transfer.py)."""
+        return to_device(values, self.device, dtype)

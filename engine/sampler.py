@@ -22,6 +22,7 @@ import torch
 
 from plait.engine.outputs import TokenLogprob
 from plait.engine.sampling_params import SamplingParams
+from plait.engine.transfer import to_device
 
 # Temperatures are clamped to this before dividing, so a tiny positive value cannot turn
 # logits into inf (and the softmax into nan); it is already indistinguishable from greedy.
@@ -66,8 +67,8 @@ def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]
         items = [(t, b) for t, b in bias.items() if 0 <= t < vocab_size]
         if not items:
             continue
-        token_ids = torch.tensor([t for t, _ in items], device=logits.device)
-        values = torch.tensor([b for _, b in items], dtype=logits.dtype, device=logits.device)
+        token_ids = to_device([t for t, _ in items], logits.device)
+        values = to_device([b for _, b in items], logits.device, logits.dtype)
         logits[row].index_add_(0, token_ids, values)
 
 
@@ -97,7 +98,8 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int,
     padded = torch.full((len(token_ids), max_len), vocab_size, dtype=torch.long)
     for row, ids in enumerate(token_ids):
         padded[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-    padded = padded.to(device)
+    padded = padded.pin_memory().to(device, non_blocking=True) if device.type == "cuda" \
+        else padded
     counts = torch.zeros((len(token_ids), vocab_size + 1), dtype=torch.long, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded))
     return counts[:, :vocab_size]
@@ -150,15 +152,15 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     if needs_min:
         apply_min_tokens(out, meta)
     if pen_rows:
-        idx = torch.tensor(pen_rows, device=out.device)
+        idx = to_device(pen_rows, out.device)
         ps = [meta.params[i] for i in pen_rows]
         out[idx] = apply_penalties(
             out[idx],
             [meta.prompt_token_ids[i] for i in pen_rows],
             [meta.output_token_ids[i] for i in pen_rows],
-            torch.tensor([p.repetition_penalty for p in ps], device=out.device),
-            torch.tensor([p.presence_penalty for p in ps], device=out.device),
-            torch.tensor([p.frequency_penalty for p in ps], device=out.device))
+            to_device([p.repetition_penalty for p in ps], out.device),
+            to_device([p.presence_penalty for p in ps], out.device),
+            to_device([p.frequency_penalty for p in ps], out.device))
     return out
 
 
@@ -206,9 +208,9 @@ def _compute_logprobs(processed: torch.Tensor, token_ids: list[int],
         return result
     device = processed.device
     if len(rows) < len(params):
-        processed = processed[torch.tensor(rows, device=device)]
+        processed = processed[to_device(rows, device)]
     logprobs = processed.log_softmax(dim=-1)  # [num_logprob_rows, vocab]
-    chosen = torch.tensor([token_ids[i] for i in rows], device=device).unsqueeze(1)
+    chosen = to_device([token_ids[i] for i in rows], device).unsqueeze(1)
     chosen_logprobs = logprobs.gather(1, chosen).squeeze(1).tolist()
     max_k = min(max(params[i].logprobs or 0 for i in rows), logprobs.shape[1])
     top_values: list[list[float]] = []
@@ -258,9 +260,9 @@ class Sampler:
             token_ids = self._sample(processed, meta.params, meta.generators)
         else:
             token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
-            g_idx = torch.tensor(greedy_rows, device=logits.device)
+            g_idx = to_device(greedy_rows, logits.device)
             token_ids[g_idx] = processed[g_idx].argmax(dim=-1)
-            r_idx = torch.tensor(random_rows, device=logits.device)
+            r_idx = to_device(random_rows, logits.device)
             token_ids[r_idx] = self._sample(processed[r_idx],
                                             [meta.params[i] for i in random_rows],
                                             [meta.generators[i] for i in random_rows])
@@ -271,18 +273,18 @@ class Sampler:
                 generators: list[torch.Generator | None]) -> torch.Tensor:
         """Temperature, masks and one draw per row. logits: [num_rows, vocab] float32."""
         device = logits.device
-        temperatures = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params],
-                                    device=device)
+        temperatures = to_device([max(p.temperature, _MIN_TEMPERATURE) for p in params],
+                                 device)
         logits = logits / temperatures.unsqueeze(1)
         mask_rows = [j for j, p in enumerate(params) if _needs_mask(p)]
         if mask_rows:
             ps = [params[j] for j in mask_rows]
-            idx = torch.tensor(mask_rows, device=device)
+            idx = to_device(mask_rows, device)
             logits[idx] = mask_logits(
                 logits[idx],
-                torch.tensor([p.top_k or 0 for p in ps], device=device),
-                torch.tensor([p.top_p for p in ps], device=device),
-                torch.tensor([p.min_p for p in ps], device=device))
+                to_device([p.top_k or 0 for p in ps], device),
+                to_device([p.top_p for p in ps], device),
+                to_device([p.min_p for p in ps], device))
         probs = logits.softmax(dim=-1)  # [num_rows, vocab]
         q = self._exponential_draws(probs.shape, generators, device)
         return probs.div_(q).argmax(dim=-1)
@@ -300,7 +302,7 @@ class Sampler:
         else:
             u = torch.empty(shape, device=device)
             if unseeded:
-                u[torch.tensor(unseeded, device=device)] = torch.rand(
+                u[to_device(unseeded, device)] = torch.rand(
                     (len(unseeded), shape[1]), device=device, generator=self._generator(device))
             for j, g in enumerate(generators):
                 if g is not None:
