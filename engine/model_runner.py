@@ -15,7 +15,7 @@ import torch
 from plait.engine.config import EngineConfig
 from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import ResolvedModel
-from plait.engine.models.llama import AttentionMetadata, LlamaForCausalLM
+from plait.engine.models.llama import AttentionMetadata, LlamaForCausalLM, prepack_cpu_linears
 from plait.engine.scheduler import ScheduledChunk, SchedulerOutput
 from plait.engine.transfer import to_device
 from plait.engine.weights import load_weights
@@ -73,7 +73,10 @@ class ModelRunner:
         with torch.device(self.device):
             model = LlamaForCausalLM(resolved.config, max_pos)
         load_weights(model, resolved.path)
-        return model.to(self.dtype)
+        model = model.to(self.dtype)
+        if self.device.type == "cpu":
+            prepack_cpu_linears(model)
+        return model
 
     def _block_bytes(self) -> int:
         cfg = self.model_config
