@@ -1,5 +1,6 @@
-"""Engine core with a tiny model: seeded sampling, n fan-out, stop conditions, logprobs
-checked against a dense transformers forward, injected faults, and stats.
+"""Engine core with a tiny model: logprobs checked against a dense transformers forward,
+request validation, injected faults, and stats. Seeded sampling, n fan-out and stop conditions
+are in test_engine_sampling.py.
 
 Every expected token sequence comes from the same request run alone (no batch, no prefix
 cache); every expected logprob from `transformers` on the same checkpoint.
@@ -8,18 +9,23 @@ cache); every expected logprob from `transformers` on the same checkpoint.
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
+from engine_helpers import (
+    GREEDY,
+    alone,
+    assert_pool_clean,
+    make_llm,
+    prompt,
+    run_until_done,
+    tokens_of,
+)
 from tiny_model import make_tiny_model
 
-from plait import LLM, SamplingParams
+from plait import SamplingParams
 from plait.engine.sampling_params import InvalidParamError
 from plait.engine.scheduler import RequestRejected
-
-EOS = 2  # tiny_model's eos_token_id
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -48,167 +54,6 @@ def hf_logprobs(hf_model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = hf_model(torch.tensor([token_ids])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 40000) for _ in range(length)]
-
-
-def make_llm(path, **options) -> LLM:
-    defaults = dict(num_kv_blocks=64, block_size=4)
-    defaults.update(options)
-    return LLM(str(path), **defaults)
-
-
-_ALONE: dict[str, LLM] = {}
-
-
-def alone(path, token_ids: list[int], params: SamplingParams):
-    """This request run by itself, with prefix caching (and so prompt sharing) off."""
-    if "llm" not in _ALONE:
-        _ALONE["llm"] = make_llm(path, enable_prefix_caching=False)
-    return _ALONE["llm"].generate([token_ids], params)[0].outputs[0]
-
-
-def run_until_done(llm: LLM) -> dict[str, list]:
-    seen: dict[str, list] = {}
-    while llm.engine.has_unfinished():
-        for delta in llm.engine.step():
-            seen.setdefault(delta.request_id, []).append(delta)
-    return seen
-
-
-def tokens_of(deltas) -> list[int]:
-    return [t for d in deltas for t in d.token_ids]
-
-
-def assert_pool_clean(llm: LLM) -> None:
-    pool = llm.engine.pool
-    pinned = {b for e in llm.engine.scheduler.share.ready.values() for b in e.block_ids}
-    assert llm.stats()["kv_blocks_used"] == len(pinned)
-    llm.engine.scheduler.share.clear()
-    assert pool.num_free_blocks == pool.num_blocks
-    assert [b.ref_cnt for b in pool.blocks] == [0] * pool.num_blocks
-
-
-# --- seeded sampling and n -----------------------------------------------------------------
-
-SEEDED = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
-
-
-@pytest.mark.parametrize("arrival", ["first", "middle", "last"])
-def test_seeded_request_is_reproducible_inside_a_busy_batch(tiny_path, arrival) -> None:
-    target = prompt(1, 21)
-    expected = alone(tiny_path, target, SEEDED).token_ids
-    assert alone(tiny_path, target, SEEDED).token_ids == expected  # run twice alone
-    # A small pool, few seats and chunked prefill: the target is batched with random
-    # requests and, unless it is the oldest request, preempted and recomputed.
-    llm = make_llm(tiny_path, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=24)
-    others = [(f"o{i}", prompt(10 + i, 9 + 5 * i),
-               SamplingParams(temperature=1.0, max_tokens=10 + i, ignore_eos=True,
-                              seed=1234 if i == 2 else None)) for i in range(6)]
-    position = {"first": 0, "middle": 3, "last": 6}[arrival]
-    jobs = [*others[:position], ("target", target, SEEDED), *others[position:]]
-    for rid, ids, params in jobs:
-        llm.engine.add_request(rid, ids, params)
-    request = llm.engine.requests["target"]
-    seen = run_until_done(llm)
-    assert tokens_of(seen["target"]) == expected
-    assert llm.stats()["num_preemptions"] > 0
-    assert (request.num_preemptions > 0) == (arrival != "first")  # the newest is preempted
-    assert_pool_clean(llm)
-
-
-def test_different_seeds_give_different_tokens(tiny_path) -> None:
-    ids = prompt(1, 21)
-    runs = {seed: tuple(alone(tiny_path, ids, SamplingParams(
-        temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True)).token_ids)
-        for seed in (1, 2, 3)}
-    assert len(set(runs.values())) == 3
-
-
-def test_n_choices_equal_single_requests_with_seed_plus_index(tiny_path) -> None:
-    ids = prompt(2, 30)
-    llm = make_llm(tiny_path)
-    params = SamplingParams(n=4, temperature=1.0, seed=77, max_tokens=10, ignore_eos=True)
-    (result,) = llm.generate([ids], params)
-    assert [c.index for c in result.outputs] == [0, 1, 2, 3]
-    for i, choice in enumerate(result.outputs):
-        single = SamplingParams(temperature=1.0, seed=77 + i, max_tokens=10, ignore_eos=True)
-        assert choice.token_ids == alone(tiny_path, ids, single).token_ids, i
-        assert choice.finish_reason == "length"
-    assert len({tuple(c.token_ids) for c in result.outputs}) == 4
-
-
-# --- stop conditions -----------------------------------------------------------------------
-
-def per_token_text(llm: LLM, ids: list[int], params: SamplingParams):
-    """(tokens, text emitted after each token) of one request, stepping the engine."""
-    llm.engine.add_request("probe", ids, params)
-    deltas = run_until_done(llm)["probe"]
-    return tokens_of(deltas), [d.text for d in deltas if d.token_ids]
-
-
-def test_stop_string_ends_generation_and_is_cut_from_the_text(tiny_path) -> None:
-    ids = prompt(3, 12)
-    llm = make_llm(tiny_path)
-    tokens, pieces = per_token_text(llm, ids, SamplingParams(temperature=0, max_tokens=24,
-                                                             ignore_eos=True))
-    full = "".join(pieces)
-    # A 4-character stop string that first occurs in the text of token 10 or later.
-    start = next(i for i in range(len("".join(pieces[:10])), len(full) - 4)
-                 if full.find(full[i:i + 4]) == i and full[i:i + 4].strip() == full[i:i + 4])
-    stop = full[start:start + 4]
-    num_tokens = next(k for k in range(1, 25) if stop in "".join(pieces[:k]))
-    for include in (False, True):
-        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=24, stop=[stop],
-                                                 include_stop_str_in_output=include))
-        choice = out[0].outputs[0]
-        assert (choice.finish_reason, choice.stop_reason) == ("stop", stop)
-        assert choice.token_ids == tokens[:num_tokens]
-        assert choice.text == full[:start + 4 * include]
-
-
-def test_stop_token_id_ends_generation_without_its_text(tiny_path) -> None:
-    ids = prompt(4, 12)
-    llm = make_llm(tiny_path)
-    tokens, pieces = per_token_text(llm, ids, SamplingParams(temperature=0, max_tokens=16,
-                                                             ignore_eos=True))
-    idx = next(i for i in range(4, 16) if tokens[i] not in tokens[:i]
-               and all(p and "\ufffd" not in p for p in pieces[:i + 1]))
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16,
-                                             stop_token_ids=[tokens[idx]]))
-    choice = out[0].outputs[0]
-    assert (choice.finish_reason, choice.stop_reason) == ("stop", tokens[idx])
-    assert choice.token_ids == tokens[:idx + 1]
-    assert choice.text == "".join(pieces[:idx])
-
-
-def test_max_tokens_gives_length_with_exactly_that_many_tokens(tiny_path) -> None:
-    ids = prompt(5, 10)
-    llm = make_llm(tiny_path)
-    for max_tokens in (1, 7):
-        choice = llm.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens))
-        choice = choice[0].outputs[0]
-        assert (choice.finish_reason, choice.stop_reason) == ("length", None)
-        assert len(choice.token_ids) == max_tokens
-    assert llm.stats()["generation_tokens"] == 8
-
-
-def test_min_tokens_holds_back_a_likely_eos(tiny_path) -> None:
-    ids = prompt(6, 10)
-    llm = make_llm(tiny_path)
-    eager = SamplingParams(temperature=0, max_tokens=20, logit_bias={EOS: 100.0})
-    choice = llm.generate([ids], eager)[0].outputs[0]
-    assert (choice.token_ids, choice.text, choice.finish_reason) == ([EOS], "", "stop")
-    held = SamplingParams(temperature=0, max_tokens=20, logit_bias={EOS: 100.0}, min_tokens=5)
-    choice = llm.generate([ids], held)[0].outputs[0]
-    plain = alone(tiny_path, ids, SamplingParams(temperature=0, max_tokens=5))
-    # While EOS is masked the other logits are untouched: the first 5 tokens are plain greedy.
-    assert choice.token_ids == [*plain.token_ids, EOS]
-    assert (choice.finish_reason, choice.stop_reason) == ("stop", None)
-    assert choice.text == plain.text
 
 
 # --- logprobs ------------------------------------------------------------------------------

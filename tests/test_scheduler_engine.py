@@ -1,11 +1,6 @@
-"""Scheduler: exact block ids and chunks on a pure scheduler, then the engine with a tiny model
-(preemption, chunked prefill, prefix caching, aborts, caps) checked token for token against
-each request run alone, and the pool checked for leaks afterwards.
-
-Pure tests drive `Scheduler.schedule()` by hand and play the engine's part by appending one
-output token to every chunk that samples:
-
-    block_size 4, prompt of 10 tokens:   [0 1 2 3][4 5 6 7][8 9 . .]   blocks 0, 1, 2
+"""Scheduler inside the engine with a tiny model: preemption, chunked prefill, prefix caching,
+aborts and caps, checked token for token against each request run alone, and the pool checked
+for leaks afterwards. Exact block ids on a pure scheduler are in test_scheduler_unit.py.
 """
 
 from __future__ import annotations
@@ -14,208 +9,12 @@ import random
 
 import pytest
 import torch
+from engine_helpers import GREEDY, assert_all_free, prompt, run_until_done, tokens_of
 from tiny_model import make_tiny_model
 
 from plait import LLM, SamplingParams
-from plait.engine.block_pool import BlockPool
-from plait.engine.request import Request, RequestStatus
-from plait.engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
+from plait.engine.scheduler import RequestRejected, SchedulerOutput
 
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-# --- pure scheduler ------------------------------------------------------------------------
-
-def make_scheduler(num_blocks: int, *, block_size: int = 4, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 64, max_model_len: int | None = None,
-                   caching: bool = True) -> Scheduler:
-    return Scheduler(BlockPool(num_blocks, caching), block_size, max_num_seqs,
-                     max_num_batched_tokens, max_model_len or num_blocks * block_size,
-                     max_shared_logits=0)
-
-
-def add(sched: Scheduler, request_id: str, token_ids: list[int],
-        params: SamplingParams = GREEDY) -> Request:
-    req = Request(request_id, list(token_ids), params)
-    sched.add_request(req)
-    return req
-
-
-def schedule(sched: Scheduler, token_id: int = 7) -> SchedulerOutput:
-    """One step: schedule, then append `token_id` to every request that samples."""
-    out = sched.schedule()
-    for chunk in out.chunks:
-        if chunk.sample:
-            chunk.request.output_token_ids.append(token_id)
-    return out
-
-
-def chunks_of(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
-    return [(c.request.request_id, c.start, c.num_tokens, c.sample) for c in out.chunks]
-
-
-def assert_all_free(pool: BlockPool) -> None:
-    assert pool.num_free_blocks == pool.num_blocks
-    assert [b.ref_cnt for b in pool.blocks] == [0] * pool.num_blocks
-
-
-def test_prefill_then_decode_allocates_exact_blocks() -> None:
-    sched = make_scheduler(8)
-    req = add(sched, "a", list(range(100, 110)))
-    out = schedule(sched)
-    assert chunks_of(out) == [("a", 0, 10, True)]
-    assert req.block_ids == out.new_block_ids == [0, 1, 2]
-    assert [sched.pool.lookup(h) for h in req.block_hashes] == [0, 1]  # full blocks only
-    assert chunks_of(schedule(sched)) == [("a", 10, 1, True)]  # position 10: block 2
-    out = schedule(sched)  # position 11 fills block 2, which becomes findable
-    assert (chunks_of(out), out.new_block_ids) == ([("a", 11, 1, True)], [])
-    assert sched.pool.lookup(req.block_hashes[2]) == 2
-    out = schedule(sched)  # position 12 opens block 3
-    assert (chunks_of(out), out.new_block_ids, req.block_ids) == (
-        [("a", 12, 1, True)], [3], [0, 1, 2, 3])
-    sched.finish(req)
-    assert req.status == RequestStatus.FINISHED
-    assert_all_free(sched.pool)
-
-
-def test_chunked_prefill_respects_the_token_budget() -> None:
-    sched = make_scheduler(8, max_num_batched_tokens=8)
-    a = add(sched, "a", list(range(100, 110)))
-    b = add(sched, "b", list(range(200, 206)))
-    out = schedule(sched)
-    assert chunks_of(out) == [("a", 0, 8, False)]
-    assert (a.block_ids, b.block_ids, b.status) == ([0, 1], [], RequestStatus.WAITING)
-    out = schedule(sched)
-    assert chunks_of(out) == [("a", 8, 2, True), ("b", 0, 6, True)]
-    assert (a.block_ids, b.block_ids) == ([0, 1, 2], [3, 4])
-    assert chunks_of(schedule(sched)) == [("a", 10, 1, True), ("b", 6, 1, True)]
-    assert sched.stats.prompt_tokens_computed == 16
-
-
-def test_preemption_takes_the_newest_request_and_recompute_hits_its_head() -> None:
-    sched = make_scheduler(4)
-    a = add(sched, "a", list(range(100, 107)))
-    b = add(sched, "b", list(range(200, 207)))
-    schedule(sched)
-    assert (a.block_ids, b.block_ids) == ([0, 1], [2, 3])
-    schedule(sched)  # position 7 fills each request's second block
-    out = schedule(sched)  # a needs a 5th block for position 8: b is preempted
-    assert out.preempted == [b]
-    assert chunks_of(out) == [("a", 8, 1, True)]
-    assert a.block_ids == [0, 1, 3]  # b's blocks were freed tail first: its tail went first
-    assert (b.status, b.block_ids, b.num_computed_tokens) == (RequestStatus.WAITING, [], 0)
-    assert list(sched.waiting) == [b]
-    assert (b.num_preemptions, sched.stats.num_preemptions) == (1, 1)
-    sched.finish(a)
-    out = schedule(sched)
-    # b's head block (2) is still cached; its second block was reused by a, so recompute
-    # starts at token 4 and its 9 tokens (7 prompt + 2 output) end in a new block.
-    assert chunks_of(out) == [("b", 4, 5, True)]
-    assert b.block_ids == [2, 3, 1]
-    assert sched.stats.prompt_tokens_computed == 7 + 7 + 3
-    assert b.output_token_ids == [7, 7, 7]
-    sched.finish(b)
-    assert_all_free(sched.pool)
-
-
-@pytest.mark.parametrize("same_step", [False, True])
-def test_prefix_hit_shares_full_blocks(same_step: bool) -> None:
-    sched = make_scheduler(8)
-    a = add(sched, "a", list(range(100, 109)))
-    if not same_step:
-        schedule(sched)
-        sched.finish(a)  # free queue: [3 4 5 6 7 2 1 0]
-    b = add(sched, "b", [*range(100, 108), 50, 51, 52])
-    out = schedule(sched)
-    expected = [("a", 0, 9, True)] if same_step else []
-    assert chunks_of(out) == [*expected, ("b", 8, 3, True)]
-    assert b.block_ids == [0, 1, 3]
-    assert b.num_cached_tokens == 8
-    s = sched.stats
-    assert (s.prompt_tokens_computed, s.prompt_tokens_cached) == (9 + 3, 8)
-    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (9 + 11, 8)
-
-
-def test_prefix_hit_always_leaves_a_token_to_compute() -> None:
-    sched = make_scheduler(8)
-    a = add(sched, "a", list(range(100, 111)))
-    schedule(sched)
-    assert a.block_ids == [0, 1, 2]
-    c = add(sched, "c", list(range(100, 108)))  # exactly a's first two blocks
-    out = schedule(sched)
-    assert chunks_of(out) == [("a", 11, 1, True), ("c", 4, 4, True)]
-    assert c.block_ids == [0, 3]  # block 1's content is recomputed into block 3
-    assert [sched.pool.ref_count(i) for i in range(4)] == [2, 1, 1, 1]
-    assert c.num_cached_tokens == 4
-
-
-def test_disabled_caching_never_shares() -> None:
-    sched = make_scheduler(8, caching=False)
-    a = add(sched, "a", list(range(100, 109)))
-    b = add(sched, "b", list(range(100, 109)))  # same prompt: no sharing without caching
-    out = schedule(sched)
-    assert chunks_of(out) == [("a", 0, 9, True), ("b", 0, 9, True)]
-    assert (a.block_ids, b.block_ids) == ([0, 1, 2], [3, 4, 5])
-    assert sched.stats.prompt_tokens_cached == 0
-    sched.finish(a)
-    sched.finish(b)
-    assert_all_free(sched.pool)
-
-
-def test_max_num_seqs_caps_running_requests() -> None:
-    sched = make_scheduler(16, max_num_seqs=2)
-    reqs = [add(sched, f"r{i}", list(range(100 * i, 100 * i + 5))) for i in range(1, 4)]
-    out = schedule(sched)
-    assert [c.request.request_id for c in out.chunks] == ["r1", "r2"]
-    assert list(sched.waiting) == [reqs[2]]
-    sched.finish(reqs[0])
-    out = schedule(sched)
-    assert chunks_of(out) == [("r2", 5, 1, True), ("r3", 0, 5, True)]
-
-
-def test_finish_of_waiting_and_running_requests_frees_everything() -> None:
-    sched = make_scheduler(8, max_num_seqs=1)
-    a = add(sched, "a", list(range(100, 110)))
-    b = add(sched, "b", list(range(200, 210)))
-    schedule(sched)
-    assert (a.status, b.status) == (RequestStatus.RUNNING, RequestStatus.WAITING)
-    sched.finish(b)
-    sched.finish(a)
-    assert (sched.running, list(sched.waiting), sched.num_unfinished) == ([], [], 0)
-    assert_all_free(sched.pool)
-    assert sched.schedule().is_empty
-
-
-def test_request_outgrowing_the_pool_is_reported_unservable() -> None:
-    sched = make_scheduler(4, max_model_len=100)
-    req = add(sched, "a", list(range(100, 114)), SamplingParams(max_tokens=10))
-    for _ in range(3):  # prompt, then positions 14 and 15 fill the pool's 4 blocks
-        assert not schedule(sched).unservable
-    out = schedule(sched)  # position 16 needs a 5th block
-    assert (out.unservable, out.chunks) == ([req], [])
-    assert req.block_ids == []
-    sched.finish(req)
-    assert_all_free(sched.pool)
-
-
-def test_add_request_rejects_what_can_never_fit() -> None:
-    sched = make_scheduler(4, max_model_len=100)  # the pool holds 16 tokens
-    with pytest.raises(RequestRejected, match="the prompt is empty"):
-        add(sched, "empty", [])
-    with pytest.raises(RequestRejected, match=r"16 tokens, more than the KV cache can hold \(16\)"):
-        add(sched, "pool", list(range(16)))
-    short = make_scheduler(16, max_model_len=12)
-    with pytest.raises(RequestRejected, match="12 tokens; with one generated token that exceeds "
-                       "the maximum context length of 12 tokens"):
-        add(short, "long", list(range(12)))
-    assert add(short, "fits", list(range(11)), SamplingParams(max_tokens=5)).max_tokens == 1
-    assert add(short, "clamp", list(range(4)), SamplingParams(max_tokens=None)).max_tokens == 8
-    assert add(short, "asked", list(range(4)), SamplingParams(max_tokens=3)).max_tokens == 3
-    assert [r.request_id for r in short.waiting] == ["fits", "clamp", "asked"]
-    assert not sched.waiting
-
-
-# --- engine with a tiny model --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory, default_model):
@@ -231,11 +30,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 40000) for _ in range(length)]
-
-
+# Unlike engine_helpers.alone: blocks of 16, and the tokens kept per (prompt, params).
 _ALONE: dict[tuple, list[int]] = {}
 _ALONE_LLM: dict[str, LLM] = {}
 
@@ -250,19 +45,6 @@ def alone(path, token_ids: list[int], params: SamplingParams) -> list[int]:
         out = _ALONE_LLM["llm"].generate([token_ids], params)[0].outputs[0]
         _ALONE[key] = out.token_ids
     return _ALONE[key]
-
-
-def run_until_done(llm: LLM) -> dict[str, list]:
-    """Step the engine to the end; request id -> its deltas."""
-    seen: dict[str, list] = {}
-    while llm.engine.has_unfinished():
-        for delta in llm.engine.step():
-            seen.setdefault(delta.request_id, []).append(delta)
-    return seen
-
-
-def tokens_of(deltas) -> list[int]:
-    return [t for d in deltas for t in d.token_ids]
 
 
 def record_schedules(llm: LLM, measure) -> list:
