@@ -267,6 +267,8 @@ class EngineCore:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting) + parked,
             "kv_blocks_used": self.pool.num_used_blocks,
+            "kv_blocks_held_by_requests": len({
+                block for req in self.requests.values() for block in req.block_ids}),
             "kv_blocks_total": self.pool.num_blocks,
             "kv_cache_usage": self.pool.num_used_blocks / self.pool.num_blocks,
             "prompt_tokens_computed": s.prompt_tokens_computed,

@@ -69,8 +69,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("--max-shared-logits", int, _ENGINE.max_shared_logits,
            "recent prompts whose last logits (and blocks) are kept for reuse"),
     Option("--seed", int, _ENGINE.seed, "engine seed for unseeded requests"),
-    Option("--max-queued-requests", "int?", None,
-           "most sub-requests waiting for a slot before new requests get 503"),
+    Option("--max-queued-requests", int, 256,
+           "sub-requests admitted beyond the --max-num-seqs running slots; past it a new "
+           "request gets 503 + Retry-After"),
+    Option("--max-request-bytes", int, 10 * 1024 * 1024,
+           "largest request body in bytes; a larger one gets 413"),
     Option("--drain-timeout", float, 30.0,
            "seconds to finish in-flight requests after SIGTERM"),
     Option("--sse-ping-interval", float, 15.0, "idle seconds between `: ping` SSE comments"),
@@ -78,7 +81,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("--allowed-methods", "list", ["*"], "CORS allowed methods"),
     Option("--allowed-headers", "list", ["*"], "CORS allowed headers"),
     Option("--log-level", str, "info", "log level", LOG_LEVELS),
+    Option("--log-prompts", bool, False,
+           "log each request's prompt text (off: only ids, sizes and timings)"),
 )
+# Test-only and hidden from --help: lets a request's prompt trigger faults (server/faults.py).
+FAULT_INJECTION = Option("--fault-injection", bool, False, "test-only fault injection")
 
 
 class EnvError(ValueError):
@@ -131,6 +138,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
                             f"embedded SmolLM2-135M-Instruct) [env: {ENV_PREFIX}MODEL]")
     for option in OPTIONS:
         _add(serve, option, env)
+    hidden = FAULT_INJECTION
+    serve.add_argument(hidden.flag, action=argparse.BooleanOptionalAction, help=argparse.SUPPRESS,
+                       default=convert(hidden, env[hidden.env]) if hidden.env in env else False)
     return parser
 
 
@@ -184,8 +194,10 @@ def server_settings(args: argparse.Namespace) -> Any:  # -> plait.server.setting
         allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers), sse_ping_interval=args.sse_ping_interval,
-        max_queued_requests=args.max_queued_requests, drain_timeout=args.drain_timeout,
-        log_level=args.log_level)
+        max_queued_requests=args.max_queued_requests,
+        max_request_bytes=args.max_request_bytes, drain_timeout=args.drain_timeout,
+        log_level=args.log_level, log_prompts=args.log_prompts,
+        fault_injection=args.fault_injection)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

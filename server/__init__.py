@@ -18,8 +18,10 @@ Modules, one job each:
     completions.py  POST /v1/completions
     misc.py         /health /metrics /version /v1/models /tokenize /detokenize
     sse.py          SSE framing and the streaming response
-    errors.py       error envelopes; middleware.py x-request-id; auth.py API keys
+    errors.py       error envelopes; auth.py API keys
+    middleware.py   x-request-id and the 500 envelope; request body size limit (413)
     metrics.py      Prometheus registry per app
+    faults.py       test-only fault injection (hidden --fault-injection), off by default
 
 DEVIATIONS (chosen on purpose):
   * `stop`: at most 4 strings, as OpenAI (vLLM allows more).
@@ -27,7 +29,10 @@ DEVIATIONS (chosen on purpose):
     the start of the prompt.
   * completions `logprobs` 0..5 and `best_of` <= 20, as OpenAI; best_of choices are
     returned best first, and usage counts every generated sample.
-  * prompt + max_tokens beyond the context is clamped by the engine, not rejected.
+  * prompt + max_tokens beyond the context is clamped by the engine, not rejected (OpenAI
+    refuses with 400): the choice ends with finish_reason "length" at the context's end. A
+    prompt that alone leaves no room for one token is a 400 `context_length_exceeded`.
+  * `logit_bias`: at most 300 entries (MAX_LOGIT_BIAS).
   * role "developer" is accepted as "system"; `name` on messages is passed to the template.
   * parameters Plait lacks are rejected (400, `param` set) unless null or an "off" value
     (response_format {"type": "text"}, tool_choice "none", modalities ["text"], store false).

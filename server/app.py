@@ -2,7 +2,8 @@
 
 The lifespan only *starts* loading the model (in a background thread) and returns, so the
 server socket listens while the model loads and /health answers 503 until the engine is
-ready. Middleware, outermost first: x-request-id (and the 500 envelope), CORS, routes.
+ready. Middleware, outermost first: x-request-id (and the 500 envelope), CORS, the body size
+limit (413), routes.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from fastapi.middleware.cors import CORSMiddleware
 import plait
 from plait.engine.async_engine import AsyncEngine
 from plait.engine.token_text import TokenTextTable
-from plait.server import chat, completions, misc
+from plait.server import chat, completions, faults, misc
 from plait.server.auth import require_api_key
 from plait.server.errors import install_error_handlers
 from plait.server.metrics import ServerMetrics
-from plait.server.middleware import RequestIdMiddleware
+from plait.server.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from plait.server.settings import ServerSettings
 from plait.server.state import ServerState
 
@@ -58,6 +59,7 @@ def create_app(settings: ServerSettings | None = None, engine: AsyncEngine | Non
     app = FastAPI(title="Plait", version=plait.__version__, lifespan=lifespan)
     app.state.plait = state
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                        allow_methods=list(settings.allowed_methods),
                        allow_headers=list(settings.allowed_headers),
@@ -77,6 +79,8 @@ async def _load(state: ServerState, on_error: LoadErrorHook | None) -> None:
         if not engine.ready:
             logger.info("loading the model (the server answers /health with 503 until ready)")
             await _in_daemon_thread(engine.load)
+            if state.settings.fault_injection:
+                faults.install(engine)
             engine.start(asyncio.get_running_loop())
         state.token_text = TokenTextTable(engine.tokenizer)
     except Exception as exc:  # one line, no traceback: usually a bad model path

@@ -1,9 +1,9 @@
 """OpenAI error envelopes: `{"error": {"message", "type", "param", "code"}}` for every failure.
 
 Handlers installed by `install_error_handlers` turn `APIError`, pydantic validation errors
-(400, never 422), unknown routes (404) and wrong methods (405) into that envelope. Unexpected
-exceptions are turned into a 500 envelope by `RequestIdMiddleware`, so no stack trace or
-file path ever reaches a client.
+(400, never 422), unknown routes (404), wrong methods (405) and oversized bodies (413) into
+that envelope. Unexpected exceptions are turned into a 500 envelope by `RequestIdMiddleware`,
+so no stack trace or file path ever reaches a client.
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return bad_request(JSON_PARSE_MESSAGE)
     if errors[0].get("type") == "missing" and tuple(errors[0]["loc"]) == ("body",):
         return bad_request(JSON_PARSE_MESSAGE)  # no body at all
+    if isinstance(errors[0].get("input"), bytes):  # not sent as application/json
+        return bad_request("The request body must be JSON, sent with the header "
+                           "'Content-Type: application/json'.")
     extra = [param_name(e["loc"]) for e in errors if e.get("type") == "extra_forbidden"]
     top_level = [name for name in extra if name and "." not in name]
     if top_level:
@@ -191,6 +194,8 @@ async def _http(_: Request, exc: Exception) -> JSONResponse:
         error = APIError(404, "Not found: no such route.", code="not_found")
     elif status == 405:
         error = APIError(405, "Method not allowed for this route.", code="method_not_allowed")
+    elif status == 413:
+        error = APIError(413, str(exc.detail), code="request_too_large")
     else:
         error = APIError(status, str(exc.detail), type=INVALID_REQUEST if status < 500
                          else SERVER_ERROR)

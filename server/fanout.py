@@ -19,6 +19,8 @@ from plait.server.errors import APIError, bad_request
 
 logger = logging.getLogger("plait.server")
 
+RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait, in seconds
+
 
 class FanOut:
     """Owns the sub-requests of one HTTP request; `abort()` stops every unfinished one.
@@ -27,8 +29,7 @@ class FanOut:
     sub-request, the ones already added are aborted and an `APIError` is raised.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str,
-                 max_queued_requests: int | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, max_queued_requests: int) -> None:
         self.engine = engine
         self.request_id = request_id
         self.max_queued_requests = max_queued_requests
@@ -48,7 +49,8 @@ class FanOut:
         except EngineDeadError:
             self.abort()
             raise APIError(503, "The engine stopped; the server must be restarted.",
-                           type="server_error", code="service_unavailable") from None
+                           type="server_error", code="service_unavailable",
+                           headers={"Retry-After": "5"}) from None
         except RequestRejected as exc:
             self.abort()
             raise bad_request(str(exc), "prompt", "context_length_exceeded") from None
@@ -65,10 +67,18 @@ class FanOut:
         self.streams = {}
 
     def _check_load(self, num_new: int) -> None:
-        limit = self.max_queued_requests
-        if limit is None:
-            return
-        waiting = self.engine.num_queued + num_new - self.engine.config.max_num_seqs
-        if waiting > limit:
-            raise APIError(503, "The server is overloaded; retry shortly.", type="server_error",
-                           code="overloaded", headers={"Retry-After": "1"})
+        """Admission: at most max_num_seqs + max_queued_requests sub-requests in the engine.
+
+            admitted: [ running slots (max_num_seqs) | queue (max_queued_requests) ]
+            new request of num_new sub-requests: fits whole -> admitted, else 503 whole
+
+        A request bigger than the whole window could never be admitted: 400, not 503."""
+        capacity = self.engine.config.max_num_seqs + self.max_queued_requests
+        if num_new > capacity:
+            raise bad_request(
+                f"This request needs {num_new} sequences (prompts x n, or best_of), more than "
+                f"this server ever admits at once ({capacity}).", "n", "too_many_sequences")
+        if self.engine.num_queued + num_new > capacity:
+            raise APIError(503, "The server is overloaded with requests; retry shortly.",
+                           type="server_error", code="overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})

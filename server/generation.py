@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from plait.engine.async_engine import RequestStream
 from plait.engine.outputs import RequestDelta, TokenLogprob
-from plait.server.errors import server_error
+from plait.server.errors import APIError, server_error
 from plait.server.fanout import FanOut
 from plait.server.merge import StreamMerger
 from plait.server.params import Plan
@@ -26,6 +26,8 @@ from plait.server.prompts import Prompt
 from plait.server.state import ServerState
 
 logger = logging.getLogger("plait.server")
+
+_REFUSAL_REASONS = {"overloaded": "overloaded", "service_unavailable": "unavailable"}
 
 
 class GenerationError(Exception):
@@ -78,8 +80,19 @@ class Generation:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        streams: dict[int, RequestStream] = self._fanout.start(
-            [p.token_ids for p in self.prompts], self.plan.params, self.plan.num_samples)
+        """Admit every sub-request or none, else raise the fan-out's `APIError` (a 503 is
+        counted in /metrics as overloaded or unavailable)."""
+        if self.state.settings.log_prompts:
+            self._log_prompts()
+        try:
+            streams: dict[int, RequestStream] = self._fanout.start(
+                [p.token_ids for p in self.prompts], self.plan.params, self.plan.num_samples)
+        except APIError as exc:
+            self._outcome = "refused"
+            reason = _REFUSAL_REASONS.get(exc.code or "")
+            if reason is not None:
+                self.state.metrics.requests_refused.labels(reason).inc()
+            raise
         self._merger = StreamMerger(streams)
         self.state.metrics.request_n.observe(self.plan.n)
 
@@ -193,6 +206,14 @@ class Generation:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _log_prompts(self) -> None:
+        """Only with --log-prompts: by default the log never holds prompt text."""
+        tokenizer = self.state.engine.tokenizer
+        for idx, prompt in enumerate(self.prompts):
+            text = prompt.text or tokenizer.decode(prompt.token_ids)
+            logger.info("request %s (x-request-id %s) prompt %d: %r", self.request_id,
+                        self.log_id, idx, text)
 
     def _log(self, now: float) -> None:
         usage = self.usage()

@@ -2,7 +2,7 @@
 
 Engine gauges and counters are read from `engine.stats()` when /metrics is scraped (the
 engine keeps the totals; nothing is double counted here). Per-request histograms and the
-success counter are observed by the HTTP layer as deltas stream through it.
+success and refusal counters are observed by the HTTP layer as requests pass through it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ _GAUGES = {
     "num_running": ("num_requests_running", "Sub-requests running in the engine."),
     "num_waiting": ("num_requests_waiting", "Sub-requests waiting for a running slot."),
     "kv_cache_usage": ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)."),
-    "kv_blocks_used": ("kv_blocks_used", "KV cache blocks in use."),
+    "kv_blocks_used": ("kv_blocks_used", "KV cache blocks in use (requests and kept prompts)."),
+    "kv_blocks_held_by_requests": ("kv_blocks_held_by_requests",
+                                   "KV cache blocks referenced by live requests (0 at rest)."),
     "kv_blocks_total": ("kv_blocks_total", "KV cache blocks in the pool."),
 }
 _COUNTERS = {
@@ -80,6 +82,12 @@ class ServerMetrics:
         self.e2e_request_latency = Histogram(
             "plait_e2e_request_latency_seconds", "Arrival to last token, per HTTP request.",
             buckets=E2E_BUCKETS, **kw)
+        self.requests_refused = Counter(
+            "plait_requests_refused", "HTTP requests refused with 503: overloaded (the "
+            "admission limit), unavailable (loading, draining, engine stopped).", ["reason"],
+            **kw)
+        for reason in ("overloaded", "unavailable"):
+            self.requests_refused.labels(reason)
         self.request_n = Histogram(
             "plait_request_n", "Choices requested (n, or best_of) per prompt.",
             buckets=N_BUCKETS, **kw)

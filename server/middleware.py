@@ -1,5 +1,5 @@
-"""Outermost ASGI middleware: an `x-request-id` on every response, and a 500 envelope for any
-exception that escapes the app before the response started."""
+"""ASGI middleware. Outermost: an `x-request-id` on every response, and a 500 envelope for any
+exception that escapes the app before the response started. Innermost: the body size limit."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import logging
 import re
 import uuid
 
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from plait.server.errors import server_error
+from plait.server.errors import APIError, error_response, server_error
 
 logger = logging.getLogger("plait.server")
 
@@ -67,4 +68,58 @@ def _client_id(scope: Scope) -> str | None:
         if key == b"x-request-id":
             text = value.decode("latin-1")
             return text if _CLIENT_ID.match(text) else None
+    return None
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from `receive` once a streamed body crosses the limit; FastAPI re-raises
+    HTTPExceptions met while reading a body, and the error handlers turn it into a 413."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, too_large_message(max_bytes))
+
+
+def too_large_message(max_bytes: int) -> str:
+    return (f"The request body is too large: the limit is {max_bytes} bytes "
+            "(--max-request-bytes).")
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`: at once when Content-Length says so (nothing
+    is read), else as soon as a chunked body crosses the limit while the app reads it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _content_length(scope)
+        if length is not None and length > self.max_bytes:
+            error = APIError(413, too_large_message(self.max_bytes), code="request_too_large")
+            await error_response(error)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for key, value in scope.get("headers", []):
+        if key == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
     return None

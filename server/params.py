@@ -14,6 +14,7 @@ from plait.server.errors import bad_request
 from plait.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI's tokenizer-limited logit_bias
 _TOKEN_ID = re.compile(r"^[0-9]+$")
 
 
@@ -83,6 +84,11 @@ def build_params(request: SamplingRequest, vocab_size: int, *, max_tokens: int |
     if top_k is not None and top_k in (0, -1):  # vLLM spellings of "disabled"
         top_k = None
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    stop_token_ids = list(request.stop_token_ids or [])
+    bad = next((t for t in stop_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"Invalid 'stop_token_ids': token id {bad} is outside the "
+                          f"vocabulary [0, {vocab_size}).", "stop_token_ids", "invalid_value")
     try:
         return SamplingParams(
             n=request.num_choices, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -93,7 +99,7 @@ def build_params(request: SamplingRequest, vocab_size: int, *, max_tokens: int |
                                 else request.repetition_penalty),
             logit_bias=parse_logit_bias(request.logit_bias, vocab_size),
             seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens or 0,
-            stop=stop, stop_token_ids=list(request.stop_token_ids or []),
+            stop=stop, stop_token_ids=stop_token_ids,
             ignore_eos=bool(request.ignore_eos),
             include_stop_str_in_output=bool(request.include_stop_str_in_output),
             skip_special_tokens=(True if request.skip_special_tokens is None
@@ -107,6 +113,10 @@ def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int
     """{"123": 5} -> {123: 5.0}; keys must be token ids in the vocabulary, values -100..100."""
     if not bias:
         return None
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"Invalid 'logit_bias': too many entries. Expected at most "
+                          f"{MAX_LOGIT_BIAS} token ids, but got {len(bias)} instead.",
+                          "logit_bias", "invalid_value")
     parsed: dict[int, float] = {}
     for key, value in bias.items():
         if not _TOKEN_ID.match(key):

@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 from starlette.types import Receive
 
+from plait.server.errors import server_error
 from plait.server.generation import ChoiceState, Generation
-from plait.server.sse import sse_response
+from plait.server.sse import DONE, error_event, sse_response
 
 logger = logging.getLogger("plait.server")
 T = TypeVar("T")
@@ -42,9 +43,9 @@ async def serve_generation(request: Request, gen: Generation, *, stream: StreamB
 
     Every path ends in `gen.close()`, which aborts unfinished sub-requests.
     """
-    gen.start()
     ping = gen.state.settings.sse_ping_interval
     try:
+        gen.start()
         if stream is not None:
             await run_unless_disconnected(request.receive, gen.first_ready(ping or None))
             return sse_response(_closing(stream(gen), gen), ping, BackgroundTask(gen.close))
@@ -60,10 +61,16 @@ async def serve_generation(request: Request, gen: Generation, *, stream: StreamB
 
 
 async def _closing(body: AsyncIterator[bytes], gen: Generation) -> AsyncIterator[bytes]:
-    """`body`, then `gen.close()` however the stream ends (done, disconnect, cancel)."""
+    """`body`, then `gen.close()` however the stream ends (done, disconnect, cancel). An
+    unexpected error while building the stream ends it the way clients expect: an error
+    event, then [DONE] (the details go to the log only)."""
     try:
         async for frame in body:
             yield frame
+    except Exception:
+        logger.exception("request %s: the stream failed", gen.request_id)
+        yield error_event(server_error().message)
+        yield DONE
     finally:
         gen.close()
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from plait.engine.config import EngineConfig
 
+DEFAULT_MAX_REQUEST_BYTES = 10 * 1024 * 1024  # 10 MiB
+
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
@@ -14,7 +16,13 @@ class ServerSettings:
     `served_model_name=None` serves the model under the engine's own name (known once it has
     loaded; "SmolLM2-135M-Instruct" for the embedded default). `api_keys` empty means no
     authentication. `sse_ping_interval` is the idle time after which a stream gets an SSE
-    comment (`: ping`), 0 disables pings. `max_queued_requests=None` never rejects for load.
+    comment (`: ping`), 0 disables pings.
+
+    Limits (README "Operations"): at most `max_num_seqs + max_queued_requests` sub-requests
+    are admitted at once, a request past that gets 503 (an n-choice request is admitted or
+    refused whole); a body over `max_request_bytes` gets 413. `log_prompts` adds prompt
+    text to the request log. `fault_injection` is test-only (see faults.py), never for
+    production.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -26,15 +34,20 @@ class ServerSettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     sse_ping_interval: float = 15.0
-    max_queued_requests: int | None = None
+    max_queued_requests: int = 256
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     drain_timeout: float = 30.0
     log_level: str = "info"
+    log_prompts: bool = False
+    fault_injection: bool = False
 
     def __post_init__(self) -> None:
         if self.sse_ping_interval < 0:
             raise ValueError("sse_ping_interval must be >= 0")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+        if self.max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0")
+        if self.max_request_bytes < 1:
+            raise ValueError("max_request_bytes must be >= 1")
         if self.drain_timeout < 0:
             raise ValueError("drain_timeout must be >= 0")
         if any(not key for key in self.api_keys):

@@ -70,7 +70,16 @@ def get_ready_state(state: StateDep) -> ServerState:
                    headers={"Retry-After": "5"})
 
 
-ReadyDep = Annotated[ServerState, Depends(get_ready_state)]
+def require_ready(state: StateDep) -> ServerState:
+    """`get_ready_state` for the API routes: a refusal is counted in /metrics."""
+    try:
+        return get_ready_state(state)
+    except APIError:
+        state.metrics.requests_refused.labels("unavailable").inc()
+        raise
+
+
+ReadyDep = Annotated[ServerState, Depends(require_ready)]
 
 
 def check_model(state: ServerState, model: str | None, required: bool = True) -> None:

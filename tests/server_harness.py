@@ -134,19 +134,47 @@ def start_server(args: list[str], env: dict[str, str] | None = None,
     return RemoteServer(port, process, log, api_key)
 
 
-_shared: RemoteServer | None = None
+_shared: dict[str, RemoteServer] = {}
+# The reliability server's small limits (tests/test_reliability_*.py rely on these values).
+RELIABILITY = {"max_num_seqs": 4, "max_queued_requests": 8, "max_request_bytes": 65536,
+               "max_model_len": 64}
+
+
+def _session_server(name: str, args: list[str], env: dict[str, str]) -> RemoteServer:
+    if name not in _shared:
+        server = start_server(args, env, api_key=API_KEY)
+        atexit.register(server.stop)
+        _shared[name] = server
+        server.wait_healthy()
+    return _shared[name]
 
 
 def shared_server() -> RemoteServer:
     """The session's real server: default model, API key and log level from PLAIT_* env
     vars, a bogus PLAIT_PORT that the --port flag must override."""
-    global _shared
-    if _shared is None:
-        env = {"PLAIT_API_KEY": API_KEY, "PLAIT_PORT": "1", "PLAIT_LOG_LEVEL": "info"}
-        _shared = start_server([], env, api_key=API_KEY)
-        atexit.register(_shared.stop)
-        _shared.wait_healthy()
-    return _shared
+    return _session_server("default", [], {"PLAIT_API_KEY": API_KEY, "PLAIT_PORT": "1",
+                                           "PLAIT_LOG_LEVEL": "info"})
+
+
+def reliability_server() -> RemoteServer:
+    """A second session server: the RELIABILITY limits, --log-prompts, the test-only fault
+    injection switch and the API key from a file (both through PLAIT_* env vars)."""
+    key_file = Path(tempfile.mkstemp(prefix="plait-keys-")[1])
+    key_file.write_text(f"# test keys\n{API_KEY}\n")
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in RELIABILITY.items()]
+    return _session_server("reliability", [*args, "--log-prompts"], {
+        "PLAIT_API_KEY_FILE": str(key_file), "PLAIT_FAULT_INJECTION": "1"})
+
+
+def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+    """The error object of an OpenAI envelope with `status`; fails if a trace or path leaked."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert list(body) == ["error"], body
+    assert list(body["error"]) == ["message", "type", "param", "code"], body
+    for leak in ("Traceback", ".py", "/srv/", "/work/", "/home/", "site-packages"):
+        assert leak not in response.text, response.text
+    return body["error"]
 
 
 # ---------------------------------------------------------------- SSE
@@ -271,14 +299,23 @@ def scripted_engine(core: ScriptedCore, gate: threading.Event | None = None):
 class InProcessServer:
     """Serve an ASGI app with uvicorn in a background thread (a context manager)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, sndbuf: int | None = None) -> None:
+        """`sndbuf` fixes the kernel send buffer of accepted connections (no autotuning), so
+        that a client that stops reading pushes back on the server soon."""
         import uvicorn
 
         self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                 lifespan="on")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        sockets = None
+        if sndbuf is not None:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+            sock.bind(("127.0.0.1", self.port))
+            sockets = [sock]
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": sockets},
+                                       daemon=True)
 
     @property
     def url(self) -> str:

@@ -257,6 +257,7 @@ def test_stats_count_what_was_done(tiny_path) -> None:
         "num_running": 0,
         "num_waiting": 0,
         "kv_blocks_used": 5 + 8,  # the two kept prompts: 20 and 30 tokens in blocks of 4
+        "kv_blocks_held_by_requests": 0,  # ... pinned by the share table, not by a request
         "kv_blocks_total": 64,
         "kv_cache_usage": 13 / 64,
         "prompt_tokens_computed": 50,

@@ -82,14 +82,18 @@ def test_stream_disconnect_aborts_all_choices_and_frees_their_blocks(server) -> 
         # Far more tokens than can be generated before the disconnect, on any machine.
         long_body = {**body, "n": 3, "max_tokens": 4000, "ignore_eos": True, "stream": True}
         with http.stream("POST", "/v1/completions", json=long_body) as response:
+            # Keep the line iterator alive: dropping a half-read httpx iterator closes the
+            # connection, which is the disconnect this test wants to make only later.
+            lines = response.iter_lines()
             num_chunks = 0
-            for line in response.iter_lines():
-                num_chunks += line.startswith("data: {")
-                if num_chunks == 6:
-                    break
+            while num_chunks < 6:
+                num_chunks += next(lines).startswith("data: {")
             assert wait_for(lambda: server.metrics()["plait_num_requests_running"] == 3, 10)
+            assert server.metrics()["plait_kv_blocks_held_by_requests"] > 0
+            response.close()  # the client hangs up mid-stream
         assert wait_for(lambda: server.metrics()["plait_num_requests_running"] == 0, 10)
     assert _idle_blocks(server) == baseline
+    assert server.metrics()["plait_kv_blocks_held_by_requests"] == 0
     assert server.metrics()["plait_generation_tokens_total"] - generated < 3 * 4000
 
 

@@ -1,0 +1,200 @@
+"""Fault isolation in a real server, through the test-only fault injection switch
+(PLAIT_FAULT_INJECTION=1; markers in the prompt, see server/faults.py): a failing tokenizer,
+model step, sampler or detokenizer ends only the request concerned (a 500 envelope, or an
+in-stream error event then [DONE]), never leaks a trace or a path, and the server keeps
+serving; a dead engine loop turns /health and every new request into an immediate 503."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from server_harness import (
+    API_KEY,
+    MODEL,
+    InProcessServer,
+    RemoteServer,
+    ScriptedCore,
+    error_of,
+    parse_sse,
+    reliability_server,
+    scripted_engine,
+    start_server,
+    wait_for,
+)
+
+LEAKS = ("Traceback", "secret.py", "/srv/", ".py", "injected")
+
+
+@pytest.fixture(scope="module")
+def server() -> RemoteServer:
+    return reliability_server()
+
+
+def _gauges(server: RemoteServer) -> tuple[float, float]:
+    m = server.metrics()
+    return m["plait_num_requests_running"], m["plait_num_requests_waiting"]
+
+
+def _blocks_at_rest(server: RemoteServer) -> float:
+    assert wait_for(lambda: _gauges(server) == (0, 0), 30), _gauges(server)
+    return server.metrics()["plait_kv_blocks_used"]
+
+
+def _completion(prompt: str, **fields) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, **fields}
+
+
+def _chat(content: str, **fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}],
+            "max_tokens": 6, "temperature": 0, "ignore_eos": True, **fields}
+
+
+def _assert_error_event(sse_events: list, message: str) -> None:
+    assert sse_events[-1] == "[DONE]"
+    assert sse_events[-2] == {"error": {"message": message, "type": "server_error",
+                                        "param": None, "code": None}}
+
+
+@pytest.mark.parametrize(("phase", "message"), [
+    ("execute", "internal error while computing the request"),
+    ("sample", "internal error while computing the request"),
+    ("detokenize", "internal error while decoding the output")])
+def test_engine_fault_ends_only_that_request(server, phase: str, message: str) -> None:
+    requests = [("/v1/completions", _completion(f"plait-fault:{phase} go", n=2)),
+                ("/v1/completions", _completion(f"plait-fault:{phase}@5 and then")),
+                ("/v1/chat/completions", _chat(f"plait-fault:{phase}@2 count", stream=True,
+                                               n=2)),
+                ("/v1/completions", _completion("A healthy request"))]
+    with server.http() as http:
+        # A prompt whose prefill was computed stays pinned (prompt sharing) even if the
+        # request failed later: one pass first, so that the baseline includes those pins.
+        for path, body in requests:
+            http.post(path, json=body)
+        baseline = _blocks_at_rest(server)
+        plain, late, streamed, ok = (http.post(path, json=body) for path, body in requests)
+        error = error_of(plain, 500)
+        assert (error["type"], error["message"]) == ("server_error", message)
+        assert error_of(late, 500)["message"] == message  # after tokens, not streamed
+        assert streamed.status_code == 200
+        assert not any(leak in streamed.text for leak in LEAKS), streamed.text
+        sse = parse_sse(streamed.content)
+        _assert_error_event(sse.events, message)
+        contents = [c["choices"][0]["delta"].get("content") for c in sse.chunks[:-1]]
+        assert contents[:2] == ["", ""] and len([c for c in contents if c]) >= 2
+        assert not any(c["choices"][0]["finish_reason"] for c in sse.chunks[:-1])
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+    assert _blocks_at_rest(server) == baseline
+
+
+async def test_detokenizer_fault_spares_a_concurrent_stream(server: RemoteServer) -> None:
+    innocent = _chat("Name three rivers.", max_tokens=12, stream=True)
+    async with httpx.AsyncClient(base_url=server.url, headers=server.headers,
+                                 timeout=120) as client:
+        alone = await client.post("/v1/chat/completions", json={**innocent, "stream": False})
+        expected = alone.json()["choices"][0]["message"]["content"]
+
+        async def stream() -> list:
+            response = await client.post("/v1/chat/completions", json=innocent)
+            return parse_sse(response.content).events
+
+        task = asyncio.create_task(stream())
+        await asyncio.sleep(0.3)
+        faulty = await client.post("/v1/completions",
+                                   json=_completion("plait-fault:detokenize@1 x", n=3))
+        events = await task
+    assert error_of(faulty, 500)["type"] == "server_error"
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_tokenizer_fault_is_a_500_envelope_without_internals(server: RemoteServer) -> None:
+    marker = "plait-fault:tokenize"
+    with server.http() as http:
+        for path, body in (("/v1/chat/completions", _chat(marker)),
+                           ("/v1/chat/completions", _chat(marker, stream=True)),
+                           ("/v1/completions", _completion(["fine", marker])),
+                           ("/tokenize", {"model": MODEL, "prompt": marker})):
+            response = http.post(path, json=body, headers={"x-request-id": "fault-1"})
+            error = error_of(response, 500)
+            assert error["type"] == "server_error" and error["param"] is None
+            assert response.headers["x-request-id"] == "fault-1"
+            assert not any(leak in response.text for leak in LEAKS)
+        assert http.get("/health").status_code == 200
+        assert http.post("/v1/chat/completions", json=_chat("hello")).status_code == 200
+    assert "injected tokenizer fault" in server.log()  # the log keeps the details
+
+
+def test_a_bug_while_streaming_ends_the_stream_with_an_error_event(tokenizer, monkeypatch):
+    """In-process (scripted engine): an unexpected exception in the HTTP layer after the
+    stream started still ends it with an error event and [DONE]."""
+    from plait.server import chat
+    from plait.server.app import create_app
+    from plait.server.settings import ServerSettings
+
+    def encode(payload: dict) -> bytes:
+        if "two" in str(payload):
+            raise ValueError("bug at /srv/plait/internal/secret.py")
+        return original(payload)
+
+    original = chat.encode
+    monkeypatch.setattr(chat, "encode", encode)
+    core = ScriptedCore(tokenizer)
+    app = create_app(ServerSettings(), engine=scripted_engine(core))
+    body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}],
+            "stream": True, "max_tokens": 5}
+    with InProcessServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        assert wait_for(lambda: http.get("/health").status_code == 200, 10)
+        response = http.post("/v1/chat/completions", json=body)
+        assert wait_for(lambda: not core.live, 5)
+    assert not any(leak in response.text for leak in LEAKS)
+    events = parse_sse(response.content).events
+    _assert_error_event(events, "The server had an error while processing your request.")
+    assert [e["choices"][0]["delta"] for e in events[:-2]] == [
+        {"role": "assistant", "content": ""}, {"content": " one"}]
+
+
+@pytest.fixture
+def doomed_server():
+    """A server of its own: this test kills its engine."""
+    server = start_server([], {
+        "PLAIT_API_KEY": API_KEY, "PLAIT_FAULT_INJECTION": "true"}, api_key=API_KEY)
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_dead_engine_loop_turns_everything_503_at_once(doomed_server: RemoteServer) -> None:
+    server = doomed_server
+    refused = 'plait_requests_refused_total{reason="unavailable"}'
+    with server.http() as http:
+        body = _completion("A long story:", max_tokens=400, stream=True)
+        with http.stream("POST", "/v1/completions", json=body) as victim:
+            lines = victim.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            killer = http.post("/v1/completions", json=_completion("plait-fault:kill"))
+            rest = "\n\n".join(line for line in lines if line) + "\n\n"
+        assert error_of(killer, 500)["type"] == "server_error"
+        sse = parse_sse(rest.encode())
+        _assert_error_event(sse.events, "engine loop died: EngineKilled")
+        assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, 10)
+        error = error_of(httpx.get(f"{server.url}/health"), 503)
+        assert error["code"] == "service_unavailable" and "stopped" in error["message"]
+        before = server.metrics()[refused]
+        for path, request in (("/v1/completions", _completion("hi")),
+                              ("/v1/chat/completions", _chat("hi", stream=True))):
+            started = time.monotonic()
+            response = http.post(path, json=request)
+            assert time.monotonic() - started < 2
+            assert error_of(response, 503)["code"] == "service_unavailable"
+            assert response.headers["retry-after"]
+        assert server.metrics()[refused] - before == 2
+    assert server.process.poll() is None  # the process lives on, answering 503s
+    assert "engine loop died" in server.log()
