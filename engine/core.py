@@ -199,7 +199,9 @@ class EngineCore:
         reason, stop_reason = self._check_stop(req, token_id)
         # A stop token (EOS or stop_token_ids) ends the text without its own text.
         hide = reason == "stop" and not params.include_stop_str_in_output
-        step = req.detokenizer.step([] if hide else [token_id], finished=reason is not None)
+        # Below min_tokens a stop string cannot end the request either (as vLLM).
+        step = req.detokenizer.step([] if hide else [token_id], finished=reason is not None,
+                                    match_stops=len(req.output_token_ids) >= params.min_tokens)
         if step.stop_str is not None:
             reason, stop_reason = "stop", step.stop_str
         delta = RequestDelta(

@@ -45,7 +45,9 @@ class IncrementalDetokenizer:
     Stop strings are matched in the decoded text (after `skip_special_tokens`). The earliest
     match wins (ties: the shorter string); the emitted text ends right before it, or right
     after it with `include_stop_str_in_output`. Once a stop string matched, every later call
-    returns empty text.
+    returns empty text. A step called with `match_stops=False` (the request is still below
+    `min_tokens`, as vLLM) finds no stop string: a match must end in text decoded by a later
+    step.
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -76,7 +78,8 @@ class IncrementalDetokenizer:
         """True once a stop string matched."""
         return self._stopped
 
-    def step(self, new_token_ids: list[int], finished: bool) -> DetokenizerStep:
+    def step(self, new_token_ids: list[int], finished: bool,
+             match_stops: bool = True) -> DetokenizerStep:
         """Decode `new_token_ids` and return the text that may be emitted now."""
         if self._stopped:
             return DetokenizerStep("", None)
@@ -85,7 +88,7 @@ class IncrementalDetokenizer:
         if finished:
             new_text.append(self._decode_pending(flush=True))
         self._pending += "".join(new_text)
-        stop_str, emit_end = self._find_stop(old_len)
+        stop_str, emit_end = self._find_stop(old_len) if match_stops else (None, 0)
         if stop_str is not None:
             self._stopped = True
         elif finished:

@@ -24,7 +24,9 @@ class SamplingParams:
     itself only ever sees `n == 1` sub-requests (see `fan_out`). `seed=None` means
     non-reproducible sampling. `logprobs=None` means none; `logprobs=k` (0..20) returns the
     sampled token's logprob plus the top-k alternatives. `prompt_logprobs=k` asks for
-    logprobs of every prompt token (used by completions `echo` + `logprobs`).
+    logprobs of every prompt token (used by completions `echo` + `logprobs`). Below
+    `min_tokens` generated tokens nothing stops the sequence: EOS and `stop_token_ids` are
+    masked, and a `stop` string must end in the text of token `min_tokens` or later (vLLM).
     """
 
     n: int = 1

@@ -149,3 +149,26 @@ def test_token_bytes_concatenate_to_the_text(tokenizer):
     table = TokenTextTable(tokenizer)
     ids = encode(tokenizer, MULTILINGUAL)
     assert b"".join(bytes(table.bytes(i)) for i in ids) == MULTILINGUAL.encode()
+
+
+def test_stop_strings_only_match_from_min_tokens_on(tokenizer):
+    """The engine passes match_stops=False below min_tokens: "o" in "Hello" and " world" is
+    not a stop; "world," ends in the third token's text, so it stops there."""
+    ids = encode(tokenizer, "Hello world, friend")  # Hello | ␣world | , | ␣friend
+    params = SamplingParams(stop=["o", "world,"], min_tokens=3)
+    detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, "The answer is"), params)
+    steps = [detok.step([t], finished=False, match_stops=i + 1 >= params.min_tokens)
+             for i, t in enumerate(ids)]
+    assert [s.text for s in steps] == ["Hello", " ", "", ""]
+    assert [s.stop_str for s in steps] == [None, None, "world,", None]
+    assert detok.output_text == "Hello "
+
+
+def test_stop_string_before_min_tokens_is_emitted(tokenizer):
+    ids = encode(tokenizer, "Hello world, friend")
+    detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, "The answer is"),
+                                   SamplingParams(stop=["o"], min_tokens=4))
+    steps = [detok.step([t], finished=i == 3, match_stops=i + 1 >= 4)
+             for i, t in enumerate(ids)]
+    assert [s.stop_str for s in steps] == [None, None, None, None]
+    assert detok.output_text == "Hello world, friend"

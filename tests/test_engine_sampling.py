@@ -115,6 +115,33 @@ def test_stop_string_ends_generation_and_is_cut_from_the_text(tiny_path) -> None
         assert choice.text == full[:start + 4 * include]
 
 
+def test_stop_string_only_counts_from_min_tokens_on(tiny_path) -> None:
+    """As vLLM: below min_tokens a stop string is plain text; the first match that ends in
+    the text of token min_tokens or later stops the request."""
+    ids = prompt(3, 12)
+    llm = make_llm(tiny_path)
+    tokens, pieces = per_token_text(llm, ids, SamplingParams(temperature=0, max_tokens=24,
+                                                             ignore_eos=True))
+    full = "".join(pieces)
+    stop = next(full[i:i + 2] for i in range(len(full) - 2)
+                if full[i:i + 2].strip() == full[i:i + 2])  # the first 2-char string
+    first_end = full.find(stop) + 2
+    min_tokens = next(k for k in range(1, 25) if len("".join(pieces[:k])) >= first_end) + 1
+    ignored_before = len("".join(pieces[:min_tokens - 1]))
+    later = next((i for i in range(len(full)) if full.startswith(stop, i)
+                  and i + 2 > ignored_before), None)
+    choice = llm.generate([ids], SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                                min_tokens=min_tokens, ignore_eos=True))
+    choice = choice[0].outputs[0]
+    assert choice.text.startswith(full[:first_end])  # the early match was not a stop
+    if later is None:
+        assert (choice.finish_reason, choice.token_ids, choice.text) == ("length", tokens, full)
+    else:
+        num_tokens = next(k for k in range(1, 25) if len("".join(pieces[:k])) >= later + 2)
+        assert (choice.finish_reason, choice.stop_reason) == ("stop", stop)
+        assert choice.token_ids == tokens[:num_tokens] and choice.text == full[:later]
+
+
 def test_stop_token_id_ends_generation_without_its_text(tiny_path) -> None:
     ids = prompt(4, 12)
     llm = make_llm(tiny_path)
