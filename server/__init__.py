@@ -19,6 +19,7 @@ Modules, one job each:
     misc.py         /health /metrics /version /v1/models /tokenize /detokenize
     sse.py          SSE framing and the streaming response
     errors.py       error envelopes; auth.py API keys
+    openapi.py      /openapi.json documents the envelope's statuses, never 422
     middleware.py   x-request-id and the 500 envelope; request body size limit (413)
     metrics.py      Prometheus registry per app
     faults.py       test-only fault injection (hidden --fault-injection), off by default

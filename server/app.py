@@ -27,6 +27,7 @@ from plait.server.auth import require_api_key
 from plait.server.errors import install_error_handlers
 from plait.server.metrics import ServerMetrics
 from plait.server.middleware import BodyLimitMiddleware, RequestIdMiddleware
+from plait.server.openapi import install_openapi
 from plait.server.settings import ServerSettings
 from plait.server.state import ServerState
 
@@ -69,6 +70,7 @@ def create_app(settings: ServerSettings | None = None, engine: AsyncEngine | Non
     guarded = [Depends(require_api_key)]
     for router in (chat.router, completions.router, misc.router):
         app.include_router(router, dependencies=guarded)
+    install_openapi(app)
     return app
 
 
