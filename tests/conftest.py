@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded default model (converted once per cache) and its tokenizer."""
+"""Shared fixtures: the embedded default model (converted once per cache), its tokenizer, a
+tiny random-weight Llama on that tokenizer, and a one-torch-thread switch."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers: tiny_model, server_harness
+
+from tiny_model import make_tiny_model
 
 from plait.engine.model_loader import ResolvedModel, load_tokenizer, resolve_model
 
@@ -20,3 +24,19 @@ def default_model() -> ResolvedModel:
 @pytest.fixture(scope="session")
 def tokenizer(default_model: ResolvedModel):
     return load_tokenizer(default_model.path)
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory, default_model: ResolvedModel) -> Path:
+    """A tiny random-weight Llama (seed 0) with the default model's tokenizer."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), default_model.path)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matmuls: thread hand-offs cost more than they save, worse on a busy machine.
+    Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -21,25 +21,12 @@ from engine_helpers import (
     run_until_done,
     tokens_of,
 )
-from tiny_model import make_tiny_model
 
 from plait import SamplingParams
 from plait.engine.sampling_params import InvalidParamError
 from plait.engine.scheduler import RequestRejected
 
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory, default_model):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_core"), default_model.path)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: thread hand-offs cost more than they save, worse on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_model import make_tiny_model
 
 from plait import LLM, SamplingParams
 
 PROMPT_LEN = 60  # block_size 16: 3 full blocks + a partial block of 12 tokens
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory, default_model):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"), default_model.path)
 
 
 def make_llm(path, **options) -> LLM:

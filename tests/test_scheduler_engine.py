@@ -8,26 +8,12 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from engine_helpers import GREEDY, assert_all_free, prompt, run_until_done, tokens_of
-from tiny_model import make_tiny_model
 
 from plait import LLM, SamplingParams
 from plait.engine.scheduler import RequestRejected, SchedulerOutput
 
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory, default_model):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_sched"), default_model.path)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: thread hand-offs cost more than they save, worse on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # Unlike engine_helpers.alone: blocks of 16, and the tokens kept per (prompt, params).
