@@ -66,6 +66,7 @@ class EngineCore:
         self.last_error: str | None = None
         self.fault_hook: FaultHook | None = None
         self.stalled = False
+        self._held_blocks = (0.0, 0)  # (monotonic time computed, value): see _held_by_requests
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -262,6 +263,22 @@ class EngineCore:
                             num_cached_tokens=req.num_cached_tokens or 0)
 
     # ---------------------------------------------------------------- stats
+    HELD_BLOCKS_EXACT_UP_TO = 4096  # block-table entries counted after every step
+    HELD_BLOCKS_REFRESH_S = 0.5
+
+    def _held_by_requests(self) -> int:
+        """Distinct blocks in live requests' block tables. Exact while the tables hold at
+        most HELD_BLOCKS_EXACT_UP_TO entries (and so 0 with no request); above that,
+        recounted at most every HELD_BLOCKS_REFRESH_S, since walking every table of a large
+        long-context batch after every step would cost milliseconds."""
+        total = sum(len(req.block_ids) for req in self.requests.values())
+        now = time.monotonic()
+        if (total <= self.HELD_BLOCKS_EXACT_UP_TO
+                or now - self._held_blocks[0] >= self.HELD_BLOCKS_REFRESH_S):
+            self._held_blocks = (now, len({
+                block for req in self.requests.values() for block in req.block_ids}))
+        return self._held_blocks[1]
+
     def stats(self) -> dict[str, int | float | str | None]:
         s = self.scheduler.stats
         parked = sum(len(e.followers) for e in self.scheduler.share.in_flight.values())
@@ -269,8 +286,7 @@ class EngineCore:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting) + parked,
             "kv_blocks_used": self.pool.num_used_blocks,
-            "kv_blocks_held_by_requests": len({
-                block for req in self.requests.values() for block in req.block_ids}),
+            "kv_blocks_held_by_requests": self._held_by_requests(),
             "kv_blocks_total": self.pool.num_blocks,
             "kv_cache_usage": self.pool.num_used_blocks / self.pool.num_blocks,
             "prompt_tokens_computed": s.prompt_tokens_computed,

@@ -238,6 +238,8 @@ def test_stats_count_what_was_done(tiny_path) -> None:
     llm.engine.step()
     assert (llm.stats()["num_waiting"], llm.stats()["num_running"]) == (0, 2)
     assert llm.stats()["generation_tokens"] == 2
+    # Every block in use belongs to a running request (the kept prompts are theirs too).
+    assert llm.stats()["kv_blocks_held_by_requests"] == llm.stats()["kv_blocks_used"] >= 5 + 8
     run_until_done(llm)
     stats = llm.stats()
     assert stats == {
