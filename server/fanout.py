@@ -38,7 +38,8 @@ class FanOut:
     def start(self, prompts: list[list[int]], params: SamplingParams,
               num_samples: int) -> dict[int, RequestStream]:
         """Add every sub-request; returns the streams by choice slot."""
-        self._check_load(len(prompts) * num_samples)
+        self._check_load(len(prompts) * num_samples,
+                         "best_of" if num_samples > params.n else "n")
         try:
             for p, token_ids in enumerate(prompts):
                 for j in range(num_samples):
@@ -66,7 +67,7 @@ class FanOut:
                         len(unfinished))
         self.streams = {}
 
-    def _check_load(self, num_new: int) -> None:
+    def _check_load(self, num_new: int, sample_param: str) -> None:
         """Admission: at most max_num_seqs + max_queued_requests sub-requests in the engine.
 
             admitted: [ running slots (max_num_seqs) | queue (max_queued_requests) ]
@@ -77,7 +78,8 @@ class FanOut:
         if num_new > capacity:
             raise bad_request(
                 f"This request needs {num_new} sequences (prompts x n, or best_of), more than "
-                f"this server ever admits at once ({capacity}).", "n", "too_many_sequences")
+                f"this server ever admits at once ({capacity}).", sample_param,
+                "too_many_sequences")
         if self.engine.num_queued + num_new > capacity:
             raise APIError(503, "The server is overloaded with requests; retry shortly.",
                            type="server_error", code="overloaded",

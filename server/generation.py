@@ -82,17 +82,17 @@ class Generation:
     def start(self) -> None:
         """Admit every sub-request or none, else raise the fan-out's `APIError` (a 503 is
         counted in /metrics as overloaded or unavailable)."""
-        if self.state.settings.log_prompts:
-            self._log_prompts()
         try:
             streams: dict[int, RequestStream] = self._fanout.start(
                 [p.token_ids for p in self.prompts], self.plan.params, self.plan.num_samples)
         except APIError as exc:
-            self._outcome = "refused"
             reason = _REFUSAL_REASONS.get(exc.code or "")
+            self._outcome = "refused" if reason is not None else "rejected"
             if reason is not None:
                 self.state.metrics.requests_refused.labels(reason).inc()
             raise
+        if self.state.settings.log_prompts:  # admitted requests only: refusals stay cheap
+            self._log_prompts()
         self._merger = StreamMerger(streams)
         self.state.metrics.request_n.observe(self.plan.n)
 

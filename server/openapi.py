@@ -13,6 +13,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from plait.server.fanout import RETRY_AFTER_S
+
 ERROR_SCHEMA: dict[str, Any] = {
     "title": "ErrorResponse",
     "type": "object",
@@ -35,10 +37,14 @@ _API_ERRORS = {
     "404": "Unknown model.",
     "413": "Request body over --max-request-bytes.",
     "500": "An error while serving this request.",
-    "503": "Overloaded (Retry-After: 1), loading, draining or the engine stopped.",
+    "503": f"Overloaded (Retry-After: {RETRY_AFTER_S}), loading, draining or the engine "
+           "stopped (Retry-After: 5).",
 }
-# For the other /v1 operations (GET /v1/models): authentication and readiness only.
+# GET /v1/models/{model}: authentication, the model name, readiness.
+_LOOKUP_ERRORS = {status: _API_ERRORS[status] for status in ("401", "404", "503")}
+# GET /v1/models: authentication and readiness only.
 _GUARD_ERRORS = {status: _API_ERRORS[status] for status in ("401", "503")}
+_HEALTH_503 = "Loading, draining after SIGTERM, or the engine stopped."
 
 
 def _error_response(description: str) -> dict[str, Any]:
@@ -49,12 +55,14 @@ def _error_response(description: str) -> dict[str, Any]:
 def rewrite_errors(document: dict[str, Any]) -> dict[str, Any]:
     """Replace the 422 responses of `document` (in place) by the envelope's statuses."""
     for path, operations in document.get("paths", {}).items():
-        for operation in operations.values():
+        for method, operation in operations.items():
             responses = operation.setdefault("responses", {})
             if responses.pop("422", None) is not None:
-                errors = _API_ERRORS
+                errors = _LOOKUP_ERRORS if method == "get" else _API_ERRORS
             elif path.startswith("/v1/"):
                 errors = _GUARD_ERRORS
+            elif path == "/health":
+                errors = {"503": _HEALTH_503}
             else:
                 continue
             for status, description in errors.items():
@@ -72,7 +80,8 @@ def install_openapi(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = rewrite_errors(get_openapi(
-                title=app.title, version=app.version, routes=app.routes))
+                title=app.title, version=app.version, openapi_version=app.openapi_version,
+                routes=app.routes, servers=app.servers))
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -3,14 +3,18 @@ and the context-length check. Errors are 400 envelopes naming `messages` or `pro
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+from jinja2 import TemplateError
 
 from plait.engine.async_engine import AsyncEngine
 from plait.engine.scheduler import RequestRejected
 from plait.server.errors import bad_request
 from plait.server.protocol import ChatMessage
 
+logger = logging.getLogger("plait.server")
 _PROMPT_FORMS = "a string, an array of strings, an array of tokens, or an array of token arrays"
 
 
@@ -61,8 +65,12 @@ def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]],
     try:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-    except Exception as exc:  # jinja TemplateError and the like: the messages don't fit it
+    except TemplateError as exc:  # e.g. raise_exception("Roles must alternate ...")
         raise bad_request(f"The messages do not fit the model's chat template: {exc}",
+                          "messages", "invalid_value") from None
+    except Exception:  # anything else: its text may hold internals, keep it in the log
+        logger.exception("applying the chat template failed")
+        raise bad_request("The messages do not fit the model's chat template.",
                           "messages", "invalid_value") from None
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -208,6 +208,9 @@ async def test_overload_is_503_and_n_is_admitted_or_refused_whole(server) -> Non
             never = error_of(await client.post("/v1/completions",
                                                json=_long(CAPACITY + 1, "d")), 400)
             assert (never["param"], never["code"]) == ("n", "too_many_sequences")
+            never = error_of(await client.post("/v1/completions", json={
+                **_long(1, "d"), "stream": False, "best_of": CAPACITY + 1}), 400)
+            assert (never["param"], never["code"]) == ("best_of", "too_many_sequences")
             held.append(asyncio.create_task(_hold(client, _long(1, "c"))))  # fills it
             assert await asyncio.to_thread(
                 wait_for, lambda: _gauges(server) == (4, CAPACITY - 4), 30)

@@ -31,7 +31,10 @@ def test_body_routes_list_the_envelope_statuses() -> None:
         for status in ("400", "503"):
             assert responses[status]["content"]["application/json"]["schema"] == ENVELOPE_REF
     assert sorted(paths["/v1/models"]["get"]["responses"]) == ["200", "401", "503"]
-    assert sorted(paths["/health"]["get"]["responses"]) == ["200"]
+    assert sorted(paths["/v1/models/{model}"]["get"]["responses"]) == ["200", "401", "404",
+                                                                      "503"]
+    assert sorted(paths["/health"]["get"]["responses"]) == ["200", "503"]
+    assert sorted(paths["/metrics"]["get"]["responses"]) == ["200"]
 
 
 def test_document_is_built_once() -> None:
