@@ -30,7 +30,6 @@ from typing import Any
 
 import httpx
 
-MODEL = "SmolLM2-135M-Instruct"
 # A fixed pool: each prompt's shared prefill stays pinned (prompt sharing), so the blocks in
 # use at rest are the same before and after the soak.
 PROMPTS = ["Once upon a time", "The capital of France is", "List three colours:",
@@ -57,9 +56,10 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def random_request(rng: random.Random, max_tokens: int) -> tuple[str, dict[str, Any]]:
+def random_request(rng: random.Random, max_tokens: int,
+                   model: str) -> tuple[str, dict[str, Any]]:
     prompt = rng.choice(PROMPTS)
-    body: dict[str, Any] = {"model": MODEL, "n": rng.randint(1, 8), "stream": True,
+    body: dict[str, Any] = {"model": model, "n": rng.randint(1, 8), "stream": True,
                             "max_tokens": rng.randint(1, max_tokens),
                             "temperature": rng.choice([0.0, 0.7, 1.0])}
     if rng.random() < 0.5:
@@ -113,9 +113,10 @@ def _account_refusal(response: httpx.Response, text: str, tally: Tally) -> None:
 
 
 async def client_loop(client: httpx.AsyncClient, rng: random.Random, deadline: float,
-                      tally: Tally, max_tokens: int, disconnect_share: float) -> None:
+                      tally: Tally, max_tokens: int, disconnect_share: float,
+                      model: str) -> None:
     while time.monotonic() < deadline:
-        path, body = random_request(rng, max_tokens)
+        path, body = random_request(rng, max_tokens, model)
         hang_up = rng.random() < disconnect_share
         seen: dict[str, bool] = {}
         tally.sent += 1
@@ -147,12 +148,19 @@ async def wait_idle(client: httpx.AsyncClient, timeout: float = 120.0) -> dict[s
         await asyncio.sleep(0.2)
 
 
-async def warm(client: httpx.AsyncClient) -> None:
+async def served_model(client: httpx.AsyncClient) -> str:
+    """The name the server serves (it may be --served-model-name)."""
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def warm(client: httpx.AsyncClient, model: str) -> None:
     """Every pool prompt once on both endpoints (pins its shared prefill)."""
     for prompt in PROMPTS:
         for path, extra in (("/v1/completions", {"prompt": prompt}), ("/v1/chat/completions", {
                 "messages": [{"role": "user", "content": prompt}]})):
-            response = await client.post(path, json={"model": MODEL, "max_tokens": 1, **extra})
+            response = await client.post(path, json={"model": model, "max_tokens": 1, **extra})
             response.raise_for_status()
 
 
@@ -172,7 +180,8 @@ async def soak(url: str, *, k: int, seconds: float, api_key: str | None = None,
     limits = httpx.Limits(max_connections=k + 4)
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(300, connect=10)) as client:
-        await warm(client)
+        model = await served_model(client)
+        await warm(client, model)
         baseline = (await wait_idle(client))["plait_kv_blocks_used"]
         rss_before = rss_mb(pid)
         tally = Tally()
@@ -180,10 +189,10 @@ async def soak(url: str, *, k: int, seconds: float, api_key: str | None = None,
         deadline = started + seconds
         rngs = [random.Random(seed * 1000 + i) for i in range(k)]
         await asyncio.gather(*(client_loop(client, rng, deadline, tally, max_tokens,
-                                           disconnect_share) for rng in rngs))
+                                           disconnect_share, model) for rng in rngs))
         elapsed = time.monotonic() - started
         idle = await wait_idle(client)
-        await warm(client)  # re-pin any shared prefill that memory pressure dropped
+        await warm(client, model)  # re-pin any shared prefill that memory pressure dropped
         after = await wait_idle(client)
     return {"k": k, "seconds": seconds, "elapsed_s": round(elapsed, 1), "sent": tally.sent,
             "finished": tally.finished, "refused": tally.refused, "aborted": tally.aborted,

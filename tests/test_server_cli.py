@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -66,6 +67,16 @@ def test_help_lists_the_env_var_of_every_option(monkeypatch: pytest.MonkeyPatch)
         block = next(b for b in blocks if b.strip().startswith(option.flag + " ")
                      or b.strip().startswith(option.flag + ","))
         assert f"[env: {option.env}]" in " ".join(block.split()), block
+
+
+def test_readme_documents_every_option() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| `--")]
+    for option in OPTIONS:
+        row = next((r for r in rows if r.startswith(f"| `{option.flag}`")), None)
+        assert row is not None, f"README has no row for {option.flag}"
+        assert f"`{option.env}`" in row
+    assert "--fault-injection" not in "".join(rows)  # test-only, kept out of the table
 
 
 def test_api_key_file(tmp_path) -> None:
