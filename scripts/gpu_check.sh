@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # One prepared GPU check (see scripts/gpu_check.py). Usage: scripts/gpu_check.sh [OUT_DIR]
+# On the lent device machine: scripts/gpu_check.sh "$OUT" (only files under $OUT come back),
+# with a timeout_s of at least 500. Results are saved after every section.
 # Installs nothing from the network: the project is installed with --no-index, or, if that
-# is impossible, imported through a symlinked `plait` package on PYTHONPATH.
+# is impossible (externally managed Python, no pip, old setuptools), imported through a
+# symlinked `plait` package on PYTHONPATH. `python -P` keeps the repository's own `plait/`
+# folder (which lacks engine/ and kernels/) from shadowing either.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench/results}"
 mkdir -p "$out"
 PY="${PYTHON:-python3}"
-if ! "$PY" -c "import plait.engine" 2>/dev/null; then
-  if ! "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1; then
+if ! "$PY" -P -c "import plait.engine" 2>/dev/null; then
+  if ! "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . >"$out/pip.log" 2>&1; then
+    echo "pip could not install the project (see $out/pip.log); using a PYTHONPATH shim"
     shim="$(mktemp -d)/plait"
     mkdir -p "$shim"
     for f in plait/*.py; do ln -s "$PWD/$f" "$shim/"; done
@@ -16,5 +21,5 @@ if ! "$PY" -c "import plait.engine" 2>/dev/null; then
     export PYTHONPATH="$(dirname "$shim")${PYTHONPATH:+:$PYTHONPATH}"
   fi
 fi
-"$PY" -c "import plait.engine, plait.kernels; print('plait imports from', plait.__file__)"
-timeout 460 "$PY" scripts/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu_check.log"
+"$PY" -P -c "import plait.engine, plait.kernels; print('plait imports from', plait.__file__)"
+timeout 460 "$PY" -P -u scripts/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu_check.log"
