@@ -61,6 +61,19 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+# Retry-After (seconds) of the two 503s: a full admission window frees up fast; loading,
+# draining or a stopped engine does not.
+OVERLOADED_RETRY_AFTER_S = 1
+UNAVAILABLE_RETRY_AFTER_S = 5
+ENGINE_STOPPED_MESSAGE = "The engine stopped; the server must be restarted."
+
+
+def service_unavailable(message: str) -> APIError:
+    """503 while the engine cannot take requests: loading, draining, or stopped."""
+    return APIError(503, message, type=SERVER_ERROR, code="service_unavailable",
+                    headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
+
+
 # ------------------------------------------------------------------ pydantic -> envelope
 # Union branches show up in pydantic locations as type tags ("str", "list[int]", ...).
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|dict|list|.*\[.*\]|function-.*)$")

@@ -15,11 +15,15 @@ import logging
 from plait.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.scheduler import RequestRejected
-from plait.server.errors import APIError, bad_request
+from plait.server.errors import (
+    ENGINE_STOPPED_MESSAGE,
+    OVERLOADED_RETRY_AFTER_S,
+    APIError,
+    bad_request,
+    service_unavailable,
+)
 
 logger = logging.getLogger("plait.server")
-
-RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait, in seconds
 
 
 class FanOut:
@@ -49,9 +53,7 @@ class FanOut:
                         sub_id, token_ids, params.for_choice(j))
         except EngineDeadError:
             self.abort()
-            raise APIError(503, "The engine stopped; the server must be restarted.",
-                           type="server_error", code="service_unavailable",
-                           headers={"Retry-After": "5"}) from None
+            raise service_unavailable(ENGINE_STOPPED_MESSAGE) from None
         except RequestRejected as exc:
             self.abort()
             raise bad_request(str(exc), "prompt", "context_length_exceeded") from None
@@ -83,4 +85,4 @@ class FanOut:
         if self.engine.num_queued + num_new > capacity:
             raise APIError(503, "The server is overloaded with requests; retry shortly.",
                            type="server_error", code="overloaded",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+                           headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)})

@@ -87,8 +87,10 @@ class Generation:
                 [p.token_ids for p in self.prompts], self.plan.params, self.plan.num_samples)
         except APIError as exc:
             reason = _REFUSAL_REASONS.get(exc.code or "")
-            self._outcome = "refused" if reason is not None else "rejected"
-            if reason is not None:
+            if reason is None:  # a 400: this request can never be admitted
+                self._outcome = "rejected"
+            else:
+                self._outcome = "refused"
                 self.state.metrics.requests_refused.labels(reason).inc()
             raise
         if self.state.settings.log_prompts:  # admitted requests only: refusals stay cheap

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from plait.server.fanout import RETRY_AFTER_S
+from plait.server.errors import OVERLOADED_RETRY_AFTER_S, UNAVAILABLE_RETRY_AFTER_S
 
 ERROR_SCHEMA: dict[str, Any] = {
     "title": "ErrorResponse",
@@ -37,8 +37,8 @@ _API_ERRORS = {
     "404": "Unknown model.",
     "413": "Request body over --max-request-bytes.",
     "500": "An error while serving this request.",
-    "503": f"Overloaded (Retry-After: {RETRY_AFTER_S}), loading, draining or the engine "
-           "stopped (Retry-After: 5).",
+    "503": f"Overloaded (Retry-After: {OVERLOADED_RETRY_AFTER_S}), loading, draining or the "
+           f"engine stopped (Retry-After: {UNAVAILABLE_RETRY_AFTER_S}).",
 }
 # GET /v1/models/{model}: authentication, the model name, readiness.
 _LOOKUP_ERRORS = {status: _API_ERRORS[status] for status in ("401", "404", "503")}

@@ -14,7 +14,7 @@ from fastapi import Depends, Request
 
 from plait.engine.async_engine import AsyncEngine
 from plait.engine.token_text import TokenTextTable
-from plait.server.errors import APIError
+from plait.server.errors import ENGINE_STOPPED_MESSAGE, APIError, service_unavailable
 from plait.server.metrics import ServerMetrics
 from plait.server.settings import ServerSettings
 
@@ -65,9 +65,8 @@ def get_ready_state(state: StateDep) -> ServerState:
     elif state.draining:
         message = "The server is shutting down."
     else:
-        message = "The engine stopped; the server must be restarted."
-    raise APIError(503, message, type="server_error", code="service_unavailable",
-                   headers={"Retry-After": "5"})
+        message = ENGINE_STOPPED_MESSAGE
+    raise service_unavailable(message)
 
 
 def require_ready(state: StateDep) -> ServerState:
