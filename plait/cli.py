@@ -138,13 +138,13 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
                             f"embedded SmolLM2-135M-Instruct) [env: {ENV_PREFIX}MODEL]")
     for option in OPTIONS:
         _add(serve, option, env)
-    hidden = FAULT_INJECTION
-    serve.add_argument(hidden.flag, action=argparse.BooleanOptionalAction, help=argparse.SUPPRESS,
-                       default=convert(hidden, env[hidden.env]) if hidden.env in env else False)
+    _add(serve, FAULT_INJECTION, env, hidden=True)
     return parser
 
 
-def _add(parser: argparse.ArgumentParser, option: Option, env: Mapping[str, str]) -> None:
+def _add(parser: argparse.ArgumentParser, option: Option, env: Mapping[str, str],
+         hidden: bool = False) -> None:
+    """Add `option` (default from its env var when set); `hidden` keeps it out of --help."""
     default = option.default
     if option.env in env:
         default = convert(option, env[option.env])
@@ -152,7 +152,8 @@ def _add(parser: argparse.ArgumentParser, option: Option, env: Mapping[str, str]
     if isinstance(shown, list):
         shown = ",".join(shown)
     default_text = "" if "default:" in option.help else f" (default: {shown})"
-    help_text = f"{option.help}{default_text} [env: {option.env}]"
+    help_text = (argparse.SUPPRESS if hidden
+                 else f"{option.help}{default_text} [env: {option.env}]")
     if option.kind is bool:
         parser.add_argument(option.flag, action=argparse.BooleanOptionalAction,
                             default=default, help=help_text)
