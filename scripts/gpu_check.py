@@ -113,18 +113,19 @@ def check_kernels(device: str) -> dict:
     return results
 
 
-def check_parity(device: str, tiny: bool) -> dict:
-    """Plait's forward (dispatching to Triton on CUDA) against transformers' logits."""
+def check_parity(device: str, tiny: bool, errors: dict) -> dict:
+    """Plait's forward (dispatching to Triton on CUDA) against transformers' logits. A dtype
+    that fails is recorded in `errors` and the other still runs."""
     shape = dict(TINY if tiny else BIG, num_hidden_layers=2 if tiny else 4)
     results = {}
     for dtype, tol in ((torch.float32, 2e-3), (torch.bfloat16, 0.25)):
         if device == "cpu" and dtype == torch.bfloat16:
             continue
-        try:  # one dtype failing must not hide the other's figures
-            results[str(dtype)[6:]] = _parity_one(shape, device, dtype, tol)
+        name = str(dtype)[6:]
+        try:
+            results[name] = _parity_one(shape, device, dtype, tol)
         except Exception as exc:
-            traceback.print_exc()
-            results[str(dtype)[6:]] = f"{type(exc).__name__}: {exc}"
+            results[name] = errors[f"parity {name}"] = describe(exc)
     return results
 
 
@@ -282,7 +283,7 @@ def main() -> int:
         "errors": {},
     }
     sections = [("kernels", lambda: check_kernels(args.device)),
-                ("parity", lambda: check_parity(args.device, args.tiny)),
+                ("parity", lambda: check_parity(args.device, args.tiny, results["errors"])),
                 ("bandwidth", lambda: bandwidth(args.device))]
     for name, fn in sections:
         run_section(results, name, fn, out)
@@ -301,17 +302,22 @@ def save(results: dict, out: Path) -> None:
     (out / "results.md").write_text(to_markdown(results))
 
 
+def describe(exc: Exception) -> str:
+    """Print the traceback (to the log) and return the one-line error for the results."""
+    traceback.print_exc()
+    return f"{type(exc).__name__}: {exc}"
+
+
 def run_section(results: dict, name: str, fn, out: Path) -> None:
     """Run one section, record its result or its error, and save everything so far."""
     start = time.perf_counter()
     try:
         results[name] = fn()
     except Exception as exc:  # keep going: one broken section must not hide the others
-        traceback.print_exc()
-        results["errors"][name] = f"{type(exc).__name__}: {exc}"
-    results.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
+        results["errors"][name] = describe(exc)
+    seconds = results.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
     save(results, out)
-    print(f"[gpu_check] {name}: {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    print(f"[gpu_check] {name}: {seconds}s", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
