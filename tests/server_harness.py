@@ -95,6 +95,16 @@ class RemoteServer:
                 samples[name] = float(value)
         return samples
 
+    def gauges(self) -> tuple[float, float]:
+        """(sub-requests running, sub-requests waiting)."""
+        m = self.metrics()
+        return m["plait_num_requests_running"], m["plait_num_requests_waiting"]
+
+    def blocks_at_rest(self, timeout: float = 30) -> float:
+        """KV blocks in use once no sub-request runs or waits (fails if that never comes)."""
+        assert wait_for(lambda: self.gauges() == (0, 0), timeout), self.gauges()
+        return self.metrics()["plait_kv_blocks_used"]
+
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -33,11 +33,6 @@ def server() -> RemoteServer:
     return shared_server()
 
 
-def _gauges(server: RemoteServer) -> tuple[float, float]:
-    m = server.metrics()
-    return m["plait_num_requests_running"], m["plait_num_requests_waiting"]
-
-
 def _send_without_reading(port: int, path: str, body: dict,
                           headers: dict[str, str]) -> http.client.HTTPConnection:
     """Send a request on a socket with a tiny receive buffer and read nothing yet."""
@@ -104,7 +99,7 @@ def test_slow_reader_of_a_real_server_gets_the_exact_text(server: RemoteServer) 
         assert parse_sse(fast.content).events[-1] == "[DONE]" and fast_seconds < 30
         # The engine finished the slow stream's tokens although nobody read them.
         assert wait_for(lambda: server.metrics()["plait_generation_tokens_total"]
-                        - generated == 44 and _gauges(server) == (0, 0), 60)
+                        - generated == 44 and server.gauges() == (0, 0), 60)
     sse = parse_sse(slow.getresponse().read())
     slow.close()
     assert sse.events[-1] == "[DONE]"
@@ -117,7 +112,7 @@ def test_hang_up_during_a_long_prefill_aborts_before_any_token(server) -> None:
     with server.http() as http:
         num_prompt = http.post("/tokenize", json={"prompt": prompt}).json()["count"]
     assert 4096 < num_prompt < 6144  # --max-num-batched-tokens 2048: three prefill steps
-    assert wait_for(lambda: _gauges(server) == (0, 0), 30)
+    assert wait_for(lambda: server.gauges() == (0, 0), 30)
     before = server.metrics()
     conn = _send_without_reading(server.port, "/v1/completions", {
         "model": MODEL, "prompt": prompt, "n": 3, "max_tokens": 50, "stream": True},
@@ -128,9 +123,9 @@ def test_hang_up_during_a_long_prefill_aborts_before_any_token(server) -> None:
     computed = "plait_prompt_tokens_computed_total"  # the stats refresh after each step
 
     def settled() -> bool:
-        return server.metrics()[computed] > before[computed] and _gauges(server) == (0, 0)
+        return server.metrics()[computed] > before[computed] and server.gauges() == (0, 0)
 
-    assert wait_for(settled, 60), _gauges(server)
+    assert wait_for(settled, 60), server.gauges()
     time.sleep(0.5)
     after = server.metrics()
     assert after["plait_generation_tokens_total"] == before["plait_generation_tokens_total"]

@@ -33,16 +33,6 @@ def server() -> RemoteServer:
     return reliability_server()
 
 
-def _gauges(server: RemoteServer) -> tuple[float, float]:
-    m = server.metrics()
-    return m["plait_num_requests_running"], m["plait_num_requests_waiting"]
-
-
-def _blocks_at_rest(server: RemoteServer) -> float:
-    assert wait_for(lambda: _gauges(server) == (0, 0), 30), _gauges(server)
-    return server.metrics()["plait_kv_blocks_used"]
-
-
 def _completion(prompt: str, **fields) -> dict:
     return {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
             "ignore_eos": True, **fields}
@@ -74,7 +64,7 @@ def test_engine_fault_ends_only_that_request(server, phase: str, message: str) -
         # request failed later: one pass first, so that the baseline includes those pins.
         for path, body in requests:
             http.post(path, json=body)
-        baseline = _blocks_at_rest(server)
+        baseline = server.blocks_at_rest()
         plain, late, streamed, ok = (http.post(path, json=body) for path, body in requests)
         error = error_of(plain, 500)
         assert (error["type"], error["message"]) == ("server_error", message)
@@ -87,7 +77,7 @@ def test_engine_fault_ends_only_that_request(server, phase: str, message: str) -
         assert contents[:2] == ["", ""] and len([c for c in contents if c]) >= 2
         assert not any(c["choices"][0]["finish_reason"] for c in sse.chunks[:-1])
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
-    assert _blocks_at_rest(server) == baseline
+    assert server.blocks_at_rest() == baseline
 
 
 async def test_detokenizer_fault_spares_a_concurrent_stream(server: RemoteServer) -> None:

@@ -166,11 +166,6 @@ async def _hold(client: httpx.AsyncClient, body: dict) -> None:
             pass
 
 
-def _gauges(server: RemoteServer) -> tuple[float, float]:
-    m = server.metrics()
-    return m["plait_num_requests_running"], m["plait_num_requests_waiting"]
-
-
 async def _cancel(*tasks: asyncio.Task) -> None:
     for task in tasks:
         task.cancel()
@@ -184,8 +179,7 @@ def _idle_blocks(server: RemoteServer, *pin: str) -> float:
         for tag in pin:
             body = {**_long(1, tag), "stream": False, "max_tokens": 1}
             assert http.post("/v1/completions", json=body).status_code == 200
-    assert wait_for(lambda: _gauges(server) == (0, 0), 30), _gauges(server)
-    return server.metrics()["plait_kv_blocks_used"]
+    return server.blocks_at_rest()
 
 
 async def test_overload_is_503_and_n_is_admitted_or_refused_whole(server) -> None:
@@ -198,13 +192,13 @@ async def test_overload_is_503_and_n_is_admitted_or_refused_whole(server) -> Non
                 asyncio.create_task(_hold(client, _long(CAPACITY - 5, "b")))]
         try:
             assert await asyncio.to_thread(
-                wait_for, lambda: _gauges(server) == (4, CAPACITY - 5), 30), _gauges(server)
+                wait_for, lambda: server.gauges() == (4, CAPACITY - 5), 30), server.gauges()
             over = await client.post("/v1/completions", json=_long(2, "d"))  # 13 > 12
             error = error_of(over, 503)
             assert (error["type"], error["code"]) == ("server_error", "overloaded")
             assert "overloaded" in error["message"] and over.headers["retry-after"] == "1"
             assert over.elapsed.total_seconds() < 5
-            assert _gauges(server) == (4, CAPACITY - 5)  # nothing of it was admitted
+            assert server.gauges() == (4, CAPACITY - 5)  # nothing of it was admitted
             never = error_of(await client.post("/v1/completions",
                                                json=_long(CAPACITY + 1, "d")), 400)
             assert (never["param"], never["code"]) == ("n", "too_many_sequences")
@@ -213,7 +207,7 @@ async def test_overload_is_503_and_n_is_admitted_or_refused_whole(server) -> Non
             assert (never["param"], never["code"]) == ("best_of", "too_many_sequences")
             held.append(asyncio.create_task(_hold(client, _long(1, "c"))))  # fills it
             assert await asyncio.to_thread(
-                wait_for, lambda: _gauges(server) == (4, CAPACITY - 4), 30)
+                wait_for, lambda: server.gauges() == (4, CAPACITY - 4), 30)
             error_of(await client.post("/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}), 503)
             assert server.metrics()[refused] - before == 2
@@ -231,11 +225,11 @@ async def test_disconnect_while_queued_aborts_every_choice(server: RemoteServer)
                                  timeout=60) as client:
         running = asyncio.create_task(_hold(client, _long(4, "e")))
         try:
-            assert await asyncio.to_thread(wait_for, lambda: _gauges(server) == (4, 0), 30)
+            assert await asyncio.to_thread(wait_for, lambda: server.gauges() == (4, 0), 30)
             queued = asyncio.create_task(_hold(client, _long(3, "f")))
-            assert await asyncio.to_thread(wait_for, lambda: _gauges(server) == (4, 3), 30)
+            assert await asyncio.to_thread(wait_for, lambda: server.gauges() == (4, 3), 30)
             await _cancel(queued)  # before its first token: it never left the queue
-            assert await asyncio.to_thread(wait_for, lambda: _gauges(server) == (4, 0), 10)
+            assert await asyncio.to_thread(wait_for, lambda: server.gauges() == (4, 0), 10)
         finally:
             await _cancel(running)
     assert _idle_blocks(server) == baseline
