@@ -83,6 +83,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--log-level", str, "info", "log level", LOG_LEVELS),
     Option("--log-prompts", bool, False,
            "log each request's prompt text (off: only ids, sizes and timings)"),
+    Option("--engine-process", bool, True,
+           "run the engine core in its own child process (off: a thread of the server "
+           "process)"),
 )
 # Test-only and hidden from --help: lets a request's prompt trigger faults (server/faults.py).
 FAULT_INJECTION = Option("--fault-injection", bool, False, "test-only fault injection")
@@ -198,7 +201,7 @@ def server_settings(args: argparse.Namespace) -> Any:  # -> plait.server.setting
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes, drain_timeout=args.drain_timeout,
         log_level=args.log_level, log_prompts=args.log_prompts,
-        fault_injection=args.fault_injection)
+        fault_injection=args.fault_injection, engine_process=args.engine_process)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

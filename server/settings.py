@@ -22,7 +22,8 @@ class ServerSettings:
     are admitted at once, a request past that gets 503 (an n-choice request is admitted or
     refused whole); a body over `max_request_bytes` gets 413. `log_prompts` adds prompt
     text to the request log. `fault_injection` is test-only (see faults.py), never for
-    production.
+    production. `engine_process` runs the engine core in its own child process; off, it
+    runs in a thread of the server process.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -40,6 +41,7 @@ class ServerSettings:
     log_level: str = "info"
     log_prompts: bool = False
     fault_injection: bool = False
+    engine_process: bool = True
 
     def __post_init__(self) -> None:
         if self.sse_ping_interval < 0:
