@@ -2,7 +2,8 @@
 
 Every option can also be set in the environment as PLAIT_<OPTION_IN_UPPER_SNAKE> (the model
 as PLAIT_MODEL); a flag on the command line wins over the environment, which wins over the
-built-in default. Only the serve path imports the HTTP stack (fastapi, uvicorn), so
+built-in default (the field defaults of EngineConfig and ServerSettings, written nowhere
+else). Only the serve path imports the HTTP stack (fastapi, uvicorn), so
 `plait --help` stays fast and the engine never needs it.
 """
 
@@ -13,26 +14,35 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import plait
 from plait.engine.config import VALID_DTYPES, EngineConfig
+from plait.server.settings import ServerSettings  # a plain dataclass: no HTTP stack
 
 ENV_PREFIX = "PLAIT_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
-_ENGINE = EngineConfig()
+# The one place defaults are written is the dataclasses: every option whose dest names a
+# field of EngineConfig or ServerSettings takes that field's default.
+CONFIG_CLASSES = (EngineConfig, ServerSettings)
+FIELD_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for cls in CONFIG_CLASSES for f in fields(cls) if f.default is not MISSING}
+# Fields no option of their own sets: the positional MODEL, the nested engine config, and
+# the keys read from --api-key and --api-key-file.
+NOT_OPTIONS = frozenset({"model", "engine", "api_keys"})
 
 
 @dataclass(frozen=True, slots=True)
 class Option:
     """One `serve` option. `kind` is int, float, str, bool (a --x/--no-x pair), "list"
-    (comma-separated or a JSON array) or "int?" (an int or none)."""
+    (comma-separated or a JSON array; a tuple field) or "int?" (an int or none). The
+    default is the same-named field's of EngineConfig / ServerSettings; an option that is
+    no field (--api-key, --api-key-file) defaults to none."""
 
     flag: str
     kind: Any
-    default: Any
     help: str
     choices: tuple[str, ...] | None = None
 
@@ -44,51 +54,50 @@ class Option:
     def env(self) -> str:
         return ENV_PREFIX + self.dest.upper()
 
+    @property
+    def default(self) -> Any:
+        return FIELD_DEFAULTS.get(self.dest)
+
 
 OPTIONS: tuple[Option, ...] = (
-    Option("--host", str, "127.0.0.1", "address to listen on"),
-    Option("--port", int, 8000, "port to listen on"),
-    Option("--api-key", str, None, "require `Authorization: Bearer KEY` on the API routes"),
-    Option("--api-key-file", str, None, "file of accepted API keys, one per line"),
-    Option("--served-model-name", str, None,
+    Option("--host", str, "address to listen on"),
+    Option("--port", int, "port to listen on"),
+    Option("--api-key", str, "require `Authorization: Bearer KEY` on the API routes"),
+    Option("--api-key-file", str, "file of accepted API keys, one per line"),
+    Option("--served-model-name", str,
            "the model name clients must send (default: the model's own name)"),
-    Option("--device", str, _ENGINE.device, "auto, cpu, cuda or cuda:N"),
-    Option("--dtype", str, _ENGINE.dtype, "weights/activations dtype", VALID_DTYPES),
-    Option("--block-size", int, _ENGINE.block_size, "tokens per KV cache block"),
-    Option("--num-kv-blocks", "int?", None, "KV cache blocks (default: sized from memory)"),
-    Option("--kv-cache-memory-gb", float, _ENGINE.kv_cache_memory_gb,
-           "KV cache size on CPU, in GB"),
-    Option("--gpu-memory-utilization", float, _ENGINE.gpu_memory_utilization,
-           "fraction of GPU memory for weights + KV cache"),
-    Option("--max-num-seqs", int, _ENGINE.max_num_seqs, "most sequences running at once"),
-    Option("--max-num-batched-tokens", int, _ENGINE.max_num_batched_tokens,
-           "most tokens computed per engine step"),
-    Option("--max-model-len", "int?", None, "context length (default: the model's)"),
-    Option("--enable-prefix-caching", bool, _ENGINE.enable_prefix_caching,
+    Option("--device", str, "auto, cpu, cuda or cuda:N"),
+    Option("--dtype", str, "weights/activations dtype", VALID_DTYPES),
+    Option("--block-size", int, "tokens per KV cache block"),
+    Option("--num-kv-blocks", "int?", "KV cache blocks (default: sized from memory)"),
+    Option("--kv-cache-memory-gb", float, "KV cache size on CPU, in GB"),
+    Option("--gpu-memory-utilization", float, "fraction of GPU memory for weights + KV cache"),
+    Option("--max-num-seqs", int, "most sequences running at once"),
+    Option("--max-num-batched-tokens", int, "most tokens computed per engine step"),
+    Option("--max-model-len", "int?", "context length (default: the model's)"),
+    Option("--enable-prefix-caching", bool,
            "reuse cached KV blocks of identical prompt prefixes"),
-    Option("--max-shared-logits", int, _ENGINE.max_shared_logits,
+    Option("--max-shared-logits", int,
            "recent prompts whose last logits (and blocks) are kept for reuse"),
-    Option("--seed", int, _ENGINE.seed, "engine seed for unseeded requests"),
-    Option("--max-queued-requests", int, 256,
+    Option("--seed", int, "engine seed for unseeded requests"),
+    Option("--max-queued-requests", int,
            "sub-requests admitted beyond the --max-num-seqs running slots; past it a new "
            "request gets 503 + Retry-After"),
-    Option("--max-request-bytes", int, 10 * 1024 * 1024,
-           "largest request body in bytes; a larger one gets 413"),
-    Option("--drain-timeout", float, 30.0,
-           "seconds to finish in-flight requests after SIGTERM"),
-    Option("--sse-ping-interval", float, 15.0, "idle seconds between `: ping` SSE comments"),
-    Option("--allowed-origins", "list", ["*"], "CORS allowed origins"),
-    Option("--allowed-methods", "list", ["*"], "CORS allowed methods"),
-    Option("--allowed-headers", "list", ["*"], "CORS allowed headers"),
-    Option("--log-level", str, "info", "log level", LOG_LEVELS),
-    Option("--log-prompts", bool, False,
+    Option("--max-request-bytes", int, "largest request body in bytes; a larger one gets 413"),
+    Option("--drain-timeout", float, "seconds to finish in-flight requests after SIGTERM"),
+    Option("--sse-ping-interval", float, "idle seconds between `: ping` SSE comments"),
+    Option("--allowed-origins", "list", "CORS allowed origins"),
+    Option("--allowed-methods", "list", "CORS allowed methods"),
+    Option("--allowed-headers", "list", "CORS allowed headers"),
+    Option("--log-level", str, "log level", LOG_LEVELS),
+    Option("--log-prompts", bool,
            "log each request's prompt text (off: only ids, sizes and timings)"),
-    Option("--engine-process", bool, True,
+    Option("--engine-process", bool,
            "run the engine core in its own child process (off: a thread of the server "
            "process)"),
 )
 # Test-only and hidden from --help: lets a request's prompt trigger faults (server/faults.py).
-FAULT_INJECTION = Option("--fault-injection", bool, False, "test-only fault injection")
+FAULT_INJECTION = Option("--fault-injection", bool, "test-only fault injection")
 
 
 class EnvError(ValueError):
@@ -148,10 +157,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
 def _add(parser: argparse.ArgumentParser, option: Option, env: Mapping[str, str],
          hidden: bool = False) -> None:
     """Add `option` (default from its env var when set); `hidden` keeps it out of --help."""
-    default = option.default
-    if option.env in env:
-        default = convert(option, env[option.env])
-    shown = "none" if option.default is None else option.default
+    builtin = list(option.default) if option.kind == "list" else option.default
+    default = convert(option, env[option.env]) if option.env in env else builtin
+    shown = "none" if builtin is None else builtin
     if isinstance(shown, list):
         shown = ",".join(shown)
     default_text = "" if "default:" in option.help else f" (default: {shown})"
@@ -166,15 +174,19 @@ def _add(parser: argparse.ArgumentParser, option: Option, env: Mapping[str, str]
                         help=help_text, metavar=option.dest.upper())
 
 
+def _field_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed value of every field of `cls` that `args` holds, by name (a "list"
+    option's list becomes the field's tuple). Fields `args` lacks keep their defaults."""
+    values = {}
+    for f in fields(cls):
+        if hasattr(args, f.name):
+            value = getattr(args, f.name)
+            values[f.name] = tuple(value) if isinstance(value, list) else value
+    return values
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_shared_logits=args.max_shared_logits,
-        seed=args.seed)
+    return EngineConfig(**_field_values(EngineConfig, args))
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -189,19 +201,9 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def server_settings(args: argparse.Namespace) -> Any:  # -> plait.server.settings.ServerSettings
-    from plait.server.settings import ServerSettings
-
-    return ServerSettings(
-        engine=engine_config(args), host=args.host, port=args.port,
-        served_model_name=args.served_model_name, api_keys=api_keys(args),
-        allowed_origins=tuple(args.allowed_origins),
-        allowed_methods=tuple(args.allowed_methods),
-        allowed_headers=tuple(args.allowed_headers), sse_ping_interval=args.sse_ping_interval,
-        max_queued_requests=args.max_queued_requests,
-        max_request_bytes=args.max_request_bytes, drain_timeout=args.drain_timeout,
-        log_level=args.log_level, log_prompts=args.log_prompts,
-        fault_injection=args.fault_injection, engine_process=args.engine_process)
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(**_field_values(ServerSettings, args), engine=engine_config(args),
+                          api_keys=api_keys(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,11 +5,24 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from plait.cli import OPTIONS, EnvError, api_keys, build_parser, engine_config, server_settings
+from plait.cli import (
+    FAULT_INJECTION,
+    FIELD_DEFAULTS,
+    NOT_OPTIONS,
+    OPTIONS,
+    EnvError,
+    api_keys,
+    build_parser,
+    engine_config,
+    server_settings,
+)
+from plait.engine.config import EngineConfig
+from plait.server.settings import ServerSettings
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None):
@@ -69,6 +82,33 @@ def test_help_lists_the_env_var_of_every_option(monkeypatch: pytest.MonkeyPatch)
         assert f"[env: {option.env}]" in " ".join(block.split()), block
 
 
+def test_every_config_field_has_an_option() -> None:
+    """A field added to EngineConfig or ServerSettings needs its line in OPTIONS (options
+    are matched to fields by name, so no name may be in both classes)."""
+    dests = {option.dest for option in (*OPTIONS, FAULT_INJECTION)}
+    names = {cls: {f.name for f in fields(cls)} for cls in (EngineConfig, ServerSettings)}
+    for cls, field_names in names.items():
+        missing = sorted(field_names - dests - NOT_OPTIONS)
+        assert not missing, f"{cls.__name__} field(s) without a `plait serve` option: {missing}"
+    assert not names[EngineConfig] & names[ServerSettings]
+    assert dests - set(FIELD_DEFAULTS) == {"api_key", "api_key_file"}  # the only non-fields
+
+
+def test_defaults_are_the_dataclasses() -> None:
+    args = parse([])
+    assert engine_config(args) == EngineConfig()
+    assert server_settings(args) == ServerSettings()
+    assert args.allowed_origins == ["*"]  # a "list" option parses to a list, its field a tuple
+
+
+def _readme_default(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return ",".join(value) if isinstance(value, tuple) else str(value)
+
+
 def test_readme_documents_every_option() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     rows = [line for line in readme.splitlines() if line.startswith("| `--")]
@@ -76,6 +116,8 @@ def test_readme_documents_every_option() -> None:
         row = next((r for r in rows if r.startswith(f"| `{option.flag}`")), None)
         assert row is not None, f"README has no row for {option.flag}"
         assert f"`{option.env}`" in row
+        default_cell = row.split(" | ")[2]
+        assert default_cell.startswith(_readme_default(option.default)), (row, option.default)
     assert "--fault-injection" not in "".join(rows)  # test-only, kept out of the table
 
 
