@@ -1,12 +1,24 @@
-"""Packaging contracts: import names, and an engine path free of the HTTP stack."""
+"""Packaging contracts: import names (installed, as a wheel, and from a checkout without any
+install), and an engine path free of the HTTP stack."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import site
 import subprocess
 import sys
 import textwrap
+import tomllib
+import zipfile
+from pathlib import Path
 
+import pytest
 from tiny_model import make_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+PACKAGE_DIRS: dict[str, str] = SETUPTOOLS["package-dir"]  # import name -> source folder
 
 BLOCK_HTTP_STACK = textwrap.dedent("""
     import importlib.abc, sys
@@ -56,3 +68,86 @@ def test_engine_runs_without_fastapi_or_pydantic(tmp_path, default_model) -> Non
     result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("ok")
+
+
+def _source_packages() -> dict[str, Path]:
+    """Every package (a folder with __init__.py, nested ones too) under the mapped folders,
+    by import name."""
+    found = {}
+    for name, src in PACKAGE_DIRS.items():
+        for init in (REPO / src).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / src).parts
+            if "__pycache__" not in rel and (name != "plait" or not rel):
+                found[".".join((name, *rel))] = init.parent
+    return found
+
+
+def test_every_package_is_listed_and_linked_into_plait() -> None:
+    """pyproject's `packages` names every package (a new sub-package must be added there, or
+    installs silently lack it), and plait/<name> is a relative symlink to each mapped folder
+    so that a checkout imports plait.<name> without an install."""
+    assert sorted(SETUPTOOLS["packages"]) == sorted(_source_packages())
+    for name, src in PACKAGE_DIRS.items():
+        if name != "plait":
+            link = REPO / "plait" / name.split(".")[-1]
+            assert link.is_symlink() and os.readlink(link) == f"../{src}", link
+
+
+def _deps_only_env(**extra: str) -> dict[str, str]:
+    """An environment whose PYTHONPATH holds only the dependencies' site-packages; with -S
+    their .pth files (the editable install's finder among them) are not run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    paths = [*extra.get("prefix", "").split(os.pathsep), *site.getsitepackages()]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
+
+
+NO_INSTALL_CHECK = textwrap.dedent("""
+    import os, sys
+    assert not any("editable" in repr(f).lower() for f in sys.meta_path), sys.meta_path
+    import plait.engine.config, plait.engine.models.llama, plait.kernels.reference
+    import plait.server.settings
+    from plait.cli import build_parser, server_settings
+    assert server_settings(build_parser({}).parse_args(["serve"])).engine_process in (True, False)
+    for module in (plait, plait.engine, plait.server, plait.kernels):
+        print(os.path.realpath(module.__file__))
+""")
+
+
+@pytest.mark.parametrize("where", ["repo root", "PYTHONPATH"])
+def test_imports_from_a_checkout_without_install(tmp_path, where: str) -> None:
+    """`python -c` from the repo root (cwd on sys.path), or a script elsewhere with the repo
+    on PYTHONPATH, imports plait.* from the source folders with nothing installed."""
+    if where == "repo root":
+        cwd, env = REPO, _deps_only_env()
+    else:
+        cwd, env = tmp_path, _deps_only_env(prefix=str(REPO))
+    result = subprocess.run([sys.executable, "-S", "-c", NO_INSTALL_CHECK], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(REPO / folder / "__init__.py")
+                                     for folder in ("plait", "engine", "server", "kernels")]
+
+
+def test_wheel_holds_every_module(tmp_path) -> None:
+    """The wheel (what the Dockerfile installs) has every module of every package, nested
+    ones included, exactly once, under plait/. Built from a copy that keeps the symlinks,
+    as docker's COPY does."""
+    pytest.importorskip("setuptools")
+    src = tmp_path / "src"
+    src.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    for folder in set(PACKAGE_DIRS.values()):
+        shutil.copytree(REPO / folder, src / folder, symlinks=True, ignore=ignore)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--no-index", "--wheel-dir", str(tmp_path / "wheels"), str(src)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheels").glob("plait-*.whl")
+    names = [n for n in zipfile.ZipFile(wheel).namelist() if ".dist-info/" not in n]
+    expected = [f"{package.replace('.', '/')}/{py.name}"
+                for package, folder in _source_packages().items() for py in folder.glob("*.py")]
+    assert sorted(names) == sorted(expected)
