@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench gpu-check clean
+.PHONY: install serve test lint bench bench-peers gpu-check clean
 
 install: $(STAMP)
 
@@ -35,6 +35,12 @@ test: install
 
 bench: install
 	$(BIN)/python scripts/bench_shared_prefill.py
+
+# The same HTTP workloads against each server in turn (scripts/bench_peers.py).
+bench-peers: install
+	$(BIN)/python scripts/bench_peers.py --json bench/results/peers.json \
+	  --server plait-thread='$(BIN)/plait serve --no-engine-process --port {port}' \
+	  --server plait-proc='$(BIN)/plait serve --port {port}'
 
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -1,0 +1,356 @@
+#!/usr/bin/env python3
+"""Side-by-side server benchmark: the same streamed workloads against each server in turn.
+
+    python scripts/bench_peers.py \\
+        --server plait-thread='.venv/bin/plait serve --no-engine-process --port {port}' \\
+        --server plait-proc='.venv/bin/plait serve --port {port}' \\
+        --server vllm='vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --port {port}' \\
+        --json bench/results/peers.json
+
+Each `--server NAME=COMMAND` is started on 127.0.0.1 (`{port}` becomes a free port; the
+command runs without a shell, in its own process group), waited for (`/health` 200, or
+`/v1/models` 200 where there is no /health), warmed up with one 1-token request, measured,
+then stopped (SIGTERM to its group, SIGKILL after 30 s). A server that fails to start is
+reported and skipped. The model is the first one `/v1/models` lists.
+
+Workloads (`--workloads`, sizes scale with `--tokens` T and `--prompt-tokens` P):
+
+    W1  one request,   n=1,   1 token        time to first token
+    W2  one request,   n=100, 1 token        shared prefill of one prompt
+    W3  one request,   n=16,  T tokens       n-choice decode
+    W4  16 concurrent, n=1,   T tokens       batched decode of 16 prompts
+    W5  one request,   n=1,   T tokens       single-stream decode
+
+Every request is a streamed /v1/completions call with its own prompt: a nonce, then about P
+random words (the usage chunk reports the real token count). Requests send `ignore_eos`
+and `min_tokens` = `max_tokens` (vLLM extras, which Plait accepts) so every choice makes
+exactly its tokens; `--no-extras` leaves them out for a server that rejects them.
+
+Per workload: wall time, output tokens (from usage) and tokens/s, time to first token and
+inter-token latency p50/p99 over all choices (a token = a chunk with non-empty text for that
+choice), and the delta of Plait's `plait_prompt_tokens_computed_total` from /metrics where
+the server exports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+# name -> (concurrent requests, n, max_tokens or None for --tokens)
+WORKLOADS: dict[str, tuple[int, int, int | None]] = {
+    "W1": (1, 1, 1), "W2": (1, 100, 1), "W3": (1, 16, None), "W4": (16, 1, None),
+    "W5": (1, 1, None)}
+COMPUTED_METRICS = ("plait_prompt_tokens_computed_total", "plait_prompt_tokens_computed")
+_WORD_TEXT = (
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "number night point home water room mother area money story fact month lot right study "
+    "book eye job word business issue side kind head house service friend father power hour "
+    "game line end member law car city name team minute idea kid body back parent face level "
+    "office door health person art war history party result change morning reason research "
+    "girl moment air teacher force education")
+WORDS = _WORD_TEXT.split()
+
+
+@dataclass
+class Stream:
+    """One streamed request as the client saw it (times in seconds from its send)."""
+
+    token_times: dict[int, list[float]] = field(default_factory=dict)  # choice -> times
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Result:
+    """One workload on one server; latencies in milliseconds."""
+
+    requests: int
+    n: int
+    max_tokens: int
+    expected_tokens: int
+    output_tokens: int
+    wall_s: float
+    output_tok_s: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    prompt_tokens: list[int]
+    prompt_tokens_computed: float | None
+    errors: list[str]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..1) of `values`, None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def make_prompt(words: int) -> str:
+    """A prompt no other request shares a first token with: a nonce, then random words."""
+    nonce = uuid.uuid4().hex[:12]
+    rng = random.Random(nonce)
+    return f"[{nonce}] " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> Stream:
+    """POST one streamed /v1/completions and time each choice's tokens."""
+    out = Stream()
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                out.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+                return out
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter() - start
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    out.error = json.dumps(chunk["error"])[:300]
+                for choice in chunk.get("choices") or []:
+                    if choice.get("text"):
+                        out.token_times.setdefault(choice["index"], []).append(now)
+                if chunk.get("usage"):
+                    out.completion_tokens = chunk["usage"]["completion_tokens"]
+                    out.prompt_tokens = chunk["usage"]["prompt_tokens"]
+    except httpx.HTTPError as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+async def scrape_computed(client: httpx.AsyncClient) -> float | None:
+    """Plait's prompt-tokens-computed counter, None if the server has no such metric."""
+    try:
+        response = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    for line in response.text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in COMPUTED_METRICS:
+            return float(value)
+    return None
+
+
+async def run_workload(client: httpx.AsyncClient, model: str, name: str, args) -> Result:
+    concurrent, n, max_tokens = WORKLOADS[name]
+    max_tokens = max_tokens or args.tokens
+    bodies = [{"model": model, "prompt": make_prompt(args.prompt_tokens), "n": n,
+               "max_tokens": max_tokens, "temperature": 1.0, "stream": True,
+               "stream_options": {"include_usage": True}} for _ in range(concurrent)]
+    if not args.no_extras:
+        for body in bodies:
+            body.update(ignore_eos=True, min_tokens=max_tokens)
+    before = await scrape_computed(client)
+    start = time.perf_counter()
+    streams = await asyncio.gather(*(stream_completion(client, body) for body in bodies))
+    wall = time.perf_counter() - start
+    after = await scrape_computed(client)
+    ttfts, itls = [], []
+    for stream in streams:
+        for times in stream.token_times.values():
+            ttfts.append(times[0] * 1000)
+            itls += [(b - a) * 1000 for a, b in itertools.pairwise(times)]
+    output = sum(s.completion_tokens for s in streams)
+    return Result(
+        requests=concurrent, n=n, max_tokens=max_tokens,
+        expected_tokens=concurrent * n * max_tokens, output_tokens=output, wall_s=wall,
+        output_tok_s=output / wall if wall > 0 else 0.0,
+        ttft_p50_ms=percentile(ttfts, 0.5), ttft_p99_ms=percentile(ttfts, 0.99),
+        itl_p50_ms=percentile(itls, 0.5), itl_p99_ms=percentile(itls, 0.99),
+        prompt_tokens=[s.prompt_tokens for s in streams],
+        prompt_tokens_computed=None if before is None or after is None else after - before,
+        errors=[s.error for s in streams if s.error])
+
+
+# ---------------------------------------------------------------- server processes
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(command: str, port: int, log: Path) -> subprocess.Popen:
+    argv = shlex.split(command.replace("{port}", str(port)))
+    with log.open("wb") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (an engine child process too), SIGKILL after 30 s."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        if process.poll() is not None:
+            break
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def wait_ready(process: subprocess.Popen, url: str, timeout: float) -> str:
+    """Poll until the server is ready; returns the model name. Raises RuntimeError."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=url, timeout=5, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"exited with status {process.returncode}")
+            try:
+                health = client.get("/health").status_code
+                if health in (200, 404):
+                    models = client.get("/v1/models")
+                    if models.status_code == 200 and models.json().get("data"):
+                        return models.json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+    raise RuntimeError(f"not ready after {timeout:.0f} s")
+
+
+async def bench_server(url: str, model: str, args) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    timeout = httpx.Timeout(args.request_timeout, connect=10)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits,
+                                 trust_env=False, headers=args.headers) as client:
+        warm = await stream_completion(client, {
+            "model": model, "prompt": make_prompt(8), "max_tokens": 1, "stream": True})
+        if warm.error:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
+        return {name: asdict(await run_workload(client, model, name, args))
+                for name in args.workloads}
+
+
+def run_server(name: str, command: str, args) -> dict[str, Any]:
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".log")[1])
+    entry: dict[str, Any] = {"name": name, "command": command, "log": str(log), "error": None,
+                             "model": None, "startup_s": None, "workloads": {}}
+    began = time.monotonic()
+    try:
+        process = start(command, port, log)
+    except (OSError, ValueError) as exc:
+        entry["error"] = f"cannot start: {exc}"
+        return entry
+    try:
+        entry["model"] = wait_ready(process, f"http://127.0.0.1:{port}", args.startup_timeout)
+        entry["startup_s"] = time.monotonic() - began
+        print(f"[{name}] ready in {entry['startup_s']:.1f} s, model {entry['model']}",
+              file=sys.stderr)
+        entry["workloads"] = asyncio.run(
+            bench_server(f"http://127.0.0.1:{port}", entry["model"], args))
+    except RuntimeError as exc:
+        tail = log.read_text(errors="replace")[-1500:]
+        entry["error"] = str(exc)
+        print(f"[{name}] FAILED: {exc} (log {log}):\n{tail}", file=sys.stderr)
+    finally:
+        stop(process)
+    return entry
+
+
+# ---------------------------------------------------------------- report
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(servers: list[dict[str, Any]]) -> str:
+    head = ("server", "load", "wall s", "tokens", "tok/s", "TTFT p50", "TTFT p99", "ITL p50",
+            "ITL p99", "prompt computed")
+    rows = [head]
+    for server in servers:
+        if server["error"]:
+            rows.append((server["name"], "FAILED", server["error"][:60], *[""] * 7))
+        for name, r in server["workloads"].items():
+            tokens = f"{r['output_tokens']}/{r['expected_tokens']}"
+            if r["errors"]:
+                tokens += f" ({len(r['errors'])} err)"
+            rows.append((server["name"], name, _fmt(r["wall_s"], 2), tokens,
+                         _fmt(r["output_tok_s"]), _fmt(r["ttft_p50_ms"]),
+                         _fmt(r["ttft_p99_ms"]), _fmt(r["itl_p50_ms"]), _fmt(r["itl_p99_ms"]),
+                         _fmt(r["prompt_tokens_computed"], 0)))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n(latencies in ms; tokens = output/expected)"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--server", action="append", default=[], metavar="NAME=COMMAND",
+                        help="a server to start; COMMAND contains {port} (repeatable)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help="comma-separated subset of W1..W5 (default: all)")
+    parser.add_argument("--tokens", type=int, default=128,
+                        help="output tokens per choice in W3/W4/W5")
+    parser.add_argument("--prompt-tokens", type=int, default=512,
+                        help="random words per prompt (about one token each)")
+    parser.add_argument("--no-extras", action="store_true",
+                        help="do not send the vLLM extras ignore_eos / min_tokens")
+    parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    args = parser.parse_args(argv)
+    if not args.server:
+        parser.error("give at least one --server NAME='COMMAND with {port}'")
+    servers = []
+    for spec in args.server:
+        name, sep, command = spec.partition("=")
+        if not sep or not name or "{port}" not in command:
+            parser.error(f"--server {spec!r}: expected NAME='COMMAND with {{port}}'")
+        servers.append((name, command))
+    args.server = servers
+    args.workloads = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
+    unknown = sorted(set(args.workloads) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
+    if args.tokens < 1 or args.prompt_tokens < 1:
+        parser.error("--tokens and --prompt-tokens must be >= 1")
+    args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    servers = [run_server(name, command, args) for name, command in args.server]
+    print(table(servers))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        config = {"tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
+                  "workloads": args.workloads, "extras": not args.no_extras}
+        args.json.write_text(json.dumps({"config": config, "servers": servers}, indent=2))
+    return 0 if all(not s["error"] for s in servers) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

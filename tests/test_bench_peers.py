@@ -1,0 +1,48 @@
+"""scripts/bench_peers.py end to end: a tiny-model `plait serve` and a command that fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_peers.py"
+
+
+def test_bench_peers_reports_exact_token_counts(tmp_path, tiny_path) -> None:
+    serve = (f"{shlex.quote(sys.executable)} -m plait serve {shlex.quote(str(tiny_path))} "
+             "--port {port} --num-kv-blocks 128 --max-num-seqs 32 --log-level warning")
+    out = tmp_path / "peers.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLAIT_")}
+    if "PLAIT_CACHE" in os.environ:
+        env["PLAIT_CACHE"] = os.environ["PLAIT_CACHE"]
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--server", "broken=false {port}",
+         "--server", f"plait={serve}", "--workloads", "W3,W5", "--tokens", "4",
+         "--prompt-tokens", "32", "--startup-timeout", "240", "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1, result.stderr  # the broken server fails, the run goes on
+    assert "[broken] FAILED: exited with status 1" in result.stderr
+    report = json.loads(out.read_text())
+    broken, plait = report["servers"]
+    assert broken["name"] == "broken" and broken["workloads"] == {}
+    assert plait["error"] is None, result.stderr
+    assert plait["model"]  # the first name /v1/models lists
+    assert list(plait["workloads"]) == ["W3", "W5"]
+    w3, w5 = plait["workloads"]["W3"], plait["workloads"]["W5"]
+    assert (w3["requests"], w3["n"], w3["output_tokens"], w3["expected_tokens"]) == (1, 16, 64, 64)
+    assert (w5["requests"], w5["n"], w5["output_tokens"], w5["expected_tokens"]) == (1, 1, 4, 4)
+    for w in (w3, w5):
+        assert w["errors"] == []
+        assert w["wall_s"] > 0 and w["output_tok_s"] > 0
+        assert 0 < w["ttft_p50_ms"] <= w["ttft_p99_ms"]
+        assert 0 < w["itl_p50_ms"] <= w["itl_p99_ms"]
+        (prompt_tokens,) = w["prompt_tokens"]
+        assert prompt_tokens > 32  # 32 words and a nonce
+        # Plait computes each prompt once, however many choices share it.
+        assert w["prompt_tokens_computed"] == prompt_tokens
+    for row in ("plait   W3", "plait   W5", "64/64", "4/4"):
+        assert row in result.stdout, result.stdout
