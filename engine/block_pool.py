@@ -29,6 +29,13 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: s
     return digest.digest()[:16]
 
 
+def hash_partial_block(parent_hash: bytes | None, token_ids: Sequence[int],
+                       extra_key: str | None) -> bytes:
+    """Content hash of a prompt's partial last block (fewer than block_size tokens). Kept
+    apart from full-block hashes, so prefix matching of full blocks never finds it."""
+    return hash_block(parent_hash, [-1, *token_ids], extra_key)
+
+
 @dataclass(slots=True, eq=False)
 class KVBlock:
     block_id: int
@@ -121,6 +128,15 @@ class BlockPool:
             return None
         self.num_hits += 1
         return block.block_id
+
+    def cached_block(self, block_hash: bytes) -> int | None:
+        """The id of the block holding `block_hash`, or None (no query counted)."""
+        block = self.cached.get(block_hash)
+        return None if block is None else block.block_id
+
+    def is_hashed(self, block_id: int) -> bool:
+        """True if the block is findable by content; its K/V must then never change."""
+        return self.blocks[block_id].block_hash is not None
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block (reviving cached ones)."""

@@ -72,3 +72,4 @@ class RuntimeInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     model_name: str
+    block_size: int = 16

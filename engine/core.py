@@ -1,8 +1,13 @@
-"""Engine core: schedule -> execute -> sample -> update, one step at a time.
+"""Engine core: one step is schedule -> execute -> update.
 
-`EngineCore` is synchronous and single-threaded; `AsyncEngine` runs it in a thread and the
-offline `LLM` drives it directly. Every request that enters leaves with exactly one delta
-whose `finish_reason` is set (stop, length, abort or error).
+    SchedulerOutput = scheduler.schedule()      ids and plain data (sched_output.py)
+    RunnerOutput    = runner.execute(...)       forward pass + sampling, keyed by request id
+    deltas          = self._update(...)         append tokens, detokenize, stop checks
+
+`EngineCore` is synchronous and single-threaded; `AsyncEngine` runs it in a thread, the
+engine process (engine_process.py) in a child process, and the offline `LLM` drives it
+directly. Every request that enters leaves with exactly one delta whose `finish_reason` is
+set (stop, length, abort or error).
 """
 
 from __future__ import annotations
@@ -11,25 +16,27 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 from plait.engine.block_pool import BlockPool
 from plait.engine.config import EngineConfig, RuntimeInfo
 from plait.engine.detokenizer import IncrementalDetokenizer
 from plait.engine.model_loader import ResolvedModel, load_tokenizer, resolve_model
-from plait.engine.model_runner import ModelRunner, RunnerOutput
+from plait.engine.model_runner import ModelRunner
 from plait.engine.outputs import RequestDelta, TokenLogprob
 from plait.engine.request import Request
-from plait.engine.sampler import Sampler, SamplingMetadata
-from plait.engine.sampling_params import InvalidParamError, SamplingParams
-from plait.engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
+from plait.engine.sampling_params import SamplingParams
+from plait.engine.sched_output import RunnerOutput, SchedulerOutput
+from plait.engine.scheduler import Scheduler
 
 logger = logging.getLogger("plait.engine")
 
-# A test-only hook: called with (phase, requests) before each phase ("execute", "sample",
-# "detokenize"); raising from it simulates a fault in that phase.
-FaultHook = Callable[[str, list[Request]], None]
+# Builds a request's detokenizer: (tokenizer, prompt token ids, params) -> detokenizer.
+DetokenizerFactory = Callable[[Any, list[int], SamplingParams], IncrementalDetokenizer]
+RunnerFactory = Callable[..., ModelRunner]
+
+SAMPLING_FAILED = "internal error while sampling the request"
+STEP_FAILED = "internal error while computing the request"
 
 
 @dataclass(slots=True)
@@ -39,54 +46,55 @@ class StepCounters:
     steps: int = 0
 
 
+def eos_token_ids(resolved: ResolvedModel, tokenizer: Any) -> tuple[int, ...]:
+    """The model's end-of-sequence ids: its config's, plus the tokenizer's own."""
+    eos = set(resolved.config.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(tokenizer.eos_token_id)
+    return tuple(sorted(eos))
+
+
 class EngineCore:
-    """Owns the scheduler, the model runner, the sampler and every live request."""
+    """Owns the scheduler, the model runner and every live request (by id).
+
+    `runner_factory(config, resolved, eos_token_ids=...)` and `detokenizer_factory` are the
+    seams tests use to inject faults (engine/faults.py); production uses the defaults.
+    Requests must be validated before `add_request` (engine/validation.py)."""
 
     def __init__(self, config: EngineConfig, resolved: ResolvedModel | None = None,
-                 tokenizer=None, runner: ModelRunner | None = None) -> None:
+                 tokenizer: Any = None, runner_factory: RunnerFactory = ModelRunner,
+                 detokenizer_factory: DetokenizerFactory = IncrementalDetokenizer) -> None:
         self.config = config
         resolved = resolved or resolve_model(config.model)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(resolved.path)
-        self.runner = runner or ModelRunner(config, resolved)
+        eos = eos_token_ids(resolved, self.tokenizer)
+        self.runner = runner_factory(config, resolved, eos_token_ids=eos)
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.runner.max_model_len,
                                    config.max_shared_logits)
-        self.sampler = Sampler(config.seed)
-        eos = set(resolved.config.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        self.detokenizer_factory = detokenizer_factory
         self.info = RuntimeInfo(
             device=str(self.runner.device), dtype=str(self.runner.dtype).removeprefix("torch."),
             num_kv_blocks=self.runner.num_blocks, max_model_len=self.runner.max_model_len,
-            vocab_size=resolved.config.vocab_size, eos_token_ids=tuple(sorted(eos)),
-            model_name=resolved.name)
+            vocab_size=resolved.config.vocab_size, eos_token_ids=eos,
+            model_name=resolved.name, block_size=config.block_size)
         self.requests: dict[str, Request] = {}
         self.counters = StepCounters()
         self.last_error: str | None = None
-        self.fault_hook: FaultHook | None = None
         self.stalled = False
         self._held_blocks = (0.0, 0)  # (monotonic time computed, value): see _held_by_requests
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, extra_key: str | None = None) -> None:
-        """Queue one sequence. Raises `RequestRejected` (never fits) or `ValueError`."""
+        """Queue one sequence, already validated (`validate_request`). Raises `ValueError`
+        for a duplicate id, `RequestRejected` if it can never fit."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        vocab = self.info.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        for name, ids in (("logit_bias", params.logit_bias or {}),
-                          ("stop_token_ids", params.stop_token_ids)):
-            bad = next((t for t in ids if not 0 <= int(t) < vocab), None)
-            if bad is not None:
-                raise InvalidParamError(name, f"token id {bad} in '{name}' is outside the "
-                                        f"vocabulary [0, {vocab})")
         req = Request(request_id, list(prompt_token_ids), params, extra_key=extra_key)
         self.scheduler.add_request(req)
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+        req.detokenizer = self.detokenizer_factory(self.tokenizer, req.prompt_token_ids, params)
         self.requests[request_id] = req
 
     def abort(self, request_id: str) -> RequestDelta | None:
@@ -102,77 +110,58 @@ class EngineCore:
 
     # ---------------------------------------------------------------- one step
     def step(self) -> list[RequestDelta]:
+        """Schedule, execute, update. A failing forward pass fails that step's requests
+        (and keeps the engine alive); a failing sampling or detokenization fails only the
+        request it belongs to."""
         out = self.scheduler.schedule()
-        # Nothing schedulable: only a new command (add/abort) can change that.
-        self.stalled = out.is_empty
-        deltas = [self._finish(req, "length" if req.output_token_ids else "error",
-                               error="the request needs more KV blocks than the cache has")
-                  for req in out.unservable]
-        if not out.chunks and not out.shared:
-            return deltas
-        self.counters.steps += 1
-        batch = [c.request for c in out.chunks] + [s.request for s in out.shared]
+        self.stalled = not out.has_work and not out.unservable_ids
         try:
-            self._inject("execute", batch)
             run = self.runner.execute(out)
-            self._collect_prompt_logprobs(out, run)
-            sampled = self._sample(out, run)
         except Exception as exc:  # fail this step's requests, keep the engine alive
-            logger.exception("engine step failed")
-            self.scheduler.fail_step(out)
-            self.counters.failed_steps += 1
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            message = "internal error while computing the request"
-            return deltas + [self._finish(r, "error", error=message) for r in batch
-                             if r.request_id in self.requests]
-        for req, token_id, logprob in sampled:
-            delta = self._safe_update(req, token_id, logprob)
+            return self._fail_step(out, exc)
+        return self._update(out, run)
+
+    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
+        logger.exception("engine step failed")
+        self.scheduler.fail_step(out)
+        self.counters.failed_steps += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        ids = dict.fromkeys([c.request_id for c in out.chunks]
+                            + [s.request_id for s in out.samples]
+                            + list(out.unservable_ids))
+        return [self._finish(self.requests[i], "error", error=STEP_FAILED)
+                for i in ids if i in self.requests]
+
+    def _update(self, out: SchedulerOutput, run: RunnerOutput) -> list[RequestDelta]:
+        """Apply the step's results to the requests; return their deltas."""
+        if out.has_work:
+            self.counters.steps += 1
+        self.scheduler.update_from_output(out)
+        deltas = [self._finish(self.requests[i], "length" if self.requests[i].output_token_ids
+                               else "error",
+                               error="the request needs more KV blocks than the cache has")
+                  for i in out.unservable_ids if i in self.requests]
+        restarted = {c.request_id for c in out.chunks if c.start == 0}
+        for request_id, scored in run.prompt_logprobs.items():
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            if request_id in restarted:  # (again, when recomputed after a preemption)
+                req.prompt_logprobs = []
+            req.prompt_logprobs.extend(scored)
+        for row in out.samples:
+            req = self.requests.get(row.request_id)
+            if req is None:
+                continue
+            if row.request_id in run.errors:
+                self.last_error = run.errors[row.request_id]
+                deltas.append(self._finish(req, "error", error=SAMPLING_FAILED))
+                continue
+            delta = self._safe_update(req, run.sampled[row.request_id],
+                                      run.logprobs.get(row.request_id))
             if delta is not None:
                 deltas.append(delta)
         return deltas
-
-    def _inject(self, phase: str, requests: list[Request]) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook(phase, requests)
-
-    def _sample(self, out: SchedulerOutput, run: RunnerOutput):
-        """Sample one token for every chunk that ended its sequence and every sharer."""
-        reqs: list[Request] = []
-        rows: list[int] = []
-        kept: list[torch.Tensor] = []
-        for chunk in out.chunks:
-            if chunk.sample:
-                reqs.append(chunk.request)
-                rows.append(run.row_of[id(chunk.request)])
-        for shared in out.shared:
-            reqs.append(shared.request)
-            if shared.source is not None:
-                rows.append(run.row_of[id(shared.source)])
-            else:
-                assert shared.entry is not None
-                kept.append(shared.entry.logits)
-                rows.append(run.logits.shape[0] + len(kept) - 1)
-        if not reqs:
-            return []
-        table = torch.cat([run.logits, torch.stack(kept)]) if kept else run.logits
-        logits = table[self.runner.to_device(rows, torch.int64)]  # [num_samples, vocab]
-        self._inject("sample", reqs)
-        for req in reqs:
-            if req.params.seed is not None and req.generator is None:
-                req.generator = torch.Generator(device=logits.device)
-                req.generator.manual_seed(req.params.seed)
-        meta = SamplingMetadata(
-            params=[r.params for r in reqs], generators=[r.generator for r in reqs],
-            prompt_token_ids=[r.prompt_token_ids for r in reqs],
-            output_token_ids=[r.output_token_ids for r in reqs],
-            eos_token_ids=self.info.eos_token_ids)
-        result = self.sampler(logits, meta)
-        for chunk in out.chunks:  # owners that just computed a shared prompt keep its row
-            req = chunk.request
-            if chunk.sample and req.share_entry is not None and not req.output_token_ids:
-                row = run.logits[run.row_of[id(req)]].clone()
-                self.scheduler.publish_prompt_logits(req, row)
-        return list(zip(reqs, result.token_ids, result.logprobs, strict=True))
 
     # ---------------------------------------------------------------- update
     def _safe_update(self, req: Request, token_id: int,
@@ -180,15 +169,14 @@ class EngineCore:
         if req.request_id not in self.requests:
             return None
         try:
-            self._inject("detokenize", [req])
-            return self._update(req, token_id, logprob)
+            return self._append_token(req, token_id, logprob)
         except Exception as exc:
             logger.exception("update of request %s failed", req.request_id)
             self.last_error = f"{type(exc).__name__}: {exc}"
             return self._finish(req, "error", error="internal error while decoding the output")
 
-    def _update(self, req: Request, token_id: int,
-                logprob: TokenLogprob | None) -> RequestDelta:
+    def _append_token(self, req: Request, token_id: int,
+                      logprob: TokenLogprob | None) -> RequestDelta:
         params = req.params
         first = not req.output_token_ids
         if first:
@@ -230,28 +218,6 @@ class EngineCore:
             return "length", None
         return None, None
 
-    def _collect_prompt_logprobs(self, out: SchedulerOutput, run: RunnerOutput) -> None:
-        """Reduce each chunk's prompt logits to the logprob of the next prompt token (+top-k)
-        right away, so a long prompt never keeps [P, vocab] logits around."""
-        for chunk in out.chunks:
-            req = chunk.request
-            logits = run.prompt_logits.get(id(req))
-            if logits is None:
-                continue
-            if chunk.start == 0:
-                req.prompt_logprobs = [None]
-            end = min(chunk.start + chunk.num_tokens, req.num_prompt_tokens - 1)
-            if end <= chunk.start:
-                continue
-            logprobs = torch.log_softmax(logits[: end - chunk.start].float(), dim=-1)
-            targets = req.prompt_token_ids[chunk.start + 1 : end + 1]
-            chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])
-            k = req.params.prompt_logprobs or 0
-            top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0],) * 2
-            for i, token in enumerate(targets):
-                top = list(zip(top_ids[i].tolist(), top_vals[i].tolist(), strict=True))
-                req.prompt_logprobs.append(TokenLogprob(token, chosen[i, 0].item(), top))
-
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestDelta:
         self.requests.pop(req.request_id, None)
         self.scheduler.finish(req)
@@ -281,7 +247,7 @@ class EngineCore:
 
     def stats(self) -> dict[str, int | float | str | None]:
         s = self.scheduler.stats
-        parked = sum(len(e.followers) for e in self.scheduler.share.in_flight.values())
+        parked = self.scheduler.share.num_parked
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting) + parked,
@@ -295,7 +261,7 @@ class EngineCore:
             "prefix_cache_hits": s.prefix_cache_hits,
             "num_preemptions": s.num_preemptions,
             "generation_tokens": self.counters.generation_tokens,
-            "shared_prompts_kept": len(self.scheduler.share.ready),
+            "shared_prompts_kept": len(self.scheduler.share.kept),
             "failed_steps": self.counters.failed_steps,
             "last_error": self.last_error,
         }

@@ -14,6 +14,7 @@ from plait.engine.config import EngineConfig
 from plait.engine.core import EngineCore
 from plait.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
 from plait.engine.sampling_params import SamplingParams
+from plait.engine.validation import validate_request
 
 PromptInput = str | Sequence[int]
 
@@ -42,6 +43,8 @@ class LLM:
 
     def _run(self, batch, params: SamplingParams, pending) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        for _, token_ids in batch:
+            validate_request(self.engine.info, token_ids, params)
         for text, token_ids in batch:
             result = RequestOutput(text, token_ids, [])
             outputs.append(result)

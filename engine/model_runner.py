@@ -1,22 +1,25 @@
-"""Model runner: owns the weights and the KV cache, turns a schedule into logits.
+"""Model runner: owns every piece of device state and turns a step into sampled tokens.
 
-It knows nothing of queues or policy: it gets the scheduled chunks and block copies and
-returns the logits rows that need sampling (plus per-position prompt logits for requests
-that asked for prompt logprobs).
+It owns the weights, the KV cache, the buffer of kept prompt-logits rows (addressed by
+slot), the persistent per-request state (tokens, seeded generators, block-table rows; see
+input_batch.py) and the sampler. It knows nothing of queues or policy: `execute` takes a
+`SchedulerOutput` (ids and plain data) and returns a `RunnerOutput` keyed by request id.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
 from plait.engine.config import EngineConfig
+from plait.engine.input_batch import CachedRequestState, InputBatch
 from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import ResolvedModel
 from plait.engine.models.llama import AttentionMetadata, LlamaForCausalLM, prepack_cpu_linears
-from plait.engine.scheduler import ScheduledChunk, SchedulerOutput
+from plait.engine.outputs import TokenLogprob
+from plait.engine.sampler import Sampler, SamplingMetadata
+from plait.engine.sched_output import RunnerOutput, SchedulerOutput
 from plait.engine.transfer import to_device
 from plait.engine.weights import load_weights
 
@@ -39,19 +42,19 @@ def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
     return _DTYPES[requested]
 
 
-@dataclass(slots=True)
-class RunnerOutput:
-    logits: torch.Tensor  # [num_sample_rows, vocab] float32, one row per sampling chunk
-    row_of: dict[int, int] = field(default_factory=dict)  # id(request) -> row in `logits`
-    # id(request) -> [num_tokens, vocab] logits of each computed prompt position
-    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
 
 
 class ModelRunner:
-    """Builds the model on `device` and a KV cache sized from `config`."""
+    """Builds the model on `device`, a KV cache sized from `config`, and serves steps.
+
+    `eos_token_ids` are masked for rows below `min_tokens`; `seed` seeds the generator of
+    unseeded requests (see `Sampler`)."""
 
     def __init__(self, config: EngineConfig, resolved: ResolvedModel,
-                 model: LlamaForCausalLM | None = None) -> None:
+                 model: LlamaForCausalLM | None = None,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config: ModelConfig = resolved.config
@@ -68,6 +71,13 @@ class ModelRunner:
                                     cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype,
                                     device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.sampler = Sampler(config.seed)
+        self.batch = InputBatch(config.max_num_seqs, cdiv(self.max_model_len, self.block_size),
+                                self.device)
+        # kept_logits: [max_shared_logits, vocab] float32, rows addressed by kept slot
+        self.kept_logits = torch.zeros(config.max_shared_logits, cfg.vocab_size,
+                                       dtype=torch.float32, device=self.device)
 
     def _load_model(self, resolved: ResolvedModel, max_pos: int) -> LlamaForCausalLM:
         with torch.device(self.device):
@@ -96,62 +106,167 @@ class ModelRunner:
                              "raise --gpu-memory-utilization / --kv-cache-memory-gb")
         return num
 
+    # ---------------------------------------------------------------- one step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Apply block copies, run the forward pass over `out.chunks`, return logits."""
+        """Apply `out` in the order its docstring gives; return the step's results.
+
+        Raises if the forward pass fails (every request of the step is then lost). A
+        failure while sampling one request fails only that request (`RunnerOutput.errors`).
+        """
+        self.batch.apply(out)
         if out.block_copies:
             src = self.to_device([s for s, _ in out.block_copies], torch.int64)
             dst = self.to_device([d for _, d in out.block_copies], torch.int64)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-        if not out.chunks:
-            return RunnerOutput(torch.empty(0, self.model_config.vocab_size, device=self.device))
-        input_ids, positions, meta, sample_idx = self._prepare(out.chunks)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
-        result = RunnerOutput(self.model.compute_logits(hidden[sample_idx]))
-        rows = [c for c in out.chunks if c.sample]
-        result.row_of = {id(c.request): i for i, c in enumerate(rows)}
-        offset = 0
-        for chunk in out.chunks:
-            req = chunk.request
-            if req.needs_prompt_logprobs and chunk.start < req.num_prompt_tokens:
-                span = hidden[offset : offset + chunk.num_tokens]
-                result.prompt_logits[id(chunk.request)] = self.model.compute_logits(span)
-            offset += chunk.num_tokens
+        result = RunnerOutput()
+        computed, row_of = self._forward(out, result)  # [num_sample_chunks, vocab]
+        if out.samples:
+            self._sample(out, computed, row_of, result)
+        for request_id, slot in out.keep_logits:
+            self.kept_logits[slot] = computed[row_of[request_id]]
         return result
 
-    def _prepare(self, chunks: list[ScheduledChunk]):
+    def _forward(self, out: SchedulerOutput,
+                 result: RunnerOutput) -> tuple[torch.Tensor, dict[str, int]]:
+        """The forward pass over `out.chunks`: the last-position logits of each sampling
+        chunk (and the request id -> row map), prompt logprobs into `result`."""
+        vocab = self.model_config.vocab_size
+        if not out.chunks:
+            return torch.empty(0, vocab, device=self.device), {}
+        input_ids, positions, meta, sample_idx = self._prepare(out)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        computed = self.model.compute_logits(hidden[sample_idx])  # [num_sample_chunks, V]
+        row_of = {c.request_id: i for i, c in enumerate(c for c in out.chunks if c.sample)}
+        offset = 0
+        for chunk in out.chunks:
+            state = self.batch.states[chunk.request_id]
+            num_prompt = len(state.prompt_token_ids)
+            if state.params.prompt_logprobs is not None and chunk.start < num_prompt:
+                span = self.model.compute_logits(hidden[offset : offset + chunk.num_tokens])
+                result.prompt_logprobs[chunk.request_id] = self._prompt_logprobs(
+                    state, chunk.start, span)
+            offset += chunk.num_tokens
+        return computed, row_of
+
+    def _prepare(self, out: SchedulerOutput):
         """Flatten the chunks into the model's inputs (see models/llama.py)."""
         bs = self.block_size
+        batch = self.batch
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        rows: list[int] = []
         cu_seqlens = [0]
         context_lens: list[int] = []
         sample_idx: list[int] = []
-        max_blocks = max(len(c.request.block_ids) for c in chunks)
-        tables = []
-        for chunk in chunks:
-            req, end = chunk.request, chunk.start + chunk.num_tokens
-            input_ids.extend(req.token_ids(chunk.start, end))
-            span = range(chunk.start, end)
-            positions.extend(span)
-            table = req.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
+        max_blocks = 1
+        for chunk in out.chunks:
+            state = batch.states[chunk.request_id]
+            end = chunk.start + chunk.num_tokens
+            input_ids.extend(state.token_ids(chunk.start, end))
+            positions.extend(range(chunk.start, end))
+            rows.append(batch.row_of[chunk.request_id])
             cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
             context_lens.append(end)
+            max_blocks = max(max_blocks, state.num_blocks)
             if chunk.sample:
                 sample_idx.append(cu_seqlens[-1] - 1)
-            tables.append(table + [-1] * (max_blocks - len(table)))
+        tables = batch.block_table[torch.tensor(rows), :max_blocks]  # [S, max_blocks]
+        pos = torch.tensor(positions, dtype=torch.int64)  # [T]
+        counts = torch.tensor([c.num_tokens for c in out.chunks])
+        token_seq = torch.repeat_interleave(torch.arange(len(rows)), counts)  # [T]
+        slots = tables[token_seq, pos // bs].to(torch.int64) * bs + pos % bs  # [T]
         meta = AttentionMetadata(
-            slot_mapping=self.to_device(slots, torch.int64),
+            slot_mapping=self._move(slots),
             cu_seqlens_q=self.to_device(cu_seqlens, torch.int32),
             context_lens=self.to_device(context_lens, torch.int32),
-            block_tables=self.to_device(tables, torch.int32),
-            max_query_len=max(c.num_tokens for c in chunks),
+            block_tables=self._move(tables),
+            max_query_len=max(c.num_tokens for c in out.chunks),
             max_context_len=max(context_lens),
         )
-        return (self.to_device(input_ids, torch.int64), self.to_device(positions, torch.int64),
-                meta, self.to_device(sample_idx, torch.int64))
+        return (self.to_device(input_ids, torch.int64), self._move(pos), meta,
+                self.to_device(sample_idx, torch.int64))
+
+    def _prompt_logprobs(self, state: CachedRequestState, start: int,
+                         logits: torch.Tensor) -> list[TokenLogprob | None]:
+        """Reduce a chunk's prompt logits ([num_tokens, vocab]) at once to the logprob of
+        each next prompt token (+ top-k), so no [P, vocab] tensor outlives the step."""
+        prompt = state.prompt_token_ids
+        scored: list[TokenLogprob | None] = [None] if start == 0 else []
+        end = min(start + logits.shape[0], len(prompt) - 1)
+        if end <= start:
+            return scored
+        logprobs = torch.log_softmax(logits[: end - start].float(), dim=-1)
+        targets = prompt[start + 1 : end + 1]
+        chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])
+        k = state.params.prompt_logprobs or 0
+        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0],) * 2
+        for i, token in enumerate(targets):
+            top = list(zip(top_ids[i].tolist(), top_vals[i].tolist(), strict=True))
+            scored.append(TokenLogprob(token, chosen[i, 0].item(), top))
+        return scored
+
+    # ---------------------------------------------------------------- sampling
+    def _sample(self, out: SchedulerOutput, computed: torch.Tensor, row_of: dict[str, int],
+                result: RunnerOutput) -> None:
+        """One token for every `SampleRow`, appended to the request's state.
+
+        The rows are sampled as one batch. If that raises, each row is sampled alone (its
+        seeded generator rewound first), so one request's failure is its own."""
+        states = [self.batch.states[row.request_id] for row in out.samples]
+        kept_slots = [row.kept_slot for row in out.samples if row.kept_slot is not None]
+        table = computed
+        if kept_slots:
+            table = torch.cat([computed, self.kept_logits[self.to_device(kept_slots,
+                                                                         torch.int64)]])
+        index: list[int] = []
+        num_kept = 0
+        for row in out.samples:
+            if row.computed_by is not None:
+                index.append(row_of[row.computed_by])
+            else:
+                index.append(computed.shape[0] + num_kept)
+                num_kept += 1
+        logits = table[self.to_device(index, torch.int64)]  # [num_samples, vocab]
+        rewind = [s.generator.get_state() if s.generator is not None else None
+                  for s in states]
+        try:
+            sampled = self.sampler(logits, self._metadata(states))
+            picks = list(zip(sampled.token_ids, sampled.logprobs, strict=True))
+        except Exception:
+            logger.exception("batched sampling failed; sampling each request alone")
+            picks = []
+            for i, state in enumerate(states):
+                if state.generator is not None:
+                    state.generator.set_state(rewind[i])
+                try:
+                    alone = self.sampler(logits[i : i + 1], self._metadata([state]))
+                    picks.append((alone.token_ids[0], alone.logprobs[0]))
+                except Exception as exc:
+                    logger.exception("sampling request %s failed", state.request_id)
+                    result.errors[state.request_id] = f"{type(exc).__name__}: {exc}"
+                    picks.append(None)
+        for state, pick in zip(states, picks, strict=True):
+            if pick is None:
+                continue
+            token_id, logprob = pick
+            state.output_token_ids.append(token_id)
+            result.sampled[state.request_id] = token_id
+            if logprob is not None:
+                result.logprobs[state.request_id] = logprob
+
+    def _metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        return SamplingMetadata(
+            params=[s.params for s in states], generators=[s.generator for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            eos_token_ids=self.eos_token_ids)
+
+    def _move(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device, without waiting for the GPU (see transfer.py)."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """Host list -> device tensor, without waiting for the GPU (see transfer.py)."""

@@ -1,19 +1,24 @@
-"""Prefill once for identical prompts: in-flight owners, parked followers, kept logits.
+"""Prefill once for identical prompts: in-flight owners, parked followers, kept prompts.
 
-The first request with a given prompt becomes the entry's *owner* and computes it (with
-full-block prefix caching and chunked prefill as usual). Requests with the same prompt that
-arrive while it computes are *parked* on the entry. In the step that computes the owner's
-last prompt token they are admitted too: they take references on the owner's blocks,
-including the partial last block (shared read-only, copied on write), and sample from the
-owner's logits row in that same step. Afterwards the entry keeps the logits row and pins the
-prompt's blocks, so a later identical prompt skips the forward pass entirely. Kept entries
-are bounded (LRU by count) and are the first thing dropped under memory pressure.
+The first request with a given prompt becomes the in-flight entry's *owner* and computes it
+(with full-block prefix caching and chunked prefill as usual). Requests with the same prompt
+that arrive while it computes are *parked* on the entry. In the step that computes the
+owner's last prompt token they are admitted too: they take references on the owner's
+blocks, including the partial last block (shared read-only, copied on write), and sample
+from the owner's logits row in that same step.
 
-    owner:     [b0 full][b1 full][b2 partial] -> forward -> logits row r
-    follower:  [b0     ][b1     ][b2        ] (refs)     -> samples from r, own seed
-    follower's first write into b2 -> private copy of b2 (copy-on-write)
+When that step succeeds the prompt is *kept*: a `KeptPrompt` names its blocks by content
+hash (full blocks, then the partial last block under its own hash) and a slot of the
+runner's kept-logits buffer. It owns nothing: the blocks stay ordinary cached blocks
+(ref count 0, in the pool's one LRU) and the entry is valid only while every hash still
+resolves. A later identical prompt that finds a valid entry skips the forward pass: it
+revives the blocks and samples from the kept slot.
 
-This module is pure bookkeeping; it never touches tensors (`logits` is opaque here).
+    owner:     [b0 full][b1 full][b2 partial] -> forward -> logits row -> kept slot k
+    follower:  [b0     ][b1     ][b2        ] (refs)     -> samples from the row, own seed
+    any write into b2 (hashed, so immutable) -> private copy of b2 (copy-on-write)
+
+Pure bookkeeping: no tensors, no torch.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
 from plait.engine.block_pool import BlockPool
 from plait.engine.request import Request
@@ -37,61 +41,99 @@ def prompt_key(prompt_token_ids: list[int], extra_key: str | None) -> bytes:
 
 
 @dataclass(eq=False)
-class ShareEntry:
+class InFlightPrompt:
+    """A prompt being computed by `owner`, with the identical requests parked on it."""
+
     key: bytes
     owner: Request | None
     followers: list[Request] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)  # pinned once ready
-    logits: Any = None  # the last prompt position's logits row once ready
     # The scheduler step in which the owner computes the prompt's last token, if scheduled.
     final_step: int | None = None
+    keep_slot: int | None = None  # kept-logits slot reserved for that step's row
 
-    @property
-    def ready(self) -> bool:
-        return self.logits is not None
+
+@dataclass(frozen=True, slots=True)
+class KeptPrompt:
+    """A computed prompt, valid while each of `block_hashes` names a cached block."""
+
+    key: bytes
+    block_hashes: tuple[bytes, ...]  # the prompt's blocks in order (last may be partial)
+    slot: int  # row of the runner's kept-logits buffer
 
 
 class PromptShareTable:
-    """In-flight and ready share entries. Ready ones hold one ref on each prompt block."""
+    """In-flight and kept prompts. Holds no block reference and no logits."""
 
-    def __init__(self, pool: BlockPool, max_ready: int) -> None:
+    def __init__(self, pool: BlockPool, max_kept: int) -> None:
         self.pool = pool
-        self.max_ready = max_ready
-        self.in_flight: dict[bytes, ShareEntry] = {}
-        self.ready: OrderedDict[bytes, ShareEntry] = OrderedDict()
+        self.max_kept = max_kept
+        self.in_flight: dict[bytes, InFlightPrompt] = {}
+        self.kept: OrderedDict[bytes, KeptPrompt] = OrderedDict()
+        self._free_slots = list(range(max_kept - 1, -1, -1))
 
-    def lookup(self, key: bytes) -> ShareEntry | None:
-        entry = self.ready.get(key)
-        if entry is not None:
-            self.ready.move_to_end(key)
-            return entry
-        return self.in_flight.get(key)
+    # ---------------------------------------------------------------- kept prompts
+    def resolve_kept(self, key: bytes) -> tuple[KeptPrompt, list[int]] | None:
+        """The kept entry for `key` and its block ids, if every block is still cached; a
+        stale entry (a block was evicted) is dropped."""
+        entry = self.kept.get(key)
+        if entry is None:
+            return None
+        block_ids = [self.pool.cached_block(h) for h in entry.block_hashes]
+        if any(b is None for b in block_ids):
+            self._drop(entry)
+            return None
+        self.kept.move_to_end(key)
+        return entry, block_ids  # type: ignore[return-value]
 
-    def start(self, key: bytes, owner: Request) -> ShareEntry:
-        entry = ShareEntry(key, owner)
+    def reserve_slot(self) -> int | None:
+        """A free kept-logits slot, evicting the least recently used entry if none is free;
+        None when keeping is off (`max_kept` 0)."""
+        if not self._free_slots and self.kept:
+            self._drop(next(iter(self.kept.values())))
+        return self._free_slots.pop() if self._free_slots else None
+
+    def release_slot(self, slot: int) -> None:
+        self._free_slots.append(slot)
+
+    def _drop(self, entry: KeptPrompt) -> None:
+        del self.kept[entry.key]
+        self._free_slots.append(entry.slot)
+
+    def clear_kept(self) -> None:
+        while self.kept:
+            self._drop(next(iter(self.kept.values())))
+
+    # ---------------------------------------------------------------- in-flight prompts
+    def start(self, key: bytes, owner: Request) -> InFlightPrompt:
+        entry = InFlightPrompt(key, owner)
         self.in_flight[key] = entry
         owner.share_entry = entry
         return entry
 
-    def publish(self, entry: ShareEntry, logits: Any, block_ids: list[int]) -> list[Request]:
-        """The owner computed the prompt: keep `logits`, pin `block_ids`, return the parked
-        followers (to be re-queued; they will hit this entry)."""
+    def publish(self, entry: InFlightPrompt, block_hashes: list[bytes]) -> list[Request]:
+        """The owner's step succeeded: keep the prompt (if a slot was reserved) under
+        `block_hashes`; return the followers still parked (to re-queue: they hit it)."""
+        slot, entry.keep_slot = entry.keep_slot, None
         followers = self._close(entry)
-        if self.max_ready > 0:
-            entry.logits = logits
-            entry.block_ids = list(block_ids)
-            self.pool.touch(entry.block_ids)
-            self.ready[entry.key] = entry
-            while len(self.ready) > self.max_ready:
-                self.evict_one()
+        if slot is not None:
+            self.kept.pop(entry.key, None)
+            self.kept[entry.key] = KeptPrompt(entry.key, tuple(block_hashes), slot)
         return followers
 
-    def drop_owner(self, entry: ShareEntry) -> list[Request]:
+    def abandon_final_step(self, entry: InFlightPrompt) -> None:
+        """The step that was to compute the prompt's end failed: free its reserved slot."""
+        entry.final_step = None
+        if entry.keep_slot is not None:
+            self.release_slot(entry.keep_slot)
+            entry.keep_slot = None
+
+    def drop_owner(self, entry: InFlightPrompt) -> list[Request]:
         """The owner left before computing the prompt: forget the entry, return the parked
         followers (the first one re-queued becomes the next owner)."""
+        self.abandon_final_step(entry)
         return self._close(entry)
 
-    def _close(self, entry: ShareEntry) -> list[Request]:
+    def _close(self, entry: InFlightPrompt) -> list[Request]:
         """End the in-flight phase: detach owner and followers, return the followers."""
         self.in_flight.pop(entry.key, None)
         if entry.owner is not None:
@@ -102,7 +144,7 @@ class PromptShareTable:
             follower.share_entry = None
         return followers
 
-    def park(self, entry: ShareEntry, request: Request) -> None:
+    def park(self, entry: InFlightPrompt, request: Request) -> None:
         entry.followers.append(request)
         request.share_entry = entry
 
@@ -112,15 +154,6 @@ class PromptShareTable:
             entry.followers.remove(request)
             request.share_entry = None
 
-    def evict_one(self) -> bool:
-        """Drop the least recently used ready entry; False when there is none."""
-        if not self.ready:
-            return False
-        _, entry = self.ready.popitem(last=False)
-        self.pool.free(entry.block_ids)
-        entry.block_ids, entry.logits = [], None
-        return True
-
-    def clear(self) -> None:
-        while self.evict_one():
-            pass
+    @property
+    def num_parked(self) -> int:
+        return sum(len(e.followers) for e in self.in_flight.values())

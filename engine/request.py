@@ -39,16 +39,21 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     max_tokens: int = 16
     cumulative_logprob: float = 0.0
-    # Engine-side per-request objects (torch.Generator, detokenizer); opaque to the scheduler.
-    generator: Any = None
+    # The engine core's incremental detokenizer (plain Python, no tensors).
     detokenizer: Any = None
     first_token_time: float | None = None
-    # Prompt sharing (see prompt_share.py): the key of the prompt, and the entry this
-    # request computes (owner) or waits on (parked follower).
+    # Prompt sharing (see prompt_share.py): the key of the prompt, the in-flight entry this
+    # request computes (owner) or waits on (parked follower), and the hash under which its
+    # partial last prompt block was registered (owners only).
     share_key: bytes | None = None
+    share_entry: Any = None
+    partial_block_hash: bytes | None = None
     # Filled chunk by chunk when params.prompt_logprobs is set (TokenLogprob | None items).
     prompt_logprobs: list[Any] = field(default_factory=list)
-    share_entry: Any = None
+    # What the runner knows of this request (see sched_output.py): described once, then
+    # only a changed block table is sent again.
+    known_to_runner: bool = False
+    blocks_changed: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

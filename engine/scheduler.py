@@ -15,54 +15,40 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from plait.engine.block_pool import BlockPool, hash_block
-from plait.engine.prompt_share import PromptShareTable, ShareEntry, prompt_key
+from plait.engine.block_pool import BlockPool, hash_block, hash_partial_block
+from plait.engine.prompt_share import InFlightPrompt, PromptShareTable, prompt_key
 from plait.engine.request import Request, RequestStatus
+from plait.engine.sched_output import (
+    NewRequest,
+    SampleRow,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+from plait.engine.validation import RequestRejected, cdiv, check_prompt_fits
 
-
-class RequestRejected(ValueError):
-    """The request can never be served (too long for the model or for the KV pool)."""
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    """Tokens [start, start + num_tokens) of `request` are computed this step."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    sample: bool  # the chunk ends at the request's last token: sample the next one
+__all__ = ["RequestRejected", "Scheduler", "check_prompt_fits"]  # TEMP: old import path
 
 
 @dataclass(slots=True)
-class SharedSample:
-    """`request` samples from logits it did not compute: the row of `source` (computed in
-    this step) or the row kept by a ready `entry`."""
+class _StepBuilder:
+    """The step being scheduled (mutable); frozen into a `SchedulerOutput` at the end."""
 
-    request: Request
-    source: Request | None
-    entry: ShareEntry | None
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    shared: list[SharedSample] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before forward
+    samples: list[SampleRow] = field(default_factory=list)
+    scheduled: dict[str, Request] = field(default_factory=dict)  # request id -> request
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    keep_logits: list[tuple[str, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    unservable: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _StepRecord:
+    """What the last step changed in the pool and the share table, to undo if it fails."""
+
     new_block_ids: list[int] = field(default_factory=list)
-    # Blocks whose hash was registered this step (their K/V is written by this step).
     registered_block_ids: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # Requests that can never progress (need more blocks than the pool has): finish them.
-    unservable: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks and not self.shared and not self.unservable
+    finishing_owners: list[Request] = field(default_factory=list)  # compute the prompt end
 
 
 @dataclass(slots=True)
@@ -74,26 +60,13 @@ class SchedulerStats:
     num_preemptions: int = 0
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(a // -b)
-
-
-def check_prompt_fits(num_prompt: int, max_model_len: int, num_blocks: int,
-                      block_size: int) -> None:
-    """Raise `RequestRejected` unless the prompt plus one generated token can ever fit."""
-    if num_prompt == 0:
-        raise RequestRejected("the prompt is empty")
-    if num_prompt + 1 > max_model_len:
-        raise RequestRejected(
-            f"This model's maximum context length is {max_model_len} tokens. However, the "
-            f"prompt has {num_prompt} tokens; with one generated token that exceeds the "
-            f"maximum context length of {max_model_len} tokens.")
-    if cdiv(num_prompt + 1, block_size) > num_blocks:
-        raise RequestRejected(f"the prompt has {num_prompt} tokens, more than the KV cache "
-                              f"can hold ({num_blocks * block_size})")
-
-
 class Scheduler:
+    """Owns the waiting and running requests and every block-table decision.
+
+    `schedule()` returns a frozen, id-keyed `SchedulerOutput`; after the runner executed it,
+    the engine calls `update_from_output()` (success) or `fail_step()` (the forward pass
+    raised). `finish()` removes a request wherever it is."""
+
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, max_shared_logits: int) -> None:
         self.pool = pool
@@ -106,13 +79,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self.step_idx = 0
+        self._finished_ids: list[str] = []  # known to the runner, finished since last step
+        self._record = _StepRecord()
 
     # ---------------------------------------------------------------- requests in / out
     def add_request(self, req: Request) -> None:
-        """Queue `req`, or raise `RequestRejected` if it can never fit."""
-        num_prompt = req.num_prompt_tokens
-        check_prompt_fits(num_prompt, self.max_model_len, self.pool.num_blocks, self.block_size)
-        room = self.max_model_len - num_prompt
+        """Queue `req` (validated by `validate_request`: its prompt fits)."""
+        room = self.max_model_len - req.num_prompt_tokens
         wanted = req.params.max_tokens
         req.max_tokens = room if wanted is None else min(wanted, room)
         if self.pool.enable_caching and not req.needs_prompt_logprobs:
@@ -129,107 +102,122 @@ class Scheduler:
             self.share.unpark(req)
         self._release(req)
         req.status = RequestStatus.FINISHED
-
-    def publish_prompt_logits(self, req: Request, logits: object) -> None:
-        """Called after `req` (an owner) sampled from its last prompt position."""
-        entry = req.share_entry
-        if entry is None or entry.owner is not req:
-            return
-        num_prompt_blocks = cdiv(req.num_prompt_tokens, self.block_size)
-        followers = self.share.publish(entry, logits, req.block_ids[:num_prompt_blocks])
-        self.waiting.extendleft(reversed(followers))
+        if req.known_to_runner:
+            self._finished_ids.append(req.request_id)
+            req.known_to_runner = False
 
     @property
     def num_unfinished(self) -> int:
-        parked = sum(len(e.followers) for e in self.share.in_flight.values())
-        return len(self.waiting) + len(self.running) + parked
+        return len(self.waiting) + len(self.running) + self.share.num_parked
 
     # ---------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
         self.step_idx += 1
-        out = SchedulerOutput()
-        scheduled: set[int] = set()
-        budget = self._schedule_running(out, scheduled)
-        self._schedule_waiting(out, scheduled, budget)
-        return out
+        self._record = _StepRecord()
+        step = _StepBuilder()
+        budget = self._schedule_running(step)
+        self._schedule_waiting(step, budget)
+        return self._freeze(step)
 
-    def _schedule_running(self, out: SchedulerOutput, scheduled: set[int]) -> int:
+    def _freeze(self, step: _StepBuilder) -> SchedulerOutput:
+        """The step as plain data: new requests described once, changed tables only."""
+        new_requests: list[NewRequest] = []
+        tables: list[tuple[str, tuple[int, ...]]] = []
+        for request_id, req in step.scheduled.items():
+            if not req.known_to_runner:
+                req.known_to_runner = True
+                new_requests.append(NewRequest(request_id, tuple(req.prompt_token_ids),
+                                               req.params))
+            if req.blocks_changed:
+                req.blocks_changed = False
+                tables.append((request_id, tuple(req.block_ids)))
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(
+            step_id=self.step_idx, finished_ids=finished, new_requests=tuple(new_requests),
+            block_tables=tuple(tables), block_copies=tuple(step.block_copies),
+            chunks=tuple(step.chunks), samples=tuple(step.samples),
+            keep_logits=tuple(step.keep_logits), preempted_ids=tuple(step.preempted),
+            unservable_ids=tuple(step.unservable))
+
+    def _schedule_running(self, step: _StepBuilder) -> int:
         budget = self.max_num_batched_tokens
         for req in list(self.running):
-            if id(req) in scheduled or req.status != RequestStatus.RUNNING or budget <= 0:
+            if (req.request_id in step.scheduled or req.status != RequestStatus.RUNNING
+                    or budget <= 0):
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
-            while not self._allocate(req, num_new, out):
-                if self.share.evict_one():
-                    continue
+            while not self._allocate(req, num_new, step):
                 victim = next((r for r in reversed(self.running)
-                               if id(r) not in scheduled and r is not req), None)
-                self._preempt(victim or req, out)
+                               if r.request_id not in step.scheduled and r is not req), None)
+                self._preempt(victim or req, step)
                 if victim is None:
                     break
             if req.status == RequestStatus.RUNNING:
-                self._add_chunk(req, num_new, out, scheduled)
+                self._add_chunk(req, num_new, step)
                 budget -= num_new
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> None:
+    def _schedule_waiting(self, step: _StepBuilder, budget: int) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.share_key is not None and not req.output_token_ids:
-                entry = self.share.lookup(req.share_key)
-                if entry is not None and entry.ready:
+                kept = self.share.resolve_kept(req.share_key)
+                if kept is not None:
+                    entry, block_ids = kept
                     self.waiting.popleft()
-                    self._admit_shared(req, entry.block_ids, None, entry, out, scheduled)
+                    self._admit_shared(req, block_ids, SampleRow(req.request_id,
+                                                                 kept_slot=entry.slot), step)
                     continue
-                if entry is not None and entry.owner is not req:
+                in_flight = self.share.in_flight.get(req.share_key)
+                if in_flight is not None and in_flight.owner is not req:
                     self.waiting.popleft()
-                    if entry.final_step == self.step_idx and entry.owner is not None:
+                    owner = in_flight.owner
+                    if in_flight.final_step == self.step_idx and owner is not None:
                         # the owner computes the prompt's end in this very step: join it
-                        owner = entry.owner
                         blocks = owner.block_ids[: cdiv(owner.num_prompt_tokens, self.block_size)]
-                        self._admit_shared(req, blocks, owner, None, out, scheduled)
+                        self._admit_shared(req, blocks, SampleRow(
+                            req.request_id, computed_by=owner.request_id), step)
                     else:
-                        self.share.park(entry, req)
+                        self.share.park(in_flight, req)
                     continue
-                if entry is None:
+                if in_flight is None:
                     self.share.start(req.share_key, req)
             if budget <= 0:
                 break
-            num_new = self._admit(req, budget, out)
+            num_new = self._admit(req, budget, step)
             if num_new is None:
-                if not self.running and not out.chunks:
+                if not self.running and not step.chunks:
                     self.waiting.popleft()  # needs more blocks than the pool will ever have
-                    out.unservable.append(req)
+                    step.unservable.append(req.request_id)
                     continue
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._add_chunk(req, num_new, out, scheduled)
+            self._add_chunk(req, num_new, step)
             budget -= num_new
 
-    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
+    def _admit(self, req: Request, budget: int, step: _StepBuilder) -> int | None:
         """Take cached prefix blocks and allocate for the first chunk; None if no room."""
         hits = self._match_prefix(req)
         num_hit = len(hits) * self.block_size
         num_new = min(req.num_tokens - num_hit, budget)
         num_needed = cdiv(num_hit + num_new, self.block_size) - len(hits)
         reviving = sum(1 for b in hits if self.pool.ref_count(b) == 0)
-        while num_needed > self.pool.num_free_blocks - reviving:
-            if not self.share.evict_one():
-                return None
-            reviving = sum(1 for b in hits if self.pool.ref_count(b) == 0)
+        if num_needed > self.pool.num_free_blocks - reviving:
+            return None
         self.pool.touch(hits)
         req.block_ids = hits
+        req.blocks_changed = True
         req.num_computed_tokens = num_hit
         if req.num_cached_tokens is None:
             req.num_cached_tokens = min(num_hit, req.num_prompt_tokens)
             self.stats.prefix_cache_queries += req.num_prompt_tokens
             self.stats.prefix_cache_hits += req.num_cached_tokens
             self.stats.prompt_tokens_cached += req.num_cached_tokens
-        allocated = self._allocate(req, num_new, out)
+        allocated = self._allocate(req, num_new, step)
         assert allocated, "room was checked above"
         return num_new
 
@@ -248,75 +236,131 @@ class Scheduler:
             hits.append(block_id)
         return hits
 
-    def _admit_shared(self, req: Request, block_ids: list[int], source: Request | None,
-                      entry: ShareEntry | None, out: SchedulerOutput, scheduled: set[int]) -> None:
+    def _admit_shared(self, req: Request, block_ids: list[int], row: SampleRow,
+                      step: _StepBuilder) -> None:
         """Admit `req` on a prompt that is computed (or being computed in this step)."""
         self.pool.touch(block_ids)
         req.block_ids = list(block_ids)
+        req.blocks_changed = True
         req.num_computed_tokens = req.num_prompt_tokens
         req.num_cached_tokens = req.num_prompt_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        scheduled.add(id(req))
+        step.scheduled[req.request_id] = req
         self.stats.prefix_cache_queries += req.num_prompt_tokens
         self.stats.prefix_cache_hits += req.num_prompt_tokens
         self.stats.prompt_tokens_cached += req.num_prompt_tokens
-        out.shared.append(SharedSample(req, source, entry))
+        step.samples.append(row)
 
-    def _add_chunk(self, req: Request, num_new: int, out: SchedulerOutput,
-                   scheduled: set[int]) -> None:
+    def _add_chunk(self, req: Request, num_new: int, step: _StepBuilder) -> None:
         start = req.num_computed_tokens
         req.num_computed_tokens += num_new
         sample = req.num_computed_tokens == req.num_tokens
-        out.chunks.append(ScheduledChunk(req, start, num_new, sample))
-        scheduled.add(id(req))
+        step.chunks.append(ScheduledChunk(req.request_id, start, num_new, sample))
+        step.scheduled[req.request_id] = req
+        if sample:
+            step.samples.append(SampleRow(req.request_id, computed_by=req.request_id))
         if start < req.num_prompt_tokens:
             self.stats.prompt_tokens_computed += min(req.num_computed_tokens,
                                                      req.num_prompt_tokens) - start
         entry = req.share_entry
         if sample and entry is not None and entry.owner is req and not req.output_token_ids:
-            # The prompt's last token is computed now: its parked followers join this step.
-            entry.final_step = self.step_idx
-            num_prompt_blocks = cdiv(req.num_prompt_tokens, self.block_size)
-            while entry.followers and len(self.running) < self.max_num_seqs:
-                follower = entry.followers.pop(0)
-                follower.share_entry = None
-                self._admit_shared(follower, req.block_ids[:num_prompt_blocks], req, None,
-                                   out, scheduled)
+            self._finishing_owner(req, entry, step)
+
+    def _finishing_owner(self, req: Request, entry: InFlightPrompt, step: _StepBuilder) -> None:
+        """The owner computes its prompt's last token now: reserve a kept-logits slot for
+        its row, and admit the parked followers into this step."""
+        entry.final_step = self.step_idx
+        entry.keep_slot = self.share.reserve_slot()
+        if entry.keep_slot is not None:
+            step.keep_logits.append((req.request_id, entry.keep_slot))
+        self._record.finishing_owners.append(req)
+        num_prompt_blocks = cdiv(req.num_prompt_tokens, self.block_size)
+        while entry.followers and len(self.running) < self.max_num_seqs:
+            follower = entry.followers.pop(0)
+            follower.share_entry = None
+            self._admit_shared(follower, req.block_ids[:num_prompt_blocks],
+                               SampleRow(follower.request_id, computed_by=req.request_id), step)
+
+    # ---------------------------------------------------------------- after the step
+    def update_from_output(self, out: SchedulerOutput) -> None:
+        """The step ran: prompts whose end it computed become kept prompts, and their
+        followers still parked (over `max_num_seqs`) go back to the queue's front."""
+        for owner in self._record.finishing_owners:
+            entry = owner.share_entry
+            if entry is None or entry.owner is not owner:
+                continue
+            num_full = owner.num_prompt_tokens // self.block_size
+            hashes = list(owner.block_hashes[:num_full])
+            if owner.partial_block_hash is not None:
+                hashes.append(owner.partial_block_hash)
+            followers = self.share.publish(entry, hashes)
+            self.waiting.extendleft(reversed(followers))
+        self._record = _StepRecord()
+
+    def fail_step(self, out: SchedulerOutput) -> None:
+        """The step's forward pass failed: blocks it was to fill hold no valid K/V, and the
+        slots reserved for its prompts' logits were never written."""
+        self.pool.forget(self._record.new_block_ids)
+        self.pool.forget(self._record.registered_block_ids)
+        for owner in self._record.finishing_owners:
+            if owner.share_entry is not None and owner.share_entry.owner is owner:
+                self.share.abandon_final_step(owner.share_entry)
+        self._record = _StepRecord()
 
     # ---------------------------------------------------------------- blocks
-    def _allocate(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+    def _allocate(self, req: Request, num_new: int, step: _StepBuilder) -> bool:
         """Make room for tokens [computed, computed + num_new); False if the pool is short.
 
-        A write into a last block that others still reference first copies it."""
+        A write into a last block that others still reference, or that is findable by
+        content (a kept prompt's partial block), first copies it."""
         start = req.num_computed_tokens
         end = start + num_new
-        num_needed = cdiv(end, self.block_size) - len(req.block_ids)
+        bs = self.block_size
+        num_needed = cdiv(end, bs) - len(req.block_ids)
         last = req.block_ids[-1] if req.block_ids else None
-        copy_on_write = (start % self.block_size != 0 and last is not None
-                         and self.pool.ref_count(last) > 1)
+        copy_on_write = (start % bs != 0 and last is not None
+                         and (self.pool.ref_count(last) > 1 or self.pool.is_hashed(last)))
         if num_needed + copy_on_write > self.pool.num_free_blocks:
             return False
         if copy_on_write:
             assert last is not None
             (private,) = self.pool.allocate(1)
-            out.block_copies.append((last, private))
-            out.new_block_ids.append(private)
+            step.block_copies.append((last, private))
+            self._record.new_block_ids.append(private)
             self.pool.free([last])
             req.block_ids[-1] = private
+            req.blocks_changed = True
         if num_needed > 0:
             new_ids = self.pool.allocate(num_needed)
             req.block_ids.extend(new_ids)
-            out.new_block_ids.extend(new_ids)
+            req.blocks_changed = True
+            self._record.new_block_ids.extend(new_ids)
+        if not self.pool.enable_caching:
+            return True
         # Blocks that become full in this step are registered now, so a request scheduled
         # later in this step (or later) can share them.
-        first_full, last_full = start // self.block_size, end // self.block_size
-        if self.pool.enable_caching and last_full > first_full:
+        first_full, last_full = start // bs, end // bs
+        if last_full > first_full:
             self._extend_hashes(req, last_full)
             for idx in range(first_full, last_full):
-                self.pool.register(req.block_ids[idx], req.block_hashes[idx])
-                out.registered_block_ids.append(req.block_ids[idx])
+                self._register(req.block_ids[idx], req.block_hashes[idx])
+        # An owner's partial last prompt block is registered too: a kept prompt names it
+        # (so it is copied before any write; pointless when no prompt is ever kept).
+        entry = req.share_entry
+        num_prompt = req.num_prompt_tokens
+        if (end == num_prompt and num_prompt % bs and entry is not None and entry.owner is req
+                and not req.output_token_ids and self.share.max_kept > 0):
+            self._extend_hashes(req, num_prompt // bs)
+            parent = req.block_hashes[num_prompt // bs - 1] if num_prompt >= bs else None
+            req.partial_block_hash = hash_partial_block(
+                parent, req.prompt_token_ids[num_prompt // bs * bs:], req.extra_key)
+            self._register(req.block_ids[-1], req.partial_block_hash)
         return True
+
+    def _register(self, block_id: int, block_hash: bytes) -> None:
+        self.pool.register(block_id, block_hash)
+        self._record.registered_block_ids.append(block_id)
 
     def _extend_hashes(self, req: Request, num_blocks: int) -> None:
         bs = self.block_size
@@ -325,17 +369,18 @@ class Scheduler:
             tokens = req.token_ids(idx * bs, (idx + 1) * bs)
             req.block_hashes.append(hash_block(parent, tokens, req.extra_key))
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, step: _StepBuilder) -> None:
         """Recompute later: free the blocks (they stay cached), back to the queue front."""
         self.running.remove(req)
         self.pool.free(req.block_ids)
         req.block_ids = []
+        req.blocks_changed = True
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
-        out.preempted.append(req)
+        step.preempted.append(req.request_id)
 
     def _release(self, req: Request) -> None:
         self.pool.free(req.block_ids)
@@ -344,8 +389,3 @@ class Scheduler:
         if entry is not None and entry.owner is req:
             followers = self.share.drop_owner(entry)
             self.waiting.extendleft(reversed(followers))
-
-    def fail_step(self, out: SchedulerOutput) -> None:
-        """The step's forward pass failed: blocks it was to fill hold no valid K/V."""
-        self.pool.forget(out.new_block_ids)
-        self.pool.forget(out.registered_block_ids)

@@ -8,8 +8,6 @@ cache); every expected logprob from `transformers` on the same checkpoint.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from engine_helpers import (
@@ -23,8 +21,9 @@ from engine_helpers import (
 )
 
 from plait import SamplingParams
+from plait.engine.faults import FaultSite, install_fault_hook
 from plait.engine.sampling_params import InvalidParamError
-from plait.engine.scheduler import RequestRejected
+from plait.engine.validation import RequestRejected, validate_request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -103,18 +102,23 @@ def test_prompt_logprobs_match_a_dense_forward(tiny_path, hf_model, setup: str) 
 
 def test_invalid_requests_are_rejected_and_leave_no_trace(tiny_path) -> None:
     llm = make_llm(tiny_path)
-    vocab = llm.engine.info.vocab_size
+    info = llm.engine.info
+    vocab = info.vocab_size
     llm.engine.add_request("x", prompt(9, 5), GREEDY)
     with pytest.raises(ValueError, match="duplicate request id 'x'"):
         llm.engine.add_request("x", prompt(9, 5), GREEDY)
-    with pytest.raises(RequestRejected, match=f"prompt token id {vocab} is outside the "
-                       f"vocabulary \\[0, {vocab}\\)"):
-        llm.engine.add_request("y", [5, vocab], GREEDY)
-    with pytest.raises(InvalidParamError, match="token id -1 in 'stop_token_ids'") as err:
-        llm.engine.add_request("y", [5], SamplingParams(stop_token_ids=[-1]))
+    with pytest.raises(RequestRejected, match=f"Invalid 'messages': token id {vocab} is "
+                       f"outside the vocabulary \\[0, {vocab}\\)") as err:
+        validate_request(info, [5, vocab], GREEDY, prompt_param="messages")
+    assert err.value.param == "messages"
+    with pytest.raises(InvalidParamError, match="token id -1 is outside") as err:
+        validate_request(info, [5], SamplingParams(stop_token_ids=[-1]))
     assert err.value.param == "stop_token_ids"
-    with pytest.raises(InvalidParamError, match=f"token id {vocab} in 'logit_bias'"):
-        llm.engine.add_request("y", [5], SamplingParams(logit_bias={vocab: 1.0}))
+    with pytest.raises(InvalidParamError, match=f"'logit_bias': token id {vocab} is") as err:
+        llm.generate([[5]], SamplingParams(logit_bias={vocab: 1.0}))
+    assert err.value.param == "logit_bias"
+    with pytest.raises(RequestRejected, match="the prompt is empty"):
+        validate_request(info, [], GREEDY)
     assert list(llm.engine.requests) == ["x"]
     assert list(run_until_done(llm)) == ["x"]
 
@@ -125,17 +129,21 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def fail_once(phase: str, when=lambda requests: True):
-    """A fault hook that raises the first time `phase` runs with requests matching `when`;
-    `hit` records the request ids it failed."""
-    hit: list[str] = []
+def fail_once(llm, phase: str, when=lambda site: True):
+    """Install a fault hook that raises in the first step in which `phase` runs for a site
+    matching `when` (for every matching site of that step); `hit` records those sites."""
+    hit: list[FaultSite] = []
+    steps: list[int] = []
 
-    def hook(current: str, requests) -> None:
-        if current == phase and not hit and when(requests):
-            hit.extend(r.request_id for r in requests)
+    def hook(current: str, site: FaultSite) -> None:
+        step = llm.engine.scheduler.step_idx
+        if current == phase and steps in ([], [step]) and when(site):
+            steps[:] = [step]
+            hit.append(site)
             raise InjectedFault(f"injected {phase} fault")
 
     hook.hit = hit  # type: ignore[attr-defined]
+    install_fault_hook(llm.engine, hook)
     return hook
 
 
@@ -146,9 +154,9 @@ def test_execute_fault_fails_exactly_that_steps_requests(tiny_path) -> None:
         llm.engine.add_request(rid, ids, GREEDY)
     first = llm.engine.step()  # a and b prefill; c waits for a seat
     assert sorted(d.request_id for d in first) == ["a", "b"]
-    llm.engine.fault_hook = hook = fail_once("execute")
+    hook = fail_once(llm, "execute")
     failed = llm.engine.step()
-    assert sorted(hook.hit) == ["a", "b"]
+    assert [site.request_id for site in hook.hit] == ["a"]  # the step fails at the first
     assert [(d.request_id, d.finish_reason, d.token_ids) for d in failed] == [
         ("a", "error", []), ("b", "error", [])]
     assert failed[0].error == "internal error while computing the request"
@@ -173,10 +181,9 @@ def test_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny_path) ->
     llm = make_llm(tiny_path, max_num_batched_tokens=6)
     llm.engine.add_request("a", head, GREEDY)
     llm.engine.step()  # tokens 0..5: block 0 full, block 1 half
-    llm.engine.fault_hook = fail_once("execute")
+    fail_once(llm, "execute")
     (failed,) = llm.engine.step()  # tokens 6..7 would fill block 1
     assert failed.finish_reason == "error"
-    llm.engine.fault_hook = None
     choice = llm.generate([longer], GREEDY)[0].outputs[0]
     assert choice.num_cached_tokens == 4  # only block 0 was ever computed
     assert choice.token_ids == alone(tiny_path, longer, GREEDY).token_ids
@@ -185,12 +192,12 @@ def test_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny_path) ->
 def test_detokenize_fault_fails_only_that_request(tiny_path) -> None:
     llm = make_llm(tiny_path)
     jobs = {rid: prompt(40 + i, 12 + i) for i, rid in enumerate(("a", "b", "c"))}
+    hook = fail_once(llm, "detokenize", lambda site: list(site.prompt_token_ids) == jobs["b"]
+                     and site.num_output_tokens == 3)
     for rid, ids in jobs.items():
         llm.engine.add_request(rid, ids, GREEDY)
-    llm.engine.fault_hook = hook = fail_once(
-        "detokenize", lambda reqs: reqs[0].request_id == "b" and len(reqs[0].output_token_ids) == 3)
     seen = run_until_done(llm)
-    assert hook.hit == ["b"]
+    assert len(hook.hit) == 1
     expected = {rid: alone(tiny_path, ids, GREEDY).token_ids for rid, ids in jobs.items()}
     assert tokens_of(seen["b"]) == expected["b"][:3]
     assert (seen["b"][-1].finish_reason, seen["b"][-1].error) == (
@@ -199,7 +206,8 @@ def test_detokenize_fault_fails_only_that_request(tiny_path) -> None:
         assert tokens_of(seen[rid]) == expected[rid]
         assert seen[rid][-1].finish_reason == "length"
     stats = llm.stats()
-    assert (stats["generation_tokens"], stats["failed_steps"]) == (8 + 3 + 8, 0)
+    # b's 4th token was generated; decoding it failed, so it never reached the client.
+    assert (stats["generation_tokens"], stats["failed_steps"]) == (8 + 4 + 8, 0)
     assert stats["last_error"] == "InjectedFault: injected detokenize fault"
     assert_pool_clean(llm)
 
@@ -217,8 +225,7 @@ def test_generate_leaves_no_request_behind_when_one_is_rejected(tiny_path) -> No
 def test_generate_leaves_no_request_behind_when_one_fails(tiny_path) -> None:
     llm = make_llm(tiny_path)
     ok, bad = prompt(52, 6), prompt(53, 7)
-    llm.engine.fault_hook = fail_once(
-        "detokenize", lambda reqs: reqs[0].prompt_token_ids == bad)
+    fail_once(llm, "detokenize", lambda site: list(site.prompt_token_ids) == bad)
     with pytest.raises(RuntimeError, match="failed: internal error while decoding the output"):
         llm.generate([ok, bad], GREEDY)
     assert not llm.engine.has_unfinished()
@@ -238,17 +245,17 @@ def test_stats_count_what_was_done(tiny_path) -> None:
     llm.engine.step()
     assert (llm.stats()["num_waiting"], llm.stats()["num_running"]) == (0, 2)
     assert llm.stats()["generation_tokens"] == 2
-    # Every block in use belongs to a running request (the kept prompts are theirs too).
+    # Every block in use belongs to a running request.
     assert llm.stats()["kv_blocks_held_by_requests"] == llm.stats()["kv_blocks_used"] >= 5 + 8
     run_until_done(llm)
     stats = llm.stats()
     assert stats == {
         "num_running": 0,
         "num_waiting": 0,
-        "kv_blocks_used": 5 + 8,  # the two kept prompts: 20 and 30 tokens in blocks of 4
-        "kv_blocks_held_by_requests": 0,  # ... pinned by the share table, not by a request
+        "kv_blocks_used": 0,  # the two kept prompts name cached blocks; they hold none
+        "kv_blocks_held_by_requests": 0,
         "kv_blocks_total": 64,
-        "kv_cache_usage": 13 / 64,
+        "kv_cache_usage": 0.0,
         "prompt_tokens_computed": 50,
         "prompt_tokens_cached": 0,
         "prefix_cache_queries": 50,
@@ -259,6 +266,30 @@ def test_stats_count_what_was_done(tiny_path) -> None:
         "failed_steps": 0,
         "last_error": None,
     }
-    assert math.isclose(stats["kv_cache_usage"], 13 / 64)
     assert_pool_clean(llm)
-    assert llm.stats()["kv_blocks_used"] == 0
+    # The kept prompts still serve a repeat without computing anything.
+    llm.generate([jobs[0][1]], SamplingParams(temperature=0, max_tokens=1))
+    assert llm.stats()["prompt_tokens_computed"] == 50
+
+
+def test_a_poisoned_sampling_request_fails_alone(tiny_path) -> None:
+    """top_k = 2**63 overflows inside the sampler: only that request fails; its seeded and
+    greedy neighbours in the same steps get exactly their solo tokens (the batch is
+    resampled row by row, each seeded generator rewound first)."""
+    llm = make_llm(tiny_path)
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True, top_k=50)
+    jobs = {"greedy": (prompt(70, 9), GREEDY), "seeded": (prompt(71, 11), seeded),
+            "poison": (prompt(72, 10), SamplingParams(temperature=1.0, top_k=2**63,
+                                                      max_tokens=6, ignore_eos=True))}
+    for rid, (ids, params) in jobs.items():
+        llm.engine.add_request(rid, ids, params)
+    seen = run_until_done(llm)
+    assert [(d.finish_reason, d.error) for d in seen["poison"]] == [
+        ("error", "internal error while sampling the request")]
+    for rid in ("greedy", "seeded"):
+        ids, params = jobs[rid]
+        assert tokens_of(seen[rid]) == alone(tiny_path, ids, params).token_ids, rid
+        assert seen[rid][-1].finish_reason == "length"
+    stats = llm.stats()
+    assert stats["failed_steps"] == 0 and "Overflow" in stats["last_error"]
+    assert_pool_clean(llm)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_helpers import assert_pool_clean
 
 from plait import LLM, SamplingParams
 
@@ -204,7 +205,4 @@ def test_preemption_and_sharing_stress(tiny_path) -> None:
     assert llm.stats()["num_preemptions"] > 0
     for rid, ids, params in jobs:
         assert tokens_of(seen[rid]) == solo(tiny_path, ids, params), rid
-    llm.engine.scheduler.share.clear()
-    pool = llm.engine.pool
-    assert pool.num_free_blocks == pool.num_blocks
-    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert_pool_clean(llm)

@@ -11,7 +11,8 @@ import pytest
 from engine_helpers import GREEDY, assert_all_free, prompt, run_until_done, tokens_of
 
 from plait import LLM, SamplingParams
-from plait.engine.scheduler import RequestRejected, SchedulerOutput
+from plait.engine.sched_output import SchedulerOutput
+from plait.engine.validation import RequestRejected
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,18 +48,13 @@ def record_schedules(llm: LLM, measure) -> list:
     return recorded
 
 
-def assert_only_kept_prompts_pinned(llm: LLM) -> None:
-    """Every block still used is pinned by a kept shared prompt; clearing those frees all."""
-    pool, share = llm.engine.pool, llm.engine.scheduler.share
-    pins: dict[int, int] = {}
-    for block_id in (b for entry in share.ready.values() for b in entry.block_ids):
-        pins[block_id] = pins.get(block_id, 0) + 1
-    assert {i: pool.ref_count(i) for i in range(pool.num_blocks) if pool.ref_count(i)} == pins
-    assert pool.num_free_blocks == pool.num_blocks - len(pins)
-    assert llm.stats()["kv_blocks_used"] == len(pins)
-    assert share.in_flight == {}
-    share.clear()
-    assert_all_free(pool)
+def assert_at_rest(llm: LLM) -> None:
+    """Nothing in flight and every block back in the pool's free queue (kept prompts hold
+    no block): the usage gauges read 0."""
+    assert llm.engine.scheduler.share.in_flight == {}
+    stats = llm.stats()
+    assert (stats["kv_blocks_used"], stats["kv_cache_usage"]) == (0, 0.0)
+    assert_all_free(llm.engine.pool)
 
 
 def twenty_jobs() -> list[tuple[str, list[int], SamplingParams]]:
@@ -79,7 +75,7 @@ def test_preemption_keeps_every_token(tiny_path) -> None:
         assert tokens_of(seen[rid]) == alone(tiny_path, ids, params), rid
         assert seen[rid][-1].finish_reason == "length"
     assert llm.stats()["generation_tokens"] == sum(p.max_tokens for _, _, p in jobs)
-    assert_only_kept_prompts_pinned(llm)
+    assert_at_rest(llm)
 
 
 @pytest.mark.parametrize("num_steps,state", [(1, "parked"), (3, "kept"), (6, "preempted")])
@@ -98,7 +94,7 @@ def test_abort_mid_way_frees_every_block(tiny_path, num_steps: int, state: str) 
         llm.engine.step()
     sched = llm.engine.scheduler
     states = {"parked": sum(len(e.followers) for e in sched.share.in_flight.values()),
-              "kept": len(sched.share.ready),
+              "kept": len(sched.share.kept),
               "preempted": sum(1 for r in sched.waiting if r.output_token_ids)}
     assert states[state] > 0
     order = [rid for rid, _, _ in jobs]
@@ -110,7 +106,7 @@ def test_abort_mid_way_frees_every_block(tiny_path, num_steps: int, state: str) 
     assert not llm.engine.has_unfinished()
     assert sched.num_unfinished == 0
     assert llm.engine.step() == []
-    assert_only_kept_prompts_pinned(llm)
+    assert_at_rest(llm)
     # The engine still serves correctly after the mass abort.
     rid, ids, params = jobs[5]
     llm.engine.add_request("after", ids, params)
@@ -126,13 +122,14 @@ def test_abort_of_waiting_and_running_request_frees_everything(tiny_path) -> Non
     stats = llm.stats()
     assert (stats["num_running"], stats["num_waiting"]) == (1, 1)
     assert llm.engine.abort("wait").finish_reason == "abort"
-    # run's 8 prompt blocks are pinned by its kept prompt too; its first decode token went
-    # into a private copy of the partial last block: 8 + 1 blocks in use.
-    assert llm.stats()["kv_blocks_used"] == 9
+    # run's 30-token prompt: 7 full blocks + a partial one. Its first decode token went into
+    # a private copy of the partial block; the original is only cached now (ref 0, named by
+    # the kept prompt): 7 + 1 blocks in use.
+    assert llm.stats()["kv_blocks_used"] == 8
     assert llm.engine.abort("run").finish_reason == "abort"
     assert llm.engine.step() == []
     assert llm.stats()["shared_prompts_kept"] == 1
-    assert_only_kept_prompts_pinned(llm)
+    assert_at_rest(llm)
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -148,11 +145,9 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_path, caching: bool) -> None
     assert llm.stats()["prompt_tokens_computed"] == 50 + 75 + 100
     for rid, ids, params in jobs:
         assert tokens_of(seen[rid]) == alone(tiny_path, ids, params), rid
-    if caching:
-        assert_only_kept_prompts_pinned(llm)
-    else:
+    if not caching:
         assert llm.stats()["shared_prompts_kept"] == 0
-        assert_all_free(llm.engine.pool)
+    assert_at_rest(llm)
 
 
 def test_engine_rejects_requests_that_can_never_fit(tiny_path) -> None:
@@ -160,10 +155,10 @@ def test_engine_rejects_requests_that_can_never_fit(tiny_path) -> None:
     assert llm.engine.info.max_model_len == 32
     with pytest.raises(RequestRejected, match="32 tokens; with one generated token that exceeds "
                        "the maximum context length of 32 tokens"):
-        llm.engine.add_request("big", prompt(1, 32), GREEDY)
+        llm.generate([prompt(1, 32)], GREEDY)
     capped = LLM(str(tiny_path), num_kv_blocks=64, block_size=4, max_model_len=20)
     with pytest.raises(RequestRejected, match="maximum context length of 20 tokens"):
-        capped.engine.add_request("big", prompt(1, 20), GREEDY)
+        capped.generate([prompt(1, 20)], GREEDY)
     assert not llm.engine.has_unfinished() and not capped.engine.has_unfinished()
     # One token short of the limit still runs, and stops at the context length.
     capped.engine.add_request("fits", prompt(1, 19), GREEDY)
@@ -175,8 +170,8 @@ def test_max_num_seqs_is_never_exceeded(tiny_path) -> None:
     llm = LLM(str(tiny_path), num_kv_blocks=64, block_size=4, max_num_seqs=3)
     sched = llm.engine.scheduler
     counts = record_schedules(llm, lambda out: (
-        len(sched.running), len({id(c.request) for c in out.chunks} | {id(s.request)
-                                                                       for s in out.shared})))
+        len(sched.running), len({c.request_id for c in out.chunks} | {s.request_id
+                                                                     for s in out.samples})))
     for i in range(10):
         llm.engine.add_request(f"r{i}", prompt(i, 8 + i), SamplingParams(
             temperature=0, max_tokens=3 + i, ignore_eos=True))

@@ -9,41 +9,52 @@ output token to every chunk that samples:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from engine_helpers import GREEDY, assert_all_free
 
 from plait import SamplingParams
 from plait.engine.block_pool import BlockPool
 from plait.engine.request import Request, RequestStatus
-from plait.engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
+from plait.engine.sched_output import SampleRow, SchedulerOutput
+from plait.engine.scheduler import Scheduler
+from plait.engine.validation import RequestRejected, check_prompt_fits
 
 
 def make_scheduler(num_blocks: int, *, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int | None = None,
-                   caching: bool = True) -> Scheduler:
+                   caching: bool = True, max_shared_logits: int = 0) -> Scheduler:
     return Scheduler(BlockPool(num_blocks, caching), block_size, max_num_seqs,
                      max_num_batched_tokens, max_model_len or num_blocks * block_size,
-                     max_shared_logits=0)
+                     max_shared_logits=max_shared_logits)
 
 
 def add(sched: Scheduler, request_id: str, token_ids: list[int],
         params: SamplingParams = GREEDY) -> Request:
+    """Validate (as every path into the engine does), then queue."""
+    check_prompt_fits(len(token_ids), sched.max_model_len, sched.pool.num_blocks,
+                      sched.block_size)
     req = Request(request_id, list(token_ids), params)
     sched.add_request(req)
+    REQUESTS[request_id] = req
     return req
+
+
+REQUESTS: dict[str, Request] = {}  # request id -> request, for the engine's part below
 
 
 def schedule(sched: Scheduler, token_id: int = 7) -> SchedulerOutput:
     """One step: schedule, then append `token_id` to every request that samples."""
     out = sched.schedule()
-    for chunk in out.chunks:
-        if chunk.sample:
-            chunk.request.output_token_ids.append(token_id)
+    for row in out.samples:
+        REQUESTS[row.request_id].output_token_ids.append(token_id)
+    sched.update_from_output(out)
     return out
 
 
 def chunks_of(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
-    return [(c.request.request_id, c.start, c.num_tokens, c.sample) for c in out.chunks]
+    return [(c.request_id, c.start, c.num_tokens, c.sample) for c in out.chunks]
 
 
 def test_prefill_then_decode_allocates_exact_blocks() -> None:
@@ -51,15 +62,16 @@ def test_prefill_then_decode_allocates_exact_blocks() -> None:
     req = add(sched, "a", list(range(100, 110)))
     out = schedule(sched)
     assert chunks_of(out) == [("a", 0, 10, True)]
-    assert req.block_ids == out.new_block_ids == [0, 1, 2]
+    assert req.block_ids == [0, 1, 2]
+    assert out.block_tables == (("a", (0, 1, 2)),)
     assert [sched.pool.lookup(h) for h in req.block_hashes] == [0, 1]  # full blocks only
     assert chunks_of(schedule(sched)) == [("a", 10, 1, True)]  # position 10: block 2
     out = schedule(sched)  # position 11 fills block 2, which becomes findable
-    assert (chunks_of(out), out.new_block_ids) == ([("a", 11, 1, True)], [])
+    assert (chunks_of(out), out.block_tables) == ([("a", 11, 1, True)], ())
     assert sched.pool.lookup(req.block_hashes[2]) == 2
     out = schedule(sched)  # position 12 opens block 3
-    assert (chunks_of(out), out.new_block_ids, req.block_ids) == (
-        [("a", 12, 1, True)], [3], [0, 1, 2, 3])
+    assert (chunks_of(out), out.block_tables, req.block_ids) == (
+        [("a", 12, 1, True)], (("a", (0, 1, 2, 3)),), [0, 1, 2, 3])
     sched.finish(req)
     assert req.status == RequestStatus.FINISHED
     assert_all_free(sched.pool)
@@ -87,7 +99,7 @@ def test_preemption_takes_the_newest_request_and_recompute_hits_its_head() -> No
     assert (a.block_ids, b.block_ids) == ([0, 1], [2, 3])
     schedule(sched)  # position 7 fills each request's second block
     out = schedule(sched)  # a needs a 5th block for position 8: b is preempted
-    assert out.preempted == [b]
+    assert out.preempted_ids == ("b",)
     assert chunks_of(out) == [("a", 8, 1, True)]
     assert a.block_ids == [0, 1, 3]  # b's blocks were freed tail first: its tail went first
     assert (b.status, b.block_ids, b.num_computed_tokens) == (RequestStatus.WAITING, [], 0)
@@ -153,7 +165,7 @@ def test_max_num_seqs_caps_running_requests() -> None:
     sched = make_scheduler(16, max_num_seqs=2)
     reqs = [add(sched, f"r{i}", list(range(100 * i, 100 * i + 5))) for i in range(1, 4)]
     out = schedule(sched)
-    assert [c.request.request_id for c in out.chunks] == ["r1", "r2"]
+    assert [c.request_id for c in out.chunks] == ["r1", "r2"]
     assert list(sched.waiting) == [reqs[2]]
     sched.finish(reqs[0])
     out = schedule(sched)
@@ -170,22 +182,22 @@ def test_finish_of_waiting_and_running_requests_frees_everything() -> None:
     sched.finish(a)
     assert (sched.running, list(sched.waiting), sched.num_unfinished) == ([], [], 0)
     assert_all_free(sched.pool)
-    assert sched.schedule().is_empty
+    assert not sched.schedule().has_work
 
 
 def test_request_outgrowing_the_pool_is_reported_unservable() -> None:
     sched = make_scheduler(4, max_model_len=100)
     req = add(sched, "a", list(range(100, 114)), SamplingParams(max_tokens=10))
     for _ in range(3):  # prompt, then positions 14 and 15 fill the pool's 4 blocks
-        assert not schedule(sched).unservable
+        assert not schedule(sched).unservable_ids
     out = schedule(sched)  # position 16 needs a 5th block
-    assert (out.unservable, out.chunks) == ([req], [])
+    assert (out.unservable_ids, out.chunks) == (("a",), ())
     assert req.block_ids == []
     sched.finish(req)
     assert_all_free(sched.pool)
 
 
-def test_add_request_rejects_what_can_never_fit() -> None:
+def test_validation_rejects_what_can_never_fit_and_add_request_clamps() -> None:
     sched = make_scheduler(4, max_model_len=100)  # the pool holds 16 tokens
     with pytest.raises(RequestRejected, match="the prompt is empty"):
         add(sched, "empty", [])
@@ -200,3 +212,87 @@ def test_add_request_rejects_what_can_never_fit() -> None:
     assert add(short, "asked", list(range(4)), SamplingParams(max_tokens=3)).max_tokens == 3
     assert [r.request_id for r in short.waiting] == ["fits", "clamp", "asked"]
     assert not sched.waiting
+
+
+# --- the step boundary and kept prompts ----------------------------------------------------
+
+PLAIN = (str, int, float, bool, bytes, type(None), SamplingParams)
+
+
+def assert_plain(value, path: str = "out") -> None:
+    """Only ids and plain data: no Request, share entry, tensor or other live object."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, SamplingParams):
+        assert type(value).__dataclass_params__.frozen, path
+        for f in dataclasses.fields(value):
+            assert_plain(getattr(value, f.name), f"{path}.{f.name}")
+    elif isinstance(value, tuple):
+        for i, item in enumerate(value):
+            assert_plain(item, f"{path}[{i}]")
+    else:
+        assert isinstance(value, PLAIN), (path, type(value))
+
+
+def test_scheduler_output_is_frozen_plain_data_described_once() -> None:
+    sched = make_scheduler(16, max_shared_logits=2)
+    add(sched, "a", list(range(100, 110)))
+    add(sched, "b", list(range(100, 110)))  # parked on a, joins its final step
+    out = schedule(sched)
+    assert_plain(out)
+    assert [n.request_id for n in out.new_requests] == ["a", "b"]
+    assert out.new_requests[0].prompt_token_ids == tuple(range(100, 110))
+    assert out.samples == (SampleRow("a", computed_by="a"), SampleRow("b", computed_by="a"))
+    assert out.keep_logits == (("a", 0),)
+    assert dict(out.block_tables) == {"a": (0, 1, 2), "b": (0, 1, 2)}
+    out = schedule(sched)  # both write position 10 into the shared, hashed block 2: copies
+    assert_plain(out)
+    assert out.new_requests == ()
+    assert out.block_copies == ((2, 3), (2, 4))
+    assert dict(out.block_tables) == {"a": (0, 1, 3), "b": (0, 1, 4)}
+    sched.finish(REQUESTS["a"])
+    out = schedule(sched)
+    assert out.finished_ids == ("a",) and out.block_tables == ()
+
+
+def test_kept_prompt_holds_no_block_and_serves_a_repeat_without_compute() -> None:
+    sched = make_scheduler(16, max_shared_logits=2)
+    a = add(sched, "a", list(range(100, 110)))
+    schedule(sched)
+    schedule(sched)
+    sched.finish(a)
+    assert_all_free(sched.pool)  # kept, yet every block is free (cached)
+    assert len(sched.share.kept) == 1
+    b = add(sched, "b", list(range(100, 110)))
+    out = schedule(sched)
+    assert out.chunks == () and out.samples == (SampleRow("b", kept_slot=0),)
+    assert b.block_ids == [0, 1, 2]  # revived from the free queue, not recomputed
+    assert sched.stats.prompt_tokens_computed == 10
+    sched.finish(b)
+    assert_all_free(sched.pool)
+
+
+def test_kept_prompt_whose_block_was_evicted_is_dropped() -> None:
+    sched = make_scheduler(4, max_shared_logits=2)  # 16 token slots
+    a = add(sched, "a", list(range(100, 110)))
+    schedule(sched)
+    sched.finish(a)
+    other = add(sched, "other", list(range(500, 515)))  # takes all 4 blocks: evicts a's
+    schedule(sched)
+    sched.finish(other)
+    b = add(sched, "b", list(range(100, 110)))
+    out = schedule(sched)
+    assert chunks_of(out) == [("b", 0, 10, True)]  # computed again
+    assert sched.stats.prompt_tokens_computed == 10 + 15 + 10
+    # a's stale entry was dropped; b's step kept the prompt again, now in b's blocks.
+    entry, block_ids = sched.share.resolve_kept(b.share_key)
+    assert block_ids == b.block_ids and entry.slot == 0  # a's freed slot, reused
+
+
+def test_failed_step_keeps_no_prompt_and_frees_its_slot() -> None:
+    sched = make_scheduler(8, max_shared_logits=1)
+    a = add(sched, "a", list(range(100, 110)))
+    out = sched.schedule()
+    assert out.keep_logits == (("a", 0),)
+    sched.fail_step(out)
+    sched.finish(a)
+    assert list(sched.share.kept) == [] and sched.share.reserve_slot() == 0
+    assert [sched.pool.cached_block(h) for h in a.block_hashes] == [None, None]
