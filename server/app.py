@@ -1,4 +1,6 @@
-"""`create_app(settings)`: the FastAPI application around one `AsyncEngine`.
+"""`create_app(settings)`: the FastAPI application around one engine: a `ProcessEngine`
+(the core in a child process) unless `settings.engine_process` is off, then an `AsyncEngine`
+(the core in a thread of this process).
 
 The lifespan only *starts* loading the model (in a background thread) and returns, so the
 server socket listens while the model loads and /health answers 503 until the engine is
@@ -21,6 +23,8 @@ from fastapi.middleware.cors import CORSMiddleware
 
 import plait
 from plait.engine.async_engine import AsyncEngine
+from plait.engine.client import EngineClient, EngineLoadError
+from plait.engine.engine_process import ProcessEngine
 from plait.engine.token_text import TokenTextTable
 from plait.server import chat, completions, faults, misc
 from plait.server.auth import require_api_key
@@ -36,13 +40,13 @@ logger = logging.getLogger("plait.server")
 LoadErrorHook = Callable[[str], None]
 
 
-def create_app(settings: ServerSettings | None = None, engine: AsyncEngine | None = None,
+def create_app(settings: ServerSettings | None = None, engine: EngineClient | None = None,
                on_load_error: LoadErrorHook | None = None) -> FastAPI:
-    """Build the app. `engine` defaults to `AsyncEngine(settings.engine)`; it is loaded and
+    """Build the app. `engine` defaults to `default_engine(settings)`; it is loaded and
     started by the lifespan (not here) and shut down when the app stops. `on_load_error`
     is called with a one-line message if loading fails (the CLI exits then)."""
     settings = settings or ServerSettings()
-    engine = engine or AsyncEngine(settings.engine)
+    engine = engine or default_engine(settings)
     metrics = ServerMetrics(lambda: engine.stats() if engine.ready else None)
     state = ServerState(settings, engine, metrics)
 
@@ -74,8 +78,15 @@ def create_app(settings: ServerSettings | None = None, engine: AsyncEngine | Non
     return app
 
 
+def default_engine(settings: ServerSettings) -> EngineClient:
+    """The engine `settings` ask for: the core in its own process, or in a thread here."""
+    if settings.engine_process:
+        return ProcessEngine(settings.engine, fault_injection=settings.fault_injection)
+    return AsyncEngine(settings.engine)
+
+
 async def _load(state: ServerState, on_error: LoadErrorHook | None) -> None:
-    """Load the model off the event loop, then start the engine thread on this loop."""
+    """Load the model off the event loop, then start the engine on this loop."""
     engine = state.engine
     try:
         if not engine.ready:
@@ -86,7 +97,8 @@ async def _load(state: ServerState, on_error: LoadErrorHook | None) -> None:
             engine.start(asyncio.get_running_loop())
         state.token_text = TokenTextTable(engine.tokenizer)
     except Exception as exc:  # one line, no traceback: usually a bad model path
-        state.load_error = f"{type(exc).__name__}: {exc}"
+        is_one_line = isinstance(exc, EngineLoadError)  # already "Type: message"
+        state.load_error = str(exc) if is_one_line else f"{type(exc).__name__}: {exc}"
         logger.error("cannot load the model: %s", state.load_error)
         if on_error is not None:
             on_error(state.load_error)

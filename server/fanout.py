@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from plait.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from plait.engine.client import EngineClient, EngineDeadError, RequestStream
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.scheduler import RequestRejected
 from plait.server.errors import (
@@ -33,7 +33,7 @@ class FanOut:
     sub-request, the ones already added are aborted and an `APIError` is raised.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, max_queued_requests: int) -> None:
+    def __init__(self, engine: EngineClient, request_id: str, max_queued_requests: int) -> None:
         self.engine = engine
         self.request_id = request_id
         self.max_queued_requests = max_queued_requests

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from plait.engine.async_engine import AsyncEngine
+from plait.engine.client import EngineClient
 from plait.engine.token_text import TokenTextTable
 from plait.server.errors import ENGINE_STOPPED_MESSAGE, APIError, service_unavailable
 from plait.server.metrics import ServerMetrics
@@ -28,7 +28,7 @@ class ServerState:
     """
 
     settings: ServerSettings
-    engine: AsyncEngine
+    engine: EngineClient
     metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: TokenTextTable | None = None
