@@ -9,7 +9,8 @@ the `EngineClient` front and the core loop (engine/client.py).
     RequestStream <--call_soon_threadsafe-- core.step() deltas
 
 Here the core shares the GIL with uvicorn, JSON and SSE: simpler to debug and test, slower
-under load. Detokenization and stop strings run in the core in both modes.
+under load. In both modes detokenization and stop strings run in the core, so a matched stop
+string frees the request's blocks in the same step.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """The engine core in its own process (what `plait serve` runs by default): the server keeps
-the tokenizer, the HTTP stack and the streams; a child process named `plait-engine` owns the
-model, the KV cache, the scheduler, detokenization and stop strings.
+the tokenizer (prompt encoding, chat templates, /tokenize), the HTTP stack and the streams;
+a child process named `plait-engine` owns the model, the KV cache, the scheduler, and
+detokenization with stop strings. Those stay with the core on purpose: a matched stop string
+ends the request and frees its KV blocks in the same step, with no extra token computed, and
+deltas cross the pipe already as text.
 
     server process (ProcessEngine)                engine process (run_engine_process)
     event loop: add_request / abort

@@ -191,6 +191,28 @@ def test_serve_runs_the_engine_in_a_child_and_n3_works_both_ways(tiny_server) ->
 
 
 @linux_only
+def test_a_stop_string_ends_the_request_in_the_engine_without_an_extra_token(
+        tiny_server) -> None:
+    """Stop strings are matched in the engine process: the request ends on the token that
+    completes the match, and no token beyond it is computed."""
+    server = tiny_server
+    with server.http() as http:
+        first = http.post("/v1/completions", json={**_body(max_tokens=12), "logprobs": 0})
+        choice = first.json()["choices"][0]
+        tokens, text = choice["logprobs"]["tokens"], choice["text"]
+        assert "".join(tokens) == text
+        k = next(i for i in range(1, len(tokens)) if tokens[i].strip().isalnum()
+                 and text.find(tokens[i]) == len("".join(tokens[:i])))
+        generated = server.metrics()["plait_generation_tokens_total"]
+        stopped = http.post("/v1/completions", json={**_body(max_tokens=12),
+                                                      "stop": [tokens[k]]}).json()
+    assert stopped["choices"][0]["text"] == "".join(tokens[:k])
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == k + 1
+    assert server.metrics()["plait_generation_tokens_total"] - generated == k + 1
+
+
+@linux_only
 def test_killing_the_engine_process_fails_streams_and_health_at_once(tiny_server) -> None:
     server = tiny_server
     [engine_pid] = engine_pids(server.process.pid)
