@@ -1,5 +1,93 @@
 """Plait's inference engine: config, KV block pool, scheduler, model runner, sampler.
 
+This module is the engine's public surface: the HTTP layer (`plait.server`) and the CLI
+import what they use from here and nothing deeper. Names load lazily on first use, so
+`import plait.engine` (and `plait --help`) does not import torch.
+
 The engine path never imports fastapi or pydantic, so it runs on machines that only have
 torch (and optionally triton and transformers).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module (under plait.engine) that defines it
+_EXPORTS = {
+    "AsyncEngine": "async_engine",
+    "EngineClient": "client",
+    "EngineDeadError": "client",
+    "EngineLoadError": "client",
+    "RequestStream": "client",
+    "ProcessEngine": "engine_process",
+    "EngineConfig": "config",
+    "RuntimeInfo": "config",
+    "VALID_DTYPES": "config",
+    "LLM": "llm",
+    "RequestDelta": "outputs",
+    "TokenLogprob": "outputs",
+    "CompletionOutput": "outputs",
+    "RequestOutput": "outputs",
+    "SamplingParams": "sampling_params",
+    "InvalidParamError": "sampling_params",
+    "MAX_LOGPROBS": "sampling_params",
+    "RequestRejected": "validation",
+    "validate_request": "validation",
+    "TokenTextTable": "token_text",
+    "FAKE_FRAME": "faults",
+    "InjectedFault": "faults",
+    "arm_engine_faults": "faults",
+    "find_marker": "faults",
+}
+__all__ = [
+    "FAKE_FRAME",
+    "LLM",
+    "MAX_LOGPROBS",
+    "VALID_DTYPES",
+    "AsyncEngine",
+    "CompletionOutput",
+    "EngineClient",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineLoadError",
+    "InjectedFault",
+    "InvalidParamError",
+    "ProcessEngine",
+    "RequestDelta",
+    "RequestOutput",
+    "RequestRejected",
+    "RequestStream",
+    "RuntimeInfo",
+    "SamplingParams",
+    "TokenLogprob",
+    "TokenTextTable",
+    "arm_engine_faults",
+    "find_marker",
+    "validate_request"
+]
+
+if TYPE_CHECKING:
+    from plait.engine.async_engine import AsyncEngine
+    from plait.engine.client import EngineClient, EngineDeadError, EngineLoadError, RequestStream
+    from plait.engine.config import VALID_DTYPES, EngineConfig, RuntimeInfo
+    from plait.engine.engine_process import ProcessEngine
+    from plait.engine.faults import FAKE_FRAME, InjectedFault, arm_engine_faults, find_marker
+    from plait.engine.llm import LLM
+    from plait.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, TokenLogprob
+    from plait.engine.sampling_params import MAX_LOGPROBS, InvalidParamError, SamplingParams
+    from plait.engine.token_text import TokenTextTable
+    from plait.engine.validation import RequestRejected, validate_request
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'plait.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"plait.engine.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -25,7 +25,6 @@ from typing import Any
 from plait.engine.config import EngineConfig, RuntimeInfo
 from plait.engine.outputs import RequestDelta
 from plait.engine.sampling_params import SamplingParams
-from plait.engine.validation import check_prompt_fits
 from plait.engine.wire import AbortCommand, AddCommand, Command, ShutdownCommand
 
 
@@ -134,19 +133,13 @@ class EngineClient:
         """The latest snapshot of `EngineCore.stats()`, taken after the core's last step."""
         return dict(self._stats)
 
-    def check_prompt(self, num_prompt_tokens: int) -> None:
-        """Raise `RequestRejected` if a prompt of this length can never be served."""
-        info = self.info
-        check_prompt_fits(num_prompt_tokens, info.max_model_len, info.num_kv_blocks,
-                          self.config.block_size)
-
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> RequestStream:
-        """Send one sub-request to the engine. Call on the event loop thread; the caller
-        must not change `prompt_token_ids` or `params` afterwards."""
+        """Send one sub-request to the engine. Call on the event loop thread, with a
+        request that passed `validate_request` (the server checks each prompt once before
+        fan-out); the caller must not change `prompt_token_ids` or `params` afterwards."""
         if not self.healthy:
             raise EngineDeadError(self.dead_error or "the engine is not running")
-        self.check_prompt(len(prompt_token_ids))
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         self.num_queued += 1

@@ -6,11 +6,13 @@ from dataclasses import dataclass, field
 
 
 class InvalidParamError(ValueError):
-    """A sampling parameter is out of range. `param` names the offending field."""
+    """A request parameter is out of range. `param` names the offending field, `code` is
+    the OpenAI error code to report with it (None: none)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str | None = "invalid_value") -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 MAX_LOGPROBS = 20

@@ -24,9 +24,7 @@ from plait.engine.sched_output import (
     ScheduledChunk,
     SchedulerOutput,
 )
-from plait.engine.validation import RequestRejected, cdiv, check_prompt_fits
-
-__all__ = ["RequestRejected", "Scheduler", "check_prompt_fits"]  # TEMP: old import path
+from plait.engine.validation import cdiv
 
 
 @dataclass(slots=True)

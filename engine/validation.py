@@ -15,10 +15,12 @@ from plait.engine.sampling_params import InvalidParamError, SamplingParams
 
 
 class RequestRejected(InvalidParamError):
-    """The prompt can never be served: empty, or too long for the model or the KV pool."""
+    """The prompt can never be served: empty, too long for the model or the KV pool
+    (`code` "context_length_exceeded"), or holding a token outside the vocabulary."""
 
-    def __init__(self, message: str, param: str = "prompt") -> None:
-        super().__init__(param, message)
+    def __init__(self, message: str, param: str = "prompt",
+                 code: str = "context_length_exceeded") -> None:
+        super().__init__(param, message, code)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -29,7 +31,7 @@ def check_prompt_fits(num_prompt: int, max_model_len: int, num_blocks: int,
                       block_size: int, param: str = "prompt") -> None:
     """Raise `RequestRejected` unless the prompt plus one generated token can ever fit."""
     if num_prompt == 0:
-        raise RequestRejected("the prompt is empty", param)
+        raise RequestRejected(f"Invalid '{param}': the prompt is empty.", param, "invalid_value")
     if num_prompt + 1 > max_model_len:
         raise RequestRejected(
             f"This model's maximum context length is {max_model_len} tokens. However, the "
@@ -57,10 +59,11 @@ def validate_request(info: RuntimeInfo, prompt_token_ids: Sequence[int],
     bad = _outside(prompt_token_ids, vocab)
     if bad is not None:
         raise RequestRejected(f"Invalid '{prompt_param}': token id {bad} is outside the "
-                              f"vocabulary [0, {vocab}).", prompt_param)
-    for name, ids in (("logit_bias", params.logit_bias or {}),
-                      ("stop_token_ids", params.stop_token_ids)):
+                              f"vocabulary [0, {vocab}).", prompt_param, "invalid_value")
+    # logit_bias keys are reported without a code, as OpenAI reports its own key errors.
+    for name, ids, code in (("logit_bias", params.logit_bias or {}, None),
+                            ("stop_token_ids", params.stop_token_ids, "invalid_value")):
         bad = _outside(ids, vocab)
         if bad is not None:
             raise InvalidParamError(name, f"Invalid '{name}': token id {bad} is outside the "
-                                    f"vocabulary [0, {vocab}).")
+                                    f"vocabulary [0, {vocab}).", code)

@@ -12,18 +12,17 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from plait.engine.llm import LLM
-    from plait.engine.sampling_params import SamplingParams
+    from plait.engine import LLM, SamplingParams
 
 
 def __getattr__(name: str) -> Any:
     # Lazy so that `import plait` (and the CLI's --help) stays fast.
     if name == "LLM":
-        from plait.engine.llm import LLM
+        from plait.engine import LLM
 
         return LLM
     if name == "SamplingParams":
-        from plait.engine.sampling_params import SamplingParams
+        from plait.engine import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

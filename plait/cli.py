@@ -18,7 +18,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import plait
-from plait.engine.config import VALID_DTYPES, EngineConfig
+from plait.engine import VALID_DTYPES, EngineConfig
 from plait.server.settings import ServerSettings  # a plain dataclass: no HTTP stack
 
 ENV_PREFIX = "PLAIT_"

@@ -22,10 +22,7 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 import plait
-from plait.engine.async_engine import AsyncEngine
-from plait.engine.client import EngineClient, EngineLoadError
-from plait.engine.engine_process import ProcessEngine
-from plait.engine.token_text import TokenTextTable
+from plait.engine import AsyncEngine, EngineClient, EngineLoadError, ProcessEngine, TokenTextTable
 from plait.server import chat, completions, faults, misc
 from plait.server.auth import require_api_key
 from plait.server.errors import install_error_handlers

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from plait.server.generation import ChoiceState, Generation, GenerationError, new_completion_id
 from plait.server.logprobs import chat_content
 from plait.server.params import chat_plan
-from plait.server.prompts import Prompt, chat_token_ids, check_context, message_dicts
+from plait.server.prompts import Prompt, chat_token_ids, message_dicts, validate_prompts
 from plait.server.protocol import ChatCompletionRequest, reject_unsupported
 from plait.server.serving import serve_generation
 from plait.server.sse import DONE, encode, error_event
@@ -36,10 +36,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     check_model(state, body.model)
     reject_unsupported(body)
     engine = state.engine
-    plan = chat_plan(body, engine.info.vocab_size)
+    plan = chat_plan(body)
     token_ids = chat_token_ids(engine.tokenizer, message_dicts(body.messages))
-    check_context(engine, len(token_ids), "messages")
-    gen = Generation(state, new_completion_id("chatcmpl"), [Prompt(token_ids, "")], plan,
+    prompts = [Prompt(token_ids, "")]
+    validate_prompts(engine, prompts, plan.params, "messages")
+    gen = Generation(state, new_completion_id("chatcmpl"), prompts, plan,
                      keep_output=not body.streaming, log_id=request_id_of(request))
     include_usage = body.include_usage
     return await serve_generation(

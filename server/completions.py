@@ -14,11 +14,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from plait.engine.outputs import TokenLogprob
+from plait.engine import TokenLogprob
 from plait.server.generation import Generation, GenerationError, new_completion_id
 from plait.server.logprobs import CompletionLogprobs
 from plait.server.params import completion_plan
-from plait.server.prompts import Prompt, check_context, completion_prompts
+from plait.server.prompts import Prompt, completion_prompts, validate_prompts
 from plait.server.protocol import CompletionRequest, reject_unsupported
 from plait.server.serving import serve_generation
 from plait.server.sse import DONE, encode, error_event
@@ -33,10 +33,9 @@ async def create_completion(body: CompletionRequest, request: Request,
     check_model(state, body.model)
     reject_unsupported(body)
     engine = state.engine
-    plan = completion_plan(body, engine.info.vocab_size)
+    plan = completion_plan(body)
     prompts = completion_prompts(engine.tokenizer, body.prompt, engine.info.vocab_size)
-    for prompt in prompts:
-        check_context(engine, len(prompt.token_ids), "prompt")
+    validate_prompts(engine, prompts, plan.params, "prompt")
     gen = Generation(state, new_completion_id("cmpl"), prompts, plan,
                      keep_output=not body.streaming, log_id=request_id_of(request))
     echo, include_usage = bool(body.echo), body.include_usage

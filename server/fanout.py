@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import logging
 
-from plait.engine.client import EngineClient, EngineDeadError, RequestStream
-from plait.engine.sampling_params import SamplingParams
-from plait.engine.scheduler import RequestRejected
+from plait.engine import (
+    EngineClient,
+    EngineDeadError,
+    RequestStream,
+    SamplingParams,
+)
 from plait.server.errors import (
     ENGINE_STOPPED_MESSAGE,
     OVERLOADED_RETRY_AFTER_S,
@@ -41,7 +44,8 @@ class FanOut:
 
     def start(self, prompts: list[list[int]], params: SamplingParams,
               num_samples: int) -> dict[int, RequestStream]:
-        """Add every sub-request; returns the streams by choice slot."""
+        """Add every sub-request (each prompt passed `validate_request`); returns the
+        streams by choice slot."""
         self._check_load(len(prompts) * num_samples,
                          "best_of" if num_samples > params.n else "n")
         try:
@@ -54,9 +58,6 @@ class FanOut:
         except EngineDeadError:
             self.abort()
             raise service_unavailable(ENGINE_STOPPED_MESSAGE) from None
-        except RequestRejected as exc:
-            self.abort()
-            raise bad_request(str(exc), "prompt", "context_length_exceeded") from None
         return self.streams
 
     def abort(self) -> None:

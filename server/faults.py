@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from plait.engine.faults import FAKE_FRAME, InjectedFault, arm_engine_faults, find_marker
+from plait.engine import FAKE_FRAME, InjectedFault, arm_engine_faults, find_marker
 
 logger = logging.getLogger("plait.server")
 

@@ -16,8 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from plait.engine.async_engine import RequestStream
-from plait.engine.outputs import RequestDelta, TokenLogprob
+from plait.engine import RequestDelta, RequestStream, TokenLogprob
 from plait.server.errors import APIError, server_error
 from plait.server.fanout import FanOut
 from plait.server.merge import StreamMerger

@@ -15,8 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait.engine.outputs import TokenLogprob
-from plait.engine.token_text import TokenTextTable
+from plait.engine import TokenLogprob, TokenTextTable
 
 VERY_UNLIKELY = -9999.0
 

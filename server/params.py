@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from plait.engine.sampling_params import InvalidParamError, SamplingParams
+from plait.engine import InvalidParamError, SamplingParams
 from plait.server.errors import bad_request
 from plait.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -41,18 +41,18 @@ def check_stream_options(request: SamplingRequest) -> None:
                           "enabled.", "stream_options")
 
 
-def chat_plan(request: ChatCompletionRequest, vocab_size: int) -> Plan:
+def chat_plan(request: ChatCompletionRequest) -> Plan:
     check_stream_options(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("The 'top_logprobs' parameter is only allowed when 'logprobs' is "
                           "enabled.", "top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens or request.max_tokens
-    params = build_params(request, vocab_size, max_tokens=max_tokens, logprobs=logprobs)
+    params = build_params(request, max_tokens=max_tokens, logprobs=logprobs)
     return Plan(params, request.num_choices, request.num_choices, logprobs)
 
 
-def completion_plan(request: CompletionRequest, vocab_size: int) -> Plan:
+def completion_plan(request: CompletionRequest) -> Plan:
     check_stream_options(request)
     n = request.num_choices
     best_of = request.best_of if request.best_of is not None else n
@@ -69,12 +69,12 @@ def completion_plan(request: CompletionRequest, vocab_size: int) -> Plan:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
     discard = max_tokens == 0
     prompt_logprobs = logprobs if request.echo and logprobs is not None else None
-    params = build_params(request, vocab_size, max_tokens=max(max_tokens, 1),
+    params = build_params(request, max_tokens=max(max_tokens, 1),
                           logprobs=engine_logprobs, prompt_logprobs=prompt_logprobs)
     return Plan(params, n, best_of, logprobs, discard_output=discard)
 
 
-def build_params(request: SamplingRequest, vocab_size: int, *, max_tokens: int | None,
+def build_params(request: SamplingRequest, *, max_tokens: int | None,
                  logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
@@ -84,11 +84,7 @@ def build_params(request: SamplingRequest, vocab_size: int, *, max_tokens: int |
     if top_k is not None and top_k in (0, -1):  # vLLM spellings of "disabled"
         top_k = None
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    stop_token_ids = list(request.stop_token_ids or [])
-    bad = next((t for t in stop_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"Invalid 'stop_token_ids': token id {bad} is outside the "
-                          f"vocabulary [0, {vocab_size}).", "stop_token_ids", "invalid_value")
+    stop_token_ids = list(request.stop_token_ids or [])  # vocabulary: validate_request
     try:
         return SamplingParams(
             n=request.num_choices, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -97,7 +93,7 @@ def build_params(request: SamplingRequest, vocab_size: int, *, max_tokens: int |
             frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=(1.0 if request.repetition_penalty is None
                                 else request.repetition_penalty),
-            logit_bias=parse_logit_bias(request.logit_bias, vocab_size),
+            logit_bias=parse_logit_bias(request.logit_bias),
             seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens or 0,
             stop=stop, stop_token_ids=stop_token_ids,
             ignore_eos=bool(request.ignore_eos),
@@ -106,11 +102,12 @@ def build_params(request: SamplingRequest, vocab_size: int, *, max_tokens: int |
                                  else request.skip_special_tokens),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except InvalidParamError as exc:
-        raise bad_request(str(exc), exc.param, "invalid_value") from None
+        raise bad_request(str(exc), exc.param, exc.code) from None
 
 
-def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
-    """{"123": 5} -> {123: 5.0}; keys must be token ids in the vocabulary, values -100..100."""
+def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """{"123": 5} -> {123: 5.0}; keys must be token ids (their vocabulary range is checked by
+    `validate_request`), values -100..100."""
     if not bias:
         return None
     if len(bias) > MAX_LOGIT_BIAS:
@@ -123,9 +120,6 @@ def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int
             raise bad_request(f"Invalid key in 'logit_bias': {key}. You should only be "
                               "submitting non-negative integers.", "logit_bias")
         token_id = int(key)
-        if token_id >= vocab_size:
-            raise bad_request(f"Invalid key in 'logit_bias': {key}. Token ids must be below "
-                              f"the vocabulary size {vocab_size}.", "logit_bias")
         if not -100.0 <= value <= 100.0:
             raise bad_request(f"Invalid value for 'logit_bias' key {key}: {value}. Bias values "
                               "must be between -100 and 100.", "logit_bias")

@@ -1,5 +1,5 @@
 """Prompts -> token ids: the chat template for messages, the four completion prompt forms,
-and the context-length check. Errors are 400 envelopes naming `messages` or `prompt`."""
+and the engine's request check. Errors are 400 envelopes naming the offending field."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from plait.engine.async_engine import AsyncEngine
-from plait.engine.scheduler import RequestRejected
+from plait.engine import EngineClient, InvalidParamError, SamplingParams, validate_request
 from plait.server.errors import bad_request
 from plait.server.protocol import ChatMessage
 
@@ -101,18 +100,18 @@ def _text_prompt(tokenizer: Any, text: str) -> Prompt:
 
 
 def _token_prompt(tokenizer: Any, token_ids: list[int], vocab_size: int) -> Prompt:
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"Invalid 'prompt': token id {bad} is outside the vocabulary "
-                          f"[0, {vocab_size}).", "prompt", "invalid_value")
-    return Prompt(list(token_ids), tokenizer.decode(token_ids))
+    """Token ids as given; `validate_prompts` checks them against the vocabulary. Ids
+    outside it are left out of the echo text (decoding them would fail)."""
+    return Prompt(list(token_ids), tokenizer.decode([t for t in token_ids
+                                                     if 0 <= t < vocab_size]))
 
 
-def check_context(engine: AsyncEngine, num_tokens: int, param: str) -> None:
-    """400 `context_length_exceeded` when a prompt can never be served."""
-    if num_tokens == 0:
-        raise bad_request(f"Invalid '{param}': the prompt is empty.", param, "invalid_value")
-    try:
-        engine.check_prompt(num_tokens)
-    except RequestRejected as exc:
-        raise bad_request(str(exc), param, "context_length_exceeded") from None
+def validate_prompts(engine: EngineClient, prompts: list[Prompt], params: SamplingParams,
+                     param: str) -> None:
+    """The engine's one request check (`plait.engine.validate_request`: prompt fit and
+    vocabulary), once per prompt before fan-out; its rejection as a 400 naming the field."""
+    for prompt in prompts:
+        try:
+            validate_request(engine.info, prompt.token_ids, params, param)
+        except InvalidParamError as exc:
+            raise bad_request(str(exc), exc.param, exc.code) from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from plait.engine.config import EngineConfig
+from plait.engine import EngineConfig
 
 DEFAULT_MAX_REQUEST_BYTES = 10 * 1024 * 1024  # 10 MiB
 

@@ -12,8 +12,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from plait.engine.client import EngineClient
-from plait.engine.token_text import TokenTextTable
+from plait.engine import EngineClient, TokenTextTable
 from plait.server.errors import ENGINE_STOPPED_MESSAGE, APIError, service_unavailable
 from plait.server.metrics import ServerMetrics
 from plait.server.settings import ServerSettings

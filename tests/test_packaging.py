@@ -151,3 +151,31 @@ def test_wheel_holds_every_module(tmp_path) -> None:
     expected = [f"{package.replace('.', '/')}/{py.name}"
                 for package, folder in _source_packages().items() for py in folder.glob("*.py")]
     assert sorted(names) == sorted(expected)
+
+
+def test_server_imports_the_engine_only_through_its_public_module() -> None:
+    """`plait.engine` is the engine's one public surface for the HTTP layer and the CLI."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    deep = [f"{path.relative_to(root)}:{n}: {line.strip()}"
+            for folder in ("server", "plait")
+            for path in sorted((root / folder).glob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if "import" in line and "plait.engine." in line.split("#")[0]]
+    assert deep == []
+
+
+def test_engine_public_module_is_lazy_and_complete(tmp_path) -> None:
+    code = textwrap.dedent("""
+        import sys
+        import plait.engine as engine
+        assert "torch" not in sys.modules, "import plait.engine must stay cheap"
+        assert sorted(engine.__all__) == sorted(engine._EXPORTS)
+        for name in engine.__all__:
+            assert getattr(engine, name) is not None, name
+        print("ok")
+    """)
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
