@@ -78,7 +78,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--enable-prefix-caching", bool,
            "reuse cached KV blocks of identical prompt prefixes"),
     Option("--max-shared-logits", int,
-           "recent prompts whose last logits (and blocks) are kept for reuse"),
+           "recent prompts kept for reuse (their last logits; their blocks stay cached, "
+           "not pinned)"),
     Option("--seed", int, "engine seed for unseeded requests"),
     Option("--max-queued-requests", int,
            "sub-requests admitted beyond the --max-num-seqs running slots; past it a new "

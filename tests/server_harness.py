@@ -100,10 +100,13 @@ class RemoteServer:
         m = self.metrics()
         return m["plait_num_requests_running"], m["plait_num_requests_waiting"]
 
-    def blocks_at_rest(self, timeout: float = 30) -> float:
-        """KV blocks in use once no sub-request runs or waits (fails if that never comes)."""
+    def assert_at_rest(self, timeout: float = 30) -> None:
+        """Once no sub-request runs or waits (fails if that never comes), no KV block is in
+        use: kept prompts name cached blocks, they hold none."""
         assert wait_for(lambda: self.gauges() == (0, 0), timeout), self.gauges()
-        return self.metrics()["plait_kv_blocks_used"]
+        m = self.metrics()
+        assert (m["plait_kv_blocks_used"], m["plait_kv_blocks_held_by_requests"],
+                m["plait_kv_cache_usage_perc"]) == (0, 0, 0), m
 
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout

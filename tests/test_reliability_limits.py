@@ -172,18 +172,7 @@ async def _cancel(*tasks: asyncio.Task) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _idle_blocks(server: RemoteServer, *pin: str) -> float:
-    """KV blocks in use at rest, after running the prompts of `pin` once each (a finished
-    prompt keeps its shared prefill pinned, so the baseline must already include it)."""
-    with server.http() as http:
-        for tag in pin:
-            body = {**_long(1, tag), "stream": False, "max_tokens": 1}
-            assert http.post("/v1/completions", json=body).status_code == 200
-    return server.blocks_at_rest()
-
-
 async def test_overload_is_503_and_n_is_admitted_or_refused_whole(server) -> None:
-    baseline = _idle_blocks(server, "a", "b", "c")
     refused = 'plait_requests_refused_total{reason="overloaded"}'
     before = server.metrics()[refused]
     async with httpx.AsyncClient(base_url=server.url, headers=server.headers,
@@ -213,14 +202,13 @@ async def test_overload_is_503_and_n_is_admitted_or_refused_whole(server) -> Non
             assert server.metrics()[refused] - before == 2
         finally:
             await _cancel(*held)
-    assert _idle_blocks(server) == baseline
+    server.assert_at_rest()
     with server.http() as http:
         assert http.post("/v1/completions", json={**_long(1, "a"), "stream": False,
                                                   "max_tokens": 2}).status_code == 200
 
 
 async def test_disconnect_while_queued_aborts_every_choice(server: RemoteServer) -> None:
-    baseline = _idle_blocks(server, "e", "f")
     async with httpx.AsyncClient(base_url=server.url, headers=server.headers,
                                  timeout=60) as client:
         running = asyncio.create_task(_hold(client, _long(4, "e")))
@@ -232,7 +220,7 @@ async def test_disconnect_while_queued_aborts_every_choice(server: RemoteServer)
             assert await asyncio.to_thread(wait_for, lambda: server.gauges() == (4, 0), 10)
         finally:
             await _cancel(running)
-    assert _idle_blocks(server) == baseline
+    server.assert_at_rest()
 
 
 def test_api_key_from_a_file_and_prompt_logging(server: RemoteServer) -> None:

@@ -70,9 +70,9 @@ def test_metrics_move_by_exactly_the_request(server: RemoteServer) -> None:
 def test_stream_disconnect_aborts_all_choices_and_frees_their_blocks(server) -> None:
     body = {"model": MODEL, "prompt": f"{uuid.uuid4().hex} Once upon a time,",
             "max_tokens": 1, "temperature": 1.0}
-    with server.http() as http:  # the identical prompt, finished: pins its shared prefill
+    with server.http() as http:  # the identical prompt, finished: a kept prompt now
         assert http.post("/v1/completions", json=body).status_code == 200
-        baseline = server.blocks_at_rest()
+        server.assert_at_rest()
         generated = server.metrics()["plait_generation_tokens_total"]
         # Far more tokens than can be generated before the disconnect, on any machine.
         long_body = {**body, "n": 3, "max_tokens": 4000, "ignore_eos": True, "stream": True}
@@ -87,7 +87,7 @@ def test_stream_disconnect_aborts_all_choices_and_frees_their_blocks(server) -> 
             assert server.metrics()["plait_kv_blocks_held_by_requests"] > 0
             response.close()  # the client hangs up mid-stream
         assert wait_for(lambda: server.metrics()["plait_num_requests_running"] == 0, 10)
-    assert server.blocks_at_rest() == baseline
+    server.assert_at_rest()
     assert server.metrics()["plait_kv_blocks_held_by_requests"] == 0
     assert server.metrics()["plait_generation_tokens_total"] - generated < 3 * 4000
 
