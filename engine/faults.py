@@ -65,6 +65,7 @@ class _RunnerFaults:
         self._runner, self._core, self._hook = runner, core, hook
 
     def execute(self, out: Any) -> Any:
+        self._runner.update_states(out)  # the runner's states follow the scheduler's anyway
         ids = dict.fromkeys([c.request_id for c in out.chunks]
                             + [s.request_id for s in out.samples])
         for request_id in ids:
@@ -72,7 +73,7 @@ class _RunnerFaults:
             if req is not None:
                 self._hook("execute", FaultSite(request_id, req.prompt_token_ids,
                                                 len(req.output_token_ids)))
-        return self._runner.execute(out)
+        return self._runner.compute(out)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)

@@ -111,10 +111,22 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Apply `out` in the order its docstring gives; return the step's results.
 
-        Raises if the forward pass fails (every request of the step is then lost). A
-        failure while sampling one request fails only that request (`RunnerOutput.errors`).
+        `update_states` then `compute`: the request states always follow the scheduler,
+        even when the computation raises. Raises if the forward pass fails (every request
+        of the step is then lost). A failure while sampling one request fails only that
+        request (`RunnerOutput.errors`).
         """
+        self.update_states(out)
+        return self.compute(out)
+
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Steps 1-3 of `SchedulerOutput`: forget finished requests, remember new ones,
+        rewrite changed block tables."""
         self.batch.apply(out)
+
+    @torch.inference_mode()
+    def compute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Steps 4-7 of `SchedulerOutput`, on states `update_states` brought up to date."""
         if out.block_copies:
             src = self.to_device([s for s, _ in out.block_copies], torch.int64)
             dst = self.to_device([d for _, d in out.block_copies], torch.int64)

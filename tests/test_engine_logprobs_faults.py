@@ -293,3 +293,29 @@ def test_a_poisoned_sampling_request_fails_alone(tiny_path) -> None:
     stats = llm.stats()
     assert stats["failed_steps"] == 0 and "Overflow" in stats["last_error"]
     assert_pool_clean(llm)
+
+
+def test_failed_steps_leave_the_runner_in_step_with_the_scheduler(tiny_path) -> None:
+    """Steps that fail before computing still hand the runner its new and finished
+    requests: after many of them, with only 2 block-table rows, a request is served."""
+    llm = make_llm(tiny_path, max_num_seqs=2)
+    poisoned = prompt(80, 9)
+
+    def hook(phase: str, site: FaultSite) -> None:
+        if phase == "execute" and list(site.prompt_token_ids) == poisoned:
+            raise InjectedFault("injected execute fault")
+
+    install_fault_hook(llm.engine, hook)
+    ok = prompt(81, 7)
+    expected = alone(tiny_path, ok, GREEDY).token_ids
+    for i in range(4):
+        # A served request, whose finish reaches the runner with the next step: a failing
+        # one. Were that step's news lost, its block-table row would never be freed.
+        assert llm.generate([ok], GREEDY)[0].outputs[0].token_ids == expected, i
+        llm.engine.add_request(f"p{i}", poisoned, GREEDY)
+        seen = run_until_done(llm)
+        assert [d.finish_reason for d in seen[f"p{i}"]] == ["error"]
+    assert llm.generate([ok], GREEDY)[0].outputs[0].token_ids == expected
+    llm.engine.step()  # hands the runner the last finish
+    assert llm.engine.runner.batch.row_of == {}
+    assert_pool_clean(llm)
