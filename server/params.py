@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 from plait.engine.sampling_params import InvalidParamError, SamplingParams
-from plait.server.errors import bad_request
+from plait.server.errors import bad_request, echo
 from plait.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -83,6 +83,10 @@ def build_params(request: SamplingRequest, vocab_size: int, *, max_tokens: int |
     top_k = request.top_k
     if top_k is not None and top_k in (0, -1):  # vLLM spellings of "disabled"
         top_k = None
+    if top_k is not None and top_k > vocab_size:
+        raise bad_request(f"Invalid 'top_k': integer above maximum value. Expected a value <= "
+                          f"{vocab_size} (the vocabulary size), or -1 or 0 to disable it, but "
+                          f"got {top_k} instead.", "top_k", "integer_above_max_value")
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     stop_token_ids = list(request.stop_token_ids or [])
     bad = next((t for t in stop_token_ids if not 0 <= t < vocab_size), None)
@@ -120,14 +124,14 @@ def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int
     parsed: dict[int, float] = {}
     for key, value in bias.items():
         if not _TOKEN_ID.match(key):
-            raise bad_request(f"Invalid key in 'logit_bias': {key}. You should only be "
+            raise bad_request(f"Invalid key in 'logit_bias': {echo(key)}. You should only be "
                               "submitting non-negative integers.", "logit_bias")
-        token_id = int(key)
+        token_id = int(key) if len(key) <= 12 else vocab_size  # int() of 5,000 digits raises
         if token_id >= vocab_size:
-            raise bad_request(f"Invalid key in 'logit_bias': {key}. Token ids must be below "
-                              f"the vocabulary size {vocab_size}.", "logit_bias")
+            raise bad_request(f"Invalid key in 'logit_bias': {echo(key)}. Token ids must be "
+                              f"below the vocabulary size {vocab_size}.", "logit_bias")
         if not -100.0 <= value <= 100.0:
-            raise bad_request(f"Invalid value for 'logit_bias' key {key}: {value}. Bias values "
-                              "must be between -100 and 100.", "logit_bias")
+            raise bad_request(f"Invalid value for 'logit_bias' key {echo(key)}: {echo(value)}. "
+                              "Bias values must be between -100 and 100.", "logit_bias")
         parsed[token_id] = float(value)
     return parsed
