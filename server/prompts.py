@@ -1,8 +1,16 @@
 """Prompts -> token ids: the chat template for messages, the four completion prompt forms,
-and the context-length check. Errors are 400 envelopes naming `messages` or `prompt`."""
+and the context-length check. Errors are 400 envelopes naming `messages` or `prompt`.
+
+Work is linear in the request's size and refused before it starts when the request can
+never be served: a text longer than any prompt that fits the context (`check_text_size`:
+every token covers at most `max_token_chars` characters) or more prompts than the server
+ever admits. Tokenizing, templating and decoding large inputs run off the event loop
+(offload.py).
+"""
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +19,8 @@ from jinja2 import TemplateError
 
 from plait.engine.async_engine import AsyncEngine
 from plait.engine.scheduler import RequestRejected
-from plait.server.errors import bad_request
+from plait.server.errors import bad_request, echo
+from plait.server.offload import offload
 from plait.server.protocol import ChatMessage
 
 logger = logging.getLogger("plait.server")
@@ -49,13 +58,13 @@ def _text_part(part: dict[str, Any], i: int, j: int) -> str:
     param = f"messages.[{i}].content.[{j}]"
     kind = part.get("type")
     if kind != "text":
-        raise bad_request(f"Invalid content part type {kind!r} in '{param}': Plait serves "
-                          "text-only models; only {'type': 'text', 'text': ...} parts are "
+        raise bad_request(f"Invalid content part type {echo(kind)} in '{param}': Plait serves "
+                          'text-only models; only {"type": "text", "text": ...} parts are '
                           "supported.", f"{param}.type", "invalid_value")
     text = part.get("text")
     if not isinstance(text, str) or set(part) - {"type", "text"}:
-        raise bad_request(f"Invalid text part in '{param}': expected {{'type': 'text', "
-                          "'text': <string>}.", param, "invalid_value")
+        raise bad_request(f"Invalid text part in '{param}': expected {{\"type\": \"text\", "
+                          '"text": <string>}.', param, "invalid_value")
     return text
 
 
@@ -75,19 +84,70 @@ def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]],
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def completion_prompts(tokenizer: Any, prompt: str | list[Any], vocab_size: int) -> list[Prompt]:
-    """The prompt forms of /v1/completions, each as token ids (+ text for echo)."""
+def message_chars(messages: list[dict[str, str]]) -> int:
+    """Characters of the messages' text: a lower bound of the rendered template's."""
+    return sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
+
+
+async def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]],
+                          add_generation_prompt: bool = True) -> list[int]:
+    """`chat_token_ids`, off the event loop when the messages are large."""
+    return await offload(chat_token_ids, tokenizer, messages, add_generation_prompt,
+                         size=message_chars(messages))
+
+
+@functools.lru_cache(maxsize=8)
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token's text can hold (its longest vocabulary entry; a
+    byte-level entry has one character per byte)."""
+    return max((len(piece) for piece in tokenizer.get_vocab()), default=1)
+
+
+def check_text_size(engine: AsyncEngine, tokenizer: Any, num_chars: int, param: str) -> None:
+    """400 `context_length_exceeded`, before any tokenizing, for text that no tokenization
+    can fit into the context: n tokens hold at most n * max_token_chars characters (x2 of
+    headroom for normalizers that merge characters)."""
+    max_model_len = engine.info.max_model_len
+    if num_chars > 2 * max_model_len * max_token_chars(tokenizer):
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. "
+                          f"However, the text of '{param}' has {num_chars} characters, more "
+                          "than that context can hold.", param, "context_length_exceeded")
+
+
+def num_prompts(prompt: str | list[Any]) -> int:
+    """How many prompts `prompt` holds (a constant-time look at its form; validated later)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
+async def completion_prompts(engine: AsyncEngine, prompt: str | list[Any]) -> list[Prompt]:
+    """The prompt forms of /v1/completions, each as token ids (+ text for echo), checked
+    against the context before the expensive work; large inputs off the event loop."""
+    size = len(prompt) if isinstance(prompt, str) else 0
+    if isinstance(prompt, list):
+        size = sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt[:100_000])
+        size = max(size, len(prompt))
+    return await offload(_completion_prompts, engine, prompt, size=size)
+
+
+def _completion_prompts(engine: AsyncEngine, prompt: str | list[Any]) -> list[Prompt]:
+    tokenizer = engine.tokenizer
     if isinstance(prompt, str):
-        return [_text_prompt(tokenizer, prompt)]
+        return [_text_prompt(engine, prompt)]
     if not prompt:
         raise bad_request(f"Invalid 'prompt': empty array. Expected {_PROMPT_FORMS}.",
                           "prompt", "empty_array")
     if all(isinstance(p, str) for p in prompt):
-        return [_text_prompt(tokenizer, p) for p in prompt]
+        for text in prompt:  # every size check before any tokenizing
+            check_text_size(engine, tokenizer, len(text), "prompt")
+        return [_text_prompt(engine, p) for p in prompt]
     if all(_is_token(t) for t in prompt):
-        return [_token_prompt(tokenizer, prompt, vocab_size)]
+        return [_token_prompt(engine, prompt)]
     if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
-        return [_token_prompt(tokenizer, p, vocab_size) for p in prompt]
+        for token_ids in prompt:
+            check_context(engine, len(token_ids), "prompt")
+        return [_token_prompt(engine, p) for p in prompt]
     raise bad_request(f"Invalid type for 'prompt': expected {_PROMPT_FORMS}.", "prompt",
                       "invalid_type")
 
@@ -96,16 +156,22 @@ def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _text_prompt(tokenizer: Any, text: str) -> Prompt:
-    return Prompt(tokenizer.encode(text), text)
+def _text_prompt(engine: AsyncEngine, text: str) -> Prompt:
+    check_text_size(engine, engine.tokenizer, len(text), "prompt")
+    token_ids = engine.tokenizer.encode(text)
+    check_context(engine, len(token_ids), "prompt")
+    return Prompt(token_ids, text)
 
 
-def _token_prompt(tokenizer: Any, token_ids: list[int], vocab_size: int) -> Prompt:
+def _token_prompt(engine: AsyncEngine, token_ids: list[int]) -> Prompt:
+    """Checked against the context first, so that a long token list is never decoded."""
+    check_context(engine, len(token_ids), "prompt")
+    vocab_size = engine.info.vocab_size
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise bad_request(f"Invalid 'prompt': token id {bad} is outside the vocabulary "
+        raise bad_request(f"Invalid 'prompt': token id {echo(bad)} is outside the vocabulary "
                           f"[0, {vocab_size}).", "prompt", "invalid_value")
-    return Prompt(list(token_ids), tokenizer.decode(token_ids))
+    return Prompt(list(token_ids), engine.tokenizer.decode(token_ids))
 
 
 def check_context(engine: AsyncEngine, num_tokens: int, param: str) -> None:
