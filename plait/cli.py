@@ -77,6 +77,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--drain-timeout", float, 30.0,
            "seconds to finish in-flight requests after SIGTERM"),
     Option("--sse-ping-interval", float, 15.0, "idle seconds between `: ping` SSE comments"),
+    Option("--header-timeout", float, 10.0,
+           "seconds a connection has to send each request head; then 408 and closed"),
+    Option("--keep-alive-timeout", float, 5.0,
+           "idle seconds before a keep-alive connection is closed"),
     Option("--allowed-origins", "list", ["*"], "CORS allowed origins"),
     Option("--allowed-methods", "list", ["*"], "CORS allowed methods"),
     Option("--allowed-headers", "list", ["*"], "CORS allowed headers"),
@@ -197,6 +201,7 @@ def server_settings(args: argparse.Namespace) -> Any:  # -> plait.server.setting
         allowed_headers=tuple(args.allowed_headers), sse_ping_interval=args.sse_ping_interval,
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes, drain_timeout=args.drain_timeout,
+        header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
         log_level=args.log_level, log_prompts=args.log_prompts,
         fault_injection=args.fault_injection)
 
