@@ -20,10 +20,12 @@ from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
 
 from plait.server.auth import require_api_key
-from plait.server.errors import JSON_PARSE_MESSAGE, bad_request, echo, param_name
+from plait.server.errors import JSON_PARSE_MESSAGE, APIError, bad_request, echo, param_name
 from plait.server.offload import offload
+from plait.server.serving import CLIENT_CLOSED_REQUEST
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
@@ -55,7 +57,11 @@ async def _parse_json_body(request: Request) -> None:
         media_type = content_type.partition(";")[0].strip().lower()
         if not (media_type == "application/json" or media_type.endswith("+json")):
             return
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:  # nobody reads the answer; the access log shows 499
+        raise APIError(CLIENT_CLOSED_REQUEST, "The client disconnected while sending the "
+                       "request body.") from None
     if body:
         request._json = await offload(parse_json, body, size=len(body))
 

@@ -3,6 +3,7 @@
 SIGTERM / Ctrl-C: /health turns 503 at once, the listening socket closes, in-flight
 requests (streams included) get up to `drain_timeout` seconds to finish, then the engine
 stops and the process exits 0. A model that fails to load stops the server with exit 1.
+HTTP is uvicorn's h11 protocol with envelopes and a header timeout (http_protocol.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import uvicorn
 from sse_starlette.sse import AppStatus
 
 from plait.server.app import create_app
+from plait.server.http_protocol import EnvelopeH11Protocol
 from plait.server.settings import ServerSettings
 from plait.server.state import ServerState
 
@@ -55,6 +57,8 @@ def run_server(settings: ServerSettings) -> int:
     app = create_app(settings, on_load_error=on_load_error)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level,
+                            http=EnvelopeH11Protocol.with_header_timeout(settings.header_timeout),
+                            timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]
                             timeout_graceful_shutdown=settings.drain_timeout)  # type: ignore[arg-type]
     server = DrainingServer(config, app.state.plait)
     # uvicorn re-raises the signal it caught once it has shut down; a no-op SIGTERM handler
