@@ -7,7 +7,8 @@ answered while one request brings megabytes of text.
 
 The workers are daemon threads: a SIGTERM during a long tokenization ends the process once
 the drain timeout is over instead of waiting for the work (a cancelled request's queued
-work is skipped; work already running cannot be interrupted and is abandoned).
+work is skipped; work already running cannot be interrupted: serve.py exits without
+waiting for it, since interpreter shutdown would wait for a thread inside the tokenizer).
 The fast tokenizers release the GIL while encoding, so the loop stays responsive; decoding
 and JSON parsing hold it, which is why request sizes are bounded before they get here.
 """
@@ -39,6 +40,7 @@ class WorkerPool:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self.num_running = 0  # calls in progress on a worker
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -61,10 +63,15 @@ class WorkerPool:
             if future.cancelled():  # its request went away while it waited
                 continue
             result, error = None, None
+            with self._lock:
+                self.num_running += 1
             try:
                 result = fn(*args)
             except BaseException as exc:  # handed to the awaiting request
                 error = exc
+            finally:
+                with self._lock:
+                    self.num_running -= 1
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(_settle, future, result, error)
 

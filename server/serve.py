@@ -9,12 +9,15 @@ HTTP is uvicorn's h11 protocol with envelopes and a header timeout (http_protoco
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 from types import FrameType
 
 import uvicorn
 from sse_starlette.sse import AppStatus
 
+from plait.server import offload
 from plait.server.app import create_app
 from plait.server.http_protocol import EnvelopeH11Protocol
 from plait.server.settings import ServerSettings
@@ -67,7 +70,22 @@ def run_server(settings: ServerSettings) -> int:
     try:
         server.run()
     except KeyboardInterrupt:
-        return 130 if exit_code == 0 else exit_code
-    if exit_code == 0 and not server.started:
-        return 1  # e.g. the port was taken
+        exit_code = 130 if exit_code == 0 else exit_code
+    else:
+        if exit_code == 0 and not server.started:
+            exit_code = 1  # e.g. the port was taken
+    _exit_now_if_work_is_abandoned(exit_code)
     return exit_code
+
+
+def _exit_now_if_work_is_abandoned(exit_code: int) -> None:
+    """Interpreter shutdown would wait for a worker still inside a tokenizer call (it
+    cannot be interrupted) long after the drain timeout: exit at once instead."""
+    if offload.POOL.num_running == 0:
+        return
+    logger.warning("exiting with %d offloaded call(s) unfinished (drain timeout over)",
+                   offload.POOL.num_running)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
