@@ -103,12 +103,16 @@ def _finite_float(text: str) -> float:
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object; a key given twice is refused (parsers disagree on which one wins)."""
     result = dict(pairs)
-    if len(result) != len(pairs):
-        seen: set[str] = set()
-        key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise bad_request(f"Invalid JSON: the key {echo(key)} appears twice in one object; "
-                          "each key must be unique.")
+    if len(result) == len(pairs):
+        return result
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise bad_request(f"Invalid JSON: the key {echo(key)} appears twice in one "
+                              "object; each key must be unique.")
+        seen.add(key)
     return result
 
 

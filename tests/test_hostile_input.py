@@ -212,6 +212,7 @@ class HealthProbe:
         self.url = url
         self.worst = 0.0
         self.count = 0
+        self.statuses: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -219,7 +220,7 @@ class HealthProbe:
         with httpx.Client(timeout=60) as client:
             while not self._stop.is_set():
                 started = time.monotonic()
-                assert client.get(f"{self.url}/health").status_code == 200
+                self.statuses.add(client.get(f"{self.url}/health").status_code)
                 self.worst = max(self.worst, time.monotonic() - started)
                 self.count += 1
                 time.sleep(0.05)
@@ -261,7 +262,8 @@ def test_health_answers_while_a_huge_request_is_processed(server, path, body, st
         assert response.status_code == 200 and response.json()["count"] == 1_600_001
     else:
         assert envelope(response, status)["code"] == code
-    assert probe.count >= 2 and probe.worst < HEALTH_BUDGET_S
+    assert probe.statuses == {200} and probe.count >= 2
+    assert probe.worst < HEALTH_BUDGET_S
 
 
 def test_sigterm_is_honoured_while_huge_prompts_are_tokenized(tiny_path: Path) -> None:
