@@ -97,6 +97,8 @@ def _clipped_json(value: Any, budget: int) -> str:
         inner = ",".join(parts)
         return f"{{{inner}}}" if isinstance(value, dict) else f"[{inner}]"
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**40:
+        if value.bit_length() > 10_000:  # past what int -> str converts (4300 digits)
+            return f"(an integer of {value.bit_length()} bits)"
         return f"{'-' if value < 0 else ''}{str(abs(value))[:budget + 1]}"
     try:
         return json.dumps(value)  # null, true, 1.5, NaN never gets here (refused as JSON)

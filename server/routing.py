@@ -69,6 +69,7 @@ async def _parse_json_body(request: Request) -> None:
 def parse_json(body: bytes) -> Any:
     """The value of a JSON body, or a 400 `APIError`: malformed JSON, NaN/Infinity, a key
     twice in one object, or a string that is not valid Unicode (named by its param)."""
+    body = body.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as json.loads allows
     try:
         text = body.decode("utf-8")
         suspect = _SURROGATE_ESCAPE.search(text) is not None

@@ -26,6 +26,9 @@ import httpx
 import pytest
 from server_harness import API_KEY, RemoteServer, error_of, start_server, wait_for
 
+from plait.server.errors import APIError, echo
+from plait.server.routing import parse_json
+
 MODEL = "hostile-tiny"
 VOCAB_SIZE = 49152
 HEADER_TIMEOUT_S = 2
@@ -425,3 +428,32 @@ def test_nul_bytes_and_control_characters_are_served(server) -> None:
     for text in ("a\x00b", "\x00" * 100, "\x1b[31m\r\n\t", "\u202e\ufeff\uffff"):
         assert post(server, COMPLETIONS, completion(prompt=text)).status_code == 200
         assert post(server, "/tokenize", {"prompt": text}).status_code == 200
+
+
+# ---------------------------------------------------------------- units (no server)
+def test_echo_is_json_clipped_and_bounded_by_its_limit() -> None:
+    assert [echo(v) for v in (None, True, {"a": None}, [1, "x"], "é")] == [
+        "null", "true", '{"a":null}', '[1,"x"]', '"é"']
+    assert echo("x" * 10**7) == '"' + "x" * 79 + "..."
+    assert len(echo([list(range(10**5))] * 10**3)) <= 83  # never renders the whole value
+    assert echo(10**200).endswith("...") and "bits" in echo(10**5000)
+    assert echo("\ud800").encode("utf-8", "backslashreplace") == b'"\\ud800"'
+
+
+@pytest.mark.parametrize(("raw", "param"), [
+    (b'{"a": [{"b": "ok"}, {"c": "\\udc00"}]}', "a.[1].c"),
+    (b'{"a": {"\\ud800": 1}}', "a"),
+    (b'{"a": "\xff"}', "a"),
+    (b'{"a": 1, "a": 2}', None),
+    (b'{"a": NaN}', None),
+    (b'{"a": 1e999}', None),
+    (b"[" * 10**5, None),
+])
+def test_parse_json_refuses_what_is_not_strict_json(raw: bytes, param: str | None) -> None:
+    with pytest.raises(APIError) as caught:
+        parse_json(raw)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_parse_json_accepts_pairs_bom_and_nul() -> None:
+    assert parse_json(b'\xef\xbb\xbf{"a": "\\ud83d\\ude00\\u0000"}') == {"a": "\U0001f600\x00"}
