@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import plait
-from plait.server.errors import APIError, bad_request
+from plait.server.errors import APIError, bad_request, echo
 from plait.server.offload import offload
 from plait.server.prompts import chat_prompt_ids, message_dicts
 from plait.server.protocol import DetokenizeRequest, TokenizeRequest, reject_unsupported
@@ -101,6 +101,6 @@ def _detokenize(engine: Any, tokens: list[int]) -> str:
     vocab_size = engine.info.vocab_size
     bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise bad_request(f"Invalid 'tokens': token id {bad} is outside the vocabulary "
+        raise bad_request(f"Invalid 'tokens': token id {echo(bad)} is outside the vocabulary "
                           f"[0, {vocab_size}).", "tokens", "invalid_value")
     return engine.tokenizer.decode(tokens)

@@ -91,7 +91,7 @@ def build_params(request: SamplingRequest, vocab_size: int, *, max_tokens: int |
     stop_token_ids = list(request.stop_token_ids or [])
     bad = next((t for t in stop_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise bad_request(f"Invalid 'stop_token_ids': token id {bad} is outside the "
+        raise bad_request(f"Invalid 'stop_token_ids': token id {echo(bad)} is outside the "
                           f"vocabulary [0, {vocab_size}).", "stop_token_ids", "invalid_value")
     try:
         return SamplingParams(

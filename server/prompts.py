@@ -124,10 +124,10 @@ def num_prompts(prompt: str | list[Any]) -> int:
 async def completion_prompts(engine: AsyncEngine, prompt: str | list[Any]) -> list[Prompt]:
     """The prompt forms of /v1/completions, each as token ids (+ text for echo), checked
     against the context before the expensive work; large inputs off the event loop."""
-    size = len(prompt) if isinstance(prompt, str) else 0
-    if isinstance(prompt, list):
-        size = sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt[:100_000])
-        size = max(size, len(prompt))
+    if isinstance(prompt, str) or num_prompts(prompt) == 1:
+        size = len(prompt)  # characters, or tokens of one token array
+    else:  # at most the admission window's number of prompts (checked before)
+        size = sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)
     return await offload(_completion_prompts, engine, prompt, size=size)
 
 
