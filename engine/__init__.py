@@ -33,6 +33,8 @@ _EXPORTS = {
     "InvalidParamError": "sampling_params",
     "MAX_LOGPROBS": "sampling_params",
     "RequestRejected": "validation",
+    "validate_params": "validation",
+    "validate_prompt": "validation",
     "validate_request": "validation",
     "TokenTextTable": "token_text",
     "FAKE_FRAME": "faults",
@@ -64,7 +66,9 @@ __all__ = [
     "TokenTextTable",
     "arm_engine_faults",
     "find_marker",
-    "validate_request"
+    "validate_params",
+    "validate_prompt",
+    "validate_request",
 ]
 
 if TYPE_CHECKING:
@@ -77,7 +81,12 @@ if TYPE_CHECKING:
     from plait.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, TokenLogprob
     from plait.engine.sampling_params import MAX_LOGPROBS, InvalidParamError, SamplingParams
     from plait.engine.token_text import TokenTextTable
-    from plait.engine.validation import RequestRejected, validate_request
+    from plait.engine.validation import (
+        RequestRejected,
+        validate_params,
+        validate_prompt,
+        validate_request,
+    )
 
 
 def __getattr__(name: str) -> Any:

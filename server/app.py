@@ -4,8 +4,8 @@
 
 The lifespan only *starts* loading the model (in a background thread) and returns, so the
 server socket listens while the model loads and /health answers 503 until the engine is
-ready. Middleware, outermost first: x-request-id (and the 500 envelope), CORS, the body size
-limit (413), routes.
+ready. Middleware, outermost first: HEAD as GET, x-request-id (and the 500 envelope), CORS,
+the body size limit (413), routes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ from plait.server import chat, completions, faults, misc
 from plait.server.auth import require_api_key
 from plait.server.errors import install_error_handlers
 from plait.server.metrics import ServerMetrics
-from plait.server.middleware import BodyLimitMiddleware, RequestIdMiddleware
+from plait.server.middleware import (
+    BodyLimitMiddleware,
+    HeadAsGetMiddleware,
+    RequestIdMiddleware,
+)
 from plait.server.openapi import install_openapi
 from plait.server.settings import ServerSettings
 from plait.server.state import ServerState
@@ -67,6 +71,7 @@ def create_app(settings: ServerSettings | None = None, engine: EngineClient | No
                        allow_headers=list(settings.allowed_headers),
                        expose_headers=["x-request-id"])
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(HeadAsGetMiddleware)
     app.include_router(misc.open_router)
     guarded = [Depends(require_api_key)]
     for router in (chat.router, completions.router, misc.router):

@@ -18,16 +18,26 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from plait.server.fanout import check_num_sequences
 from plait.server.generation import ChoiceState, Generation, GenerationError, new_completion_id
 from plait.server.logprobs import chat_content
 from plait.server.params import chat_plan
-from plait.server.prompts import Prompt, chat_token_ids, message_dicts, validate_prompts
+from plait.server.prompts import (
+    Prompt,
+    chat_prompt_ids,
+    check_params,
+    check_prompt,
+    check_text_size,
+    message_chars,
+    message_dicts,
+)
 from plait.server.protocol import ChatCompletionRequest, reject_unsupported
+from plait.server.routing import ApiRoute
 from plait.server.serving import serve_generation
 from plait.server.sse import DONE, encode, error_event
 from plait.server.state import ReadyDep, check_model, request_id_of
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
 
 
 @router.post("/v1/chat/completions")
@@ -37,10 +47,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     reject_unsupported(body)
     engine = state.engine
     plan = chat_plan(body)
-    token_ids = chat_token_ids(engine.tokenizer, message_dicts(body.messages))
-    prompts = [Prompt(token_ids, "")]
-    validate_prompts(engine, prompts, plan.params, "messages")
-    gen = Generation(state, new_completion_id("chatcmpl"), prompts, plan,
+    check_params(engine, plan.params)
+    messages = message_dicts(body.messages)
+    check_num_sequences(engine, state.settings.max_queued_requests, plan.num_samples, "n")
+    check_text_size(engine, engine.tokenizer, message_chars(messages), "messages")
+    token_ids = await chat_prompt_ids(engine.tokenizer, messages)
+    check_prompt(engine, token_ids, "messages")
+    gen = Generation(state, new_completion_id("chatcmpl"), [Prompt(token_ids, "")], plan,
                      keep_output=not body.streaming, log_id=request_id_of(request))
     include_usage = body.include_usage
     return await serve_generation(

@@ -15,16 +15,18 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from plait.engine import TokenLogprob
+from plait.server.fanout import check_num_sequences
 from plait.server.generation import Generation, GenerationError, new_completion_id
 from plait.server.logprobs import CompletionLogprobs
 from plait.server.params import completion_plan
-from plait.server.prompts import Prompt, completion_prompts, validate_prompts
+from plait.server.prompts import Prompt, check_params, completion_prompts, num_prompts
 from plait.server.protocol import CompletionRequest, reject_unsupported
+from plait.server.routing import ApiRoute
 from plait.server.serving import serve_generation
 from plait.server.sse import DONE, encode, error_event
 from plait.server.state import ReadyDep, check_model, request_id_of
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
 
 
 @router.post("/v1/completions")
@@ -34,8 +36,11 @@ async def create_completion(body: CompletionRequest, request: Request,
     reject_unsupported(body)
     engine = state.engine
     plan = completion_plan(body)
-    prompts = completion_prompts(engine.tokenizer, body.prompt, engine.info.vocab_size)
-    validate_prompts(engine, prompts, plan.params, "prompt")
+    check_params(engine, plan.params)
+    check_num_sequences(engine, state.settings.max_queued_requests,
+                        num_prompts(body.prompt) * plan.num_samples,
+                        "best_of" if plan.num_samples > plan.n else "n")
+    prompts = await completion_prompts(engine, body.prompt)
     gen = Generation(state, new_completion_id("cmpl"), prompts, plan,
                      keep_output=not body.streaming, log_id=request_id_of(request))
     echo, include_usage = bool(body.echo), body.include_usage

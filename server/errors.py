@@ -8,6 +8,7 @@ so no stack trace or file path ever reaches a client.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -48,8 +49,61 @@ def error_body(message: str, type: str = INVALID_REQUEST, param: str | None = No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+class EnvelopeResponse(JSONResponse):
+    """JSON that always encodes: a lone surrogate in a message (a client value echoed back)
+    becomes the JSON escape `\\udXXX` instead of a UnicodeEncodeError (a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return text.encode("utf-8", "backslashreplace")
+
+
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    return EnvelopeResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+MAX_ECHO_CHARS = 80  # of a client value quoted in an error message
+
+
+def echo(value: Any, limit: int = MAX_ECHO_CHARS) -> str:
+    """`value` as JSON for an error message (`null`, `{"a":null}`, `"x"`), never Python's
+    spelling, cut to about `limit` characters ("..." marks the cut). The work is bounded by
+    `limit`, not by the size of `value`."""
+    text = _clipped_json(value, limit)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """A client string quoted inside a message (the model name): cut to `limit` characters."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _clipped_json(value: Any, budget: int) -> str:
+    if isinstance(value, str):
+        return json.dumps(value[:budget + 1], ensure_ascii=False)
+    if isinstance(value, (dict, list)):
+        items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+        parts: list[str] = []
+        used = 2
+        for key, item in items:
+            if used > budget:
+                parts.append("...")
+                break
+            part = _clipped_json(item, budget - used)
+            if isinstance(value, dict):
+                part = f"{_clipped_json(str(key), budget - used)}:{part}"
+            parts.append(part)
+            used += len(part) + 1
+        inner = ",".join(parts)
+        return f"{{{inner}}}" if isinstance(value, dict) else f"[{inner}]"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**40:
+        if value.bit_length() > 10_000:  # past what int -> str converts (4300 digits)
+            return f"(an integer of {value.bit_length()} bits)"
+        return f"{'-' if value < 0 else ''}{str(abs(value))[:budget + 1]}"
+    try:
+        return json.dumps(value)  # null, true, 1.5, NaN never gets here (refused as JSON)
+    except (TypeError, ValueError):
+        return json.dumps(str(value)[:budget + 1])
 
 
 def server_error(message: str = "The server had an error while processing your request.",
@@ -76,7 +130,8 @@ def service_unavailable(message: str) -> APIError:
 
 # ------------------------------------------------------------------ pydantic -> envelope
 # Union branches show up in pydantic locations as type tags ("str", "list[int]", ...).
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|dict|list|.*\[.*\]|function-.*)$")
+_TYPE_TAG = re.compile(
+    r"^(str|int|float|bool|none|dict|list|.*\[.*\]|function-.*|constrained-.*)$")
 
 
 def param_name(loc: tuple[Any, ...]) -> str | None:
@@ -107,7 +162,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return bad_request(f"Unrecognized request argument{plural} supplied: "
                            f"{', '.join(top_level)}")
     first = param_name(tuple(errors[0]["loc"]))
-    branches = [e for e in errors if param_name(tuple(e["loc"])) == first]
+    branches = [e for e in errors if _within(param_name(tuple(e["loc"])), first)]
     if len(branches) > 1:  # a union: report a range/length error, else a type error
         specific = [e for e in branches if _expected(e) is None]
         if specific:
@@ -115,6 +170,12 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         expected = " or ".join(dict.fromkeys(_expected(e) or "" for e in branches))
         return _type_error(first, expected, errors[0].get("input"))
     return _one_error(errors[0])
+
+
+def _within(name: str | None, first: str | None) -> bool:
+    """`name` is `first` or inside it ("stop.[0]" is inside "stop": a union's list branch)."""
+    return name == first or (first is not None and name is not None
+                             and name.startswith(first + "."))
 
 
 _EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": "a number",
@@ -164,20 +225,26 @@ def _one_error(error: dict[str, Any]) -> APIError:
         op = "<=" if kind == "less_than_equal" else "<"
         return bad_request(
             f"Invalid '{name}': {what} above maximum value. Expected a value {op} "
-            f"{ctx.get('le', ctx.get('lt'))}, but got {value} instead.", param,
+            f"{ctx.get('le', ctx.get('lt'))}, but got {echo(value)} instead.", param,
             f"{what}_above_max_value")
     if kind in ("greater_than_equal", "greater_than"):
         what = "integer" if isinstance(value, int) else "decimal"
         op = ">=" if kind == "greater_than_equal" else ">"
         return bad_request(
             f"Invalid '{name}': {what} below minimum value. Expected a value {op} "
-            f"{ctx.get('ge', ctx.get('gt'))}, but got {value} instead.", param,
+            f"{ctx.get('ge', ctx.get('gt'))}, but got {echo(value)} instead.", param,
             f"{what}_below_min_value")
     if kind == "too_long":
         return bad_request(
             f"Invalid '{name}': array too long. Expected an array with maximum length "
             f"{ctx.get('max_length')}, but got an array with length "
             f"{ctx.get('actual_length')} instead.", param, "array_above_max_length")
+    if kind == "string_too_long":
+        length = len(value) if isinstance(value, str) else "more"
+        return bad_request(
+            f"Invalid '{name}': string too long. Expected a string with maximum length "
+            f"{ctx.get('max_length')}, but got a string with length {length} instead.", param,
+            "string_above_max_length")
     if kind == "too_short":
         return bad_request(
             f"Invalid '{name}': empty array. Expected an array with minimum length "

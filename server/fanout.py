@@ -77,13 +77,23 @@ class FanOut:
             new request of num_new sub-requests: fits whole -> admitted, else 503 whole
 
         A request bigger than the whole window could never be admitted: 400, not 503."""
-        capacity = self.engine.config.max_num_seqs + self.max_queued_requests
-        if num_new > capacity:
-            raise bad_request(
-                f"This request needs {num_new} sequences (prompts x n, or best_of), more than "
-                f"this server ever admits at once ({capacity}).", sample_param,
-                "too_many_sequences")
+        capacity = check_num_sequences(self.engine, self.max_queued_requests, num_new,
+                                       sample_param)
         if self.engine.num_queued + num_new > capacity:
             raise APIError(503, "The server is overloaded with requests; retry shortly.",
                            type="server_error", code="overloaded",
                            headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)})
+
+
+def check_num_sequences(engine: EngineClient, max_queued_requests: int, num_new: int,
+                        sample_param: str) -> int:
+    """400 `too_many_sequences` for a request of `num_new` sub-requests that could never be
+    admitted, even on an idle server (routes call it before tokenizing, so that such a
+    request costs nothing). Returns the admission window's size."""
+    capacity = engine.config.max_num_seqs + max_queued_requests
+    if num_new > capacity:
+        raise bad_request(
+            f"This request needs {num_new} sequences (prompts x n, or best_of), more than "
+            f"this server ever admits at once ({capacity}).", sample_param,
+            "too_many_sequences")
+    return capacity

@@ -200,10 +200,12 @@ class Generation:
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
         completion = 0 if self.plan.discard_output else sum(
             c.num_tokens for c in self.choices.values())
-        cached = 0
-        for p in range(len(self.prompts)):
-            cached += min(c.num_cached_tokens for c in self.choices.values()
-                          if c.prompt_idx == p)
+        cached_per_prompt: dict[int, int] = {}  # one pass: linear in the number of choices
+        for c in self.choices.values():
+            seen = cached_per_prompt.get(c.prompt_idx)
+            if seen is None or c.num_cached_tokens < seen:
+                cached_per_prompt[c.prompt_idx] = c.num_cached_tokens
+        cached = sum(cached_per_prompt.values())
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}

@@ -1,5 +1,6 @@
-"""ASGI middleware. Outermost: an `x-request-id` on every response, and a 500 envelope for any
-exception that escapes the app before the response started. Innermost: the body size limit."""
+"""ASGI middleware. Outermost: HEAD served as GET, then an `x-request-id` on every response and
+a 500 envelope for any exception that escapes the app before the response started.
+Innermost: the body size limit."""
 
 from __future__ import annotations
 
@@ -123,3 +124,16 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+class HeadAsGetMiddleware:
+    """HEAD works on every GET route (/health, /v1/models, ...): the app sees a GET, and the
+    server drops the body because its own scope still says HEAD."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
+        await self.app(scope, receive, send)

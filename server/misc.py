@@ -6,6 +6,8 @@ Guarded: GET /v1/models, GET /v1/models/{model}, POST /tokenize, POST /detokeniz
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any
 
 from fastapi import APIRouter
@@ -13,13 +15,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import plait
-from plait.server.errors import APIError, bad_request
-from plait.server.prompts import chat_token_ids, message_dicts
+from plait.server.errors import APIError, bad_request, echo
+from plait.server.offload import offload
+from plait.server.prompts import chat_prompt_ids, message_dicts
 from plait.server.protocol import DetokenizeRequest, TokenizeRequest, reject_unsupported
+from plait.server.routing import ApiRoute
 from plait.server.state import ReadyDep, StateDep, check_model, get_ready_state
 
 open_router = APIRouter()
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
 
 
 @open_router.get("/health")
@@ -59,8 +63,8 @@ async def retrieve_model(model: str, state: ReadyDep) -> dict[str, Any]:
     return _model_card(state)
 
 
-@router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, state: ReadyDep) -> dict[str, Any]:
+@router.post("/tokenize", response_model=dict[str, Any])
+async def tokenize(body: TokenizeRequest, state: ReadyDep) -> Response:
     """`prompt` is tokenized as /v1/completions does (special tokens added by default);
     `messages` through the chat template (generation prompt added by default)."""
     check_model(state, body.model, required=False)
@@ -70,20 +74,33 @@ async def tokenize(body: TokenizeRequest, state: ReadyDep) -> dict[str, Any]:
     if body.messages is not None:
         reject_unsupported(body)
         add_generation = body.add_generation_prompt is not False
-        tokens = chat_token_ids(tokenizer, message_dicts(body.messages), add_generation)
+        tokens = await chat_prompt_ids(tokenizer, message_dicts(body.messages), add_generation)
     else:
-        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens
-                                  is not False)
-    return {"tokens": tokens, "count": len(tokens),
-            "max_model_len": state.engine.info.max_model_len}
+        encode = functools.partial(tokenizer.encode,
+                                   add_special_tokens=body.add_special_tokens is not False)
+        tokens = await offload(encode, body.prompt, size=len(body.prompt))
+    result = {"tokens": tokens, "count": len(tokens),
+              "max_model_len": state.engine.info.max_model_len}
+    # Rendered off the loop too: a 10 MB prompt is millions of token ids.
+    rendered = await offload(_render_json, result, size=len(tokens))
+    return Response(rendered, media_type="application/json")
+
+
+def _render_json(content: Any) -> bytes:
+    return json.dumps(content, separators=(",", ":")).encode()
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, state: ReadyDep) -> dict[str, Any]:
     check_model(state, body.model, required=False)
-    vocab_size = state.engine.info.vocab_size
-    bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
+    text = await offload(_detokenize, state.engine, body.tokens, size=len(body.tokens))
+    return {"prompt": text}
+
+
+def _detokenize(engine: Any, tokens: list[int]) -> str:
+    vocab_size = engine.info.vocab_size
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise bad_request(f"Invalid 'tokens': token id {bad} is outside the vocabulary "
+        raise bad_request(f"Invalid 'tokens': token id {echo(bad)} is outside the vocabulary "
                           f"[0, {vocab_size}).", "tokens", "invalid_value")
-    return {"prompt": state.engine.tokenizer.decode(body.tokens)}
+    return engine.tokenizer.decode(tokens)

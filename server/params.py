@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 from plait.engine import InvalidParamError, SamplingParams
-from plait.server.errors import bad_request
+from plait.server.errors import bad_request, echo
 from plait.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -76,6 +76,8 @@ def completion_plan(request: CompletionRequest) -> Plan:
 
 def build_params(request: SamplingRequest, *, max_tokens: int | None,
                  logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """The request's sampling parameters, range-checked. Checks against the vocabulary
+    (`top_k`, `logit_bias` keys, `stop_token_ids`) are the engine's `validate_request`."""
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     if top_p == 0.0:  # OpenAI accepts 0: only the most likely token survives, i.e. greedy
@@ -84,7 +86,7 @@ def build_params(request: SamplingRequest, *, max_tokens: int | None,
     if top_k is not None and top_k in (0, -1):  # vLLM spellings of "disabled"
         top_k = None
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    stop_token_ids = list(request.stop_token_ids or [])  # vocabulary: validate_request
+    stop_token_ids = list(request.stop_token_ids or [])
     try:
         return SamplingParams(
             n=request.num_choices, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -106,8 +108,8 @@ def build_params(request: SamplingRequest, *, max_tokens: int | None,
 
 
 def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """{"123": 5} -> {123: 5.0}; keys must be token ids (their vocabulary range is checked by
-    `validate_request`), values -100..100."""
+    """{"123": 5} -> {123: 5.0}; keys must be token ids (below 10^12 here, in the vocabulary
+    by `validate_request`), values -100..100."""
     if not bias:
         return None
     if len(bias) > MAX_LOGIT_BIAS:
@@ -117,11 +119,14 @@ def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     parsed: dict[int, float] = {}
     for key, value in bias.items():
         if not _TOKEN_ID.match(key):
-            raise bad_request(f"Invalid key in 'logit_bias': {key}. You should only be "
+            raise bad_request(f"Invalid key in 'logit_bias': {echo(key)}. You should only be "
                               "submitting non-negative integers.", "logit_bias")
+        if len(key) > 12:  # never a token id (and int() of 5,000 digits raises)
+            raise bad_request(f"Invalid key in 'logit_bias': {echo(key)}. Token ids must be "
+                              "below the vocabulary size.", "logit_bias")
         token_id = int(key)
         if not -100.0 <= value <= 100.0:
-            raise bad_request(f"Invalid value for 'logit_bias' key {key}: {value}. Bias values "
-                              "must be between -100 and 100.", "logit_bias")
+            raise bad_request(f"Invalid value for 'logit_bias' key {echo(key)}: {echo(value)}. "
+                              "Bias values must be between -100 and 100.", "logit_bias")
         parsed[token_id] = float(value)
     return parsed

