@@ -30,14 +30,21 @@ def write_kv_reference(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 = padding, not written
 ) -> None:
-    """Store each token's K/V at its slot. Tokens with slot -1 are skipped."""
+    """Store each token's K/V at its slot. Tokens with slot -1 are skipped.
+
+    When every slot is valid (the runner's case: it never pads) this is one `index_copy_`
+    per cache: no boolean-mask gathers of K/V, no temporaries, and no multithreaded
+    `index_put_`, whose thread start-up alone costs milliseconds on a busy 2-core CPU.
+    """
     num_blocks, block_size = k_cache.shape[:2]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
     flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    flat_k[slots] = key[valid].to(k_cache.dtype)
-    flat_v[slots] = value[valid].to(v_cache.dtype)
+    slots = slot_mapping.long()
+    if slots.numel() and bool(slots.min() < 0):
+        valid = slots >= 0
+        slots, key, value = slots[valid], key[valid], value[valid]
+    flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
+    flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 @dataclass(slots=True)
@@ -52,29 +59,56 @@ class _SeqGroup:
     mask: torch.Tensor  # [S, 1, group * num_q, length] bool, True = attend
 
 
-def _plan(
-    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-    block_size: int, group: int, max_query_len: int, max_context_len: int,
-) -> list[_SeqGroup]:
-    """Split the batch into one group of all decodes plus one group per prefill chunk."""
-    device = block_tables.device
+def _rows(token_rows: list[int], device: torch.device) -> torch.Tensor | slice:
+    """Rows of `query` as a slice when they are consecutive (basic indexing: no gather)."""
+    if token_rows == list(range(token_rows[0], token_rows[0] + len(token_rows))):
+        return slice(token_rows[0], token_rows[0] + len(token_rows))
+    return torch.tensor(token_rows, device=device)
+
+
+def split_batch(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_query_len: int,
+                max_context_len: int) -> tuple[list[int], list[int], list[int]]:
+    """Host copies of the batch's layout: (query starts [S + 1], context lens [S], queries
+    per sequence [S]). Raises if the batch exceeds the launcher's stated bounds."""
     starts = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
     num_q = [starts[i + 1] - starts[i] for i in range(len(ctx))]
     if max(num_q, default=0) > max_query_len or max(ctx, default=0) > max_context_len:
         raise ValueError("max_query_len / max_context_len smaller than the batch needs")
+    return starts, ctx, num_q
+
+
+def decode_group(
+    decode_idx: list[int], starts: list[int], ctx: list[int], block_tables: torch.Tensor,
+    block_size: int, group: int, first_blocks: list[int] | None = None,
+) -> _SeqGroup:
+    """All decode sequences in one padded group. Sequence `decode_idx[i]` attends its keys
+    from block `first_blocks[i]` on (0 when None), i.e. tokens [first * block_size, ctx).
+
+        table row:  [b0 b1 b2 | b3 b4 -1]   first_blocks = 3  ->  gathers [b3 b4 pad]
+    """
+    device = block_tables.device
+    first = first_blocks or [0] * len(decode_idx)
+    lens = [ctx[i] - f * block_size for i, f in zip(decode_idx, first, strict=True)]
+    length = max(lens)
+    nb = -(-length // block_size)
+    idx = torch.tensor(decode_idx, device=device)
+    cols = torch.tensor(first, device=device)[:, None] + torch.arange(nb, device=device)
+    cols = cols.clamp_max(block_tables.shape[1] - 1)  # past the row's end: padding, masked
+    block_ids = block_tables[idx].long().gather(1, cols).clamp_min(0).flatten()  # [S * nb]
+    lens_t = torch.tensor(lens, device=device)
+    mask = torch.arange(length, device=device)[None, :] < lens_t[:, None]  # [S_d, L]
+    return _SeqGroup(_rows([starts[i] for i in decode_idx], device), block_ids,
+                     len(decode_idx), 1, length, mask[:, None, None, :].expand(-1, 1, group, -1))
+
+
+def prefill_groups(
+    num_q: list[int], starts: list[int], ctx: list[int], block_tables: torch.Tensor,
+    block_size: int, group: int,
+) -> list[_SeqGroup]:
+    """One group per sequence with several queries (a prefill chunk), causally masked."""
+    device = block_tables.device
     groups = []
-    decode_idx = [i for i, n in enumerate(num_q) if n == 1]
-    if decode_idx:
-        length = max(ctx[i] for i in decode_idx)
-        nb = -(-length // block_size)
-        idx = torch.tensor(decode_idx, device=device)
-        lens = context_lens.to(device)[idx].long()
-        mask = torch.arange(length, device=device)[None, :] < lens[:, None]  # [S_d, L]
-        token_idx = torch.tensor([starts[i] for i in decode_idx], device=device)
-        groups.append(_SeqGroup(
-            token_idx, block_tables[idx, :nb].long().clamp_min(0).flatten(), len(decode_idx), 1,
-            length, mask[:, None, None, :].expand(-1, 1, group, -1)))
     for i, n in enumerate(num_q):
         if n <= 1:
             continue
@@ -85,6 +119,20 @@ def _plan(
             slice(starts[i], starts[i + 1]), block_tables[i, :nb].long().clamp_min(0), 1, n,
             ctx[i], mask.repeat(group, 1)[None, None]))
     return groups
+
+
+def _plan(
+    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+    block_size: int, group: int, max_query_len: int, max_context_len: int,
+) -> list[_SeqGroup]:
+    """Split the batch into one group of all decodes plus one group per prefill chunk."""
+    starts, ctx, num_q = split_batch(cu_seqlens_q, context_lens, max_query_len,
+                                     max_context_len)
+    decode_idx = [i for i, n in enumerate(num_q) if n == 1]
+    groups = []
+    if decode_idx:
+        groups.append(decode_group(decode_idx, starts, ctx, block_tables, block_size, group))
+    return groups + prefill_groups(num_q, starts, ctx, block_tables, block_size, group)
 
 
 # The model calls attention once per layer with the same metadata tensors: plan once.
