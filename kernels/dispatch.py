@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from plait.kernels.cascade import cascade_attention_reference
 from plait.kernels.reference import paged_attention_reference, write_kv_reference
 
 
@@ -46,7 +47,10 @@ def paged_attention(
     max_query_len: int,
     max_context_len: int,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal paged attention (see `reference.paged_attention_reference` for the contract)."""
+    """Causal paged attention (see `reference.paged_attention_reference` for the contract).
+
+    Without Triton, decode rows that share leading blocks use the shared-prefix (cascade)
+    reference (`cascade.py`); `PLAIT_CASCADE=0` selects the plain reference instead."""
     args = dict(
         query=query, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
         context_lens=context_lens, block_tables=block_tables, scale=scale,
@@ -56,4 +60,6 @@ def paged_attention(
         from plait.kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(**args)
-    return paged_attention_reference(**args)
+    if os.environ.get("PLAIT_CASCADE", "1") == "0":
+        return paged_attention_reference(**args)
+    return cascade_attention_reference(**args)

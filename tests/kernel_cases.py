@@ -175,3 +175,17 @@ def build_write_case(
 # Mixed batch: decode at ctx 1, decode mid-block, full prefill, prefill after a cached
 # prefix, decode at an exact block multiple, a 2-token chunk after a prefix.
 MIXED_SEQS = ((1, 1), (1, 37), (20, 20), (7, 45), (1, 64), (2, 19))
+
+
+def share_prefix(batch: PagedBatch, rows: list[int], num_blocks: int, block_size: int) -> None:
+    """Make `rows` share the first `num_blocks` blocks of `rows[0]`, in place: their table
+    entries point at rows[0]'s blocks and their dense K/V take rows[0]'s prefix values, so
+    the ground truth still matches the cache (their own old prefix blocks become orphans).
+
+        before: row a [a0 a1 a2]   row b [b0 b1 b2]   after (num_blocks 2): row b [a0 a1 b2]
+    """
+    owner, prefix = rows[0], num_blocks * block_size
+    for r in rows[1:]:
+        batch.block_tables[r, :num_blocks] = batch.block_tables[owner, :num_blocks]
+        batch.keys[r][:prefix] = batch.keys[owner][:prefix]
+        batch.values[r][:prefix] = batch.values[owner][:prefix]

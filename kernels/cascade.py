@@ -1,0 +1,224 @@
+"""Shared-prefix (cascade) paged attention: the plain-torch CPU backend.
+
+The n choices of one prompt decode with block tables that start with the same block ids
+(the prompt's full blocks). Plain paged attention gathers and attends that prefix once per
+row; here it is gathered once per group and attended by the stacked queries of all the
+group's rows, each row then attends only its own suffix, and the two partial softmaxes are
+merged with their log-sum-exps (Hydragen / FlashInfer cascade):
+
+    row a:  [p0 p1 p2 p3 | a4 a5]      prefix: p0..p3, once, queries of a, b, c stacked
+    row b:  [p0 p1 p2 p3 | b4]         suffix: a4 a5 / b4 / c4 c5, one padded batched call
+    row c:  [p0 p1 p2 p3 | c4 c5]      out = (e^(lse_p) o_p + e^(lse_s) o_s) / (e^lse_p + e^lse_s)
+
+Groups come from the block tables alone: decode rows are grouped by their first block id,
+and a group's prefix is the longest leading run of block ids all its rows share, capped so
+every row keeps at least one suffix token. Prefill chunks are attended exactly as in
+`paged_attention_reference`. The result equals `paged_attention_reference` up to float
+rounding (the merge reorders the softmax sums).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plait.kernels.reference import (
+    _attend,
+    _SeqGroup,
+    decode_group,
+    prefill_groups,
+    split_batch,
+)
+
+# The fused CPU attention that also returns the log-sum-exp (a private aten op; the
+# fallback computes the same in plain torch, as on CUDA).
+_HAS_FLASH_CPU = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+# A prefix shorter than this many blocks is not worth its own attention call and merge.
+MIN_PREFIX_BLOCKS = 4
+
+
+@dataclass(slots=True)
+class _Prefix:
+    """Decode rows (positions in the decode group) sharing their first `block_ids`."""
+
+    rows: torch.Tensor  # [G] int64 rows of the decode group
+    block_ids: torch.Tensor  # [P_blocks] int64 cache blocks of the shared prefix
+
+
+@dataclass(slots=True)
+class _CascadePlan:
+    decodes: _SeqGroup | None  # every decode row, keys from its prefix's end on
+    prefixes: list[_Prefix]
+    prefills: list[_SeqGroup]
+    # decodes.mask as an additive float mask (0 / -inf), which the fused CPU kernel needs
+    decode_bias: torch.Tensor | None = None  # [S_d, 1, group, L] float32
+
+
+def find_prefixes(
+    tables: torch.Tensor,  # [S_d, max_blocks] int32 block tables of the decode rows
+    ctx: list[int],  # [S_d] context lengths
+    block_size: int,
+    min_prefix_blocks: int,
+) -> tuple[list[int], list[tuple[list[int], int]]]:
+    """(first suffix block of each row, [(rows, prefix blocks)] of each shared group).
+
+    Rows are grouped by first block id; a group of two or more rows shares the longest
+    common leading run of its tables, at most (min ctx - 1) // block_size blocks so every
+    row has a suffix token; groups sharing fewer than `min_prefix_blocks` blocks are not
+    cascaded (their rows attend everything in the suffix call)."""
+    by_first: dict[int, list[int]] = {}
+    for row, block in enumerate(tables[:, 0].tolist()):
+        if block >= 0:
+            by_first.setdefault(block, []).append(row)
+    first = [0] * len(ctx)
+    groups = []
+    for rows in by_first.values():
+        if len(rows) < 2:
+            continue
+        cap = (min(ctx[r] for r in rows) - 1) // block_size
+        if cap < min_prefix_blocks:
+            continue
+        sub = tables[rows, :cap]  # [G, cap]
+        same = (sub == sub[:1]).all(0)  # [cap] column shared by every row
+        run = int(same.long().cumprod(0).sum())
+        if run < min_prefix_blocks:
+            continue
+        for r in rows:
+            first[r] = run
+        groups.append((rows, run))
+    return first, groups
+
+
+def _plan(
+    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+    block_size: int, group: int, max_query_len: int, max_context_len: int,
+    min_prefix_blocks: int,
+) -> _CascadePlan:
+    starts, ctx, num_q = split_batch(cu_seqlens_q, context_lens, max_query_len,
+                                     max_context_len)
+    prefills = prefill_groups(num_q, starts, ctx, block_tables, block_size, group)
+    decode_idx = [i for i, n in enumerate(num_q) if n == 1]
+    if not decode_idx:
+        return _CascadePlan(None, [], prefills)
+    device = block_tables.device
+    tables = block_tables[torch.tensor(decode_idx, device=device)].cpu()  # [S_d, W]
+    first, shared = find_prefixes(tables, [ctx[i] for i in decode_idx], block_size,
+                                  min_prefix_blocks)
+    decodes = decode_group(decode_idx, starts, ctx, block_tables, block_size, group, first)
+    prefixes = [_Prefix(torch.tensor(rows, device=device),
+                        tables[rows[0], :run].long().to(device)) for rows, run in shared]
+    bias = None
+    if prefixes:
+        bias = torch.zeros(decodes.mask.shape, device=device).masked_fill_(
+            ~decodes.mask, float("-inf"))
+    return _CascadePlan(decodes, prefixes, prefills, bias)
+
+
+# The model calls attention once per layer with the same metadata tensors: plan once.
+_last_plan: tuple = ()
+
+
+def _cached_plan(cu_seqlens_q, context_lens, block_tables, *args) -> _CascadePlan:
+    global _last_plan
+    cached = _last_plan
+    if cached and cached[0] is cu_seqlens_q and cached[1] is context_lens \
+            and cached[2] is block_tables and cached[3] == args:
+        return cached[4]
+    plan = _plan(cu_seqlens_q, context_lens, block_tables, *args)
+    _last_plan = (cu_seqlens_q, context_lens, block_tables, args, plan)
+    return plan
+
+
+def attend_with_lse(
+    query: torch.Tensor,  # [S, Q, H, D]
+    key: torch.Tensor,  # [S, L, H_kv, D]
+    value: torch.Tensor,  # [S, L, H_kv, D]
+    bias: torch.Tensor | None,  # [S, 1, group * Q, L] float32, 0 = attend, -inf = not
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [S, Q, H, D] float32, [S, Q, H] float32
+    """Grouped-query attention (as `reference._attend`) that also returns each query's
+    log-sum-exp of its scaled scores, in float32. Every query must attend >= 1 key;
+    `bias` None attends every key."""
+    num_seqs, num_q, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[2]
+    group = num_heads // num_kv_heads
+    q = query.view(num_seqs, num_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, num_kv_heads, group * num_q, head_dim).float()
+    k, v = key.transpose(1, 2).float(), value.transpose(1, 2).float()  # [S, H_kv, L, D]
+    if query.device.type == "cpu" and _HAS_FLASH_CPU:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    else:
+        scores = q @ k.transpose(-1, -2) * scale  # [S, H_kv, group * Q, L]
+        if bias is not None:
+            scores = scores + bias
+        lse = scores.logsumexp(-1)  # [S, H_kv, group * Q]
+        out = torch.exp(scores - lse[..., None]) @ v
+    out = out.reshape(num_seqs, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
+    lse = lse.reshape(num_seqs, num_kv_heads, group, num_q).permute(0, 3, 1, 2)
+    return (out.reshape(num_seqs, num_q, num_heads, head_dim),
+            lse.reshape(num_seqs, num_q, num_heads))
+
+
+def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+           lse_b: torch.Tensor) -> torch.Tensor:
+    """Softmax-weighted merge of two partial attentions over disjoint key sets.
+
+    out_*: [R, H, D], lse_*: [R, H] (float32). Returns [R, H, D]."""
+    lse = torch.logaddexp(lse_a, lse_b)  # [R, H]
+    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int,
+            length: int) -> torch.Tensor:  # [num_seqs, length, H_kv, D]
+    shape = (num_seqs, -1, *cache.shape[2:])
+    return cache.index_select(0, block_ids).view(shape)[:, :length]
+
+
+def cascade_attention_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1]
+    context_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, padding = -1
+    scale: float,
+    max_query_len: int,
+    max_context_len: int,
+    min_prefix_blocks: int = MIN_PREFIX_BLOCKS,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Same contract and result as `paged_attention_reference`; decode rows that share a
+    leading run of at least `min_prefix_blocks` blocks attend it once per group."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty_like(query)
+    plan = _cached_plan(cu_seqlens_q, context_lens, block_tables, block_size, group,
+                        max_query_len, max_context_len, min_prefix_blocks)
+    for g in plan.prefills:
+        key = _gather(k_cache, g.block_ids, 1, g.length)
+        value = _gather(v_cache, g.block_ids, 1, g.length)
+        q = query[g.token_idx].view(1, g.num_q, -1, head_dim)
+        out[g.token_idx] = _attend(q, key, value, g.mask, scale).view(-1, *query.shape[1:])
+    d = plan.decodes
+    if d is None:
+        return out
+    key = _gather(k_cache, d.block_ids, d.num_seqs, d.length)
+    value = _gather(v_cache, d.block_ids, d.num_seqs, d.length)
+    q = query[d.token_idx].view(d.num_seqs, 1, -1, head_dim)  # [S_d, 1, H, D]
+    if not plan.prefixes:
+        out[d.token_idx] = _attend(q, key, value, d.mask, scale).view(-1, *query.shape[1:])
+        return out
+    dec, lse = attend_with_lse(q, key, value, plan.decode_bias, scale)
+    dec, lse = dec.squeeze(1), lse.squeeze(1)  # [S_d, H, D], [S_d, H]
+    for p in plan.prefixes:
+        num_rows = p.rows.shape[0]
+        key = _gather(k_cache, p.block_ids, 1, p.block_ids.shape[0] * block_size)
+        value = _gather(v_cache, p.block_ids, 1, p.block_ids.shape[0] * block_size)
+        # the group's queries stacked as one sequence's queries, no mask: [1, G, H, D]
+        pre, pre_lse = attend_with_lse(q[p.rows].view(1, num_rows, -1, head_dim), key,
+                                       value, None, scale)
+        dec[p.rows] = _merge(dec[p.rows], lse[p.rows], pre[0], pre_lse[0])
+    out[d.token_idx] = dec.to(query.dtype)
+    return out

@@ -1,0 +1,95 @@
+"""Shared-prefix (cascade) attention: equals plain paged attention and dense attention on
+random batches of shared groups, singletons and prefills, and finds exactly the groups."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kernel_cases import BatchSpec, build_batch, dense_attention, share_prefix
+
+from plait.kernels import cascade
+from plait.kernels.cascade import cascade_attention_reference, find_prefixes
+from plait.kernels.reference import paged_attention_reference
+
+
+def _random_case(seed: int, block_size: int) -> tuple[BatchSpec, list[tuple[list[int], int]]]:
+    """Decodes (some in shared groups of 2-5 rows), singletons and prefill chunks, shuffled."""
+    rng = random.Random(seed)
+    seqs: list[tuple[int, int]] = []
+    shares = []
+    for _ in range(rng.randint(1, 3)):  # shared groups
+        num_shared = rng.randint(1, 5)
+        rows = list(range(len(seqs), len(seqs) + rng.randint(2, 5)))
+        min_ctx = num_shared * block_size + 1
+        seqs += [(1, rng.randint(min_ctx, min_ctx + 3 * block_size)) for _ in rows]
+        shares.append((rows, num_shared))
+    seqs += [(1, rng.randint(1, 5 * block_size)) for _ in range(rng.randint(0, 3))]
+    seqs += [(n, n + rng.randint(0, 40)) for n in rng.sample(range(2, 30), rng.randint(0, 2))]
+    order = list(range(len(seqs)))
+    rng.shuffle(order)
+    where = {old: new for new, old in enumerate(order)}
+    spec = BatchSpec(seqs=tuple(seqs[i] for i in order), num_heads=6, num_kv_heads=2,
+                     head_dim=32, block_size=block_size, seed=seed)
+    return spec, [([where[r] for r in rows], n) for rows, n in shares]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("seed", range(8))
+def test_random_batches_match_paged_and_dense_attention(seed, block_size):
+    spec, shares = _random_case(seed, block_size)
+    batch = build_batch(spec)
+    for rows, num_blocks in shares:
+        share_prefix(batch, rows, num_blocks, block_size)
+    plain = paged_attention_reference(**batch.kernel_args())
+    shared = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
+    assert cascade._last_plan[4].prefixes, "the case must exercise a shared prefix"
+    torch.testing.assert_close(shared, plain, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(shared.double(), dense_attention(batch), atol=2e-6, rtol=1e-5)
+
+
+def test_plain_torch_fallback_matches_the_fused_cpu_kernel(monkeypatch):
+    spec, shares = _random_case(3, 4)
+    batch = build_batch(spec)
+    for rows, num_blocks in shares:
+        share_prefix(batch, rows, num_blocks, 4)
+    fused = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
+    monkeypatch.setattr(cascade, "_HAS_FLASH_CPU", False)
+    monkeypatch.setattr(cascade, "_last_plan", ())
+    fallback = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
+    torch.testing.assert_close(fallback, fused, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_matches_plain_reference(dtype):
+    spec = BatchSpec(seqs=((1, 40), (1, 37), (1, 50)), block_size=4, dtype=dtype)
+    batch = build_batch(spec)
+    share_prefix(batch, [0, 1, 2], 8, 4)
+    plain = paged_attention_reference(**batch.kernel_args())
+    shared = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
+    assert shared.dtype == dtype
+    torch.testing.assert_close(shared.float(), plain.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_groups_are_the_longest_shared_run_capped_to_leave_a_suffix_token():
+    # block_size 4. Rows 0-2 share [5 6 7] then diverge; row 3 shares only block 5 with
+    # them, so the group's run is 1 block; rows 4-5 share [9 8] but row 5 has 8 tokens,
+    # so the cap is (8 - 1) // 4 = 1 block; row 6 is alone.
+    tables = torch.tensor([
+        [5, 6, 7, 1, -1], [5, 6, 7, 2, -1], [5, 6, 7, 3, 4], [5, 0, -1, -1, -1],
+        [9, 8, 10, -1, -1], [9, 8, -1, -1, -1], [11, -1, -1, -1, -1]], dtype=torch.int32)
+    ctx = [13, 14, 17, 6, 10, 8, 3]
+    first, groups = find_prefixes(tables, ctx, 4, min_prefix_blocks=1)
+    assert groups == [([0, 1, 2, 3], 1), ([4, 5], 1)]
+    assert first == [1, 1, 1, 1, 1, 1, 0]
+    first, groups = find_prefixes(tables[:3], ctx[:3], 4, min_prefix_blocks=1)
+    assert groups == [([0, 1, 2], 3)] and first == [3, 3, 3]
+    assert find_prefixes(tables[:3], ctx[:3], 4, min_prefix_blocks=4) == ([0, 0, 0], [])
+
+
+def test_batch_without_shared_blocks_is_the_plain_decode_path():
+    batch = build_batch(BatchSpec(seqs=((1, 30), (1, 12), (3, 9))))
+    shared = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
+    assert cascade._last_plan[4].prefixes == []
+    torch.testing.assert_close(shared, paged_attention_reference(**batch.kernel_args()))
