@@ -225,15 +225,35 @@ def _compute_logprobs(processed: torch.Tensor, token_ids: list[int],
     return result
 
 
+def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token of each row by inverse-CDF: the first token whose cumulative mass exceeds
+    `u * total`. logits: [num_rows, vocab] float32 (masked = -inf); u: [num_rows, 1] in
+    [0, 1). Returns [num_rows] int64.
+
+        weights  0.2 0.0 0.5 0.3     cdf  0.2 0.2 0.7 1.0     u * total = 0.45  ->  token 2
+
+    Token i is picked for u * total in [cdf[i-1], cdf[i]), an interval of its own weight, so
+    a zero-weight token never is; a rounding overshoot past the last positive weight is
+    clamped back to it. The weights are unnormalised (`exp(logit - max)`), so no softmax
+    division is needed; u has float32 resolution (2**-24 of the total mass).
+    """
+    weights = torch.exp(logits - logits.amax(dim=-1, keepdim=True))  # [num_rows, vocab]
+    cdf = weights.cumsum_(dim=-1)  # [num_rows, vocab], non-decreasing
+    total = cdf[:, -1:].contiguous()  # [num_rows, 1]
+    picked = torch.searchsorted(cdf, u * total, right=True)  # [num_rows, 1]
+    last_positive = torch.searchsorted(cdf, total, right=False)  # first index at the total
+    return torch.minimum(picked, last_positive).squeeze(1)
+
+
 class Sampler:
     """Samples one token per logits row. Called by the model runner once per step.
 
-    Randomness: a row whose request has a seed draws its random numbers only from its own
-    generator (`meta.generators[i]`, one `[vocab]` uniform draw per random step), so its
-    tokens depend only on its seed and its own logits, not on the batch or the row position.
-    Unseeded rows share one batched draw from the sampler's generator (seeded by `seed`).
-    Sampling uses the exponential race: `argmax(probs / q)` with `q ~ Exp(1)` i.i.d. picks
-    token i with probability `probs[i]` (no device sync, unlike `torch.multinomial`).
+    Randomness: a row whose request has a seed draws its random number only from its own
+    generator (`meta.generators[i]`, one uniform per random step), so its tokens depend
+    only on its seed and its own logits, not on the batch or the row position. Unseeded
+    rows share one batched draw from the sampler's generator (seeded by `seed`). Sampling
+    is inverse-CDF with that one uniform per row (see `_inverse_cdf`): no vocabulary-wide
+    random draw, and no device sync, unlike `torch.multinomial`.
 
     Logprobs are `log_softmax` of the logits after logit_bias, min_tokens and penalties but
     before temperature, top-k, top-p and min-p: they describe the model's (adjusted)
@@ -285,29 +305,24 @@ class Sampler:
                 to_device([p.top_k or 0 for p in ps], device),
                 to_device([p.top_p for p in ps], device),
                 to_device([p.min_p for p in ps], device))
-        probs = logits.softmax(dim=-1)  # [num_rows, vocab]
-        q = self._exponential_draws(probs.shape, generators, device)
-        return probs.div_(q).argmax(dim=-1)
+        return _inverse_cdf(logits, self._uniforms(generators, device))
 
-    def _exponential_draws(self, shape: torch.Size, generators: list[torch.Generator | None],
-                           device: torch.device) -> torch.Tensor:
-        """Exp(1) noise of `shape` [num_rows, vocab]; seeded rows use their own generator.
-
-        Drawn as `-log(u)`, `u ~ U[0, 1)`: several times faster than `exponential_` on CPU,
-        and never 0 (u < 1), so `probs / q` stays finite; u == 0 gives q == inf, i.e. 0.
-        """
+    def _uniforms(self, generators: list[torch.Generator | None],
+                  device: torch.device) -> torch.Tensor:
+        """One U[0, 1) number per row: [num_rows, 1]. A seeded row draws it from its own
+        generator; the unseeded rows share one draw from the sampler's generator."""
         unseeded = [j for j, g in enumerate(generators) if g is None]
         if len(unseeded) == len(generators):
-            u = torch.rand(shape, device=device, generator=self._generator(device))
-        else:
-            u = torch.empty(shape, device=device)
-            if unseeded:
-                u[to_device(unseeded, device)] = torch.rand(
-                    (len(unseeded), shape[1]), device=device, generator=self._generator(device))
-            for j, g in enumerate(generators):
-                if g is not None:
-                    u[j] = torch.rand(shape[1], device=device, generator=g)
-        return u.log_().neg_()
+            return torch.rand((len(generators), 1), device=device,
+                              generator=self._generator(device))
+        u = torch.empty((len(generators), 1), device=device)
+        if unseeded:
+            u[to_device(unseeded, device)] = torch.rand(
+                (len(unseeded), 1), device=device, generator=self._generator(device))
+        for j, g in enumerate(generators):
+            if g is not None:
+                u[j] = torch.rand(1, device=device, generator=g)
+        return u
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)

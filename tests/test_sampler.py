@@ -11,6 +11,7 @@ import torch
 from plait.engine.sampler import (
     Sampler,
     SamplingMetadata,
+    _inverse_cdf,
     apply_penalties,
     mask_logits,
     process_logits,
@@ -121,6 +122,37 @@ def test_draws_follow_the_masked_distribution(params, expected):
     expected_t = torch.tensor(expected)
     assert torch.equal(freqs == 0, expected_t == 0)  # masked tokens are never drawn
     torch.testing.assert_close(freqs, expected_t, atol=0.015, rtol=0)
+
+
+def test_draws_pass_a_chi_square_test_on_a_wide_vocabulary():
+    # 400 tokens with random (very uneven) probabilities, 40000 draws, fixed seeds: the
+    # chi-square statistic over the tokens expected >= 5 times stays under the 0.999
+    # quantile (~ dof + 3.1 sqrt(2 dof)), which a sampler off by one token would blow up.
+    logits = torch.randn(400, generator=seeded(11)) * 2.0
+    probs = logits.softmax(-1)
+    num_draws = 40000
+    freqs = token_frequencies(logits, SamplingParams(temperature=1.0), num_draws)
+    expected = probs * num_draws
+    keep = expected >= 5
+    observed = freqs * num_draws
+    chi2 = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    assert chi2 < dof + 3.1 * math.sqrt(2 * dof), (chi2, dof)
+
+
+def test_inverse_cdf_picks_the_interval_of_u_and_never_a_zero_weight_token():
+    logits = torch.tensor([[0.2, 0.0, 0.5, 0.3]]).log().repeat(6, 1)  # token 1 weight 0
+    u = torch.tensor([[0.0], [0.1999], [0.2001], [0.6999], [0.7001], [1.0]])
+    assert _inverse_cdf(logits, u).tolist() == [0, 0, 2, 2, 3, 3]  # u = 1 overshoots: last
+
+
+def test_a_seeded_row_draws_one_uniform_per_step():
+    generator = seeded(5)
+    Sampler()(torch.randn(1, 1000), make_meta([SamplingParams(seed=5)], generators=[generator]))
+    replay = seeded(5)
+    replay.set_state(seeded(5).get_state())
+    torch.rand(1, generator=replay)
+    assert torch.equal(generator.get_state(), replay.get_state())
 
 
 # --- logit processors ----------------------------------------------------------------------
