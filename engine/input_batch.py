@@ -33,6 +33,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None  # only for seeded requests
     num_blocks: int = 0  # entries of its block-table row in use
+    block_ids: tuple[int, ...] = ()  # host copy of the row's blocks, for slot arithmetic
 
     def token_ids(self, start: int, end: int) -> list[int]:
         num_prompt = len(self.prompt_token_ids)
@@ -86,6 +87,7 @@ class InputBatch:
         if block_ids:
             self.block_table[row, :len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
         state.num_blocks = len(block_ids)
+        state.block_ids = block_ids
 
     def _free_row(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
@@ -96,3 +98,4 @@ class InputBatch:
         state = self.states.get(request_id)
         if state is not None:
             state.num_blocks = 0
+            state.block_ids = ()
