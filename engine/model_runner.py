@@ -47,7 +47,8 @@ def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
-# A step computing at most this many tokens is a "small" (decode) step for the thread policy.
+# A step computing at most this many tokens and sampling at most this many rows is a
+# "small" (decode) step for the thread policy.
 _SMALL_STEP_TOKENS = 64
 
 
@@ -71,11 +72,13 @@ class ThreadPolicy:
         self.small = small if device.type == "cpu" and small > 0 else None
         self._current = self.full
 
-    def enter(self, num_tokens: int) -> None:
-        """Set torch's thread count for a step computing `num_tokens` tokens."""
+    def enter(self, num_tokens: int, num_samples: int) -> None:
+        """Set torch's thread count for a step computing `num_tokens` tokens and sampling
+        `num_samples` rows (many rows make the vocabulary-wide sampling ops large)."""
         if self.small is None:
             return
-        want = self.small if num_tokens <= _SMALL_STEP_TOKENS else self.full
+        small = max(num_tokens, num_samples) <= _SMALL_STEP_TOKENS
+        want = self.small if small else self.full
         if want != self._current:
             torch.set_num_threads(want)
             self._current = want
