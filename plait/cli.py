@@ -74,6 +74,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--gpu-memory-utilization", float, "fraction of GPU memory for weights + KV cache"),
     Option("--max-num-seqs", int, "most sequences running at once"),
     Option("--max-num-batched-tokens", int, "most tokens computed per engine step"),
+    Option("--max-prefill-tokens-with-decodes", int,
+           "most prompt tokens computed in a step that also decodes (0: no cap)"),
     Option("--max-model-len", "int?", "context length (default: the model's)"),
     Option("--enable-prefix-caching", bool,
            "reuse cached KV blocks of identical prompt prefixes"),

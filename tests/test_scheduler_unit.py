@@ -24,10 +24,12 @@ from plait.engine.validation import RequestRejected, check_prompt_fits
 
 def make_scheduler(num_blocks: int, *, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int | None = None,
-                   caching: bool = True, max_shared_logits: int = 0) -> Scheduler:
+                   caching: bool = True, max_shared_logits: int = 0,
+                   max_prefill_tokens_with_decodes: int = 0) -> Scheduler:
     return Scheduler(BlockPool(num_blocks, caching), block_size, max_num_seqs,
                      max_num_batched_tokens, max_model_len or num_blocks * block_size,
-                     max_shared_logits=max_shared_logits)
+                     max_shared_logits=max_shared_logits,
+                     max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes)
 
 
 def add(sched: Scheduler, request_id: str, token_ids: list[int],
@@ -296,3 +298,18 @@ def test_failed_step_keeps_no_prompt_and_frees_its_slot() -> None:
     sched.finish(a)
     assert list(sched.share.kept) == [] and sched.share.reserve_slot() == 0
     assert [sched.pool.cached_block(h) for h in a.block_hashes] == [None, None]
+
+
+@pytest.mark.parametrize("cap", [0, 8])
+def test_prefill_tokens_are_capped_while_others_decode(cap: int) -> None:
+    sched = make_scheduler(32, max_num_batched_tokens=64, max_prefill_tokens_with_decodes=cap)
+    add(sched, "a", list(range(100, 105)))
+    add(sched, "b", list(range(200, 230)))
+    # Nobody decodes yet: the whole budget goes to prefill.
+    assert chunks_of(schedule(sched)) == [("a", 0, 5, True), ("b", 0, 30, True)]
+    add(sched, "c", list(range(300, 330)))
+    out = schedule(sched)  # a and b decode: c's prompt gets at most `cap` tokens per step
+    first = 30 if cap == 0 else 8
+    assert chunks_of(out) == [("a", 5, 1, True), ("b", 30, 1, True), ("c", 0, first, first == 30)]
+    if cap:
+        assert chunks_of(schedule(sched))[-1] == ("c", 8, 8, False)
