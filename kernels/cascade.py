@@ -24,9 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from plait.kernels.reference import (
+    PlanCache,
     _attend,
     _SeqGroup,
     decode_group,
+    gather_blocks,
     prefill_groups,
     split_batch,
 )
@@ -116,19 +118,7 @@ def _plan(
     return _CascadePlan(decodes, prefixes, prefills, bias)
 
 
-# The model calls attention once per layer with the same metadata tensors: plan once.
-_last_plan: tuple = ()
-
-
-def _cached_plan(cu_seqlens_q, context_lens, block_tables, *args) -> _CascadePlan:
-    global _last_plan
-    cached = _last_plan
-    if cached and cached[0] is cu_seqlens_q and cached[1] is context_lens \
-            and cached[2] is block_tables and cached[3] == args:
-        return cached[4]
-    plan = _plan(cu_seqlens_q, context_lens, block_tables, *args)
-    _last_plan = (cu_seqlens_q, context_lens, block_tables, args, plan)
-    return plan
+_cached_plan = PlanCache(_plan)  # -> _CascadePlan
 
 
 def attend_with_lse(
@@ -171,12 +161,6 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int,
-            length: int) -> torch.Tensor:  # [num_seqs, length, H_kv, D]
-    shape = (num_seqs, -1, *cache.shape[2:])
-    return cache.index_select(0, block_ids).view(shape)[:, :length]
-
-
 def cascade_attention_reference(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -197,15 +181,15 @@ def cascade_attention_reference(
     plan = _cached_plan(cu_seqlens_q, context_lens, block_tables, block_size, group,
                         max_query_len, max_context_len, min_prefix_blocks)
     for g in plan.prefills:
-        key = _gather(k_cache, g.block_ids, 1, g.length)
-        value = _gather(v_cache, g.block_ids, 1, g.length)
+        key = gather_blocks(k_cache, g.block_ids, 1, g.length)
+        value = gather_blocks(v_cache, g.block_ids, 1, g.length)
         q = query[g.token_idx].view(1, g.num_q, -1, head_dim)
         out[g.token_idx] = _attend(q, key, value, g.mask, scale).view(-1, *query.shape[1:])
     d = plan.decodes
     if d is None:
         return out
-    key = _gather(k_cache, d.block_ids, d.num_seqs, d.length)
-    value = _gather(v_cache, d.block_ids, d.num_seqs, d.length)
+    key = gather_blocks(k_cache, d.block_ids, d.num_seqs, d.length)
+    value = gather_blocks(v_cache, d.block_ids, d.num_seqs, d.length)
     q = query[d.token_idx].view(d.num_seqs, 1, -1, head_dim)  # [S_d, 1, H, D]
     if not plan.prefixes:
         out[d.token_idx] = _attend(q, key, value, d.mask, scale).view(-1, *query.shape[1:])
@@ -214,8 +198,8 @@ def cascade_attention_reference(
     dec, lse = dec.squeeze(1), lse.squeeze(1)  # [S_d, H, D], [S_d, H]
     for p in plan.prefixes:
         num_rows = p.rows.shape[0]
-        key = _gather(k_cache, p.block_ids, 1, p.block_ids.shape[0] * block_size)
-        value = _gather(v_cache, p.block_ids, 1, p.block_ids.shape[0] * block_size)
+        key = gather_blocks(k_cache, p.block_ids, 1, p.block_ids.shape[0] * block_size)
+        value = gather_blocks(v_cache, p.block_ids, 1, p.block_ids.shape[0] * block_size)
         # the group's queries stacked as one sequence's queries, no mask: [1, G, H, D]
         pre, pre_lse = attend_with_lse(q[p.rows].view(1, num_rows, -1, head_dim), key,
                                        value, None, scale)

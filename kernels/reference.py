@@ -18,7 +18,9 @@ cu_seqlens_q[s]` tokens of its `context_lens[s]` tokens; query j sits at absolut
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -135,19 +137,39 @@ def _plan(
     return groups + prefill_groups(num_q, starts, ctx, block_tables, block_size, group)
 
 
-# The model calls attention once per layer with the same metadata tensors: plan once.
-_last_plan: tuple = ()
+class PlanCache:
+    """A planner's result for the last metadata it saw. The model calls attention once per
+    layer with the same metadata tensors, so a step plans once: the tensors are compared by
+    identity, the other arguments by value. `last` is that plan (None before the first)."""
+
+    def __init__(self, plan: Callable[..., Any]) -> None:
+        self._plan = plan
+        self._key: tuple = ()
+        self.last: Any = None
+
+    def __call__(self, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                 block_tables: torch.Tensor, *args: Any) -> Any:
+        key = self._key
+        if not (key and key[0] is cu_seqlens_q and key[1] is context_lens
+                and key[2] is block_tables and key[3] == args):
+            self.last = self._plan(cu_seqlens_q, context_lens, block_tables, *args)
+            self._key = (cu_seqlens_q, context_lens, block_tables, args)
+        return self.last
+
+    def clear(self) -> None:
+        self._key, self.last = (), None
 
 
-def _cached_plan(cu_seqlens_q, context_lens, block_tables, *args) -> list[_SeqGroup]:
-    global _last_plan
-    cached = _last_plan
-    if cached and cached[0] is cu_seqlens_q and cached[1] is context_lens \
-            and cached[2] is block_tables and cached[3] == args:
-        return cached[4]
-    plan = _plan(cu_seqlens_q, context_lens, block_tables, *args)
-    _last_plan = (cu_seqlens_q, context_lens, block_tables, args, plan)
-    return plan
+_cached_plan = PlanCache(_plan)
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int,
+                  length: int) -> torch.Tensor:  # [num_seqs, length, H_kv, D]
+    """The first `length` cached tokens of each of `num_seqs` sequences whose blocks are
+    `block_ids` (their tables concatenated, the same number of blocks each).
+    cache: [num_blocks, block_size, H_kv, D]."""
+    shape = (num_seqs, -1, *cache.shape[2:])
+    return cache.index_select(0, block_ids).view(shape)[:, :length]
 
 
 def _attend(
@@ -197,9 +219,8 @@ def paged_attention_reference(
     plan = _cached_plan(cu_seqlens_q, context_lens, block_tables, block_size, group,
                         max_query_len, max_context_len)
     for g in plan:
-        shape = (g.num_seqs, -1, num_kv_heads, head_dim)
-        key = k_cache.index_select(0, g.block_ids).view(shape)[:, : g.length]
-        value = v_cache.index_select(0, g.block_ids).view(shape)[:, : g.length]
+        key = gather_blocks(k_cache, g.block_ids, g.num_seqs, g.length)
+        value = gather_blocks(v_cache, g.block_ids, g.num_seqs, g.length)
         q = query[g.token_idx].view(g.num_seqs, g.num_q, -1, head_dim)
         out[g.token_idx] = _attend(q, key, value, g.mask, scale).view(-1, *query.shape[1:])
     return out

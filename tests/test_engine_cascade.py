@@ -24,9 +24,9 @@ def test_cascade_decode_gives_the_tokens_of_plain_attention(tiny_path, monkeypat
     ids = prompt(4, 41)  # block_size 4: 10 full shared blocks, 1 partial copied per choice
     params = SamplingParams(n=5, temperature=temperature, seed=9, max_tokens=12,
                             ignore_eos=True)
-    monkeypatch.setattr(cascade, "_last_plan", ())
+    cascade._cached_plan.clear()
     shared = _choices(tiny_path, ids, params)
-    plan = cascade._last_plan[4]
+    plan = cascade._cached_plan.last
     assert [p.rows.tolist() for p in plan.prefixes] == [[0, 1, 2, 3, 4]]
     assert len(plan.prefixes[0].block_ids) == 10
     monkeypatch.setenv("PLAIT_CASCADE", "0")

@@ -44,7 +44,7 @@ def test_random_batches_match_paged_and_dense_attention(seed, block_size):
         share_prefix(batch, rows, num_blocks, block_size)
     plain = paged_attention_reference(**batch.kernel_args())
     shared = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
-    assert cascade._last_plan[4].prefixes, "the case must exercise a shared prefix"
+    assert cascade._cached_plan.last.prefixes, "the case must exercise a shared prefix"
     torch.testing.assert_close(shared, plain, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(shared.double(), dense_attention(batch), atol=2e-6, rtol=1e-5)
 
@@ -56,7 +56,7 @@ def test_plain_torch_fallback_matches_the_fused_cpu_kernel(monkeypatch):
         share_prefix(batch, rows, num_blocks, 4)
     fused = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
     monkeypatch.setattr(cascade, "_HAS_FLASH_CPU", False)
-    monkeypatch.setattr(cascade, "_last_plan", ())
+    cascade._cached_plan.clear()
     fallback = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
     torch.testing.assert_close(fallback, fused, atol=2e-6, rtol=1e-5)
 
@@ -91,5 +91,5 @@ def test_groups_are_the_longest_shared_run_capped_to_leave_a_suffix_token():
 def test_batch_without_shared_blocks_is_the_plain_decode_path():
     batch = build_batch(BatchSpec(seqs=((1, 30), (1, 12), (3, 9))))
     shared = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
-    assert cascade._last_plan[4].prefixes == []
+    assert cascade._cached_plan.last.prefixes == []
     torch.testing.assert_close(shared, paged_attention_reference(**batch.kernel_args()))
