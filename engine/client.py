@@ -222,6 +222,6 @@ def apply_command(core: Any, command: AddCommand | AbortCommand) -> RequestDelta
         return core.abort(command.request_id)
     try:
         core.add_request(command.request_id, command.prompt_token_ids, command.params)
-    except ValueError as exc:  # RequestRejected, InvalidParamError, duplicate id
+    except ValueError as exc:  # a duplicate id (requests are validated before they come)
         return RequestDelta(command.request_id, finish_reason="error", error=str(exc))
     return None
