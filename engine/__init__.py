@@ -36,6 +36,8 @@ _EXPORTS = {
     "validate_params": "validation",
     "validate_prompt": "validation",
     "validate_request": "validation",
+    "StructuredSpec": "structured",
+    "structured_error": "structured",
     "TokenTextTable": "token_text",
     "FAKE_FRAME": "faults",
     "InjectedFault": "faults",
@@ -62,10 +64,12 @@ __all__ = [
     "RequestStream",
     "RuntimeInfo",
     "SamplingParams",
+    "StructuredSpec",
     "TokenLogprob",
     "TokenTextTable",
     "arm_engine_faults",
     "find_marker",
+    "structured_error",
     "validate_params",
     "validate_prompt",
     "validate_request",
@@ -80,6 +84,7 @@ if TYPE_CHECKING:
     from plait.engine.llm import LLM
     from plait.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, TokenLogprob
     from plait.engine.sampling_params import MAX_LOGPROBS, InvalidParamError, SamplingParams
+    from plait.engine.structured import StructuredSpec, structured_error
     from plait.engine.token_text import TokenTextTable
     from plait.engine.validation import (
         RequestRejected,

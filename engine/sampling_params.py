@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from plait.engine.structured import StructuredSpec
+
 
 class InvalidParamError(ValueError):
     """A request parameter is out of range. `param` names the offending field, `code` is
@@ -26,7 +28,8 @@ class SamplingParams:
     itself only ever sees `n == 1` sub-requests (see `fan_out`). `seed=None` means
     non-reproducible sampling. `logprobs=None` means none; `logprobs=k` (0..20) returns the
     sampled token's logprob plus the top-k alternatives. `prompt_logprobs=k` asks for
-    logprobs of every prompt token (used by completions `echo` + `logprobs`). Below
+    logprobs of every prompt token (used by completions `echo` + `logprobs`). `structured`
+    constrains the output to a grammar (each sub-request gets its own matcher). Below
     `min_tokens` generated tokens nothing stops the sequence: EOS and `stop_token_ids` are
     masked, and a `stop` string must end in the text of token `min_tokens` or later (vLLM).
     """
@@ -50,6 +53,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The output must match this (engine/structured.py); None: unconstrained.
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
