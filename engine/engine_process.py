@@ -20,8 +20,9 @@ side died" signal both processes need.
 
 Neither side ever blocks the event loop: the writer thread encodes and sends (a 10 MB
 prompt waits there while the child is mid-step), the reader thread decodes. The child
-blocks on the pipe only while it has nothing to step, ignores SIGINT (a terminal's Ctrl-C
-reaches the whole process group; the server drains first, then sends `ShutdownCommand`),
+blocks on the pipe only while it has nothing to step, ignores SIGINT and SIGTERM (a
+terminal's Ctrl-C or a process-group SIGTERM reaches it too; the server drains first, then
+sends `ShutdownCommand`),
 dies with the server (PR_SET_PDEATHSIG on Linux, and EOF of the pipe), and reports a failed
 load or a dead loop as one `FatalEvent` line before it exits.
 """
@@ -225,7 +226,10 @@ def run_engine_process(conn: Connection, start_frame: bytes) -> None:
     """Entry point of the engine process: load the core, send `ReadyEvent`, serve commands
     until `ShutdownCommand` or EOF of the pipe. A failed load or a dead loop is reported
     as one `FatalEvent` line before the process exits (non-zero for a dead loop)."""
+    # A terminal's Ctrl-C (SIGINT) and `kill -TERM -<pgid>` (SIGTERM) reach the whole process
+    # group; the server drains first and then sends ShutdownCommand, so both are ignored here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     start = decode_start(start_frame)
     _die_with_parent(start.parent_pid)
     logging.basicConfig(level=start.log_level, format=LOG_FORMAT)

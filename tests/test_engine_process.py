@@ -252,6 +252,29 @@ def test_sigterm_drains_a_stream_then_server_and_engine_exit(tiny_server) -> Non
 
 
 @linux_only
+def test_sigterm_to_both_processes_still_drains(tiny_path: Path) -> None:
+    """`kill -TERM -<pgid>` (systemd, a shell's job control) reaches the engine process too:
+    it ignores SIGTERM and keeps stepping until the draining server tells it to stop."""
+    server = serve_tiny(tiny_path)
+    try:
+        [engine_pid] = engine_pids(server.process.pid)
+        with server.http() as http, http.stream(
+                "POST", "/v1/completions", json=_body(stream=True, max_tokens=100)) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            os.kill(engine_pid, signal.SIGTERM)
+            server.process.send_signal(signal.SIGTERM)
+            rest = "\n\n".join(line for line in [first, *lines] if line) + "\n\n"
+        events = parse_sse(rest.encode()).events
+        assert events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert server.process.wait(60) == 0
+        assert wait_for(lambda: _gone(engine_pid), 10)
+    finally:
+        server.stop()
+
+
+@linux_only
 def test_the_engine_process_dies_with_a_killed_server(tiny_path: Path) -> None:
     server = serve_tiny(tiny_path)
     try:
