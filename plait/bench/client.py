@@ -115,9 +115,9 @@ async def stream_request(client: httpx.AsyncClient, path: str,
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 out.error = f"HTTP {response.status_code}: {text[:300]}"
-                return out
-            async for line in response.aiter_lines():
-                _read_line(line, time.perf_counter() - start, out)
+            else:
+                async for line in response.aiter_lines():
+                    _read_line(line, time.perf_counter() - start, out)
     except httpx.HTTPError as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     out.e2e_s = time.perf_counter() - start
