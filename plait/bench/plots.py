@@ -62,18 +62,22 @@ def _throughput_figure(run: RunResult, title: str, path: Path) -> None:
 
     records = [r for r in run.records if r.result.error is None]
     width = max(run.duration_s / NUM_BINS, 0.01)
-    tokens = [0.0] * (NUM_BINS + 1)
+    tokens = [0.0] * NUM_BINS
+
+    def bin_of(t: float) -> int:
+        return min(int(t / width), NUM_BINS - 1)
+
     for record in records:
         result = record.result
         weight = result.output_tokens / result.num_chunks if result.num_chunks else 0.0
         for times in result.token_times.values():
             for t in times:
-                tokens[min(int((record.start_s + t) / width), NUM_BINS)] += weight
-    edges = [i * width for i in range(NUM_BINS + 1)]
-    busy = [0.0] * (NUM_BINS + 1)  # request-seconds in flight within each bin
+                tokens[bin_of(record.start_s + t)] += weight
+    edges = [i * width for i in range(NUM_BINS)]
+    busy = [0.0] * NUM_BINS  # request-seconds in flight within each bin
     for record in run.records:
         begin, end = record.start_s, record.start_s + (record.result.e2e_s or 0.0)
-        for i in range(int(begin / width), min(int(end / width), NUM_BINS) + 1):
+        for i in range(bin_of(begin), bin_of(end) + 1):
             busy[i] += max(0.0, min(end, edges[i] + width) - max(begin, edges[i]))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     top.bar(edges, [t / width for t in tokens], width=width, align="edge")
@@ -82,6 +86,7 @@ def _throughput_figure(run: RunResult, title: str, path: Path) -> None:
     bottom.set(xlabel="seconds since the first request", ylabel="requests in flight (mean)")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
+        ax.set_xlim(0, NUM_BINS * width)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
