@@ -1,7 +1,7 @@
 """PNG plots of a run (matplotlib, the `plot` extra: `pip install 'plait[plot]'`).
 
-    latency_cdf.png  CDFs of TTFT, inter-token latency and end-to-end latency (ms), with
-                     the p50 / p90 / p99 marked
+    latency_cdf.png  CDFs of TTFT, inter-token latency and end-to-end latency, with the
+                     p50 / p90 / p99 marked (in ms, or in s where a sample reaches 10 s)
     throughput.png   output tokens/s over time (each content chunk weighted so a request's
                      chunks add up to its usage token count), and the mean number of
                      requests in flight, in the same time bins
@@ -39,16 +39,18 @@ def _cdf_figure(records: list[RequestRecord], title: str, path: Path) -> None:
               "end-to-end latency": samples.e2e}
     fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 4))
     for ax, (name, values) in zip(axes, series.items(), strict=True):
-        ordered = sorted(v * 1000 for v in values)
+        unit, scale = ("s", 1) if values and max(values) >= 10 else ("ms", 1000)
+        ordered = sorted(v * scale for v in values)
         if ordered:
             fractions = [(i + 1) / len(ordered) for i in range(len(ordered))]
             ax.step(ordered, fractions, where="post")
             for p in PERCENTILES:
                 value = percentile(ordered, p / 100)
                 ax.axvline(value, linestyle=":", color="grey")
-                ax.annotate(f"p{p} {value:.0f}", (value, p / 100), fontsize=8,
+                label = f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+                ax.annotate(f"p{p} {label}", (value, p / 100), fontsize=8,
                             xytext=(3, -10), textcoords="offset points")
-        ax.set(title=f"{name} ({len(ordered)} samples)", xlabel="ms", ylabel="fraction",
+        ax.set(title=f"{name} ({len(ordered)} samples)", xlabel=unit, ylabel="fraction",
                ylim=(0, 1.02))
         ax.grid(alpha=0.3)
     fig.suptitle(title)
