@@ -236,11 +236,24 @@ def test_bad_dataset_is_an_error_before_any_request(tmp_path, capsys, content: s
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--workload", "dataset"], "--dataset FILE goes with --workload dataset"),
-    (["--extra-body", "[1]"], "--extra-body must be a JSON object"),
+    (["--endpoint", "/v1/embeddings"],
+     "--endpoint /v1/embeddings: expected /v1/completions or /v1/chat/completions"),
     (["--dataset", "/nonexistent/x.jsonl"], "cannot read dataset /nonexistent/x.jsonl"),
 ])
 def test_option_errors(capsys, argv: list[str], message: str) -> None:
     assert main(["bench", "--url", f"http://127.0.0.1:{free_port()}", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("[1]", "argument --extra-body: expected a JSON object, got [1]"),
+    ("{bad", "argument --extra-body: not JSON (Expecting property name enclosed in double "
+             "quotes): {bad"),
+])
+def test_extra_body_must_be_a_json_object(capsys, value: str, message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--extra-body", value])
+    assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 

@@ -42,6 +42,16 @@ def _rate(text: str) -> float:
     return value
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text}")
+    return value
+
+
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `bench` subcommand to the `plait` parser's subcommands."""
     bench = commands.add_parser(
@@ -79,7 +89,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add("--tokenize", action=argparse.BooleanOptionalAction, default=True,
         help="fit random prompts to exactly --input-len tokens with the server's /tokenize "
              "where it has one (default: on)")
-    add("--extra-body", type=json.loads, default={}, metavar="JSON",
+    add("--extra-body", type=_json_object, default={}, metavar="JSON",
         help="JSON object merged into every request body")
     add("--timeout", type=float, default=600.0, help="seconds per request (default: 600)")
     add("--progress", action=argparse.BooleanOptionalAction, default=True,
@@ -99,8 +109,8 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, list | None]:
     kind = args.workload or ("dataset" if args.dataset else "random")
     if (kind == "dataset") != (args.dataset is not None):
         raise ValueError("--dataset FILE goes with --workload dataset (and only with it)")
-    if not isinstance(args.extra_body, dict):
-        raise ValueError("--extra-body must be a JSON object")
+    if not args.endpoint.rstrip("/").endswith("/completions"):
+        raise ValueError(f"--endpoint {args.endpoint}: expected {COMPLETIONS} or {CHAT}")
     dataset = None
     if kind == "dataset":
         from plait.bench.workloads import load_dataset
