@@ -162,14 +162,17 @@ def test_dataset_on_chat_counts_errors_and_goes_on(server, tmp_path) -> None:
 
 
 def test_without_usage_chunks_are_counted(server, tmp_path) -> None:
-    """A server that sends no usage: output tokens are the content chunks."""
+    """A server that sends no usage: output tokens are the content chunks. Prompts are
+    not fitted (--no-tokenize): 16 words, unmeasured."""
     result = bench(server, "--num-requests", "2", "--input-len", "16", "--output-len", "4",
+                   "--no-tokenize",
                    "--extra-body", '{"stream_options": {"include_usage": false}}',
                    "--json", str(tmp_path / "nousage.json"))
     assert result.returncode == 0, result.stderr
     doc = json.loads((tmp_path / "nousage.json").read_text())
     summary, requests = doc["summary"], doc["requests"]
-    assert [(r["prompt_tokens"], r["completion_tokens"]) for r in requests] == [(None, None)] * 2
+    assert [(r["prompt_tokens"], r["completion_tokens"], r["expected_prompt_tokens"])
+            for r in requests] == [(None, None, None)] * 2
     chunks = [len(r["token_times_s"]["0"]) for r in requests]
     assert [r["output_tokens"] for r in requests] == chunks and all(0 < c <= 4 for c in chunks)
     assert (summary["output_tokens"], summary["prompt_tokens"]) == (sum(chunks), None)

@@ -36,10 +36,17 @@ async def _run(args: argparse.Namespace, workload: Workload, dataset: list[Reque
         model = args.model or await first_model(client)
         chat = is_chat(args.endpoint)
 
+        no_tokenize = False  # once /tokenize fails, every later prompt goes unmeasured
+
         async def count(text: str) -> int | None:
+            nonlocal no_tokenize
+            if no_tokenize:
+                return None
             spec = (RequestSpec(messages=[{"role": "user", "content": text}]) if chat
                     else RequestSpec(prompt=text))
-            return await count_tokens(client, model, spec)
+            measured = await count_tokens(client, model, spec)
+            no_tokenize = measured is None
+            return measured
 
         specs, expected = await build_requests(
             workload, count if args.tokenize else None, dataset)
