@@ -1,4 +1,5 @@
-"""`plait` command line: `plait serve [MODEL] [options]`.
+"""`plait` command line: `plait serve [MODEL] [options]` and `plait bench [options]`
+(plait/bench/cli.py).
 
 Every option can also be set in the environment as PLAIT_<OPTION_IN_UPPER_SNAKE> (the model
 as PLAIT_MODEL); a flag on the command line wins over the environment, which wins over the
@@ -18,6 +19,8 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 import plait
+from plait.bench.cli import add_parser as add_bench_parser
+from plait.bench.cli import run as run_bench
 from plait.engine import VALID_DTYPES, EngineConfig
 from plait.server.settings import ServerSettings  # a plain dataclass: no HTTP stack
 
@@ -158,6 +161,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     for option in OPTIONS:
         _add(serve, option, env)
     _add(serve, FAULT_INJECTION, env, hidden=True)
+    add_bench_parser(commands)
     return parser
 
 
@@ -220,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"plait: error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return run_bench(args, list(sys.argv[2:] if argv is None else argv[1:]))
     if args.command != "serve":
         parser.print_help()
         return 2

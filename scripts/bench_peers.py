@@ -22,7 +22,8 @@ Workloads (`--workloads`, sizes scale with `--tokens` T and `--prompt-tokens` P)
     W5  one request,   n=1,   T tokens       single-stream decode
 
 Every request is a streamed /v1/completions call with its own prompt: a nonce, then about P
-random words (the usage chunk reports the real token count). Requests send `ignore_eos`
+random words (the usage chunk reports the real token count), sent and timed by `plait
+bench`'s client (plait/bench/). Requests send `ignore_eos`
 and `min_tokens` = `max_tokens` (vLLM extras, which Plait accepts) so every choice makes
 exactly its tokens; `--no-extras` leaves them out for a server that rejects them.
 
@@ -36,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
-import math
 import os
 import random
 import shlex
@@ -49,36 +48,22 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from plait.bench.client import COMPLETIONS, make_client, stream_request
+from plait.bench.metrics import latency_samples, percentile
+from plait.bench.runner import RequestRecord
+from plait.bench.workloads import random_words
 
 # name -> (concurrent requests, n, max_tokens or None for --tokens)
 WORKLOADS: dict[str, tuple[int, int, int | None]] = {
     "W1": (1, 1, 1), "W2": (1, 100, 1), "W3": (1, 16, None), "W4": (16, 1, None),
     "W5": (1, 1, None)}
 COMPUTED_METRICS = ("plait_prompt_tokens_computed_total", "plait_prompt_tokens_computed")
-_WORD_TEXT = (
-    "time year people way day man thing woman life child world school state family student "
-    "group country problem hand part place case week company system program question work "
-    "number night point home water room mother area money story fact month lot right study "
-    "book eye job word business issue side kind head house service friend father power hour "
-    "game line end member law car city name team minute idea kid body back parent face level "
-    "office door health person art war history party result change morning reason research "
-    "girl moment air teacher force education")
-WORDS = _WORD_TEXT.split()
-
-
-@dataclass
-class Stream:
-    """One streamed request as the client saw it (times in seconds from its send)."""
-
-    token_times: dict[int, list[float]] = field(default_factory=dict)  # choice -> times
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    error: str | None = None
 
 
 @dataclass
@@ -101,46 +86,10 @@ class Result:
     errors: list[str]
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..1) of `values`, None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
 def make_prompt(words: int) -> str:
     """A prompt no other request shares a first token with: a nonce, then random words."""
     nonce = uuid.uuid4().hex[:12]
-    rng = random.Random(nonce)
-    return f"[{nonce}] " + " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> Stream:
-    """POST one streamed /v1/completions and time each choice's tokens."""
-    out = Stream()
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                out.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-                return out
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter() - start
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    out.error = json.dumps(chunk["error"])[:300]
-                for choice in chunk.get("choices") or []:
-                    if choice.get("text"):
-                        out.token_times.setdefault(choice["index"], []).append(now)
-                if chunk.get("usage"):
-                    out.completion_tokens = chunk["usage"]["completion_tokens"]
-                    out.prompt_tokens = chunk["usage"]["prompt_tokens"]
-    except httpx.HTTPError as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-    return out
+    return f"[{nonce}] " + random_words(random.Random(nonce), words)
 
 
 async def scrape_computed(client: httpx.AsyncClient) -> float | None:
@@ -169,22 +118,20 @@ async def run_workload(client: httpx.AsyncClient, model: str, name: str, args) -
             body.update(ignore_eos=True, min_tokens=max_tokens)
     before = await scrape_computed(client)
     start = time.perf_counter()
-    streams = await asyncio.gather(*(stream_completion(client, body) for body in bodies))
+    streams = await asyncio.gather(*(stream_request(client, COMPLETIONS, body)
+                                     for body in bodies))
     wall = time.perf_counter() - start
     after = await scrape_computed(client)
-    ttfts, itls = [], []
-    for stream in streams:
-        for times in stream.token_times.values():
-            ttfts.append(times[0] * 1000)
-            itls += [(b - a) * 1000 for a, b in itertools.pairwise(times)]
-    output = sum(s.completion_tokens for s in streams)
+    samples = latency_samples([RequestRecord(i, 0.0, s) for i, s in enumerate(streams)])
+    ttfts, itls = [t * 1000 for t in samples.ttft], [t * 1000 for t in samples.itl]
+    output = sum(s.completion_tokens or 0 for s in streams)
     return Result(
         requests=concurrent, n=n, max_tokens=max_tokens,
         expected_tokens=concurrent * n * max_tokens, output_tokens=output, wall_s=wall,
         output_tok_s=output / wall if wall > 0 else 0.0,
         ttft_p50_ms=percentile(ttfts, 0.5), ttft_p99_ms=percentile(ttfts, 0.99),
         itl_p50_ms=percentile(itls, 0.5), itl_p99_ms=percentile(itls, 0.99),
-        prompt_tokens=[s.prompt_tokens for s in streams],
+        prompt_tokens=[s.prompt_tokens or 0 for s in streams],
         prompt_tokens_computed=None if before is None or after is None else after - before,
         errors=[s.error for s in streams if s.error])
 
@@ -238,11 +185,8 @@ def wait_ready(process: subprocess.Popen, url: str, timeout: float) -> str:
 
 
 async def bench_server(url: str, model: str, args) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    timeout = httpx.Timeout(args.request_timeout, connect=10)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits,
-                                 trust_env=False, headers=args.headers) as client:
-        warm = await stream_completion(client, {
+    async with make_client(url, args.api_key, args.request_timeout, 64) as client:
+        warm = await stream_request(client, COMPLETIONS, {
             "model": model, "prompt": make_prompt(8), "max_tokens": 1, "stream": True})
         if warm.error:
             raise RuntimeError(f"warm-up request failed: {warm.error}")
@@ -336,7 +280,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
     if args.tokens < 1 or args.prompt_tokens < 1:
         parser.error("--tokens and --prompt-tokens must be >= 1")
-    args.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     return args
 
 

@@ -72,12 +72,13 @@ def test_engine_runs_without_fastapi_or_pydantic(tmp_path, default_model) -> Non
 
 def _source_packages() -> dict[str, Path]:
     """Every package (a folder with __init__.py, nested ones too) under the mapped folders,
-    by import name."""
+    by import name; plait/'s symlinks to the other mapped folders are not walked twice."""
     found = {}
     for name, src in PACKAGE_DIRS.items():
         for init in (REPO / src).rglob("__init__.py"):
             rel = init.parent.relative_to(REPO / src).parts
-            if "__pycache__" not in rel and (name != "plait" or not rel):
+            linked = name == "plait" and rel and (REPO / src / rel[0]).is_symlink()
+            if "__pycache__" not in rel and not linked:
                 found[".".join((name, *rel))] = init.parent
     return found
 
