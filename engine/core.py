@@ -150,6 +150,7 @@ class EngineCore:
             if request_id in restarted:  # (again, when recomputed after a preemption)
                 req.prompt_logprobs = []
             req.prompt_logprobs.extend(scored)
+        self._copy_shared_prompt_logprobs(out)
         for row in out.samples:
             req = self.requests.get(row.request_id)
             if req is None:
@@ -163,6 +164,18 @@ class EngineCore:
             if delta is not None:
                 deltas.append(delta)
         return deltas
+
+    def _copy_shared_prompt_logprobs(self, out: SchedulerOutput) -> None:
+        """A follower that asked for prompt logprobs samples from its owner's row (same
+        prompt, same `prompt_logprobs`, see prompt_share.py): it gets a copy of the owner's
+        scores, which this step completed, so the prompt is scored once."""
+        for row in out.samples:
+            if row.computed_by is None or row.computed_by == row.request_id:
+                continue
+            req = self.requests.get(row.request_id)
+            owner = self.requests.get(row.computed_by)
+            if req is not None and owner is not None and req.needs_prompt_logprobs:
+                req.prompt_logprobs = list(owner.prompt_logprobs)
 
     # ---------------------------------------------------------------- update
     def _safe_update(self, req: Request, token_id: int,

@@ -253,11 +253,12 @@ class ModelRunner:
         logprobs = torch.log_softmax(logits[: end - start].float(), dim=-1)
         targets = prompt[start + 1 : end + 1]
         chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])
+        ranks = (logprobs > chosen).sum(dim=-1) + 1  # [num_scored]
         k = state.params.prompt_logprobs or 0
         top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0],) * 2
-        for i, token in enumerate(targets):
+        for i, (token, rank) in enumerate(zip(targets, ranks.tolist(), strict=True)):
             top = list(zip(top_ids[i].tolist(), top_vals[i].tolist(), strict=True))
-            scored.append(TokenLogprob(token, chosen[i, 0].item(), top))
+            scored.append(TokenLogprob(token, chosen[i, 0].item(), top, rank))
         return scored
 
     # ---------------------------------------------------------------- sampling

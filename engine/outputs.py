@@ -7,11 +7,14 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """Logprob of one chosen token plus the top alternatives (descending by logprob)."""
+    """Logprob of one chosen token plus the top alternatives (descending by logprob).
+    `rank` is the token's 1-based rank in its distribution (1: the most likely), where it
+    was computed (prompt logprobs), else None."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass(slots=True)

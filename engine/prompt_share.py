@@ -18,6 +18,10 @@ revives the blocks and samples from the kept slot.
     follower:  [b0     ][b1     ][b2        ] (refs)     -> samples from the row, own seed
     any write into b2 (hashed, so immutable) -> private copy of b2 (copy-on-write)
 
+Requests asking for prompt logprobs share the same way under a key of their own (see
+`prompt_key`): the owner scores every prompt position, its followers get a copy of the
+scores, and nothing is kept.
+
 Pure bookkeeping: no tensors, no torch.
 """
 
@@ -32,9 +36,16 @@ from plait.engine.block_pool import BlockPool
 from plait.engine.request import Request
 
 
-def prompt_key(prompt_token_ids: list[int], extra_key: str | None) -> bytes:
+def prompt_key(prompt_token_ids: list[int], extra_key: str | None,
+               prompt_logprobs: int | None = None) -> bytes:
+    """The share key of a prompt. Requests that want `prompt_logprobs=k` share among
+    themselves only (a key of their own per k): their owner computes every prompt position
+    with its logprobs, which its followers copy (engine/core.py), and such a prompt is never
+    kept, since a kept prompt holds logits of the last position only."""
     digest = hashlib.sha256(array("q", prompt_token_ids).tobytes())
     digest.update(len(prompt_token_ids).to_bytes(8, "little"))
+    if prompt_logprobs is not None:
+        digest.update(b"\x00prompt_logprobs" + prompt_logprobs.to_bytes(4, "little"))
     if extra_key is not None:
         digest.update(extra_key.encode())
     return digest.digest()[:16]

@@ -237,12 +237,16 @@ def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     clamped back to it. The weights are unnormalised (`exp(logit - max)`), so no softmax
     division is needed; u has float32 resolution (2**-24 of the total mass).
     """
-    weights = torch.exp(logits - logits.amax(dim=-1, keepdim=True))  # [num_rows, vocab]
+    amax = logits.amax(dim=-1, keepdim=True)  # [num_rows, 1]
+    # A +inf logit (e.g. a tiny repetition_penalty) takes all the mass, shared with its
+    # equals; inf - inf would be NaN, and a NaN cdf sends searchsorted past the vocabulary.
+    weights = torch.exp(torch.where(logits == amax, 0.0, logits - amax))  # [num_rows, vocab]
     cdf = weights.cumsum_(dim=-1)  # [num_rows, vocab], non-decreasing
     total = cdf[:, -1:].contiguous()  # [num_rows, 1]
     picked = torch.searchsorted(cdf, u * total, right=True)  # [num_rows, 1]
     last_positive = torch.searchsorted(cdf, total, right=False)  # first index at the total
-    return torch.minimum(picked, last_positive).squeeze(1)
+    # Clamped: a NaN row (no sane distribution) still gives a token id in the vocabulary.
+    return torch.minimum(picked, last_positive).clamp_(max=logits.shape[1] - 1).squeeze(1)
 
 
 class Sampler:

@@ -91,8 +91,9 @@ class Scheduler:
         room = self.max_model_len - req.num_prompt_tokens
         wanted = req.params.max_tokens
         req.max_tokens = room if wanted is None else min(wanted, room)
-        if self.pool.enable_caching and not req.needs_prompt_logprobs:
-            req.share_key = prompt_key(req.prompt_token_ids, req.extra_key)
+        if self.pool.enable_caching:
+            req.share_key = prompt_key(req.prompt_token_ids, req.extra_key,
+                                       req.params.prompt_logprobs)
         self.waiting.append(req)
 
     def finish(self, req: Request) -> None:
@@ -289,7 +290,8 @@ class Scheduler:
         """The owner computes its prompt's last token now: reserve a kept-logits slot for
         its row, and admit the parked followers into this step."""
         entry.final_step = self.step_idx
-        entry.keep_slot = self.share.reserve_slot()
+        # A prompt scored for its logprobs is not kept: a later request would need the scores.
+        entry.keep_slot = None if req.needs_prompt_logprobs else self.share.reserve_slot()
         if entry.keep_slot is not None:
             step.keep_logits.append((req.request_id, entry.keep_slot))
         self._record.finishing_owners.append(req)
@@ -368,7 +370,8 @@ class Scheduler:
         entry = req.share_entry
         num_prompt = req.num_prompt_tokens
         if (end == num_prompt and num_prompt % bs and entry is not None and entry.owner is req
-                and not req.output_token_ids and self.share.max_kept > 0):
+                and not req.output_token_ids and self.share.max_kept > 0
+                and not req.needs_prompt_logprobs):
             self._extend_hashes(req, num_prompt // bs)
             parent = req.block_hashes[num_prompt // bs - 1] if num_prompt >= bs else None
             req.partial_block_hash = hash_partial_block(

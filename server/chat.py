@@ -8,6 +8,9 @@ Stream of one request (n=2), one choice per chunk, same id/created on every chun
     {"index":0,"delta":{},"finish_reason":"stop"}             exactly one per index
     {"choices":[],"usage":{...}}                              with include_usage only
     [DONE]
+
+vLLM's extras (return_token_ids, prompt_logprobs, continuous usage, continue_final_message)
+are described in extras.py and prompts.py.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from plait.server.extras import Extras
 from plait.server.fanout import check_num_sequences
 from plait.server.generation import ChoiceState, Generation, GenerationError, new_completion_id
 from plait.server.logprobs import chat_content
@@ -30,6 +34,7 @@ from plait.server.prompts import (
     check_text_size,
     message_chars,
     message_dicts,
+    template_flags,
 )
 from plait.server.protocol import ChatCompletionRequest, reject_unsupported
 from plait.server.routing import ApiRoute
@@ -47,18 +52,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     reject_unsupported(body)
     engine = state.engine
     plan = chat_plan(body)
+    extras = Extras.of(body)
     check_params(engine, plan.params)
+    flags = template_flags(body.messages, body.add_generation_prompt,
+                           body.continue_final_message)
     messages = message_dicts(body.messages)
     check_num_sequences(engine, state.settings.max_queued_requests, plan.num_samples, "n")
     check_text_size(engine, engine.tokenizer, message_chars(messages), "messages")
-    token_ids = await chat_prompt_ids(engine.tokenizer, messages)
+    token_ids = await chat_prompt_ids(engine.tokenizer, messages, flags)
     check_prompt(engine, token_ids, "messages")
     gen = Generation(state, new_completion_id("chatcmpl"), [Prompt(token_ids, "")], plan,
                      keep_output=not body.streaming, log_id=request_id_of(request))
-    include_usage = body.include_usage
     return await serve_generation(
-        request, gen, build=_response,
-        stream=(lambda g: _stream(g, include_usage)) if body.streaming else None)
+        request, gen, build=lambda g, choices: _response(g, choices, extras),
+        stream=(lambda g: _stream(g, extras)) if body.streaming else None)
 
 
 def _logprobs(gen: Generation, logprobs: list[Any]) -> dict[str, Any] | None:
@@ -69,7 +76,9 @@ def _logprobs(gen: Generation, logprobs: list[Any]) -> dict[str, Any] | None:
     return {"content": chat_content(table, logprobs, gen.plan.logprobs), "refusal": None}
 
 
-def _response(gen: Generation, choices: list[ChoiceState]) -> dict[str, Any]:
+def _response(gen: Generation, choices: list[ChoiceState], extras: Extras) -> dict[str, Any]:
+    table = gen.state.token_text
+    assert table is not None
     return {
         "id": gen.request_id, "object": "chat.completion", "created": gen.created,
         "model": gen.state.model_name,
@@ -78,31 +87,44 @@ def _response(gen: Generation, choices: list[ChoiceState]) -> dict[str, Any]:
             "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
             "logprobs": _logprobs(gen, choice.logprobs),
             "finish_reason": choice.finish_reason,
+            **extras.token_ids("token_ids", choice.token_ids),
         } for choice in choices],
         "usage": gen.usage(),
+        **extras.prompt_logprobs_of(table, gen.prompt_logprobs(0)),
+        **extras.token_ids("prompt_token_ids", gen.prompts[0].token_ids),
     }
 
 
-async def _stream(gen: Generation, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(gen: Generation, extras: Extras) -> AsyncIterator[bytes]:
+    """The stream of the module docstring; with the extras (extras.py), each role chunk
+    carries "prompt_token_ids", each other choice chunk "token_ids" and "usage"."""
     base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
             "model": gen.state.model_name}
-    tail = {"usage": None} if include_usage else {}
+    num_prompt = len(gen.prompts[0].token_ids)
 
     def chunk(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
-              finish_reason: str | None = None) -> bytes:
-        return encode({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                            "finish_reason": finish_reason}], **tail})
+              finish_reason: str | None = None, *, num_tokens: int = 0,
+              token_ids: list[int] | None = None, top: dict[str, Any] | None = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice.update(extras.token_ids("token_ids", token_ids))
+        return encode({**base, "choices": [choice],
+                       **extras.usage_tail(num_prompt, num_tokens), **(top or {})})
 
     try:
+        prompt_ids = extras.token_ids("prompt_token_ids", gen.prompts[0].token_ids)
         for index in range(gen.plan.n):
-            yield chunk(index, {"role": "assistant", "content": ""})
+            yield chunk(index, {"role": "assistant", "content": ""}, top=prompt_ids)
         async for choice, delta in gen.deltas():
-            if delta.text or delta.logprobs:
+            if delta.text or delta.logprobs or (extras.return_token_ids and delta.token_ids):
                 yield chunk(choice.slot, {"content": delta.text},
-                            _logprobs(gen, delta.logprobs or []))
+                            _logprobs(gen, delta.logprobs or []),
+                            num_tokens=choice.num_tokens, token_ids=delta.token_ids)
             if delta.finish_reason is not None:
-                yield chunk(choice.slot, {}, None, delta.finish_reason)
-        if include_usage:
+                yield chunk(choice.slot, {}, None, delta.finish_reason,
+                            num_tokens=choice.num_tokens, token_ids=[])
+        if extras.include_usage:
             yield encode({**base, "choices": [], "usage": gen.usage()})
         yield DONE
     except GenerationError as exc:

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from plait.engine import TokenLogprob
+from plait.server.extras import Extras
 from plait.server.fanout import check_num_sequences
 from plait.server.generation import Generation, GenerationError, new_completion_id
 from plait.server.logprobs import CompletionLogprobs
@@ -43,10 +44,10 @@ async def create_completion(body: CompletionRequest, request: Request,
     prompts = await completion_prompts(engine, body.prompt)
     gen = Generation(state, new_completion_id("cmpl"), prompts, plan,
                      keep_output=not body.streaming, log_id=request_id_of(request))
-    echo, include_usage = bool(body.echo), body.include_usage
+    echo, extras = bool(body.echo), Extras.of(body)
     return await serve_generation(
-        request, gen, build=lambda g, _: _response(g, echo),
-        stream=(lambda g: _stream(g, echo, include_usage)) if body.streaming else None)
+        request, gen, build=lambda g, _: _response(g, echo, extras),
+        stream=(lambda g: _stream(g, echo, extras)) if body.streaming else None)
 
 
 def _text_and_logprobs(gen: Generation, prompt: Prompt | None, text: str,
@@ -70,7 +71,9 @@ def _text_and_logprobs(gen: Generation, prompt: Prompt | None, text: str,
     return prefix + text, arrays.to_dict()
 
 
-def _response(gen: Generation, echo: bool) -> dict[str, Any]:
+def _response(gen: Generation, echo: bool, extras: Extras) -> dict[str, Any]:
+    table = gen.state.token_text
+    assert table is not None
     choices = []
     for p, prompt in enumerate(gen.prompts):
         for k, choice in enumerate(gen.prompt_choices(p)):
@@ -78,17 +81,24 @@ def _response(gen: Generation, echo: bool) -> dict[str, Any]:
                 gen, prompt if echo else None, "".join(choice.text), choice.logprobs,
                 choice.prompt_logprobs, 0)
             choices.append({"text": text, "index": p * gen.plan.n + k, "logprobs": logprobs,
-                            "finish_reason": choice.finish_reason})
+                            "finish_reason": choice.finish_reason,
+                            **extras.prompt_logprobs_of(table, choice.prompt_logprobs),
+                            **extras.token_ids("prompt_token_ids", prompt.token_ids),
+                            **extras.token_ids("token_ids", _output_ids(gen, choice.token_ids))})
     return {"id": gen.request_id, "object": "text_completion", "created": gen.created,
             "model": gen.state.model_name, "choices": choices, "usage": gen.usage()}
 
 
-async def _stream(gen: Generation, echo: bool, include_usage: bool) -> AsyncIterator[bytes]:
-    """One chunk per delta; the first chunk of a choice carries the echoed prompt; exactly
-    one chunk per choice carries its finish_reason (streaming never uses best_of)."""
+def _output_ids(gen: Generation, token_ids: list[int]) -> list[int]:
+    return [] if gen.plan.discard_output else token_ids
+
+
+async def _stream(gen: Generation, echo: bool, extras: Extras) -> AsyncIterator[bytes]:
+    """One chunk per delta; the first chunk of a choice carries the echoed prompt (and its
+    "prompt_token_ids" with return_token_ids); exactly one chunk per choice carries its
+    finish_reason (streaming never uses best_of)."""
     base = {"id": gen.request_id, "object": "text_completion", "created": gen.created,
             "model": gen.state.model_name}
-    tail = {"usage": None} if include_usage else {}
     emitted: dict[int, int] = {}  # slot -> characters sent so far
     try:
         async for choice, delta in gen.deltas():
@@ -98,13 +108,20 @@ async def _stream(gen: Generation, echo: bool, include_usage: bool) -> AsyncIter
                 gen, prompt, delta.text, delta.logprobs or [], choice.prompt_logprobs,
                 emitted.get(choice.slot, 0))
             emitted[choice.slot] = emitted.get(choice.slot, 0) + len(text)
-            has_tokens = bool(logprobs and logprobs["tokens"])
+            output_ids = _output_ids(gen, delta.token_ids)
+            has_tokens = bool(logprobs and logprobs["tokens"]) or (
+                extras.return_token_ids and (first or bool(output_ids)))
             if not text and not has_tokens and delta.finish_reason is None:
                 continue
+            prompt_ids = gen.prompts[choice.prompt_idx].token_ids
+            num_tokens = 0 if gen.plan.discard_output else choice.num_tokens
             yield encode({**base, "choices": [{
                 "text": text, "index": choice.slot, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason}], **tail})
-        if include_usage:
+                "finish_reason": delta.finish_reason,
+                **(extras.token_ids("prompt_token_ids", prompt_ids) if first else {}),
+                **extras.token_ids("token_ids", output_ids)}],
+                **extras.usage_tail(len(prompt_ids), num_tokens)})
+        if extras.include_usage:
             yield encode({**base, "choices": [], "usage": gen.usage()})
         yield DONE
     except GenerationError as exc:

@@ -36,12 +36,13 @@ class GenerationError(Exception):
 
 @dataclass(slots=True)
 class ChoiceState:
-    """One sub-request's output so far. `text`/`logprobs` are kept only when asked to
-    (non-streaming); streaming keeps counts only."""
+    """One sub-request's output so far. `text`/`token_ids`/`logprobs` are kept only when
+    asked to (non-streaming); streaming keeps counts only."""
 
     slot: int
     prompt_idx: int
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_tokens: int = 0
@@ -171,6 +172,7 @@ class Generation:
             choice.prompt_logprobs = delta.prompt_logprobs
         if self.keep_output:
             choice.text.append(delta.text)
+            choice.token_ids.extend(delta.token_ids)
             if delta.logprobs:
                 choice.logprobs.extend(delta.logprobs)
         if delta.finish_reason in ("error", "abort"):
@@ -193,19 +195,30 @@ class Generation:
         ranked = sorted(samples, key=lambda c: -c.cumulative_logprob)
         return ranked[: self.plan.n]
 
+    def prompt_logprobs(self, prompt_idx: int) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs (every sample of a prompt gets the same scores)."""
+        return next((c.prompt_logprobs for c in self.choices.values()
+                     if c.prompt_idx == prompt_idx and c.prompt_logprobs is not None), None)
+
     def usage(self) -> dict[str, object]:
         """Prompt tokens once per prompt (not per choice); completion tokens of every sample
-        generated (best_of candidates included); cached tokens per prompt = the minimum over
-        its samples (what the cache served for the once-counted prompt)."""
+        generated (best_of candidates included).
+
+        Cached tokens: per prompt, the mean over its samples of the prompt tokens each one
+        got from the cache (rounded down), summed over the prompts. The prompt is counted
+        once for its n samples, so this is the share of the n prompt reads that the cache
+        (or the shared prefill) served, never more than `prompt_tokens`; times n it is (up
+        to rounding) what the server's prefix-cache hit counter counts for the request. A
+        first n=4 request whose prompt is computed once reports 3/4 of it cached (samples
+        2..4 read the shared prefill); a repeat that finds the whole prompt cached reports
+        all of it; n=1 reports exactly what its one sample reused."""
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
         completion = 0 if self.plan.discard_output else sum(
             c.num_tokens for c in self.choices.values())
-        cached_per_prompt: dict[int, int] = {}  # one pass: linear in the number of choices
+        cached_sum = [0] * len(self.prompts)  # one pass: linear in the number of choices
         for c in self.choices.values():
-            seen = cached_per_prompt.get(c.prompt_idx)
-            if seen is None or c.num_cached_tokens < seen:
-                cached_per_prompt[c.prompt_idx] = c.num_cached_tokens
-        cached = sum(cached_per_prompt.values())
+            cached_sum[c.prompt_idx] += c.num_cached_tokens
+        cached = sum(total // self.plan.num_samples for total in cached_sum)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}

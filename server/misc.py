@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import plait
 from plait.server.errors import APIError, bad_request, echo
 from plait.server.offload import offload
-from plait.server.prompts import chat_prompt_ids, message_dicts
+from plait.server.prompts import chat_prompt_ids, message_dicts, template_flags
 from plait.server.protocol import DetokenizeRequest, TokenizeRequest, reject_unsupported
 from plait.server.routing import ApiRoute
 from plait.server.state import ReadyDep, StateDep, check_model, get_ready_state
@@ -66,21 +66,32 @@ async def retrieve_model(model: str, state: ReadyDep) -> dict[str, Any]:
 @router.post("/tokenize", response_model=dict[str, Any])
 async def tokenize(body: TokenizeRequest, state: ReadyDep) -> Response:
     """`prompt` is tokenized as /v1/completions does (special tokens added by default);
-    `messages` through the chat template (generation prompt added by default)."""
+    `messages` through the chat template as /v1/chat/completions does (generation prompt
+    added unless `add_generation_prompt` is false or `continue_final_message` is true).
+    vLLM's answer: {count, max_model_len, tokens, token_strs}, the last one the vocabulary
+    strings of the tokens with `return_token_strs`, else null."""
     check_model(state, body.model, required=False)
     tokenizer = state.engine.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Provide exactly one of 'prompt' and 'messages'.", "prompt")
     if body.messages is not None:
         reject_unsupported(body)
-        add_generation = body.add_generation_prompt is not False
-        tokens = await chat_prompt_ids(tokenizer, message_dicts(body.messages), add_generation)
+        flags = template_flags(body.messages, body.add_generation_prompt,
+                               body.continue_final_message)
+        tokens = await chat_prompt_ids(tokenizer, message_dicts(body.messages), flags)
     else:
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if getattr(body, name) is not None:
+                raise bad_request(f"'{name}' applies to 'messages' only, not to 'prompt'.",
+                                  name, "invalid_value")
         encode = functools.partial(tokenizer.encode,
                                    add_special_tokens=body.add_special_tokens is not False)
         tokens = await offload(encode, body.prompt, size=len(body.prompt))
-    result = {"tokens": tokens, "count": len(tokens),
-              "max_model_len": state.engine.info.max_model_len}
+    result = {"count": len(tokens), "max_model_len": state.engine.info.max_model_len,
+              "tokens": tokens, "token_strs": None}
+    if body.return_token_strs:
+        result["token_strs"] = await offload(tokenizer.convert_ids_to_tokens, tokens,
+                                             size=len(tokens))
     # Rendered off the loop too: a 10 MB prompt is millions of token ids.
     rendered = await offload(_render_json, result, size=len(tokens))
     return Response(rendered, media_type="application/json")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from plait.engine import InvalidParamError, SamplingParams
 from plait.server.errors import bad_request, echo
+from plait.server.extras import returned_prompt_logprobs
 from plait.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -48,7 +49,8 @@ def chat_plan(request: ChatCompletionRequest) -> Plan:
                           "enabled.", "top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens or request.max_tokens
-    params = build_params(request, max_tokens=max_tokens, logprobs=logprobs)
+    params = build_params(request, max_tokens=max_tokens, logprobs=logprobs,
+                          prompt_logprobs=returned_prompt_logprobs(request))
     return Plan(params, request.num_choices, request.num_choices, logprobs)
 
 
@@ -68,7 +70,10 @@ def completion_plan(request: CompletionRequest) -> Plan:
     if max_tokens is None:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
     discard = max_tokens == 0
-    prompt_logprobs = logprobs if request.echo and logprobs is not None else None
+    # Scored once for the echoed logprobs and the returned prompt_logprobs: the larger k.
+    wanted = [k for k in (logprobs if request.echo else None,
+                          returned_prompt_logprobs(request)) if k is not None]
+    prompt_logprobs = max(wanted) if wanted else None
     params = build_params(request, max_tokens=max(max_tokens, 1),
                           logprobs=engine_logprobs, prompt_logprobs=prompt_logprobs)
     return Plan(params, n, best_of, logprobs, discard_output=discard)

@@ -75,12 +75,41 @@ def _text_part(part: dict[str, Any], i: int, j: int) -> str:
     return text
 
 
+@dataclass(frozen=True, slots=True)
+class TemplateFlags:
+    """How the rendered chat ends: with the assistant's generation prompt (the default), or
+    inside the final (assistant) message, which the model continues (vLLM's
+    `continue_final_message`), or after the last message as is."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+def template_flags(messages: list[Any], add_generation_prompt: bool | None,
+                   continue_final_message: bool | None) -> TemplateFlags:
+    """The request's flags, checked: `continue_final_message` needs an assistant message
+    last and excludes `add_generation_prompt` (which it turns off when unset)."""
+    if not continue_final_message:
+        return TemplateFlags(add_generation_prompt is not False, False)
+    if add_generation_prompt:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both "
+                          "be true: the prompt either continues the final message or starts "
+                          "a new one.", "continue_final_message", "invalid_value")
+    role = messages[-1].role if messages else None
+    if role != "assistant":
+        raise bad_request("'continue_final_message' needs the last message to be the "
+                          f"assistant's message to continue, but its role is {echo(role)}.",
+                          "continue_final_message", "invalid_value")
+    return TemplateFlags(False, True)
+
+
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]],
-                   add_generation_prompt: bool = True) -> list[int]:
+                   flags: TemplateFlags = TemplateFlags()) -> list[int]:
     """Apply the model's chat template, then tokenize without adding special tokens again."""
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            messages, add_generation_prompt=flags.add_generation_prompt,
+            continue_final_message=flags.continue_final_message, tokenize=False)
     except TemplateError as exc:  # e.g. raise_exception("Roles must alternate ...")
         raise bad_request(f"The messages do not fit the model's chat template: {exc}",
                           "messages", "invalid_value") from None
@@ -97,9 +126,9 @@ def message_chars(messages: list[dict[str, str]]) -> int:
 
 
 async def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]],
-                          add_generation_prompt: bool = True) -> list[int]:
+                          flags: TemplateFlags = TemplateFlags()) -> list[int]:
     """`chat_token_ids`, off the event loop when the messages are large."""
-    return await offload(chat_token_ids, tokenizer, messages, add_generation_prompt,
+    return await offload(chat_token_ids, tokenizer, messages, flags,
                          size=message_chars(messages))
 
 

@@ -20,6 +20,7 @@ INT32_MAX = 2**31 - 1  # the bound of every count a client sends (tokens, top_k)
 MAX_STOP_STRINGS = 4  # OpenAI's limit; see README of the server package
 MAX_STOP_CHARS = 4096  # per stop string: the detokenizer holds back up to this much text
 MAX_STOP_TOKEN_IDS = 1024
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -32,6 +33,7 @@ class StrictModel(BaseModel):
 class StreamOptions(StrictModel):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # accepted; Plait never obfuscates
+    continuous_usage_stats: bool | None = None  # vLLM: usage on every chunk (extras.py)
 
 
 class ChatMessage(StrictModel):
@@ -74,6 +76,8 @@ class SamplingRequest(StrictModel):
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)  # extras.py
+    return_token_ids: bool | None = None
 
     @property
     def num_choices(self) -> int:
@@ -85,7 +89,20 @@ class SamplingRequest(StrictModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        """A final usage chunk: `include_usage`, or, as vLLM (whose default it is), when
+        unset and `continuous_usage_stats` is on."""
+        options = self.stream_options
+        if options is None:
+            return False
+        if options.include_usage is None:
+            return bool(options.continuous_usage_stats)
+        return options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM's `continuous_usage_stats`, with usage included)."""
+        return bool(self.include_usage and self.stream_options
+                    and self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -94,6 +111,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM extras: how the chat template ends the prompt (see prompts.template_flags).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     # Identifiers that do not change the output.
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
@@ -133,6 +153,8 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    return_token_strs: bool | None = None
 
 
 class DetokenizeRequest(StrictModel):
