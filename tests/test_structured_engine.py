@@ -4,6 +4,7 @@ constraint, schema coverage validated with jsonschema, n>1 seeds and prompt shar
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -12,7 +13,7 @@ import pytest
 from engine_helpers import assert_pool_clean, prompt, run_until_done, tokens_of
 
 from plait import LLM, SamplingParams
-from plait.engine import StructuredSpec
+from plait.engine import AsyncEngine, EngineConfig, ProcessEngine, StructuredSpec
 
 SCHEMAS = {
     "object_enum_bounds": {
@@ -78,21 +79,16 @@ def chat(llm: LLM, content: str) -> list[int]:
 
 # ---------------------------------------------------------------- the default model
 def test_schema_coverage_every_output_validates(llm: LLM) -> None:
-    """Objects, arrays, enums, nested $ref/$defs, string patterns, bounded numbers; a
-    greedy and a seeded sample each, all in one batch."""
-    jobs = {}
+    """Objects, arrays, enums, nested $ref/$defs, string patterns, bounded numbers, greedy
+    with the default model, all in one batch (sampled coverage: the tiny model below)."""
     for name, schema in SCHEMAS.items():
         ids = chat(llm, f"Reply with a JSON object matching this schema: {json.dumps(schema)}")
-        for i, temperature in enumerate((0.0, 0.8)):
-            params = SamplingParams(temperature=temperature, seed=i, max_tokens=80,
-                                    structured=schema_spec(schema))
-            jobs[f"{name}-{i}"] = schema
-            llm.engine.add_request(f"{name}-{i}", ids, params)
+        llm.engine.add_request(name, ids, SamplingParams(
+            temperature=0, max_tokens=80, structured=schema_spec(schema)))
     seen = run_until_done(llm)
-    for request_id, schema in jobs.items():
-        final = seen[request_id][-1]
-        text = "".join(d.text for d in seen[request_id])
-        assert final.finish_reason == "stop", (request_id, text)
+    for name, schema in SCHEMAS.items():
+        text = "".join(d.text for d in seen[name])
+        assert seen[name][-1].finish_reason == "stop", (name, text)
         assert_valid(text, schema)
     assert_pool_clean(llm)
 
@@ -180,6 +176,30 @@ def tiny_solo(tiny_path) -> LLM:
     return LLM(str(tiny_path), num_kv_blocks=128, block_size=16, enable_prefix_caching=False)
 
 
+def test_schema_coverage_with_random_tokens(tiny: LLM) -> None:
+    """The tiny random model's tokens are noise, so only the grammar shapes its output: three
+    seeded samples of every schema (no whitespace between JSON tokens) all validate. (Its
+    numbers are integers only: noise never stops writing a fraction's digits.)"""
+    schemas = {**SCHEMAS, "numbers": {
+        "type": "object", "properties": {"count": SCHEMAS["numbers"]["properties"]["count"],
+                                         "delta": {"type": "integer", "minimum": -50,
+                                                   "maximum": -10}},
+        "required": ["count", "delta"], "additionalProperties": False}}
+    for name, schema in schemas.items():
+        compact = {**schema, "x-guidance": {"whitespace_pattern": ""}}
+        for i in range(3):
+            tiny.engine.add_request(f"{name}-{i}", prompt(20 + i, 10), SamplingParams(
+                temperature=1.0, seed=i, max_tokens=64, structured=schema_spec(compact)))
+    seen = run_until_done(tiny)
+    for name, schema in schemas.items():
+        for i in range(3):
+            deltas = seen[f"{name}-{i}"]
+            text = "".join(d.text for d in deltas)
+            assert deltas[-1].finish_reason == "stop", (name, i, text)
+            assert_valid(text, schema)
+    assert_pool_clean(tiny)
+
+
 def test_seeded_choices_equal_single_requests_and_the_prompt_is_computed_once(
         tiny: LLM, tiny_solo: LLM) -> None:
     ids = prompt(3, 40)
@@ -255,3 +275,33 @@ def test_the_grammar_ends_the_request_even_below_min_tokens_or_with_ignore_eos(
                                                            structured=spec, **extra))
         choice = out[0].outputs[0]
         assert (choice.text in ("yes", "no"), choice.finish_reason) == (True, "stop"), extra
+
+
+# ---------------------------------------------------------------- both engine modes
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_structured_requests_in_the_async_engines(tiny_path, mode: str) -> None:
+    """The spec crosses to the engine process; choices stream; a bad grammar is an error
+    delta of its own request."""
+    config = EngineConfig(model=str(tiny_path), num_kv_blocks=64)
+    engine = AsyncEngine(config) if mode == "thread" else ProcessEngine(config)
+    good = SamplingParams(temperature=1.0, max_tokens=64, structured=schema_spec(SMALL))
+
+    async def scenario() -> None:
+        engine.start(asyncio.get_running_loop())
+        streams = [engine.add_request(f"c-{i}", prompt(6, 12), good.for_choice(i))
+                   for i in range(2)]
+        bad = engine.add_request("bad", prompt(7, 12), SamplingParams(
+            structured=StructuredSpec("lark", "start: nothing_defined")))
+        for stream in streams:
+            deltas = [delta async for delta in stream]
+            assert deltas[-1].finish_reason == "stop"
+            assert_valid("".join(d.text for d in deltas), SMALL)
+        errors = [delta async for delta in bad]
+        assert [d.finish_reason for d in errors] == ["error"]
+        assert "cannot be compiled" in errors[0].error
+
+    engine.load()
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown(30)
