@@ -15,12 +15,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
 from plait.engine.block_pool import BlockPool
 from plait.engine.config import EngineConfig, RuntimeInfo
 from plait.engine.detokenizer import IncrementalDetokenizer
+from plait.engine.grammar import GrammarCompiler, GrammarError
 from plait.engine.model_loader import ResolvedModel, load_tokenizer, resolve_model
 from plait.engine.model_runner import ModelRunner
 from plait.engine.outputs import RequestDelta, TokenLogprob
@@ -36,6 +38,9 @@ DetokenizerFactory = Callable[[Any, list[int], SamplingParams], IncrementalDetok
 RunnerFactory = Callable[..., ModelRunner]
 
 SAMPLING_FAILED = "internal error while sampling the request"
+GRAMMAR_FAILED = "the structured output grammar cannot be compiled"
+# How long an idle step waits for a grammar being compiled before it returns.
+COMPILE_WAIT_S = 0.05
 STEP_FAILED = "internal error while computing the request"
 
 
@@ -81,6 +86,10 @@ class EngineCore:
             vocab_size=resolved.config.vocab_size, eos_token_ids=eos,
             model_name=resolved.name, block_size=config.block_size)
         self.requests: dict[str, Request] = {}
+        # Structured requests whose grammar is still being compiled (not yet scheduled).
+        self.grammars = GrammarCompiler(self.tokenizer)
+        self.runner.grammars = self.grammars
+        self.compiling: dict[str, tuple[Request, Future[None]]] = {}
         self.counters = StepCounters()
         self.last_error: str | None = None
         self.stalled = False
@@ -94,8 +103,11 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         req = Request(request_id, list(prompt_token_ids), params, extra_key=extra_key)
-        self.scheduler.add_request(req)
         req.detokenizer = self.detokenizer_factory(self.tokenizer, req.prompt_token_ids, params)
+        if params.structured is not None:  # scheduled once its grammar is compiled
+            self.compiling[request_id] = (req, self.grammars.submit(params.structured))
+        else:
+            self.scheduler.add_request(req)
         self.requests[request_id] = req
 
     def abort(self, request_id: str) -> RequestDelta | None:
@@ -103,7 +115,8 @@ class EngineCore:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self.scheduler.finish(req)
+        if self.compiling.pop(request_id, None) is None:
+            self.scheduler.finish(req)
         return self._final(req, "abort")
 
     def has_unfinished(self) -> bool:
@@ -113,14 +126,38 @@ class EngineCore:
     def step(self) -> list[RequestDelta]:
         """Schedule, execute, update. A failing forward pass fails that step's requests
         (and keeps the engine alive); a failing sampling or detokenization fails only the
-        request it belongs to."""
+        request it belongs to. Structured requests enter the scheduler once their grammar
+        is compiled; one whose grammar cannot compile finishes with "error" here."""
+        admitted = self._admit_compiled()
         out = self.scheduler.schedule()
-        self.stalled = not out.has_work and not out.unservable_ids
+        self.stalled = not out.has_work and not out.unservable_ids and not self.compiling
+        if not out.has_work and self.compiling and not admitted:
+            # nothing to compute: wait a little for a grammar instead of spinning
+            wait([f for _, f in self.compiling.values()], COMPILE_WAIT_S, FIRST_COMPLETED)
         try:
             run = self.runner.execute(out)
         except Exception as exc:  # fail this step's requests, keep the engine alive
-            return self._fail_step(out, exc)
-        return self._update(out, run)
+            return admitted + self._fail_step(out, exc)
+        return admitted + self._update(out, run)
+
+    def _admit_compiled(self) -> list[RequestDelta]:
+        """Move the requests whose grammar compiled into the scheduler (in arrival order,
+        so the n choices of a request still share their prompt); fail those whose grammar
+        cannot compile."""
+        deltas: list[RequestDelta] = []
+        for request_id, (req, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[request_id]
+            exc = future.exception()
+            if exc is None:
+                self.scheduler.add_request(req)
+                continue
+            if not isinstance(exc, GrammarError):
+                logger.error("compiling the grammar of %s failed", request_id, exc_info=exc)
+            self.requests.pop(request_id, None)
+            deltas.append(self._final(req, "error", error=f"{GRAMMAR_FAILED}: {exc}"))
+        return deltas
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
         logger.exception("engine step failed")
@@ -160,7 +197,8 @@ class EngineCore:
                 deltas.append(self._finish(req, "error", error=SAMPLING_FAILED))
                 continue
             delta = self._safe_update(req, run.sampled[row.request_id],
-                                      run.logprobs.get(row.request_id))
+                                      run.logprobs.get(row.request_id),
+                                      row.request_id in run.grammar_ended)
             if delta is not None:
                 deltas.append(delta)
         return deltas
@@ -178,19 +216,22 @@ class EngineCore:
                 req.prompt_logprobs = list(owner.prompt_logprobs)
 
     # ---------------------------------------------------------------- update
-    def _safe_update(self, req: Request, token_id: int,
-                     logprob: TokenLogprob | None) -> RequestDelta | None:
+    def _safe_update(self, req: Request, token_id: int, logprob: TokenLogprob | None,
+                     grammar_ended: bool = False) -> RequestDelta | None:
         if req.request_id not in self.requests:
             return None
         try:
-            return self._append_token(req, token_id, logprob)
+            return self._append_token(req, token_id, logprob, grammar_ended)
         except Exception as exc:
             logger.exception("update of request %s failed", req.request_id)
             self.last_error = f"{type(exc).__name__}: {exc}"
             return self._finish(req, "error", error="internal error while decoding the output")
 
-    def _append_token(self, req: Request, token_id: int,
-                      logprob: TokenLogprob | None) -> RequestDelta:
+    def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None,
+                      grammar_ended: bool = False) -> RequestDelta:
+        """Append one sampled token; stop checks. `grammar_ended`: the request's grammar
+        is complete with this token, so it stops (even below min_tokens or with
+        ignore_eos: the grammar wins); the token's text is kept unless it is EOS."""
         params = req.params
         first = not req.output_token_ids
         if first:
@@ -202,6 +243,9 @@ class EngineCore:
         reason, stop_reason = self._check_stop(req, token_id)
         # A stop token (EOS or stop_token_ids) ends the text without its own text.
         hide = reason == "stop" and not params.include_stop_str_in_output
+        if grammar_ended and reason != "stop":
+            reason, stop_reason = "stop", None
+            hide = token_id in self.info.eos_token_ids and not params.include_stop_str_in_output
         # Below min_tokens a stop string cannot end the request either (as vLLM).
         step = req.detokenizer.step([] if hide else [token_id], finished=reason is not None,
                                     match_stops=len(req.output_token_ids) >= params.min_tokens)
@@ -264,7 +308,7 @@ class EngineCore:
         parked = self.scheduler.share.num_parked
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting) + parked,
+            "num_waiting": len(self.scheduler.waiting) + parked + len(self.compiling),
             "kv_blocks_used": self.pool.num_used_blocks,
             "kv_blocks_held_by_requests": self._held_by_requests(),
             "kv_blocks_total": self.pool.num_blocks,

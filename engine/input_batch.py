@@ -2,7 +2,8 @@
 
 A request is described to the runner once (`NewRequest`); from then on the runner keeps
 its tokens (it appends what it samples), its sampling state (a seeded `torch.Generator`
-that advances across steps and preemptions) and a row of a block-table buffer that is
+that advances across steps and preemptions, and the grammar matcher of a structured
+request, which advances with the tokens) and a row of a block-table buffer that is
 rewritten only when the scheduler sends a changed table:
 
     block_table  [max_rows, max_blocks_per_seq] int32, -1 padded, on the host
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from plait.engine.grammar import RequestGrammar
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.sched_output import SchedulerOutput
 
@@ -34,6 +36,9 @@ class CachedRequestState:
     generator: torch.Generator | None = None  # only for seeded requests
     num_blocks: int = 0  # entries of its block-table row in use
     block_ids: tuple[int, ...] = ()  # host copy of the row's blocks, for slot arithmetic
+    # Structured output: the request's own matcher, made at its first sample and advanced
+    # by every token appended to output_token_ids (kept across preemption, like the tokens).
+    grammar: RequestGrammar | None = None
 
     def token_ids(self, start: int, end: int) -> list[int]:
         num_prompt = len(self.prompt_token_ids)

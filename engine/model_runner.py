@@ -14,6 +14,7 @@ import os
 import torch
 
 from plait.engine.config import EngineConfig
+from plait.engine.grammar import GrammarCompiler
 from plait.engine.input_batch import CachedRequestState, InputBatch
 from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import ResolvedModel
@@ -111,6 +112,8 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampler = Sampler(config.seed)
+        # Structured output: the engine core's compiler (engine/grammar.py), set by the core.
+        self.grammars: GrammarCompiler | None = None
         self.batch = InputBatch(config.max_num_seqs, cdiv(self.max_model_len, self.block_size),
                                 self.device)
         # kept_logits: [max_shared_logits, vocab] float32, rows addressed by kept slot
@@ -283,6 +286,7 @@ class ModelRunner:
                 index.append(computed.shape[0] + num_kept)
                 num_kept += 1
         logits = table[self.to_device(index, torch.int64)]  # [num_samples, vocab]
+        failed = self._grammars(states, result)
         rewind = [s.generator.get_state() if s.generator is not None else None
                   for s in states]
         try:
@@ -302,20 +306,56 @@ class ModelRunner:
                     result.errors[state.request_id] = f"{type(exc).__name__}: {exc}"
                     picks.append(None)
         for state, pick in zip(states, picks, strict=True):
-            if pick is None:
+            if pick is None or state.request_id in failed:
                 continue
             token_id, logprob = pick
+            if state.grammar is not None and not self._advance(state, token_id, result):
+                continue
             state.output_token_ids.append(token_id)
             result.sampled[state.request_id] = token_id
             if logprob is not None:
                 result.logprobs[state.request_id] = logprob
 
     def _metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        grammars = [s.grammar for s in states]
         return SamplingMetadata(
             params=[s.params for s in states], generators=[s.generator for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],
             output_token_ids=[s.output_token_ids for s in states],
-            eos_token_ids=self.eos_token_ids)
+            eos_token_ids=self.eos_token_ids,
+            grammars=grammars if any(g is not None for g in grammars) else None)
+
+    # ---------------------------------------------------------------- structured output
+    def _grammars(self, states: list[CachedRequestState], result: RunnerOutput) -> set[str]:
+        """Give each structured request its matcher at its first sample (from the core's
+        compiler, `self.grammars`); the ids whose matcher cannot be made go to `errors`
+        (their row is still sampled with the batch, and its pick dropped)."""
+        failed: set[str] = set()
+        for state in states:
+            spec = state.params.structured
+            if spec is None or state.grammar is not None:
+                continue
+            try:
+                if self.grammars is None:
+                    raise RuntimeError("this runner has no grammar compiler")
+                state.grammar = self.grammars.grammar(spec)
+            except Exception as exc:
+                logger.exception("no grammar for request %s", state.request_id)
+                result.errors[state.request_id] = f"{type(exc).__name__}: {exc}"
+                failed.add(state.request_id)
+        return failed
+
+    def _advance(self, state: CachedRequestState, token_id: int, result: RunnerOutput) -> bool:
+        """Advance the request's matcher past its sampled token; False (the request in
+        `errors`) if the grammar refuses it. A complete grammar marks `grammar_ended`."""
+        assert state.grammar is not None
+        if not state.grammar.accept(token_id):
+            result.errors[state.request_id] = (
+                f"the grammar refused token {token_id}: {state.grammar.error}")
+            return False
+        if state.grammar.ended:
+            result.grammar_ended.add(state.request_id)
+        return True
 
     def _move(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device, without waiting for the GPU (see transfer.py)."""

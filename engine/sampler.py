@@ -7,6 +7,7 @@ pipeline (same order as vLLM):
            ─► (logprobs are read here)
            ─► greedy rows: argmax
            ─► random rows: / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► draw
+           ─► grammar rows whose pick the grammar refuses: grammar mask, pick again
 
 Rows that use defaults never enter a Python loop over the vocab: the common case (every row
 plain temperature sampling) is a handful of batched ops. Bias, min_tokens and penalty work is
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from plait.engine.grammar import RequestGrammar, allowed_tokens
 from plait.engine.outputs import TokenLogprob
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.transfer import to_device
@@ -44,6 +46,8 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]
     # The model's end-of-sequence ids, masked while a row is below `min_tokens`.
     eos_token_ids: tuple[int, ...]
+    # The row's grammar (structured output) or None; None for the whole list: no row has one.
+    grammars: list[RequestGrammar | None] | None = None
 
 
 @dataclass(slots=True)
@@ -260,8 +264,13 @@ class Sampler:
     random draw, and no device sync, unlike `torch.multinomial`.
 
     Logprobs are `log_softmax` of the logits after logit_bias, min_tokens and penalties but
-    before temperature, top-k, top-p and min-p: they describe the model's (adjusted)
-    distribution, independent of the sampling knobs. Greedy rows never consume randomness.
+    before temperature, top-k, top-p, min-p and the grammar mask: they describe the model's
+    (adjusted) distribution, independent of the sampling knobs and of structured output (as
+    vLLM's default). Greedy rows never consume randomness.
+
+    Grammar rows (`meta.grammars`): see `_constrain`. A row whose first pick the grammar
+    refuses draws a second uniform from its generator, so seeded structured output is still
+    reproducible and independent of the batch.
     """
 
     def __init__(self, seed: int = 0) -> None:
@@ -276,22 +285,70 @@ class Sampler:
         if lengths != {num_rows}:
             raise ValueError(f"SamplingMetadata lists must all have {num_rows} entries")
         processed = process_logits(logits, meta)  # [num_rows, vocab] float32
-        greedy_rows = [i for i, p in enumerate(meta.params) if p.greedy]
-        random_rows = [i for i, p in enumerate(meta.params) if not p.greedy]
+        tokens = self._pick(processed, meta.params, meta.generators).tolist()
+        source = processed
+        if meta.grammars is not None:
+            source = self._constrain(logits, processed, tokens, meta)
+        return SamplerOutput(tokens, _compute_logprobs(source, tokens, meta.params))
+
+    def _pick(self, processed: torch.Tensor, params: list[SamplingParams],
+              generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Argmax for greedy rows, one draw for the others. Returns [num_rows] int64."""
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
-            token_ids = processed.argmax(dim=-1)
-        elif not greedy_rows:
-            token_ids = self._sample(processed, meta.params, meta.generators)
-        else:
-            token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
-            g_idx = to_device(greedy_rows, logits.device)
-            token_ids[g_idx] = processed[g_idx].argmax(dim=-1)
-            r_idx = to_device(random_rows, logits.device)
-            token_ids[r_idx] = self._sample(processed[r_idx],
-                                            [meta.params[i] for i in random_rows],
-                                            [meta.generators[i] for i in random_rows])
-        tokens = token_ids.tolist()
-        return SamplerOutput(tokens, _compute_logprobs(processed, tokens, meta.params))
+            return processed.argmax(dim=-1)
+        if not greedy_rows:
+            return self._sample(processed, params, generators)
+        device = processed.device
+        token_ids = torch.empty(len(params), dtype=torch.long, device=device)
+        g_idx = to_device(greedy_rows, device)
+        token_ids[g_idx] = processed[g_idx].argmax(dim=-1)
+        r_idx = to_device(random_rows, device)
+        token_ids[r_idx] = self._sample(processed[r_idx], [params[i] for i in random_rows],
+                                        [generators[i] for i in random_rows])
+        return token_ids
+
+    def _constrain(self, logits: torch.Tensor, processed: torch.Tensor, tokens: list[int],
+                   meta: SamplingMetadata) -> torch.Tensor:
+        """Replace, in `tokens`, each pick its row's grammar refuses by a pick from the
+        grammar-masked distribution (drawn with the row's own generator). Returns the
+        logits the logprobs are read from (`processed`, see the class docstring).
+
+        A pick the grammar allows is kept as is, so the grammar never changes a token the
+        seed picks when the grammar allows it; the full mask is computed only for refused
+        rows. For plain temperature sampling the result is distributed exactly as sampling
+        from the masked distribution: P(t) = p(t) + (1 - A) p(t) / A = p(t) / A, with A the
+        allowed mass. Where min_tokens blocks every token the grammar allows (it wants EOS),
+        the grammar wins: that row is masked from the unprocessed logits instead."""
+        assert meta.grammars is not None
+        rows = [i for i, g in enumerate(meta.grammars)
+                if g is not None and not g.allows(tokens[i])]
+        if not rows:
+            return processed
+        device = processed.device
+        grammars = [meta.grammars[i] for i in rows]
+        broken = next((g.error for g in grammars if g.error), None)  # type: ignore[union-attr]
+        if broken:  # never happens to the runner's matchers; fails that row when alone
+            raise ValueError(f"the grammar allows no token: {broken}")
+        allowed = allowed_tokens(grammars, processed.shape[1], device)  # type: ignore[arg-type]
+        idx = to_device(rows, device)
+        masked = processed[idx].masked_fill(~allowed, -math.inf)  # [R, vocab]
+        blocked = (masked.amax(dim=-1) == -math.inf).tolist()
+        if any(blocked):
+            raw = logits[idx].float().masked_fill(~allowed, -math.inf)
+            empty = (raw.amax(dim=-1) == -math.inf).tolist()
+            if any(empty):
+                raise ValueError("the grammar allows no token of the model's vocabulary")
+            which = to_device([j for j, b in enumerate(blocked) if b], device)
+            masked[which] = raw[which]
+            processed = processed.clone()
+            processed[idx[which]] = logits[idx[which]].float()
+        picks = self._pick(masked, [meta.params[i] for i in rows],
+                           [meta.generators[i] for i in rows]).tolist()
+        for i, token in zip(rows, picks, strict=True):
+            tokens[i] = token
+        return processed
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:

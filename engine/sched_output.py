@@ -94,7 +94,8 @@ class RunnerOutput:
     """What one `execute` produced, keyed by request id.
 
     `sampled` holds a token for every `SampleRow` whose sampling succeeded; a request whose
-    own sampling failed is in `errors` instead (its neighbours are unaffected).
+    own sampling failed is in `errors` instead (its neighbours are unaffected), and so is a
+    structured request whose grammar could not be matched.
     `prompt_logprobs` holds, for chunks of requests that asked for them, the logprobs of the
     prompt tokens this chunk scored (the first prompt token's `None` included when the
     chunk starts the prompt)."""
@@ -103,3 +104,6 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    # Structured requests whose grammar is complete after this step's token (it takes no
+    # token but EOS): they finish with "stop".
+    grammar_ended: set[str] = field(default_factory=set)
