@@ -6,6 +6,7 @@ Stream of one request (n=2), one choice per chunk, same id/created on every chun
     {"index":1,"delta":{"role":"assistant","content":""}}
     {"index":1,"delta":{"content":"Hi"}} ...                  interleaved in arrival order
     {"index":0,"delta":{},"finish_reason":"stop"}             exactly one per index
+    (tool calls and response_format: tools.py, tool_output.py)
     {"choices":[],"usage":{...}}                              with include_usage only
     [DONE]
 """
@@ -29,13 +30,14 @@ from plait.server.prompts import (
     check_prompt,
     check_text_size,
     message_chars,
-    message_dicts,
 )
 from plait.server.protocol import ChatCompletionRequest, reject_unsupported
 from plait.server.routing import ApiRoute
 from plait.server.serving import serve_generation
 from plait.server.sse import DONE, encode, error_event
 from plait.server.state import ReadyDep, check_model, request_id_of
+from plait.server.tool_output import ChoiceStream, choice_message
+from plait.server.tools import OutputPlan, chat_template, plan_output, render_messages
 
 router = APIRouter(route_class=ApiRoute)
 
@@ -47,18 +49,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     reject_unsupported(body)
     engine = state.engine
     plan = chat_plan(body)
+    output = plan_output(body, chat_template(engine.tokenizer))
+    plan.params.structured = output.spec
     check_params(engine, plan.params)
-    messages = message_dicts(body.messages)
+    messages = render_messages(body.messages, output)
     check_num_sequences(engine, state.settings.max_queued_requests, plan.num_samples, "n")
     check_text_size(engine, engine.tokenizer, message_chars(messages), "messages")
-    token_ids = await chat_prompt_ids(engine.tokenizer, messages)
+    token_ids = await chat_prompt_ids(engine.tokenizer, messages, tools=output.template_tools)
     check_prompt(engine, token_ids, "messages")
     gen = Generation(state, new_completion_id("chatcmpl"), [Prompt(token_ids, "")], plan,
                      keep_output=not body.streaming, log_id=request_id_of(request))
     include_usage = body.include_usage
     return await serve_generation(
-        request, gen, build=_response,
-        stream=(lambda g: _stream(g, include_usage)) if body.streaming else None)
+        request, gen, build=lambda g, choices: _response(g, choices, output),
+        stream=(lambda g: _stream(g, include_usage, output)) if body.streaming else None)
 
 
 def _logprobs(gen: Generation, logprobs: list[Any]) -> dict[str, Any] | None:
@@ -69,21 +73,21 @@ def _logprobs(gen: Generation, logprobs: list[Any]) -> dict[str, Any] | None:
     return {"content": chat_content(table, logprobs, gen.plan.logprobs), "refusal": None}
 
 
-def _response(gen: Generation, choices: list[ChoiceState]) -> dict[str, Any]:
-    return {
-        "id": gen.request_id, "object": "chat.completion", "created": gen.created,
-        "model": gen.state.model_name,
-        "choices": [{
-            "index": choice.slot,
-            "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
-            "logprobs": _logprobs(gen, choice.logprobs),
-            "finish_reason": choice.finish_reason,
-        } for choice in choices],
-        "usage": gen.usage(),
-    }
+def _response(gen: Generation, choices: list[ChoiceState],
+              output: OutputPlan) -> dict[str, Any]:
+    results = []
+    for choice in choices:
+        message, finish_reason = choice_message(output, "".join(choice.text),
+                                                choice.finish_reason)
+        results.append({"index": choice.slot, "message": message,
+                        "logprobs": _logprobs(gen, choice.logprobs),
+                        "finish_reason": finish_reason})
+    return {"id": gen.request_id, "object": "chat.completion", "created": gen.created,
+            "model": gen.state.model_name, "choices": results, "usage": gen.usage()}
 
 
-async def _stream(gen: Generation, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(gen: Generation, include_usage: bool,
+                  output: OutputPlan) -> AsyncIterator[bytes]:
     base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
             "model": gen.state.model_name}
     tail = {"usage": None} if include_usage else {}
@@ -93,15 +97,19 @@ async def _stream(gen: Generation, include_usage: bool) -> AsyncIterator[bytes]:
         return encode({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                             "finish_reason": finish_reason}], **tail})
 
+    streams = [ChoiceStream(output) for _ in range(gen.plan.n)]
     try:
         for index in range(gen.plan.n):
-            yield chunk(index, {"role": "assistant", "content": ""})
+            yield chunk(index, streams[index].role_delta())
         async for choice, delta in gen.deltas():
-            if delta.text or delta.logprobs:
-                yield chunk(choice.slot, {"content": delta.text},
-                            _logprobs(gen, delta.logprobs or []))
+            stream = streams[choice.slot]
+            for content, logprobs in stream.feed(delta.text, delta.logprobs or []):
+                yield chunk(choice.slot, content, _logprobs(gen, logprobs))
             if delta.finish_reason is not None:
-                yield chunk(choice.slot, {}, None, delta.finish_reason)
+                rest, finish_reason = stream.finish(delta.finish_reason)
+                for content, logprobs in rest:
+                    yield chunk(choice.slot, content, _logprobs(gen, logprobs))
+                yield chunk(choice.slot, {}, None, finish_reason)
         if include_usage:
             yield encode({**base, "choices": [], "usage": gen.usage()})
         yield DONE

@@ -75,12 +75,15 @@ def _text_part(part: dict[str, Any], i: int, j: int) -> str:
     return text
 
 
-def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]],
-                   add_generation_prompt: bool = True) -> list[int]:
-    """Apply the model's chat template, then tokenize without adding special tokens again."""
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
+                   add_generation_prompt: bool = True,
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Apply the model's chat template (with `tools` for templates that render them), then
+    tokenize without adding special tokens again."""
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+            tools=tools)
     except TemplateError as exc:  # e.g. raise_exception("Roles must alternate ...")
         raise bad_request(f"The messages do not fit the model's chat template: {exc}",
                           "messages", "invalid_value") from None
@@ -91,15 +94,16 @@ def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]],
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def message_chars(messages: list[dict[str, str]]) -> int:
+def message_chars(messages: list[dict[str, Any]]) -> int:
     """Characters of the messages' text: a lower bound of the rendered template's."""
     return sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
 
 
-async def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]],
-                          add_generation_prompt: bool = True) -> list[int]:
+async def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
+                          add_generation_prompt: bool = True,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
     """`chat_token_ids`, off the event loop when the messages are large."""
-    return await offload(chat_token_ids, tokenizer, messages, add_generation_prompt,
+    return await offload(chat_token_ids, tokenizer, messages, add_generation_prompt, tools,
                          size=message_chars(messages))
 
 
