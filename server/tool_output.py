@@ -75,7 +75,9 @@ class ChoiceStream:
         self._held: list[TokenLogprob] = []
 
     def role_delta(self) -> dict[str, Any]:
-        return {"role": "assistant", "content": None if self.plan.forced else ""}
+        """The first delta of the choice; content stays null until text is known to be
+        content (a tool-call-only message has content null, as OpenAI's)."""
+        return {"role": "assistant", "content": "" if self.plan.mode == "text" else None}
 
     def feed(self, text: str, logprobs: list[TokenLogprob]) -> list[Delta]:
         """Deltas to send for newly generated `text` (and its logprobs)."""
