@@ -1,9 +1,16 @@
 """`response_format` and tool grammars -> `StructuredSpec` for the engine, checked up front.
 
-Every schema the server hands the engine is made compact: unless the schema says otherwise
-(its own top-level "x-guidance" key), llguidance is told `whitespace_flexible: false`, so
-the output is `{"a":1}` and never `{ "a" :\n\n ...`. llguidance's default lets any amount
-of whitespace between tokens, and a small model can spend its whole token budget on it.
+Every schema the server hands the engine is made compact and closed:
+
+* unless the schema says otherwise (its own top-level "x-guidance" key), llguidance is told
+  `whitespace_flexible: false`, so the output is `{"a":1}` and never `{ "a" :\n\n ...`;
+  llguidance's default lets any amount of whitespace between tokens, and a small model can
+  spend its whole token budget on it;
+* an object schema with `properties` and no `additionalProperties` (nor
+  `patternProperties` / `unevaluatedProperties`) gets `additionalProperties: false` (what
+  OpenAI's strict mode requires, and xgrammar's default): left open, a small model keeps
+  inventing keys. The output space shrinks, so every output still validates against the
+  schema the client sent.
 
 Tool grammars (tools.py decides which one a request gets):
 
@@ -34,10 +41,39 @@ _TEXT_TERMINAL = r"/[^{\[\s][\s\S]*/"
 
 
 def compact(schema: dict[str, Any]) -> dict[str, Any]:
-    """`schema` with llguidance's compact-whitespace option, unless it sets its own."""
+    """`schema`, closed, with llguidance's compact-whitespace option unless it sets its
+    own."""
+    schema = close_objects(schema)
     if "x-guidance" in schema:
         return schema
     return {**schema, "x-guidance": COMPACT}
+
+
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples", "x-guidance"})
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties",
+                          "dependentSchemas"})
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def close_objects(node: Any, in_all_of: bool = False) -> Any:
+    """A copy of `node` where object schemas that list `properties` and say nothing about
+    other keys forbid them (not inside `allOf`, whose branches are intersected)."""
+    if isinstance(node, list):
+        return [close_objects(item, in_all_of) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DATA_KEYS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
+            out[key] = {name: close_objects(sub) for name, sub in value.items()}
+        else:
+            out[key] = close_objects(value, key == "allOf")
+    if (isinstance(node.get("properties"), dict) and not in_all_of
+            and not any(key in node for key in _OPEN_KEYS)):
+        out["additionalProperties"] = False
+    return out
 
 
 def schema_spec(schema: dict[str, Any]) -> StructuredSpec:

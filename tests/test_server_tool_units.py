@@ -10,7 +10,7 @@ import pytest
 from plait.engine.structured import grammar_text
 from plait.server.errors import APIError
 from plait.server.protocol import ChatCompletionRequest, ChatMessage
-from plait.server.structured_params import auto_spec, named_spec, required_spec
+from plait.server.structured_params import auto_spec, close_objects, named_spec, required_spec
 from plait.server.tool_output import ChoiceStream, choice_message
 from plait.server.tool_parsers import (
     PARSERS,
@@ -271,3 +271,18 @@ def test_named_grammar_keeps_refs(accepts) -> None:
     assert json.loads(spec.value)["x-guidance"] == {"whitespace_flexible": False}
     assert accepts(spec, '{"city":"Oslo","unit":"c"}')
     assert not accepts(spec, '{"city":"Oslo","unit":"x"}')
+
+
+def test_schemas_are_closed_where_they_say_nothing_about_other_keys(accepts) -> None:
+    schema = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"b": {"const": {"properties": {}}}}},
+        "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        "both": {"allOf": [{"properties": {"x": {}}}]}}}
+    assert close_objects(schema) == {"type": "object", "additionalProperties": False,
+                                     "properties": {
+        "properties": {"type": "object", "properties": {"b": {"const": {"properties": {}}}},
+                       "additionalProperties": False},
+        "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        "both": {"allOf": [{"properties": {"x": {}}}]}}}
+    spec = named_spec(parse_tools([ADD]), "add")
+    assert accepts(spec, '{"a":1}') and not accepts(spec, '{"a":1,"b":2}')
