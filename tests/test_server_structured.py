@@ -108,7 +108,7 @@ def test_stream_n2_seed_logprobs_match_the_whole_response(server: RemoteServer) 
         index = choice["index"]
         assert (texts[index], finish[index]) == (choice["message"]["content"],
                                                  choice["finish_reason"])
-        assert "".join(t["token"] for t in tokens[index]) == texts[index]
+        assert b"".join(bytes(t["bytes"]) for t in tokens[index]).decode() == texts[index]
         assert [t["token"] for t in choice["logprobs"]["content"]] == \
             [t["token"] for t in tokens[index]]
         jsonschema.validate(json.loads(texts[index]), schema)
