@@ -295,7 +295,7 @@ class EngineCore:
         parked = self.scheduler.share.num_parked
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting) + parked,
+            "num_waiting": len(self.scheduler.waiting) + parked + len(self.compiling),
             "kv_blocks_used": self.pool.num_used_blocks,
             "kv_blocks_held_by_requests": self._held_by_requests(),
             "kv_blocks_total": self.pool.num_blocks,

@@ -46,7 +46,7 @@ class RequestGrammar:
 
     def allows(self, token_id: int) -> bool:
         """Whether `token_id` may be sampled next (cheap: no mask is computed)."""
-        if not 0 <= token_id < self.vocab_size:
+        if not 0 <= token_id < self.vocab_size or self.matcher.is_error():
             return False
         if token_id in self.eos_ids:
             return self.matcher.is_accepting()
@@ -69,7 +69,9 @@ class RequestGrammar:
 
     @property
     def error(self) -> str:
-        return self.matcher.get_error()
+        """Why the matcher is in its error state (its first line), or "" when it is not.
+        A matcher in error allows nothing: the sampler refuses to sample it."""
+        return self.matcher.get_error().split("\n", 1)[0]
 
 
 def allowed_tokens(grammars: list[RequestGrammar], width: int,

@@ -324,6 +324,9 @@ class Sampler:
             return processed
         device = processed.device
         grammars = [meta.grammars[i] for i in rows]
+        broken = next((g.error for g in grammars if g.error), None)  # type: ignore[union-attr]
+        if broken:  # never happens to the runner's matchers; fails that row when alone
+            raise ValueError(f"the grammar allows no token: {broken}")
         allowed = allowed_tokens(grammars, processed.shape[1], device)  # type: ignore[arg-type]
         idx = to_device(rows, device)
         masked = processed[idx].masked_fill(~allowed, -math.inf)  # [R, vocab]
@@ -331,9 +334,8 @@ class Sampler:
         if any(blocked):
             raw = logits[idx].float().masked_fill(~allowed, -math.inf)
             empty = (raw.amax(dim=-1) == -math.inf).tolist()
-            if any(empty):  # a matcher in its error state (fails that row when alone)
-                error = grammars[empty.index(True)].error
-                raise ValueError(f"the grammar allows no token ({error or 'no error'})")
+            if any(empty):
+                raise ValueError("the grammar allows no token of the model's vocabulary")
             which = to_device([j for j, b in enumerate(blocked) if b], device)
             masked[which] = raw[which]
             processed = processed.clone()
