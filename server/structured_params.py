@@ -3,9 +3,9 @@
 Every schema the server hands the engine is made compact and closed:
 
 * unless the schema says otherwise (its own top-level "x-guidance" key), llguidance is told
-  `whitespace_flexible: false`, so the output is `{"a":1}` and never `{ "a" :\n\n ...`;
-  llguidance's default lets any amount of whitespace between tokens, and a small model can
-  spend its whole token budget on it;
+  `whitespace_flexible: false` and no whitespace pattern, so the output is `{"a":1}`: fewer
+  tokens, and nothing for a small model to loop on (llguidance's default allows any run of
+  whitespace; the engine's default, a bounded run, still allows pretty-printing);
 * an object schema with `properties` and no `additionalProperties` (nor
   `patternProperties` / `unevaluatedProperties`) gets `additionalProperties: false` (what
   OpenAI's strict mode requires, and xgrammar's default): left open, a small model keeps
@@ -35,7 +35,8 @@ from plait.engine import StructuredSpec, structured_error
 from plait.server.errors import bad_request
 from plait.server.tool_protocol import ResponseFormat, Tool
 
-COMPACT = {"whitespace_flexible": False}
+# The engine's default whitespace (a bounded pattern) is replaced by none at all.
+COMPACT = {"whitespace_flexible": False, "whitespace_pattern": None}
 # Plain text: first character not "{", "[" or whitespace (those would start, or hide, JSON).
 _TEXT_TERMINAL = r"/[^{\[\s][\s\S]*/"
 

@@ -268,7 +268,8 @@ def test_required_grammar_arrays_only_when_parallel(accepts) -> None:
 
 def test_named_grammar_keeps_refs(accepts) -> None:
     spec = named_spec(parse_tools([WEATHER]), "get_weather")
-    assert json.loads(spec.value)["x-guidance"] == {"whitespace_flexible": False}
+    assert json.loads(spec.value)["x-guidance"] == {"whitespace_flexible": False,
+                                                    "whitespace_pattern": None}
     assert accepts(spec, '{"city":"Oslo","unit":"c"}')
     assert not accepts(spec, '{"city":"Oslo","unit":"x"}')
 
