@@ -6,6 +6,7 @@ Stream of one request (n=2), one choice per chunk, same id/created on every chun
     {"index":1,"delta":{"role":"assistant","content":""}}
     {"index":1,"delta":{"content":"Hi"}} ...                  interleaved in arrival order
     {"index":0,"delta":{},"finish_reason":"stop"}             exactly one per index
+    (tool calls and response_format: tools.py, tool_output.py)
     {"choices":[],"usage":{...}}                              with include_usage only
     [DONE]
 
@@ -33,7 +34,6 @@ from plait.server.prompts import (
     check_prompt,
     check_text_size,
     message_chars,
-    message_dicts,
     template_flags,
 )
 from plait.server.protocol import ChatCompletionRequest, reject_unsupported
@@ -41,6 +41,8 @@ from plait.server.routing import ApiRoute
 from plait.server.serving import serve_generation
 from plait.server.sse import DONE, encode, error_event
 from plait.server.state import ReadyDep, check_model, request_id_of
+from plait.server.tool_output import ChoiceStream, choice_message
+from plait.server.tools import OutputPlan, chat_template, plan_output, render_messages
 
 router = APIRouter(route_class=ApiRoute)
 
@@ -53,19 +55,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     engine = state.engine
     plan = chat_plan(body)
     extras = Extras.of(body)
+    output = plan_output(body, chat_template(engine.tokenizer))
+    plan.params.structured = output.spec
     check_params(engine, plan.params)
     flags = template_flags(body.messages, body.add_generation_prompt,
                            body.continue_final_message)
-    messages = message_dicts(body.messages)
+    messages = render_messages(body.messages, output)
     check_num_sequences(engine, state.settings.max_queued_requests, plan.num_samples, "n")
     check_text_size(engine, engine.tokenizer, message_chars(messages), "messages")
-    token_ids = await chat_prompt_ids(engine.tokenizer, messages, flags)
+    token_ids = await chat_prompt_ids(engine.tokenizer, messages, flags,
+                                      tools=output.template_tools)
     check_prompt(engine, token_ids, "messages")
     gen = Generation(state, new_completion_id("chatcmpl"), [Prompt(token_ids, "")], plan,
                      keep_output=not body.streaming, log_id=request_id_of(request))
     return await serve_generation(
-        request, gen, build=lambda g, choices: _response(g, choices, extras),
-        stream=(lambda g: _stream(g, extras)) if body.streaming else None)
+        request, gen, build=lambda g, choices: _response(g, choices, extras, output),
+        stream=(lambda g: _stream(g, extras, output)) if body.streaming else None)
 
 
 def _logprobs(gen: Generation, logprobs: list[Any]) -> dict[str, Any] | None:
@@ -76,28 +81,30 @@ def _logprobs(gen: Generation, logprobs: list[Any]) -> dict[str, Any] | None:
     return {"content": chat_content(table, logprobs, gen.plan.logprobs), "refusal": None}
 
 
-def _response(gen: Generation, choices: list[ChoiceState], extras: Extras) -> dict[str, Any]:
+def _response(gen: Generation, choices: list[ChoiceState], extras: Extras,
+              output: OutputPlan) -> dict[str, Any]:
     table = gen.state.token_text
     assert table is not None
-    return {
-        "id": gen.request_id, "object": "chat.completion", "created": gen.created,
-        "model": gen.state.model_name,
-        "choices": [{
-            "index": choice.slot,
-            "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
-            "logprobs": _logprobs(gen, choice.logprobs),
-            "finish_reason": choice.finish_reason,
-            **extras.token_ids("token_ids", choice.token_ids),
-        } for choice in choices],
-        "usage": gen.usage(),
-        **extras.prompt_logprobs_of(table, gen.prompt_logprobs(0)),
-        **extras.token_ids("prompt_token_ids", gen.prompts[0].token_ids),
-    }
+    results = []
+    for choice in choices:
+        message, finish_reason = choice_message(output, "".join(choice.text),
+                                                choice.finish_reason)
+        results.append({"index": choice.slot, "message": message,
+                        "logprobs": _logprobs(gen, choice.logprobs),
+                        "finish_reason": finish_reason,
+                        **extras.token_ids("token_ids", choice.token_ids)})
+    return {"id": gen.request_id, "object": "chat.completion", "created": gen.created,
+            "model": gen.state.model_name, "choices": results, "usage": gen.usage(),
+            **extras.prompt_logprobs_of(table, gen.prompt_logprobs(0)),
+            **extras.token_ids("prompt_token_ids", gen.prompts[0].token_ids)}
 
 
-async def _stream(gen: Generation, extras: Extras) -> AsyncIterator[bytes]:
+async def _stream(gen: Generation, extras: Extras,
+                  output: OutputPlan) -> AsyncIterator[bytes]:
     """The stream of the module docstring; with the extras (extras.py), each role chunk
-    carries "prompt_token_ids", each other choice chunk "token_ids" and "usage"."""
+    carries "prompt_token_ids", each other choice chunk "token_ids" and "usage". Tool
+    calls are turned into deltas by `ChoiceStream` (tool_output.py); a step's token ids ride
+    on the first chunk it produced (on an empty delta when it produced none)."""
     base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
             "model": gen.state.model_name}
     num_prompt = len(gen.prompts[0].token_ids)
@@ -112,17 +119,26 @@ async def _stream(gen: Generation, extras: Extras) -> AsyncIterator[bytes]:
         return encode({**base, "choices": [choice],
                        **extras.usage_tail(num_prompt, num_tokens), **(top or {})})
 
+    streams = [ChoiceStream(output) for _ in range(gen.plan.n)]
     try:
         prompt_ids = extras.token_ids("prompt_token_ids", gen.prompts[0].token_ids)
         for index in range(gen.plan.n):
-            yield chunk(index, {"role": "assistant", "content": ""}, top=prompt_ids)
+            yield chunk(index, streams[index].role_delta(), top=prompt_ids)
         async for choice, delta in gen.deltas():
-            if delta.text or delta.logprobs or (extras.return_token_ids and delta.token_ids):
-                yield chunk(choice.slot, {"content": delta.text},
-                            _logprobs(gen, delta.logprobs or []),
-                            num_tokens=choice.num_tokens, token_ids=delta.token_ids)
+            stream = streams[choice.slot]
+            deltas = stream.feed(delta.text, delta.logprobs or [])
+            if not deltas and extras.return_token_ids and delta.token_ids:
+                deltas = [({"content": ""} if output.mode == "text" else {}, [])]
+            for k, (content, logprobs) in enumerate(deltas):
+                yield chunk(choice.slot, content, _logprobs(gen, logprobs),
+                            num_tokens=choice.num_tokens,
+                            token_ids=delta.token_ids if k == 0 else [])
             if delta.finish_reason is not None:
-                yield chunk(choice.slot, {}, None, delta.finish_reason,
+                rest, finish_reason = stream.finish(delta.finish_reason)
+                for content, logprobs in rest:
+                    yield chunk(choice.slot, content, _logprobs(gen, logprobs),
+                                num_tokens=choice.num_tokens, token_ids=[])
+                yield chunk(choice.slot, {}, None, finish_reason,
                             num_tokens=choice.num_tokens, token_ids=[])
         if extras.include_usage:
             yield encode({**base, "choices": [], "usage": gen.usage()})

@@ -17,10 +17,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import plait
 from plait.server.errors import APIError, bad_request, echo
 from plait.server.offload import offload
-from plait.server.prompts import chat_prompt_ids, message_dicts, template_flags
+from plait.server.prompts import chat_prompt_ids, template_flags
 from plait.server.protocol import DetokenizeRequest, TokenizeRequest, reject_unsupported
 from plait.server.routing import ApiRoute
 from plait.server.state import ReadyDep, StateDep, check_model, get_ready_state
+from plait.server.tools import chat_template, conversation_plan, render_messages
 
 open_router = APIRouter()
 router = APIRouter(route_class=ApiRoute)
@@ -78,7 +79,8 @@ async def tokenize(body: TokenizeRequest, state: ReadyDep) -> Response:
         reject_unsupported(body)
         flags = template_flags(body.messages, body.add_generation_prompt,
                                body.continue_final_message)
-        tokens = await chat_prompt_ids(tokenizer, message_dicts(body.messages), flags)
+        messages = render_messages(body.messages, conversation_plan(chat_template(tokenizer)))
+        tokens = await chat_prompt_ids(tokenizer, messages, flags)
     else:
         for name in ("add_generation_prompt", "continue_final_message"):
             if getattr(body, name) is not None:

@@ -28,7 +28,6 @@ from plait.engine import (
 )
 from plait.server.errors import bad_request, echo
 from plait.server.offload import offload
-from plait.server.protocol import ChatMessage
 
 logger = logging.getLogger("plait.server")
 _PROMPT_FORMS = "a string, an array of strings, an array of tokens, or an array of token arrays"
@@ -40,25 +39,6 @@ class Prompt:
 
     token_ids: list[int]
     text: str
-
-
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Template-ready messages; text parts are joined with newlines (as vLLM does)."""
-    result = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if content is None:
-            raise bad_request(f"Invalid value for 'messages.[{i}].content': expected a string "
-                              "or an array of text parts, but got null instead.",
-                              f"messages.[{i}].content", "invalid_value")
-        if isinstance(content, list):
-            content = "\n".join(_text_part(part, i, j) for j, part in enumerate(content))
-        role = "system" if message.role == "developer" else message.role
-        entry = {"role": role, "content": content}
-        if message.name is not None:
-            entry["name"] = message.name
-        result.append(entry)
-    return result
 
 
 def _text_part(part: dict[str, Any], i: int, j: int) -> str:
@@ -103,13 +83,16 @@ def template_flags(messages: list[Any], add_generation_prompt: bool | None,
     return TemplateFlags(False, True)
 
 
-def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]],
-                   flags: TemplateFlags = TemplateFlags()) -> list[int]:
-    """Apply the model's chat template, then tokenize without adding special tokens again."""
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
+                   flags: TemplateFlags = TemplateFlags(),
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Apply the model's chat template (with `tools` for templates that render them), then
+    tokenize without adding special tokens again."""
     try:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=flags.add_generation_prompt,
-            continue_final_message=flags.continue_final_message, tokenize=False)
+            continue_final_message=flags.continue_final_message, tokenize=False,
+            tools=tools)
     except TemplateError as exc:  # e.g. raise_exception("Roles must alternate ...")
         raise bad_request(f"The messages do not fit the model's chat template: {exc}",
                           "messages", "invalid_value") from None
@@ -120,15 +103,16 @@ def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]],
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def message_chars(messages: list[dict[str, str]]) -> int:
+def message_chars(messages: list[dict[str, Any]]) -> int:
     """Characters of the messages' text: a lower bound of the rendered template's."""
     return sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
 
 
-async def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]],
-                          flags: TemplateFlags = TemplateFlags()) -> list[int]:
+async def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
+                          flags: TemplateFlags = TemplateFlags(),
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
     """`chat_token_ids`, off the event loop when the messages are large."""
-    return await offload(chat_token_ids, tokenizer, messages, flags,
+    return await offload(chat_token_ids, tokenizer, messages, flags, tools,
                          size=message_chars(messages))
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from plait.server.errors import bad_request, echo
+from plait.server.errors import bad_request
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1  # the bound of every count a client sends (tokens, top_k)
@@ -40,12 +40,14 @@ class ChatMessage(StrictModel):
     """One message. `content` is a string or a list of `{"type": "text", "text": ...}` parts
     (checked in prompts.py, which gives precise errors for other part types)."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # Checked in tool_protocol.py / tools.py (exact OpenAI shapes, precise errors).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
     # Assistant-message fields of features Plait lacks; the SDK round-trips them as null.
     refusal: Any = None
-    tool_calls: Any = None
     function_call: Any = None
     audio: Any = None
     annotations: Any = None
@@ -117,13 +119,14 @@ class ChatCompletionRequest(SamplingRequest):
     # Identifiers that do not change the output.
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # Structured output and tools: JSON here, validated in tool_protocol.py.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
     # OpenAI parameters Plait does not implement (see UNSUPPORTED).
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -142,6 +145,7 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = Field(None, ge=1, le=20)
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
+    response_format: dict[str, Any] | None = None  # as chat's (vLLM accepts it here too)
     suffix: Any = None
 
 
@@ -165,13 +169,12 @@ class DetokenizeRequest(StrictModel):
 # ------------------------------------------------------------------ unsupported parameters
 # name -> the non-null values that mean "feature off" and are therefore accepted.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (), "tool_choice": ("none",), "functions": (), "function_call": ("none",),
-    "parallel_tool_calls": (), "response_format": ({"type": "text"},), "audio": (),
+    "functions": (), "function_call": ("none",), "audio": (),
     "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "verbosity": (),
     "web_search_options": (), "store": (False,), "metadata": (), "service_tier": (),
     "suffix": ("",),
 }
-MESSAGE_UNSUPPORTED = ("refusal", "tool_calls", "function_call", "audio", "annotations")
+MESSAGE_UNSUPPORTED = ("refusal", "function_call", "audio", "annotations")
 
 
 def reject_unsupported(request: BaseModel) -> None:
@@ -180,16 +183,10 @@ def reject_unsupported(request: BaseModel) -> None:
         value = getattr(request, name, None)
         if value is None or any(value == ok for ok in allowed):
             continue
-        raise bad_request(f"Plait does not support the '{name}' parameter"
-                          f"{_what(name, value)}.", name, "unsupported_parameter")
+        raise bad_request(f"Plait does not support the '{name}' parameter.", name,
+                          "unsupported_parameter")
     for i, message in enumerate(getattr(request, "messages", None) or []):
         for name in MESSAGE_UNSUPPORTED:
             if getattr(message, name) is not None:
                 raise bad_request(f"Plait does not support '{name}' in messages.",
                                   f"messages.[{i}].{name}", "unsupported_parameter")
-
-
-def _what(name: str, value: Any) -> str:
-    if name == "response_format" and isinstance(value, dict) and "type" in value:
-        return f" with type {echo(value['type'])} (only \"text\" is supported)"
-    return ""

@@ -254,6 +254,23 @@ def test_tokenize_token_strs_and_model_card(server: RemoteServer) -> None:
         assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 8192
 
 
+def test_tokenize_renders_a_tool_conversation_as_chat_does(server: RemoteServer) -> None:
+    """An assistant turn with tool_calls (content null) and the tool's result: /tokenize
+    renders them exactly as the chat endpoint does (same prompt token count)."""
+    messages = [
+        {"role": "user", "content": unique("What is the weather in Paris?")},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    counted = tokenize(server, messages=messages, return_token_strs=True)
+    rendered = "".join(counted["token_strs"])
+    assert '"name":"get_weather"' in rendered and "sunny" in rendered
+    chat = ok(server, "/v1/chat/completions", {**GREEDY, "messages": messages, "max_tokens": 1})
+    assert chat["usage"]["prompt_tokens"] == counted["count"]
+
+
 # ---------------------------------------------------------------- validation
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),

@@ -1,0 +1,169 @@
+"""`response_format` and tool grammars -> `StructuredSpec` for the engine, checked up front.
+
+Every schema the server hands the engine is made compact and closed:
+
+* unless the schema says otherwise (its own top-level "x-guidance" key), llguidance is told
+  `whitespace_flexible: false` and no whitespace pattern, so the output is `{"a":1}`: fewer
+  tokens, and nothing for a small model to loop on (llguidance's default allows any run of
+  whitespace; the engine's default, a bounded run, still allows pretty-printing);
+* an object schema with `properties` and no `additionalProperties` (nor
+  `patternProperties` / `unevaluatedProperties`) gets `additionalProperties: false` (what
+  OpenAI's strict mode requires, and xgrammar's default): left open, a small model keeps
+  inventing keys. The output space shrinks, so every output still validates against the
+  schema the client sent.
+
+Tool grammars (tools.py decides which one a request gets):
+
+    call(t)      {"name": <t's name>, "arguments": <t's parameters schema>}
+    calls        anyOf call(t) over the tools; with parallel calls: an array of 1+ of them
+    named(t)     t's parameters schema itself (the server wraps it into a call)
+    auto         Lark: start: TEXT | %json{calls}; TEXT never starts with "{" / "[" / space,
+                 so the first character commits the model to text or to a call
+
+Each tool's schema is moved under the combined schema's `$defs` (`#/$defs/tool<i>`) and its
+local references ("#/...") are rewritten to point below it, so `$ref`/`$defs` inside
+tool parameters keep working.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from plait.engine import StructuredSpec, structured_error
+from plait.server.errors import bad_request
+from plait.server.tool_protocol import ResponseFormat, Tool
+
+# The engine's default whitespace (a bounded pattern) is replaced by none at all.
+COMPACT = {"whitespace_flexible": False, "whitespace_pattern": None}
+# Plain text: first character not "{", "[" or whitespace (those would start, or hide, JSON).
+_TEXT_TERMINAL = r"/[^{\[\s][\s\S]*/"
+
+
+def compact(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema`, closed, with llguidance's compact-whitespace option unless it sets its
+    own."""
+    schema = close_objects(schema)
+    if "x-guidance" in schema:
+        return schema
+    return {**schema, "x-guidance": COMPACT}
+
+
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples", "x-guidance"})
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties",
+                          "dependentSchemas"})
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def close_objects(node: Any, in_all_of: bool = False) -> Any:
+    """A copy of `node` where object schemas that list `properties` and say nothing about
+    other keys forbid them (not inside `allOf`, whose branches are intersected)."""
+    if isinstance(node, list):
+        return [close_objects(item, in_all_of) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DATA_KEYS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
+            out[key] = {name: close_objects(sub) for name, sub in value.items()}
+        else:
+            out[key] = close_objects(value, key == "allOf")
+    if (isinstance(node.get("properties"), dict) and not in_all_of
+            and not any(key in node for key in _OPEN_KEYS)):
+        out["additionalProperties"] = False
+    return out
+
+
+def schema_spec(schema: dict[str, Any]) -> StructuredSpec:
+    return StructuredSpec("json_schema", json.dumps(compact(schema)))
+
+
+def check_spec(spec: StructuredSpec, param: str) -> StructuredSpec:
+    """`spec`, or a 400 naming `param` with llguidance's reason when it cannot compile."""
+    error = structured_error(spec)
+    if error:
+        raise bad_request(f"Invalid '{param}': the schema is not supported: "
+                          f"{_first_line(error)}", param, "invalid_value")
+    return spec
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else "invalid schema"
+    return line[:500]
+
+
+def response_format_spec(rf: ResponseFormat | None) -> StructuredSpec | None:
+    """The constraint for `response_format` (None for text), checked: 400
+    `response_format` for a schema llguidance rejects."""
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object" or rf.json_schema is None or rf.json_schema.schema_ is None:
+        return check_spec(schema_spec({"type": "object"}), "response_format")
+    return check_spec(schema_spec(rf.json_schema.schema_), "response_format.json_schema.schema")
+
+
+def check_tool_schemas(tools: list[Tool]) -> None:
+    """400 `tools.[i].function.parameters` for a parameters schema that cannot compile."""
+    for i, tool in enumerate(tools):
+        params = tool.function.parameters_schema
+        check_spec(StructuredSpec("json_schema", json.dumps(params)),
+                   f"tools.[{i}].function.parameters")
+
+
+# ------------------------------------------------------------------ tool-call schemas
+def _rebase_refs(node: Any, base: str) -> Any:
+    """A copy of `node` whose local `$ref`s ("#", "#/...") point below `base`."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                out[key] = base + value[1:]
+            else:
+                out[key] = _rebase_refs(value, base)
+        return out
+    if isinstance(node, list):
+        return [_rebase_refs(item, base) for item in node]
+    return node
+
+
+def calls_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
+    """The schema of one call (parallel=False) or of an array of 1+ calls, where a call is
+    {"name": <a tool's name>, "arguments": <that tool's parameters>}."""
+    defs: dict[str, Any] = {}
+    branches = []
+    for i, tool in enumerate(tools):
+        key = f"tool{i}"
+        defs[key] = _rebase_refs(copy.deepcopy(tool.function.parameters_schema),
+                                 f"#/$defs/{key}")
+        branches.append({
+            "type": "object",
+            "properties": {"name": {"const": tool.function.name},
+                           "arguments": {"$ref": f"#/$defs/{key}"}},
+            "required": ["name", "arguments"], "additionalProperties": False})
+    one = branches[0] if len(branches) == 1 else {"anyOf": branches}
+    body = {"type": "array", "items": one, "minItems": 1} if parallel else one
+    return compact({**body, "$defs": defs})
+
+
+def required_spec(tools: list[Tool], parallel: bool) -> StructuredSpec:
+    return check_spec(StructuredSpec("json_schema", json.dumps(calls_schema(tools, parallel))),
+                      "tools")
+
+
+def named_spec(tools: list[Tool], name: str) -> StructuredSpec:
+    tool = next(t for t in tools if t.function.name == name)
+    return schema_spec(tool.function.parameters_schema)
+
+
+def auto_spec(tools: list[Tool], parallel: bool,
+              answer: StructuredSpec | None = None) -> StructuredSpec:
+    """Text (or the `answer` JSON schema, when response_format asks for one) or calls."""
+    calls = json.dumps(calls_schema(tools, parallel))
+    if answer is not None:
+        lark = f"start: answer | calls\nanswer: %json {answer.value}\ncalls: %json {calls}\n"
+    else:
+        lark = f"start: TEXT | calls\nTEXT: {_TEXT_TERMINAL}\ncalls: %json {calls}\n"
+    return check_spec(StructuredSpec("lark", lark), "tools")

@@ -1,0 +1,151 @@
+"""A choice's generated text -> its chat message (content and/or tool_calls), whole or as a
+stream of OpenAI deltas.
+
+Non-streaming: `choice_message`. Streaming: one `ChoiceStream` per choice index:
+
+    named function   {"tool_calls":[{"index":0,"id":..,"type":"function",
+                                      "function":{"name":..,"arguments":"<first text>"}}]}
+                     then {"tool_calls":[{"index":0,"function":{"arguments":"<more>"}}]}
+    calls / parser   content streams as it comes until a call could start (a marker, or
+                     its first characters, is held back); from there the text is buffered
+                     and, at the end, each parsed call is one delta
+                     {"tool_calls":[{"index":k,"id":..,"type":..,"function":{name, arguments}}]}
+                     (malformed calls: the buffered text goes out as content instead)
+
+A choice whose calls were parsed and which stopped naturally ends with finish_reason
+"tool_calls"; a length cut stays "length". Logprobs of held-back text go out with the next
+delta that is sent.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from plait.engine import TokenLogprob
+from plait.server.tool_parsers import ParsedCall, ParsedOutput
+from plait.server.tools import OutputPlan
+
+Delta = tuple[dict[str, Any], list[TokenLogprob]]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_dict(call: ParsedCall) -> dict[str, Any]:
+    return {"id": new_call_id(), "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def parse_output(plan: OutputPlan, text: str) -> ParsedOutput:
+    """Content and calls of a finished choice's text under `plan`."""
+    if plan.mode == "named":
+        assert plan.named is not None
+        return ParsedOutput(None, [ParsedCall(plan.named, text)])
+    if plan.parser is None:
+        return ParsedOutput(text, [])
+    return plan.parser.parse(text, plan.tool_names)
+
+
+def _finish(parsed: ParsedOutput, finish_reason: str | None) -> str | None:
+    return "tool_calls" if parsed.calls and finish_reason == "stop" else finish_reason
+
+
+def choice_message(plan: OutputPlan, text: str,
+                   finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """The `message` of a finished choice and its finish_reason."""
+    parsed = parse_output(plan, text)
+    if not parsed.calls:
+        return {"role": "assistant", "content": text, "refusal": None}, finish_reason
+    return ({"role": "assistant", "content": parsed.content, "refusal": None,
+             "tool_calls": [_call_dict(c) for c in parsed.calls]},
+            _finish(parsed, finish_reason))
+
+
+class ChoiceStream:
+    """Turns one choice's text deltas into chat deltas (see the module docstring)."""
+
+    def __init__(self, plan: OutputPlan) -> None:
+        self.plan = plan
+        self._text = ""  # everything generated so far
+        self._sent = 0  # characters of `_text` sent as content
+        self._calls = plan.forced and plan.mode == "calls"  # buffering a call
+        self._named_id: str | None = None
+        self._held: list[TokenLogprob] = []
+
+    def role_delta(self) -> dict[str, Any]:
+        """The first delta of the choice; content stays null until text is known to be
+        content (a tool-call-only message has content null, as OpenAI's)."""
+        return {"role": "assistant", "content": "" if self.plan.mode == "text" else None}
+
+    def feed(self, text: str, logprobs: list[TokenLogprob]) -> list[Delta]:
+        """Deltas to send for newly generated `text` (and its logprobs)."""
+        if self.plan.mode == "text":
+            return [({"content": text}, logprobs)] if text or logprobs else []
+        self._held.extend(logprobs)
+        self._text += text
+        if self.plan.mode == "named":
+            return self._named(text) if text else []
+        if self._calls:
+            return []
+        return self._content(self._sendable())
+
+    def finish(self, finish_reason: str | None) -> tuple[list[Delta], str | None]:
+        """Deltas still to send once the choice finished, and its finish_reason."""
+        if self.plan.mode == "text":
+            return [], finish_reason
+        if self.plan.mode == "named":
+            deltas = self._named("") if self._named_id is None or self._held else []
+            return deltas, _finish(parse_output(self.plan, self._text), finish_reason)
+        parsed = parse_output(self.plan, self._text)
+        if not parsed.calls:
+            return self._content(len(self._text)), finish_reason
+        deltas = self._content(len(parsed.content or ""))
+        for k, call in enumerate(parsed.calls):
+            entry = {"index": k, **_call_dict(call)}
+            deltas.append(({"tool_calls": [entry]}, self._take_logprobs()))
+        return deltas, _finish(parsed, finish_reason)
+
+    # ---------------------------------------------------------------- helpers
+    def _take_logprobs(self) -> list[TokenLogprob]:
+        held, self._held = self._held, []
+        return held
+
+    def _named(self, text: str) -> list[Delta]:
+        if self._named_id is None:
+            self._named_id = new_call_id()
+            entry = {"index": 0, "id": self._named_id, "type": "function",
+                     "function": {"name": self.plan.named, "arguments": text}}
+        else:
+            entry = {"index": 0, "function": {"arguments": text}}
+        return [({"tool_calls": [entry]}, self._take_logprobs())]
+
+    def _content(self, upto: int) -> list[Delta]:
+        """Send `_text[_sent:upto]` as content (with the held logprobs)."""
+        if upto <= self._sent and not (self._held and upto == len(self._text)):
+            return []
+        piece, self._sent = self._text[self._sent:upto], max(self._sent, upto)
+        return [({"content": piece}, self._take_logprobs())]
+
+    def _sendable(self) -> int:
+        """How far the text can go out as content; switches to buffering at a call."""
+        parser = self.plan.parser
+        assert parser is not None
+        text = self._text
+        if parser.at_start:  # the first non-space characters decide: call or text
+            head = text.lstrip()
+            if any(head.startswith(m) for m in parser.markers):
+                self._calls = True
+                return self._sent
+            if not head or any(m.startswith(head) for m in parser.markers):
+                return self._sent  # not decided yet
+            return len(text)
+        for marker in parser.markers:
+            idx = text.find(marker, self._sent)
+            if idx >= 0:
+                self._calls = True
+                return idx
+        hold = max((k for m in parser.markers for k in range(1, len(m))
+                    if text.endswith(m[:k])), default=0)
+        return len(text) - hold

@@ -1,0 +1,214 @@
+"""How a chat request with `tools` / `tool_choice` / `response_format` runs: the output
+constraint, how the conversation (tool calls and tool results included) is rendered, and
+how the output is read back (tool_output.py).
+
+    tool_choice      constraint (grammar)                 output read as
+    none / no tools  response_format's, or none           content
+    "required"       calls_schema (a call, or an array)   "json" parser -> tool_calls
+    named function   the function's parameters schema     the arguments of one call
+    "auto", template the model's own format, unconstrained the family's parser
+      renders tools    (tool_parsers.detect_parser)
+    "auto", other    Lark: plain text | calls_schema      "json" parser
+
+Templates that render tools (Hermes/Qwen, Llama 3.1+: `tools` in the template) get the
+tools, assistant `tool_calls` (arguments as a dict) and `tool` messages as Hugging Face
+templates expect them. Other templates (the default SmolLM2's) get a system message that
+lists the tools and the call format; a past call is rendered as the JSON the grammar makes,
+and consecutive tool results become one user message "Result of <name> (<id>): <content>".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from plait.engine import StructuredSpec
+from plait.server.errors import bad_request
+from plait.server.prompts import _text_part
+from plait.server.protocol import ChatCompletionRequest, ChatMessage
+from plait.server.structured_params import (
+    auto_spec,
+    check_tool_schemas,
+    named_spec,
+    required_spec,
+    response_format_spec,
+)
+from plait.server.tool_parsers import PARSERS, ToolParser, detect_parser
+from plait.server.tool_protocol import (
+    Tool,
+    parse_message_tool_calls,
+    parse_response_format,
+    parse_tool_choice,
+    parse_tools,
+)
+
+OutputMode = Literal["text", "named", "calls", "parser"]
+_COMPACT = (",", ":")
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPlan:
+    """What a chat request's output is constrained to and how it is read back.
+
+    `mode`: "text" (content), "named" (the output is the arguments of `named`), "calls"
+    or "parser" (`parser` splits content from calls). `native`: the chat template renders
+    tools itself; `template_tools` go to it. `system_text` (non-native only) describes the
+    tools and the call format. `forced`: the grammar makes every finished output a call
+    (tool_choice required or named)."""
+
+    mode: OutputMode
+    spec: StructuredSpec | None
+    tool_names: frozenset[str] = frozenset()
+    named: str | None = None
+    parser: ToolParser | None = None
+    native: bool = False
+    template_tools: list[dict[str, Any]] | None = None
+    system_text: str | None = None
+    forced: bool = False  # required / named: every finished output is a call
+
+
+
+def plan_output(body: ChatCompletionRequest, template: str | None) -> OutputPlan:
+    """The request's `OutputPlan`; 400s name the offending parameter."""
+    answer = response_format_spec(parse_response_format(body.response_format))
+    tools = parse_tools(body.tools)
+    choice = parse_tool_choice(body.tool_choice, tools)
+    parser = detect_parser(template)
+    native = parser is not None
+    if not tools or choice == "none":
+        return OutputPlan("text", answer, native=native)
+    check_tool_schemas(tools)
+    parallel = body.parallel_tool_calls is not False
+    names = frozenset(t.function.name for t in tools)
+    template_tools = [t.model_dump(exclude_none=True) for t in tools] if native else None
+    if choice != "auto" and answer is not None:
+        raise bad_request("Invalid 'response_format': it cannot be combined with "
+                          "tool_choice \"required\" or a named function.", "response_format",
+                          "invalid_value")
+    if choice == "required":
+        return OutputPlan("calls", required_spec(tools, parallel), names,
+                          parser=PARSERS["json"], native=native, template_tools=template_tools,
+                          system_text=None if native else _system_text(tools, choice, parallel),
+                          forced=True)
+    if choice != "auto":  # a named function
+        return OutputPlan("named", named_spec(tools, choice), names, named=choice,
+                          native=native, template_tools=template_tools,
+                          system_text=None if native else _system_text(tools, choice, parallel),
+                          forced=True)
+    if native and answer is None:
+        return OutputPlan("parser", None, names, parser=parser, native=True,
+                          template_tools=template_tools)
+    return OutputPlan("calls", auto_spec(tools, parallel, answer), names,
+                      parser=PARSERS["json"], native=native, template_tools=template_tools,
+                      system_text=None if native else _system_text(tools, choice, parallel))
+
+
+def _system_text(tools: list[Tool], choice: str, parallel: bool) -> str:
+    listing = "\n".join(json.dumps({"name": t.function.name,
+                                    "description": t.function.description or "",
+                                    "parameters": t.function.parameters_schema},
+                                   ensure_ascii=False) for t in tools)
+    call = '{"name": <function name>, "arguments": <arguments object>}'
+    several = " (or a JSON array of such objects to call several)" if parallel else ""
+    if choice == "auto":
+        how = (f"To call a function, answer with only a JSON object {call}{several}. "
+               "Otherwise answer in plain text.")
+    elif choice == "required":
+        how = f"Call one of them: answer with only a JSON object {call}{several}."
+    else:
+        how = f"Call the function {json.dumps(choice)}: answer with only its arguments object."
+    return f"You can call these functions:\n{listing}\n{how}"
+
+
+# ------------------------------------------------------------------ conversation
+def _text(message: ChatMessage, i: int) -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "\n".join(_text_part(part, i, j) for j, part in enumerate(content))
+    return content
+
+
+def conversation_plan(template: str | None) -> OutputPlan:
+    """The plan of a conversation rendered with no tools to call (/tokenize): tool results
+    and assistant tool calls render exactly as in a chat request to the same model."""
+    return OutputPlan("text", None, native=detect_parser(template) is not None)
+
+
+def render_messages(messages: list[ChatMessage], plan: OutputPlan) -> list[dict[str, Any]]:
+    """Template-ready messages with tool calls and results (see the module docstring)."""
+    result: list[dict[str, Any]] = []
+    names_by_id: dict[str, str] = {}
+    pending_results: list[str] = []
+    for i, message in enumerate(messages):
+        _check_message(message, i)
+        if message.role == "tool":
+            content, call_id = _text(message, i), message.tool_call_id or ""
+            name = names_by_id.get(call_id, "")
+            if plan.native:
+                result.append({"role": "tool", "tool_call_id": call_id, "name": name,
+                               "content": content})
+            else:
+                pending_results.append(f"Result of {name or 'the call'} ({call_id}): {content}")
+            continue
+        if pending_results:
+            result.append({"role": "user", "content": "\n".join(pending_results)})
+            pending_results = []
+        role = "system" if message.role == "developer" else message.role
+        entry: dict[str, Any] = {"role": role, "content": _text(message, i)}
+        if message.name is not None:
+            entry["name"] = message.name
+        if message.tool_calls:
+            calls = parse_message_tool_calls(message.tool_calls, i)
+            names_by_id.update((call.id, call.function.name) for call, _ in calls)
+            _add_calls(entry, calls, plan.native)
+        result.append(entry)
+    if pending_results:
+        result.append({"role": "user", "content": "\n".join(pending_results)})
+    if plan.system_text is not None:
+        _add_system(result, plan.system_text)
+    return result
+
+
+def _check_message(message: ChatMessage, i: int) -> None:
+    if message.role == "tool" and message.tool_call_id is None:
+        raise bad_request(f"Missing required parameter: 'messages.[{i}].tool_call_id'.",
+                          f"messages.[{i}].tool_call_id", "missing_required_parameter")
+    if message.role != "tool" and message.tool_call_id is not None:
+        raise bad_request(f"Invalid 'messages.[{i}].tool_call_id': only messages with role "
+                          "'tool' have one.", f"messages.[{i}].tool_call_id", "invalid_value")
+    if message.tool_calls is not None and message.role != "assistant":
+        raise bad_request(f"Invalid 'messages.[{i}].tool_calls': only messages with role "
+                          "'assistant' have them.", f"messages.[{i}].tool_calls",
+                          "invalid_value")
+    if message.content is None and not (message.role == "assistant" and message.tool_calls):
+        raise bad_request(f"Invalid value for 'messages.[{i}].content': expected a string "
+                          "or an array of text parts, but got null instead.",
+                          f"messages.[{i}].content", "invalid_value")
+
+
+def _add_calls(entry: dict[str, Any], calls: list[Any], native: bool) -> None:
+    if native:
+        entry["tool_calls"] = [{"id": call.id, "type": "function",
+                                "function": {"name": call.function.name, "arguments": args}}
+                               for call, args in calls]
+        return
+    objects = [{"name": call.function.name, "arguments": args} for call, args in calls]
+    text = json.dumps(objects[0] if len(objects) == 1 else objects, ensure_ascii=False,
+                      separators=_COMPACT)
+    entry["content"] = f"{entry['content']}\n{text}" if entry["content"] else text
+
+
+def _add_system(messages: list[dict[str, Any]], text: str) -> None:
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+    else:
+        messages.insert(0, {"role": "system", "content": text})
+
+
+def chat_template(tokenizer: Any) -> str | None:
+    """The tokenizer's chat template source (None when it has none, or several)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) else None
