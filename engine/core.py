@@ -38,10 +38,10 @@ DetokenizerFactory = Callable[[Any, list[int], SamplingParams], IncrementalDetok
 RunnerFactory = Callable[..., ModelRunner]
 
 SAMPLING_FAILED = "internal error while sampling the request"
-GRAMMAR_FAILED = "the structured output grammar cannot be compiled"
-# How long an idle step waits for a grammar being compiled before it returns.
-COMPILE_WAIT_S = 0.05
 STEP_FAILED = "internal error while computing the request"
+GRAMMAR_FAILED = "the structured output grammar cannot be compiled"
+# How long a step with nothing to compute waits for a grammar being compiled.
+COMPILE_WAIT_S = 0.05
 
 
 @dataclass(slots=True)

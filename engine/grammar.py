@@ -137,10 +137,6 @@ class GrammarCompiler:
             self._store(spec, pristine)
         return RequestGrammar(pristine.deep_copy(), self._tokenizer.vocab_size, self._eos_ids)
 
-    def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
-
     # ---------------------------------------------------------------- internals
     def _compile_and_cache(self, spec: StructuredSpec) -> None:
         try:

@@ -5,11 +5,13 @@
 
 One engine (the offline `EngineCore`, default model unless `--model`), one chat prompt, and
 rounds that alternate an unconstrained and a constrained request of `n` choices (seeded
-sampling at `--temperature`), so both modes see the same machine load. Only decode steps
+sampling at `--temperature`; the order flips every round), so both modes see the same
+machine load. Only decode steps
 in which all `n` choices are running are timed (the constrained choices end when their JSON
 is complete, the unconstrained ones run `--tokens` tokens with ignore_eos).
 
-Reported per mode: median and mean step time, tokens/s over the timed steps, and for the
+Reported per mode: median and mean step time, tokens/s over the timed steps, the runner's
+sampling time per step (all sampling steps, grammar work included), and for the
 constrained mode the time spent in the grammar step of the sampler (`Sampler._constrain`:
 checking each pick, computing masks for refused picks, redrawing) and in advancing the
 matchers, the llguidance mask computations alone, and how many picks needed a full mask.
@@ -79,12 +81,25 @@ class Timers:
             finally:
                 self.mask_s += time.perf_counter() - start
 
+        sample = runner._sample
+
+        def timed_sample(*args, **kwargs) -> None:
+            start = time.perf_counter()
+            try:
+                sample(*args, **kwargs)
+            finally:
+                self.sample_s[self.mode] = (self.sample_s.get(self.mode, 0.0)
+                                            + time.perf_counter() - start)
+
         sampler._constrain = timed_constrain
         runner._advance = timed_advance
+        runner._sample = timed_sample
         RequestGrammar.fill_bitmask = timed_fill  # type: ignore[method-assign]
 
     def reset(self) -> None:
         self.constrain_s = self.advance_s = self.mask_s = 0.0
+        self.sample_s: dict[str, float] = {}  # mode -> seconds in the runner's _sample
+        self.mode = ""
         self.masked_rows = self.checked_rows = 0
 
 
@@ -135,7 +150,9 @@ def main() -> None:
     results: dict[str, dict[str, list[float] | int]] = {
         "unconstrained": {"times": [], "tokens": 0}, "json_schema": {"times": [], "tokens": 0}}
     for r in range(args.rounds):
-        for mode, params in (("unconstrained", free), ("json_schema", bound)):
+        order = [("unconstrained", free), ("json_schema", bound)]
+        for mode, params in order if r % 2 == 0 else order[::-1]:
+            timers.mode = mode
             times, tokens = run_round(core, prompt, params, args.n, f"{mode}-{r}")
             results[mode]["times"] += times  # type: ignore[operator]
             results[mode]["tokens"] += tokens  # type: ignore[operator]
@@ -145,7 +162,8 @@ def main() -> None:
         assert isinstance(times, list) and times, f"no timed step for {mode}"
         report[mode] = {"steps": len(times), "median_ms": 1e3 * statistics.median(times),
                         "mean_ms": 1e3 * statistics.fmean(times),
-                        "tok_s": res["tokens"] / sum(times)}  # type: ignore[operator]
+                        "tok_s": res["tokens"] / sum(times),  # type: ignore[operator]
+                        "sampling_ms_per_step": 1e3 * timers.sample_s[mode] / len(times)}
     steps = report["json_schema"]["steps"]
     report["json_schema"]["grammar_ms_per_step"] = 1e3 * timers.constrain_s / steps
     report["json_schema"]["advance_ms_per_step"] = 1e3 * timers.advance_s / steps
@@ -162,7 +180,8 @@ def main() -> None:
                      f"advance {row['advance_ms_per_step']:.2f} ms; "
                      f"{100 * row['masked_rows_share']:.1f}% of picks redrawn under the mask")
         print(f"{mode:14s} steps {row['steps']:4.0f}  median {row['median_ms']:7.2f} ms  "
-              f"mean {row['mean_ms']:7.2f} ms  {row['tok_s']:7.1f} tok/s{extra}")
+              f"mean {row['mean_ms']:7.2f} ms  {row['tok_s']:7.1f} tok/s  sampling "
+              f"{row['sampling_ms_per_step']:.2f} ms/step{extra}")
     print(f"overhead (median step): {100 * overhead:+.1f}%")
     if args.json:
         with open(args.json, "w") as f:

@@ -14,6 +14,7 @@ from engine_helpers import assert_pool_clean, prompt, run_until_done, tokens_of
 
 from plait import LLM, SamplingParams
 from plait.engine import AsyncEngine, EngineConfig, ProcessEngine, StructuredSpec
+from plait.engine.faults import FaultSite, install_fault_hook
 
 SCHEMAS = {
     "object_enum_bounds": {
@@ -237,6 +238,40 @@ def test_preemption_and_recompute_keep_outputs_valid_and_unchanged(tiny_path,
         if expected.finish_reason == "stop":
             assert_valid(expected.text, SMALL)
     assert any(seen[rid][-1].finish_reason == "stop" for rid, _, _ in jobs)
+    assert_pool_clean(llm)
+
+
+def test_a_failed_sampling_row_advances_no_matcher(tiny_path, tiny_solo: LLM) -> None:
+    """A fault in the batched sampling call (one request's row, at its 4th token) makes the
+    runner sample each row alone, generators rewound: the faulty request fails alone, and
+    the structured neighbours' matchers see each kept token exactly once (their outputs
+    equal their solo runs)."""
+    llm = LLM(str(tiny_path), num_kv_blocks=128, block_size=16)
+    victim = prompt(40, 9)
+
+    def hook(phase: str, site: FaultSite) -> None:
+        if phase == "sample" and list(site.prompt_token_ids) == victim \
+                and site.num_output_tokens == 3:
+            raise RuntimeError("injected sampling fault")
+
+    install_fault_hook(llm.engine, hook)
+    jobs = {"victim": (victim, SamplingParams(temperature=1.0, seed=3, max_tokens=64,
+                                              structured=schema_spec(SMALL))),
+            "seeded": (prompt(41, 9), SamplingParams(temperature=1.0, seed=4, max_tokens=64,
+                                                     structured=schema_spec(SMALL))),
+            "greedy": (prompt(42, 9), SamplingParams(temperature=0, max_tokens=64,
+                                                     structured=schema_spec(SMALL)))}
+    for rid, (ids, params) in jobs.items():
+        llm.engine.add_request(rid, ids, params)
+    seen = run_until_done(llm)
+    assert len(tokens_of(seen["victim"])) == 3 and seen["victim"][-1].finish_reason == "error"
+    for rid in ("seeded", "greedy"):
+        ids, params = jobs[rid]
+        expected = tiny_solo.generate([ids], params)[0].outputs[0]
+        assert tokens_of(seen[rid]) == expected.token_ids, rid
+        assert seen[rid][-1].finish_reason == "stop"
+        assert len(expected.token_ids) > 3
+    assert "injected sampling fault" in llm.stats()["last_error"]
     assert_pool_clean(llm)
 
 
