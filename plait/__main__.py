@@ -2,6 +2,10 @@
 
 import sys
 
-from plait.cli import main
+from plait._paths import drop_checkout_root
+
+drop_checkout_root()  # run from a checkout, its kernels/ would shadow PyPI's `kernels`
+
+from plait.cli import main  # noqa: E402
 
 sys.exit(main())

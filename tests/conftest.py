@@ -13,7 +13,12 @@ sys.path.insert(0, str(Path(__file__).parent))  # test helpers: tiny_model, serv
 
 from tiny_model import make_tiny_model
 
+from plait._paths import drop_checkout_root
 from plait.engine.model_loader import ResolvedModel, load_tokenizer, resolve_model
+
+# `python -m pytest` from the repository root puts it on sys.path, where kernels/ would hide
+# the PyPI package `kernels` that transformers imports (plait/_paths.py).
+drop_checkout_root()
 
 
 @pytest.fixture(scope="session")

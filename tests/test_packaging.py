@@ -52,6 +52,30 @@ def test_generic_import_names_are_not_installed(tmp_path) -> None:
     assert result.stdout.strip() == "ok"
 
 
+@pytest.mark.parametrize("entry", ["", str(REPO)])
+def test_a_checkout_root_on_sys_path_stops_shadowing_once_plait_is_imported(entry) -> None:
+    """`python -c`/`-m` from the checkout ("") or PYTHONPATH=<checkout> make kernels/ import
+    as the top-level `kernels`, hiding PyPI's (a transformers dependency): `python -m plait`
+    and the tests' conftest drop that entry, and plait's own packages still import."""
+    code = textwrap.dedent(f"""
+        import importlib.util, sys
+        sys.path.insert(0, {entry!r})
+        def origin():
+            spec = importlib.util.find_spec("kernels")
+            return getattr(spec, "origin", None) or ""
+        before = origin()
+        import plait
+        from plait._paths import drop_checkout_root
+        drop_checkout_root()
+        import plait.kernels, plait.engine.core, plait.server.app
+        ours = {str(REPO / "kernels" / "__init__.py")!r}
+        print(before == ours, origin() == ours)
+    """)
+    result = run_python(code, REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]
+
+
 def test_engine_runs_without_fastapi_or_pydantic(tmp_path, default_model) -> None:
     model = make_tiny_model(tmp_path / "tiny", default_model.path)
     code = BLOCK_HTTP_STACK + textwrap.dedent(f"""
