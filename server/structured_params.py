@@ -9,8 +9,9 @@ Every schema the server hands the engine is made compact and closed:
 * an object schema with `properties` and no `additionalProperties` (nor
   `patternProperties` / `unevaluatedProperties`) gets `additionalProperties: false` (what
   OpenAI's strict mode requires, and xgrammar's default): left open, a small model keeps
-  inventing keys. The output space shrinks, so every output still validates against the
-  schema the client sent.
+  inventing keys. Only where that just shrinks the output space (`close_objects`), so
+  every output still validates against the schema the client sent; a schema that closing
+  would make unsatisfiable is used as sent.
 
 Tool grammars (tools.py decides which one a request gets):
 
@@ -42,37 +43,59 @@ _TEXT_TERMINAL = r"/[^{\[\s][\s\S]*/"
 
 
 def compact(schema: dict[str, Any]) -> dict[str, Any]:
-    """`schema`, closed, with llguidance's compact-whitespace option unless it sets its
-    own."""
-    schema = close_objects(schema)
-    if "x-guidance" in schema:
-        return schema
-    return {**schema, "x-guidance": COMPACT}
+    """`schema`, closed where that is safe (`close_objects`; as sent when the closed schema
+    cannot compile), with llguidance's compact-whitespace option unless it sets its own."""
+    closed = close_objects(schema)
+    if closed != schema and structured_error(_spec(_compact_only(closed))) is not None:
+        closed = schema
+    return _compact_only(closed)
+
+
+def _compact_only(schema: dict[str, Any]) -> dict[str, Any]:
+    return schema if "x-guidance" in schema else {**schema, "x-guidance": COMPACT}
+
+
+def _spec(schema: dict[str, Any]) -> StructuredSpec:
+    return StructuredSpec("json_schema", json.dumps(schema))
 
 
 _DATA_KEYS = frozenset({"const", "enum", "default", "examples", "x-guidance"})
-_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties",
-                          "dependentSchemas"})
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties"})
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+# Subschemas applied to the same instance as the node holding them: closing one of them (or
+# the node) would forbid the other's keys.
+_SAME_INSTANCE = ("allOf", "anyOf", "oneOf", "then", "else", "dependentSchemas", "$ref")
+# Subschemas whose narrowing could widen what the node accepts (a negation, a condition):
+# nothing under them is ever closed.
+_INVERTED = ("not", "if")
 
 
-def close_objects(node: Any, in_all_of: bool = False) -> Any:
+def close_objects(node: Any, closable: bool = True) -> Any:
     """A copy of `node` where object schemas that list `properties` and say nothing about
-    other keys forbid them (not inside `allOf`, whose branches are intersected)."""
+    other keys forbid them. Only narrowing that keeps every output valid for `node` is
+    done: never under `not` / `if`, never on a node combined with others on the same
+    instance (`allOf`/`anyOf`/`oneOf`/`$ref`/`then`/`else`/`dependentSchemas`, the node
+    and those branches both), never when `required` names a key `properties` lacks."""
     if isinstance(node, list):
-        return [close_objects(item, in_all_of) for item in node]
+        return [close_objects(item, closable) for item in node]
     if not isinstance(node, dict):
         return node
+    combined = any(key in node for key in _SAME_INSTANCE)
     out: dict[str, Any] = {}
     for key, value in node.items():
-        if key in _DATA_KEYS:
+        if key in _DATA_KEYS or key in _INVERTED:
             out[key] = value
         elif key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
             out[key] = {name: close_objects(sub) for name, sub in value.items()}
+        elif key == "dependentSchemas" and isinstance(value, dict):
+            out[key] = {name: close_objects(sub, False) for name, sub in value.items()}
         else:
-            out[key] = close_objects(value, key == "allOf")
-    if (isinstance(node.get("properties"), dict) and not in_all_of
-            and not any(key in node for key in _OPEN_KEYS)):
+            out[key] = close_objects(value, key not in _SAME_INSTANCE)
+    properties = node.get("properties")
+    required = node.get("required")
+    if (closable and not combined and isinstance(properties, dict)
+            and not any(key in node for key in _OPEN_KEYS)
+            and (not isinstance(required, list) or set(required) <= set(properties))):
         out["additionalProperties"] = False
     return out
 
@@ -154,8 +177,9 @@ def required_spec(tools: list[Tool], parallel: bool) -> StructuredSpec:
 
 
 def named_spec(tools: list[Tool], name: str) -> StructuredSpec:
-    tool = next(t for t in tools if t.function.name == name)
-    return schema_spec(tool.function.parameters_schema)
+    index, tool = next((i, t) for i, t in enumerate(tools) if t.function.name == name)
+    return check_spec(schema_spec(tool.function.parameters_schema),
+                      f"tools.[{index}].function.parameters")
 
 
 def auto_spec(tools: list[Tool], parallel: bool,

@@ -287,3 +287,44 @@ def test_schemas_are_closed_where_they_say_nothing_about_other_keys(accepts) -> 
         "both": {"allOf": [{"properties": {"x": {}}}]}}}
     spec = named_spec(parse_tools([ADD]), "add")
     assert accepts(spec, '{"a":1}') and not accepts(spec, '{"a":1,"b":2}')
+
+
+COMBINED_SCHEMAS = [  # closing any of these nodes would forbid keys the schema needs
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]},
+     '{"b":1}'),
+    ({"type": "object", "properties": {"kind": {"enum": ["x", "y"]}}, "required": ["kind"],
+      "anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                {"properties": {"y": {"type": "integer"}}, "required": ["y"]}]},
+     '{"kind":"x","x":1}'),
+    ({"$defs": {"base": {"type": "object", "properties": {"id": {"type": "integer"}},
+                         "required": ["id"]}},
+      "$ref": "#/$defs/base", "properties": {"name": {"type": "string"}},
+      "required": ["name"]},
+     '{"id":1,"name":"a"}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "allOf": [{"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+     '{"b":2}'),
+]
+
+
+@pytest.mark.parametrize("schema,valid", COMBINED_SCHEMAS)
+def test_combined_schemas_stay_satisfiable_and_named_tools_check_them(accepts, schema,
+                                                                      valid) -> None:
+    """A node combined with others on the same instance is never closed (nor a schema that
+    closing would make unsatisfiable), so a valid output stays possible;
+    a named tool's schema is checked like the others (a 400 naming it, never a 500)."""
+    import jsonschema
+
+    jsonschema.validate(json.loads(valid), schema)
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    spec = named_spec(parse_tools([tool]), "f")
+    assert accepts(spec, valid)
+
+
+def test_a_named_tool_whose_schema_cannot_compile_is_a_400() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "[a-"}}}}}
+    with pytest.raises(APIError) as err:
+        named_spec(parse_tools([tool]), "f")
+    assert err.value.status == 400
+    assert err.value.param == "tools.[0].function.parameters"
