@@ -42,7 +42,7 @@ from plait.server.serving import serve_generation
 from plait.server.sse import DONE, encode, error_event
 from plait.server.state import ReadyDep, check_model, request_id_of
 from plait.server.tool_output import ChoiceStream, choice_message
-from plait.server.tools import OutputPlan, chat_template, plan_output, render_messages
+from plait.server.tools import OutputPlan, chat_output_plan, chat_template, render_messages
 
 router = APIRouter(route_class=ApiRoute)
 
@@ -55,7 +55,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     engine = state.engine
     plan = chat_plan(body)
     extras = Extras.of(body)
-    output = plan_output(body, chat_template(engine.tokenizer))
+    output = await chat_output_plan(body, chat_template(engine.tokenizer))
     plan.params.structured = output.spec
     check_params(engine, plan.params)
     flags = template_flags(body.messages, body.add_generation_prompt,

@@ -26,7 +26,7 @@ from plait.server.routing import ApiRoute
 from plait.server.serving import serve_generation
 from plait.server.sse import DONE, encode, error_event
 from plait.server.state import ReadyDep, check_model, request_id_of
-from plait.server.structured_params import response_format_spec
+from plait.server.structured_params import build_off_loop, response_format_spec
 from plait.server.tool_protocol import parse_response_format
 
 router = APIRouter(route_class=ApiRoute)
@@ -39,7 +39,10 @@ async def create_completion(body: CompletionRequest, request: Request,
     reject_unsupported(body)
     engine = state.engine
     plan = completion_plan(body)
-    plan.params.structured = response_format_spec(parse_response_format(body.response_format))
+    if body.response_format is not None:
+        plan.params.structured = await build_off_loop(
+            lambda: response_format_spec(parse_response_format(body.response_format)),
+            param="response_format")
     check_params(engine, plan.params)
     check_num_sequences(engine, state.settings.max_queued_requests,
                         num_prompts(body.prompt) * plan.num_samples,

@@ -30,11 +30,15 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from plait.engine import StructuredSpec, structured_error
 from plait.server.errors import bad_request
+from plait.server.offload import INLINE_MAX_SIZE, offload
 from plait.server.tool_protocol import ResponseFormat, Tool
+
+T = TypeVar("T")
 
 # The engine's default whitespace (a bounded pattern) is replaced by none at all.
 COMPACT = {"whitespace_flexible": False, "whitespace_pattern": None}
@@ -98,6 +102,21 @@ def close_objects(node: Any, closable: bool = True) -> Any:
             and (not isinstance(required, list) or set(required) <= set(properties))):
         out["additionalProperties"] = False
     return out
+
+
+async def build_off_loop(fn: Callable[..., T], *args: Any, param: str) -> T:
+    """`fn(*args)` (building and checking schemas) on a worker thread: checking a large
+    schema holds the CPU for up to a second. A schema nested deeper than the recursion
+    limit is a 400 naming `param`."""
+    return await offload(_depth_checked, fn, param, *args, size=INLINE_MAX_SIZE + 1)
+
+
+def _depth_checked(fn: Callable[..., T], param: str, *args: Any) -> T:
+    try:
+        return fn(*args)
+    except RecursionError:
+        raise bad_request(f"Invalid '{param}': the schema is nested too deeply.", param,
+                          "invalid_value") from None
 
 
 def schema_spec(schema: dict[str, Any]) -> StructuredSpec:

@@ -29,6 +29,7 @@ from plait.server.prompts import _text_part
 from plait.server.protocol import ChatCompletionRequest, ChatMessage
 from plait.server.structured_params import (
     auto_spec,
+    build_off_loop,
     check_tool_schemas,
     named_spec,
     required_spec,
@@ -67,6 +68,14 @@ class OutputPlan:
     system_text: str | None = None
     forced: bool = False  # required / named: every finished output is a call
 
+
+
+async def chat_output_plan(body: ChatCompletionRequest, template: str | None) -> OutputPlan:
+    """`plan_output`, off the event loop when the request has schemas to check."""
+    if body.tools is None and body.response_format is None:
+        return plan_output(body, template)
+    param = "tools" if body.tools is not None else "response_format"
+    return await build_off_loop(plan_output, body, template, param=param)
 
 
 def plan_output(body: ChatCompletionRequest, template: str | None) -> OutputPlan:

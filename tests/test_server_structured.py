@@ -152,6 +152,26 @@ def test_openai_sdk_parse_and_stream_helpers(server: RemoteServer) -> None:
     assert final.choices[0].message.parsed == person  # same seed, same output
 
 
+def test_a_schema_nested_too_deeply_is_a_400(server: RemoteServer) -> None:
+    """600 nested lists under `anyOf` parse as JSON but are deeper than the schema walk goes:
+    a 400 naming the parameter, not a 500 (the JSON is written by hand: json.dumps
+    cannot encode it either)."""
+    depth = 600
+    schema = '{"anyOf":' + "[" * depth + "{}" + "]" * depth + "}"
+    for path, prompt, param in (
+            ("/v1/chat/completions", '"messages":[{"role":"user","content":"hi"}]',
+             "response_format"),
+            ("/v1/completions", '"prompt":"hi"', "response_format")):
+        body = (f'{{"model":"{MODEL}","max_tokens":1,{prompt},"response_format":'
+                f'{{"type":"json_schema","json_schema":{{"name":"deep","schema":{schema}}}}}}}')
+        with server.http() as http:
+            response = http.post(path, content=body,
+                                 headers={"Content-Type": "application/json"})
+        error = error_of(response, 400)
+        assert error["param"] == param and "nested too deeply" in error["message"], error
+    server.assert_at_rest()
+
+
 @pytest.mark.parametrize(("response_format", "param", "fragment"), [
     (json_schema({"type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}}),
      "response_format.json_schema.schema", "not supported"),
