@@ -87,7 +87,7 @@ class EngineCore:
             model_name=resolved.name, block_size=config.block_size)
         self.requests: dict[str, Request] = {}
         # Structured requests whose grammar is still being compiled (not yet scheduled).
-        self.grammars = GrammarCompiler(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, eos_ids=eos)
         self.runner.grammars = self.grammars
         self.compiling: dict[str, tuple[Request, Future[None]]] = {}
         self.counters = StepCounters()

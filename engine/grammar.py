@@ -100,8 +100,12 @@ class GrammarCompiler:
     `GrammarError` when it cannot be); `grammar(spec)` then returns a fresh per-request
     `RequestGrammar`. Thread-safe."""
 
-    def __init__(self, hf_tokenizer: Any, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(self, hf_tokenizer: Any, cache_size: int = DEFAULT_CACHE_SIZE,
+                 eos_ids: tuple[int, ...] = ()) -> None:
+        """`eos_ids`: every id that ends a sequence in the engine (the model config's and
+        the tokenizer's); a complete grammar allows all of them. Empty: the tokenizer's."""
         self._hf_tokenizer = hf_tokenizer
+        self._engine_eos = list(eos_ids)
         self.cache_size = cache_size
         self._lock = threading.Lock()
         self._cache: OrderedDict[StructuredSpec, Any] = OrderedDict()
@@ -171,7 +175,8 @@ class GrammarCompiler:
         if self._tokenizer is None:
             import llguidance.hf
 
-            tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer)
+            tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer,
+                                                     eos_token=self._engine_eos or None)
             self._eos_ids = frozenset(tokenizer.eos_tokens)
             self._tokenizer = tokenizer
         return self._tokenizer

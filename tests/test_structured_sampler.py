@@ -63,6 +63,20 @@ def test_eos_is_allowed_exactly_when_the_grammar_is_complete(compiler, tokenizer
     assert mask.nonzero().flatten().tolist() == [EOS]
 
 
+def test_every_engine_eos_ends_a_complete_grammar(tokenizer) -> None:
+    """The engine stops on the model config's EOS ids as well as the tokenizer's: a
+    complete grammar allows each of them (here id 0 besides the tokenizer's 2), not only
+    the tokenizer's, or a model's natural end of turn would be redrawn away."""
+    engine_eos = GrammarCompiler(tokenizer, eos_ids=(0, EOS))
+    default = GrammarCompiler(tokenizer)
+    spec = StructuredSpec("regex", "a+")
+    grammars = [compiled(c, spec) for c in (engine_eos, default)]
+    for grammar in grammars:
+        assert grammar.accept(tokenizer.encode("a", add_special_tokens=False)[0])
+        assert not grammar.ended and grammar.allows(EOS)
+    assert grammars[0].allows(0) and not grammars[1].allows(0)
+
+
 def test_each_grammar_is_a_fresh_matcher_of_one_cached_compile(compiler, tokenizer) -> None:
     first, second = compiled(compiler, YES_NO), compiled(compiler, YES_NO)
     token = tokenizer.encode("no", add_special_tokens=False)[0]
