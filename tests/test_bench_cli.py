@@ -4,6 +4,7 @@ usage, the PNG plots, --compare, server errors counted, and option / dataset err
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -305,3 +306,27 @@ def test_poisson_arrivals() -> None:
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert all(g > 0 for g in gaps)
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 50, rel=0.1)
+
+
+@pytest.mark.parametrize("done", [True, False])
+async def test_a_stream_cut_before_done_is_an_error(done: bool) -> None:
+    """A server that closes the stream without `data: [DONE]` (a crash mid-answer) is
+    counted as a failed request, not a short success."""
+    from plait.bench.client import stream_request
+
+    chunk = {"choices": [{"index": 0, "text": "hi"}]}
+    events = f"data: {json.dumps(chunk)}\n\n" + ("data: [DONE]\n\n" if done else "")
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"connection: close\r\n\r\n" + events.encode())
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        result = await stream_request(client, "/v1/completions", {"prompt": "x"})
+    assert result.num_chunks == 1 and result.done is done
+    assert result.error == (None if done else "stream ended early (no [DONE])")

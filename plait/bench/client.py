@@ -56,6 +56,7 @@ class StreamResult:
     e2e_s: float | None = None
     status: int | None = None
     error: str | None = None
+    done: bool = False  # the stream's final "data: [DONE]" arrived
 
     @property
     def num_chunks(self) -> int:
@@ -118,6 +119,8 @@ async def stream_request(client: httpx.AsyncClient, path: str,
             else:
                 async for line in response.aiter_lines():
                     _read_line(line, time.perf_counter() - start, out)
+                if not out.done and out.error is None:
+                    out.error = "stream ended early (no [DONE])"
     except httpx.HTTPError as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     out.e2e_s = time.perf_counter() - start
@@ -125,11 +128,15 @@ async def stream_request(client: httpx.AsyncClient, path: str,
 
 
 def _read_line(line: str, now: float, out: StreamResult) -> None:
-    """Fold one SSE line into `out` (comments, other fields and [DONE] are skipped)."""
+    """Fold one SSE line into `out` (comments and other fields are skipped; [DONE] marks
+    the stream complete: one that ends without it is an error)."""
     if not line.startswith("data:"):
         return
     data = line[len("data:"):].strip()
-    if data == "[DONE]" or not data:
+    if data == "[DONE]":
+        out.done = True
+        return
+    if not data:
         return
     try:
         chunk = json.loads(data)
