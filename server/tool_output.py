@@ -129,7 +129,13 @@ class ChoiceStream:
         return [({"content": piece}, self._take_logprobs())]
 
     def _sendable(self) -> int:
-        """How far the text can go out as content; switches to buffering at a call."""
+        """How far the text can go out as content; switches to buffering at a call.
+        Whitespace alone is held back: before a call it is not content (null, as in the
+        whole message)."""
+        upto = self._call_free()
+        return upto if self._text[self._sent:upto].strip() else self._sent
+
+    def _call_free(self) -> int:
         parser = self.plan.parser
         assert parser is not None
         text = self._text

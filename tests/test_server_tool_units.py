@@ -206,6 +206,8 @@ def split(text: str, size: int) -> list[str]:
     (HERMES_TEMPLATE, "auto", 'Sure.<tool_call>\n{"name": "add", "arguments": {"a": 3}}\n'
                               '</tool_call><tool_call>{"name": "add", "arguments": {"a": 4}}'),
     (HERMES_TEMPLATE, "auto", "No calls here, only <tool_ text."),
+    (HERMES_TEMPLATE, "auto", '\n <tool_call>{"name": "add", "arguments": {"a": 5}}</tool_call>'),
+    (HERMES_TEMPLATE, "auto", "\n  \n"),
 ])
 @pytest.mark.parametrize("size", [1, 3, 50])
 def test_streamed_deltas_reassemble_to_the_whole_message(template, choice, text, size) -> None:
