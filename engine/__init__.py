@@ -36,6 +36,7 @@ _EXPORTS = {
     "validate_params": "validation",
     "validate_prompt": "validation",
     "validate_request": "validation",
+    "GRAMMAR_FAILED": "structured",
     "StructuredSpec": "structured",
     "structured_error": "structured",
     "TokenTextTable": "token_text",
@@ -46,6 +47,7 @@ _EXPORTS = {
 }
 __all__ = [
     "FAKE_FRAME",
+    "GRAMMAR_FAILED",
     "LLM",
     "MAX_LOGPROBS",
     "VALID_DTYPES",
@@ -84,7 +86,7 @@ if TYPE_CHECKING:
     from plait.engine.llm import LLM
     from plait.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, TokenLogprob
     from plait.engine.sampling_params import MAX_LOGPROBS, InvalidParamError, SamplingParams
-    from plait.engine.structured import StructuredSpec, structured_error
+    from plait.engine.structured import GRAMMAR_FAILED, StructuredSpec, structured_error
     from plait.engine.token_text import TokenTextTable
     from plait.engine.validation import (
         RequestRejected,

@@ -30,6 +30,7 @@ from plait.engine.request import Request
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.sched_output import RunnerOutput, SchedulerOutput
 from plait.engine.scheduler import Scheduler
+from plait.engine.structured import GRAMMAR_FAILED
 
 logger = logging.getLogger("plait.engine")
 
@@ -39,7 +40,6 @@ RunnerFactory = Callable[..., ModelRunner]
 
 SAMPLING_FAILED = "internal error while sampling the request"
 STEP_FAILED = "internal error while computing the request"
-GRAMMAR_FAILED = "the structured output grammar cannot be compiled"
 # How long a step with nothing to compute waits for a grammar being compiled.
 COMPILE_WAIT_S = 0.05
 

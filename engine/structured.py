@@ -25,6 +25,9 @@ JSON_WHITESPACE = r"(?:\r?\n)?[\x20\x09]{0,24}"
 _JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
 
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
+# The start of the `error` of a request whose grammar the engine could not compile (the
+# HTTP layer answers it with a 400: the grammar came from the client).
+GRAMMAR_FAILED = "the structured output grammar cannot be compiled"
 STRUCTURED_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "lark")
 
 

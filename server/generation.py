@@ -16,8 +16,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from plait.engine import RequestDelta, RequestStream, TokenLogprob
-from plait.server.errors import APIError, server_error
+from plait.engine import GRAMMAR_FAILED, RequestDelta, RequestStream, TokenLogprob
+from plait.server.errors import APIError, bad_request, server_error
 from plait.server.fanout import FanOut
 from plait.server.merge import StreamMerger
 from plait.server.params import Plan
@@ -51,6 +51,16 @@ class ChoiceState:
     finish_reason: str | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+
+
+def _api_error(exc: GenerationError) -> APIError:
+    """A 500, except for a grammar the engine could not compile: it came from the client's
+    schema or grammar (most are refused up front; a few fail only against the tokenizer),
+    so it is a 400."""
+    message = str(exc)
+    if message.startswith(GRAMMAR_FAILED):
+        return bad_request(message.splitlines()[0][:500], None, "invalid_grammar")
+    return server_error(message)
 
 
 def new_completion_id(prefix: str) -> str:
@@ -109,7 +119,7 @@ class Generation:
                     self._first = self._apply(*item)
                 except GenerationError as exc:
                     self._outcome = "error"
-                    raise server_error(str(exc)) from None
+                    raise _api_error(exc) from None
 
     async def deltas(self) -> AsyncIterator[tuple[ChoiceState, RequestDelta]]:
         """Every delta in arrival order, after it was applied to its choice. Raises
@@ -123,13 +133,14 @@ class Generation:
         self._outcome = "ok"
 
     async def run_to_end(self) -> list[ChoiceState]:
-        """Collect everything (non-streaming); engine errors become a 500 `APIError`."""
+        """Collect everything (non-streaming); engine errors become an `APIError` (500,
+        or 400 for a grammar the engine could not compile)."""
         try:
             async for _ in self.deltas():
                 pass
         except GenerationError as exc:
             self._outcome = "error"
-            raise server_error(str(exc)) from None
+            raise _api_error(exc) from None
         return [self.choices[slot] for slot in sorted(self.choices)]
 
     def close(self) -> None:

@@ -196,3 +196,18 @@ def test_bad_response_formats_are_400s(server: RemoteServer, response_format, pa
             assert error["param"] == param, error
             assert fragment in error["message"], error
     server.assert_at_rest()
+
+
+def test_a_grammar_the_engine_cannot_compile_is_a_400_other_engine_errors_500() -> None:
+    """Most bad schemas are refused before the engine sees them; one that fails only
+    against the real tokenizer comes back as the engine's GRAMMAR_FAILED error: the
+    client's fault, so a 400 with the reason's first line."""
+    from plait.engine import GRAMMAR_FAILED
+    from plait.server.generation import GenerationError, _api_error
+
+    grammar = _api_error(GenerationError(f"{GRAMMAR_FAILED}: token 99999 is out of range\n"
+                                         "  in rule start"))
+    assert (grammar.status, grammar.code) == (400, "invalid_grammar")
+    assert grammar.message == f"{GRAMMAR_FAILED}: token 99999 is out of range"
+    other = _api_error(GenerationError("the engine process died"))
+    assert other.status == 500
