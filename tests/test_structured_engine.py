@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -292,13 +293,29 @@ def test_a_bad_grammar_fails_only_its_own_request(tiny: LLM) -> None:
     assert tiny.engine.compiling == {} and tiny.stats()["failed_steps"] == 0
 
 
-def test_a_request_aborted_while_its_grammar_compiles(tiny: LLM) -> None:
+def test_a_request_aborted_while_its_grammar_compiles(tiny: LLM, monkeypatch) -> None:
+    """The compile is held until the abort happened: the request never enters the
+    scheduler, the compiled grammar still lands in the cache, later steps say nothing."""
     spec = StructuredSpec("regex", "[a-z]{1,7}-never-seen-before")
+    compiler = tiny.engine.grammars
+    release = threading.Event()
+    compile_now = compiler._compile
+
+    def held_compile(held: StructuredSpec):
+        assert release.wait(60)
+        return compile_now(held)
+
+    monkeypatch.setattr(compiler, "_compile", held_compile)
     tiny.engine.add_request("x", prompt(4, 8), SamplingParams(structured=spec))
-    assert "x" in tiny.engine.compiling
+    _, future = tiny.engine.compiling["x"]
+    assert not future.done()
     delta = tiny.engine.abort("x")
     assert delta is not None and delta.finish_reason == "abort"
     assert not tiny.engine.has_unfinished() and tiny.engine.compiling == {}
+    release.set()
+    future.result(timeout=60)
+    assert spec in compiler._cache
+    assert tiny.engine.step() == [] and not tiny.engine.has_unfinished()
     assert_pool_clean(tiny)
 
 
