@@ -85,12 +85,12 @@ def plan_output(body: ChatCompletionRequest, template: str | None) -> OutputPlan
     choice = parse_tool_choice(body.tool_choice, tools)
     parser = detect_parser(template)
     native = parser is not None
-    if not tools or choice == "none":
-        return OutputPlan("text", answer, native=native)
+    template_tools = [t.model_dump(exclude_none=True) for t in tools] if native else None
+    if not tools or choice == "none":  # a tool template still shows the tools (as vLLM)
+        return OutputPlan("text", answer, native=native, template_tools=template_tools)
     check_tool_schemas(tools)
     parallel = body.parallel_tool_calls is not False
     names = frozenset(t.function.name for t in tools)
-    template_tools = [t.model_dump(exclude_none=True) for t in tools] if native else None
     if choice != "auto" and answer is not None:
         raise bad_request("Invalid 'response_format': it cannot be combined with "
                           "tool_choice \"required\" or a named function.", "response_format",

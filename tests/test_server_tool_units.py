@@ -103,6 +103,8 @@ def test_plan_auto_with_a_hermes_template_parses_unconstrained() -> None:
     assert (plan.mode, plan.spec, plan.parser, plan.native) == ("parser", None,
                                                                  PARSERS["hermes"], True)
     assert plan.template_tools == [ADD]
+    none = plan_output(request(tools=[ADD], tool_choice="none"), HERMES_TEMPLATE)
+    assert (none.mode, none.spec, none.template_tools) == ("text", None, [ADD])
 
 
 @pytest.mark.parametrize(("fields", "param"), [
