@@ -12,6 +12,7 @@ import torch
 from engine_helpers import make_llm, prompt
 from test_model_parity import PagedHarness
 from tiny_model import make_tiny_model
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from plait import SamplingParams
 from plait.engine.model_config import ModelConfig
@@ -74,6 +75,9 @@ def test_compiled_decode_step_matches_eager(tmp_path, default_model, model_type,
             torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=0)
     assert compiled.calls == 3
     assert StepContext.current is None
+    # dynamo really compiled graphs (for 1 row and for 2+ rows), it did not run eagerly
+    code = compiled._fn._torchdynamo_orig_callable.__code__
+    assert len(_debug_get_cache_entry_list(code)) >= 2
 
 
 def test_attention_op_outside_a_compiled_forward_raises() -> None:

@@ -19,7 +19,9 @@ stack; dynamo unrolls the loop and inductor compiles each distinct kernel once (
 layer instead measured slower: dynamo's per-call overhead, ~0.2 ms, is paid 30 times). The token
 dimension is dynamic (one graph for 2+ tokens; dynamo specializes 1 token), so no padding to
 buckets; every other size is a constant of the graph. The embedding, final norm, LM head and
-sampling stay eager.
+sampling stay eager. Every decoder of a process shares the compiled function's code, so
+dynamo's cache holds two graphs per distinct model (shapes, bias or not, packed or not) up to
+its `recompile_limit` (8); past it dynamo runs the function eagerly (correct, not faster).
 """
 
 from __future__ import annotations
