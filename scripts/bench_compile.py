@@ -77,6 +77,8 @@ def main() -> None:
             same += sum(a == b for a, b in zip(chosen["eager"], chosen["compiled"],
                                                strict=True))
             total += len(chosen["eager"])
+    if not args.rounds:
+        return
     print("\nmedian tok/s over rounds:")
     for workload in workloads:
         eager = statistics.median(rates[(workload, "eager")])
