@@ -208,7 +208,7 @@ class CompiledDecoder:
             with torch.inference_mode():
                 self(ids, torch.zeros(num, dtype=torch.int64), kv_caches, meta)
         seconds = time.perf_counter() - start
-        logger.info("compiled the decode layer in %.1f s", seconds)
+        logger.info("compiled the decoder stack for decode steps in %.1f s", seconds)
         return seconds
 
 
