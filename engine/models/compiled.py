@@ -142,7 +142,7 @@ def _weight(layer: nn.Linear) -> torch.Tensor:
 
 
 class CompiledDecoder:
-    """`model`'s forward with each decoder layer run by one compiled graph.
+    """`model`'s forward with its decoder layers run as one compiled graph.
 
     Same contract as `LlamaForCausalLM.forward` (CPU only). Compilation happens at the
     first call of each shape class (1 token, 2+ tokens); `warm_up` does it ahead.
