@@ -124,14 +124,13 @@ class ModelRunner:
         self.compiled = self._compile() if config.compile else None
 
     def _compile(self) -> CompiledDecoder | None:
-        """The compiled decoder for decode steps (CPU only), compiled now, under the decode
-        steps' thread count (inductor fixes a kernel's threads when it compiles it)."""
+        """The compiled decoder for decode steps (CPU only), compiled now. Inductor fixes a
+        kernel's thread count when it compiles it: torch's current count."""
         if self.device.type != "cpu":
             logger.warning("compile is implemented for CPU only; running eager on %s",
                            self.device)
             return None
         decoder = CompiledDecoder(self.model)
-        self.threads.enter(1, 1)
         decoder.warm_up(self.kv_caches, self.block_size)
         return decoder
 
