@@ -17,7 +17,8 @@ class EngineConfig:
     `num_kv_blocks=None` sizes the pool from memory: `kv_cache_memory_gb` on CPU,
     `gpu_memory_utilization` of the device on CUDA. `max_prefill_tokens_with_decodes` caps
     the prefill tokens of a step that also decodes (0: only `max_num_batched_tokens`), so
-    running streams are not stalled behind a long prefill chunk.
+    running streams are not stalled behind a long prefill chunk. `compile` runs decode steps
+    through a torch.compile'd decoder stack on CPU (models/compiled.py; compiled at startup).
     """
 
     model: str | None = None
@@ -34,6 +35,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_shared_logits: int = 32
     seed: int = 0
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

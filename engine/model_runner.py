@@ -18,6 +18,7 @@ from plait.engine.grammar import GrammarCompiler
 from plait.engine.input_batch import CachedRequestState, InputBatch
 from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import ResolvedModel
+from plait.engine.models.compiled import CompiledDecoder
 from plait.engine.models.llama import AttentionMetadata, LlamaForCausalLM, prepack_cpu_linears
 from plait.engine.outputs import TokenLogprob
 from plait.engine.sampler import Sampler, SamplingMetadata
@@ -120,6 +121,18 @@ class ModelRunner:
         self.kept_logits = torch.zeros(config.max_shared_logits, cfg.vocab_size,
                                        dtype=torch.float32, device=self.device)
         self.threads = ThreadPolicy(self.device)
+        self.compiled = self._compile() if config.compile else None
+
+    def _compile(self) -> CompiledDecoder | None:
+        """The compiled decoder for decode steps (CPU only), compiled now. Inductor fixes a
+        kernel's thread count when it compiles it: torch's current count."""
+        if self.device.type != "cpu":
+            logger.warning("compile is implemented for CPU only; running eager on %s",
+                           self.device)
+            return None
+        decoder = CompiledDecoder(self.model)
+        decoder.warm_up(self.kv_caches, self.block_size)
+        return decoder
 
     def _load_model(self, resolved: ResolvedModel, max_pos: int) -> LlamaForCausalLM:
         with torch.device(self.device):
@@ -189,7 +202,9 @@ class ModelRunner:
         if not out.chunks:
             return torch.empty(0, vocab, device=self.device), {}
         input_ids, positions, meta, sample_idx = self._prepare(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        decode = self.compiled is not None and meta.max_query_len == 1
+        forward = self.compiled if decode else self.model
+        hidden = forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         computed = self.model.compute_logits(hidden[sample_idx])  # [num_sample_chunks, V]
         row_of = {c.request_id: i for i, c in enumerate(c for c in out.chunks if c.sample)}
         offset = 0

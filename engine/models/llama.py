@@ -71,6 +71,13 @@ def prepack_cpu_linears(model: nn.Module) -> bool:
     return True
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, D]
+    """RMS normalization computed in float32 whatever the model dtype, as Hugging Face
+    Llama does; returns x's dtype."""
+    out = nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
+    return out.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -78,9 +85,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, D]
-        # computed in float32 whatever the model dtype, as Hugging Face Llama does
-        out = nn.functional.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
-        return out.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):

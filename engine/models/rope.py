@@ -42,8 +42,18 @@ class RotaryEmbedding(torch.nn.Module):
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, H_kv, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return apply_rope(self.cos_sin, positions, q, k)
+
+
+def apply_rope(
+    cos_sin: torch.Tensor,  # [max_positions, D] = cos | sin halves
+    positions: torch.Tensor,  # [T]
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, H_kv, D]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by their positions' angles (neox style: rotate halves)."""
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
