@@ -9,7 +9,6 @@ input_batch.py) and the sampler. It knows nothing of queues or policy: `execute`
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -49,43 +48,6 @@ def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
-# A step computing at most this many tokens and sampling at most this many rows is a
-# "small" (decode) step for the thread policy.
-_SMALL_STEP_TOKENS = 64
-
-
-class ThreadPolicy:
-    """Intra-op CPU threads per step: all of torch's threads for steps with prefill work,
-    fewer for small (decode) steps.
-
-    A decode step runs a few hundred small parallel regions (GEMMs of <= 64 rows, gathers,
-    norms); every region waits at a barrier for all its threads. When the cores are shared
-    (the server's front-end streaming tokens, other processes), a descheduled thread stalls
-    each barrier for a scheduler slice: measured on a busy 2-core machine, an `index_select`
-    of 80 KV blocks took 11 ms at 2 threads against 40 us at 1, and a decode run was 10x
-    faster at 1 thread. So small steps use half the threads (1 on 2 cores), leaving a core
-    to the front-end. `PLAIT_DECODE_THREADS` overrides the count; 0 disables the policy.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.full = torch.get_num_threads()
-        env = os.environ.get("PLAIT_DECODE_THREADS")
-        small = int(env) if env else max(1, self.full // 2)
-        self.small = small if device.type == "cpu" and small > 0 else None
-        self._current = self.full
-
-    def enter(self, num_tokens: int, num_samples: int) -> None:
-        """Set torch's thread count for a step computing `num_tokens` tokens and sampling
-        `num_samples` rows (many rows make the vocabulary-wide sampling ops large)."""
-        if self.small is None:
-            return
-        small = max(num_tokens, num_samples) <= _SMALL_STEP_TOKENS
-        want = self.small if small else self.full
-        if want != self._current:
-            torch.set_num_threads(want)
-            self._current = want
-
-
 class ModelRunner:
     """Builds the model on `device`, a KV cache sized from `config`, and serves steps.
 
@@ -120,7 +82,6 @@ class ModelRunner:
         # kept_logits: [max_shared_logits, vocab] float32, rows addressed by kept slot
         self.kept_logits = torch.zeros(config.max_shared_logits, cfg.vocab_size,
                                        dtype=torch.float32, device=self.device)
-        self.threads = ThreadPolicy(self.device)
         self.compiled = self._compile() if config.compile else None
 
     def _compile(self) -> CompiledDecoder | None:
