@@ -25,7 +25,13 @@ from typing import Any
 from plait.engine.config import EngineConfig, RuntimeInfo
 from plait.engine.outputs import RequestDelta
 from plait.engine.sampling_params import SamplingParams
-from plait.engine.wire import AbortCommand, AddCommand, Command, ShutdownCommand
+from plait.engine.wire import (
+    AbortCommand,
+    AddBatchCommand,
+    AddCommand,
+    Command,
+    ShutdownCommand,
+)
 
 
 class EngineDeadError(RuntimeError):
@@ -138,13 +144,22 @@ class EngineClient:
         """Send one sub-request to the engine. Call on the event loop thread, with a
         request that passed `validate_request` (the server checks each prompt once before
         fan-out); the caller must not change `prompt_token_ids` or `params` afterwards."""
+        return self.add_requests([(request_id, prompt_token_ids, params)])[0]
+
+    def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]]
+                     ) -> list[RequestStream]:
+        """`add_request` for several sub-requests in one command: the engine applies them
+        all before its next step (one HTTP request's choices start together)."""
         if not self.healthy:
             raise EngineDeadError(self.dead_error or "the engine is not running")
-        stream = RequestStream(request_id)
-        self._streams[request_id] = stream
-        self.num_queued += 1
-        self._send(AddCommand(request_id, prompt_token_ids, params))
-        return stream
+        streams = []
+        for request_id, _, _ in requests:
+            stream = RequestStream(request_id)
+            self._streams[request_id] = stream
+            streams.append(stream)
+        self.num_queued += len(requests)
+        self._send(AddBatchCommand([AddCommand(*request) for request in requests]))
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Ask the engine to stop a sub-request; its stream gets a final "abort" delta."""
@@ -206,9 +221,11 @@ def run_core_loop(core: Any, receive: Receive, emit: Emit) -> None:
         while command is not None:
             if isinstance(command, ShutdownCommand):
                 return
-            delta = apply_command(core, command)
-            if delta is not None:
-                deltas.append(delta)
+            batch = command.requests if isinstance(command, AddBatchCommand) else [command]
+            for one in batch:
+                delta = apply_command(core, one)
+                if delta is not None:
+                    deltas.append(delta)
             command = receive(False)
         if core.has_unfinished():
             deltas.extend(core.step())

@@ -2,7 +2,7 @@
 is framed: msgpack through msgspec, never pickle.
 
     server process                               engine process
-    AddCommand / AbortCommand / ShutdownCommand  -->
+    AddCommand / AddBatchCommand / AbortCommand / ShutdownCommand  -->
                                             <--  ReadyEvent(RuntimeInfo) once loaded
                                             <--  OutputsEvent(deltas, stats) after each step
                                             <--  FatalEvent(error): loading failed or the loop died
@@ -56,6 +56,14 @@ class AddCommand(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams
 
 
+class AddBatchCommand(msgspec.Struct, tag="add_batch", array_like=True):
+    """Queue several sub-requests at once (one HTTP request's fan-out): the engine applies
+    all of them before its next step, so the n choices of a prompt start in the same step
+    (a choice arriving a step late would compute scored prompt logprobs again)."""
+
+    requests: list[AddCommand]
+
+
 class AbortCommand(msgspec.Struct, tag="abort", array_like=True):
     """Stop one sub-request (`EngineCore.abort`); unknown or finished ids are ignored."""
 
@@ -66,7 +74,7 @@ class ShutdownCommand(msgspec.Struct, tag="shutdown", array_like=True):
     """Leave the loop and exit; requests still live are dropped (the server drained first)."""
 
 
-Command = AddCommand | AbortCommand | ShutdownCommand
+Command = AddCommand | AddBatchCommand | AbortCommand | ShutdownCommand
 
 
 # ---------------------------------------------------------------- engine -> server

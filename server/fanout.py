@@ -48,13 +48,14 @@ class FanOut:
         streams by choice slot."""
         self._check_load(len(prompts) * num_samples,
                          "best_of" if num_samples > params.n else "n")
-        try:
-            for p, token_ids in enumerate(prompts):
-                for j in range(num_samples):
-                    slot = p * num_samples + j
-                    sub_id = f"{self.request_id}-{slot}"
-                    self.streams[slot] = self.engine.add_request(
-                        sub_id, token_ids, params.for_choice(j))
+        slots = [(p * num_samples + j, token_ids, j) for p, token_ids in enumerate(prompts)
+                 for j in range(num_samples)]
+        try:  # one command: the engine starts every choice in the same step
+            streams = self.engine.add_requests([
+                (f"{self.request_id}-{slot}", token_ids, params.for_choice(j))
+                for slot, token_ids, j in slots])
+            self.streams = {slot: stream for (slot, _, _), stream in zip(slots, streams,
+                                                                        strict=True)}
         except EngineDeadError:
             self.abort()
             raise service_unavailable(ENGINE_STOPPED_MESSAGE) from None

@@ -33,6 +33,8 @@ def test_every_boundary_type_round_trips() -> None:
                             max_tokens=None, stop=["\n\n", "END"], stop_token_ids=[2],
                             logprobs=3, prompt_logprobs=None)
     commands = [wire.AddCommand("r-0", [1, 2, 3], params), wire.AbortCommand("r-1"),
+                wire.AddBatchCommand([wire.AddCommand("r-2", [4], params),
+                                      wire.AddCommand("r-3", [4], params.for_choice(1))]),
                 wire.ShutdownCommand()]
     for command in commands:
         assert wire.decode_command(wire.encode(command)) == command
