@@ -46,20 +46,22 @@ COMPACT = {"whitespace_flexible": False, "whitespace_pattern": None}
 _TEXT_TERMINAL = r"/[^{\[\s][\s\S]*/"
 
 
-def compact(schema: dict[str, Any]) -> dict[str, Any]:
-    """`schema`, closed where that is safe (`close_objects`; as sent when the closed schema
-    cannot compile), with llguidance's compact-whitespace option unless it sets its own."""
+def checked_spec(schema: dict[str, Any], param: str) -> StructuredSpec:
+    """The compact JSON-schema spec of `schema`: closed where that is safe
+    (`close_objects`) when the closed schema compiles, else as sent; a 400 naming `param`
+    when that cannot compile either. One compile check in the common case."""
     closed = close_objects(schema)
-    if closed != schema and structured_error(_spec(_compact_only(closed))) is not None:
-        closed = schema
-    return _compact_only(closed)
+    if closed != schema:
+        spec = _compact_spec(closed)
+        if structured_error(spec) is None:
+            return spec
+    return check_spec(_compact_spec(schema), param)
 
 
-def _compact_only(schema: dict[str, Any]) -> dict[str, Any]:
-    return schema if "x-guidance" in schema else {**schema, "x-guidance": COMPACT}
-
-
-def _spec(schema: dict[str, Any]) -> StructuredSpec:
+def _compact_spec(schema: dict[str, Any]) -> StructuredSpec:
+    """llguidance's compact-whitespace option added unless the schema sets its own."""
+    if "x-guidance" not in schema:
+        schema = {**schema, "x-guidance": COMPACT}
     return StructuredSpec("json_schema", json.dumps(schema))
 
 
@@ -119,10 +121,6 @@ def _depth_checked(fn: Callable[..., T], param: str, *args: Any) -> T:
                           "invalid_value") from None
 
 
-def schema_spec(schema: dict[str, Any]) -> StructuredSpec:
-    return StructuredSpec("json_schema", json.dumps(compact(schema)))
-
-
 def check_spec(spec: StructuredSpec, param: str) -> StructuredSpec:
     """`spec`, or a 400 naming `param` with llguidance's reason when it cannot compile."""
     error = structured_error(spec)
@@ -143,8 +141,8 @@ def response_format_spec(rf: ResponseFormat | None) -> StructuredSpec | None:
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object" or rf.json_schema is None or rf.json_schema.schema_ is None:
-        return check_spec(schema_spec({"type": "object"}), "response_format")
-    return check_spec(schema_spec(rf.json_schema.schema_), "response_format.json_schema.schema")
+        return checked_spec({"type": "object"}, "response_format")
+    return checked_spec(rf.json_schema.schema_, "response_format.json_schema.schema")
 
 
 def check_tool_schemas(tools: list[Tool]) -> None:
@@ -187,24 +185,22 @@ def calls_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False})
     one = branches[0] if len(branches) == 1 else {"anyOf": branches}
     body = {"type": "array", "items": one, "minItems": 1} if parallel else one
-    return compact({**body, "$defs": defs})
+    return {**body, "$defs": defs}
 
 
 def required_spec(tools: list[Tool], parallel: bool) -> StructuredSpec:
-    return check_spec(StructuredSpec("json_schema", json.dumps(calls_schema(tools, parallel))),
-                      "tools")
+    return checked_spec(calls_schema(tools, parallel), "tools")
 
 
 def named_spec(tools: list[Tool], name: str) -> StructuredSpec:
     index, tool = next((i, t) for i, t in enumerate(tools) if t.function.name == name)
-    return check_spec(schema_spec(tool.function.parameters_schema),
-                      f"tools.[{index}].function.parameters")
+    return checked_spec(tool.function.parameters_schema, f"tools.[{index}].function.parameters")
 
 
 def auto_spec(tools: list[Tool], parallel: bool,
               answer: StructuredSpec | None = None) -> StructuredSpec:
     """Text (or the `answer` JSON schema, when response_format asks for one) or calls."""
-    calls = json.dumps(calls_schema(tools, parallel))
+    calls = required_spec(tools, parallel).value
     if answer is not None:
         lark = f"start: answer | calls\nanswer: %json {answer.value}\ncalls: %json {calls}\n"
     else:
