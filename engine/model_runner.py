@@ -18,7 +18,8 @@ from plait.engine.input_batch import CachedRequestState, InputBatch
 from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import ResolvedModel
 from plait.engine.models.compiled import CompiledDecoder
-from plait.engine.models.llama import AttentionMetadata, LlamaForCausalLM, prepack_cpu_linears
+from plait.engine.models.cpu_linear import prepack_cpu_linears
+from plait.engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from plait.engine.outputs import TokenLogprob
 from plait.engine.sampler import Sampler, SamplingMetadata
 from plait.engine.sched_output import RunnerOutput, SchedulerOutput
@@ -101,7 +102,7 @@ class ModelRunner:
         load_weights(model, resolved.path)
         model = model.to(self.dtype)
         if self.device.type == "cpu":
-            prepack_cpu_linears(model)
+            logger.info("CPU GEMMs: %s-packed weights", prepack_cpu_linears(model))
         return model
 
     def _block_bytes(self) -> int:

@@ -17,7 +17,8 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from plait import SamplingParams
 from plait.engine.model_config import ModelConfig
 from plait.engine.models.compiled import CompiledDecoder, StepContext
-from plait.engine.models.llama import AttentionMetadata, LlamaForCausalLM, prepack_cpu_linears
+from plait.engine.models.cpu_linear import prepack_cpu_linears
+from plait.engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from plait.engine.weights import load_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]

@@ -6,9 +6,9 @@ weights, layer indices) passed as inputs, not frozen constants: the graph holds 
 the weights and no module identity. Two custom ops keep out of the graph what inductor
 should not touch:
 
-* `plait::linear`: the GEMMs, on the weights `prepack_cpu_linears` already reordered for
-  oneDNN (inductor cannot take prepacked weights that are graph inputs, and its own packing
-  needs frozen, per-layer constant weights);
+* `plait::linear`: the GEMMs, on the weights `prepack_cpu_linears` already packed for MKL
+  or oneDNN (inductor cannot take prepacked weights that are graph inputs, and its own
+  packing needs frozen, per-layer constant weights);
 * `plait::attention`: KV write + paged attention, whose shapes depend on the batch's
   metadata. It reads the step's `AttentionMetadata` and KV caches from `StepContext`, set
   around each compiled forward, and the layer index from a 0-d tensor input (an int would
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.engine.models.cpu_linear import packed_linear
 from plait.engine.models.llama import AttentionMetadata, LlamaForCausalLM, rms_norm
 from plait.engine.models.rope import apply_rope
 from plait.kernels import paged_attention, write_kv
@@ -42,19 +43,17 @@ from plait.kernels import paged_attention, write_kv
 logger = logging.getLogger("plait.engine")
 
 _LIB = torch.library.Library("plait", "FRAGMENT")
-_LIB.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.define("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias) -> Tensor")
 _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor layer, float scale) -> Tensor")
 
 
-def _linear_impl(x: torch.Tensor, weight: torch.Tensor,
+def _linear_impl(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
                  bias: torch.Tensor | None) -> torch.Tensor:  # [T, in] -> [T, out]
-    """`weight` is a oneDNN-packed weight (`prepack_cpu_linears`) or a plain [out, in] one."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return nn.functional.linear(x, weight, bias)
+    """`packed_linear`: `weight` plain [out, in], `packed` as `prepack_cpu_linears` left it."""
+    return packed_linear(x, weight, packed, bias).contiguous()
 
 
-def _linear_fake(x: torch.Tensor, weight: torch.Tensor,
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
                  bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
@@ -116,17 +115,19 @@ def _make_stack_fn(dims: _Dims) -> Callable[..., torch.Tensor]:
     h, h_kv, d = dims.num_heads, dims.num_kv_heads, dims.head_dim
     split = (h * d, h_kv * d, h_kv * d)
 
-    def layer_fn(x, positions, cos_sin, layer, ln1, qkv, qkv_bias, o, ln2, gate_up, down):
-        # x: [T, hidden] -> [T, hidden]; weights packed or plain (see _linear_impl)
+    def layer_fn(x, positions, cos_sin, layer, ln1, qkv, qkv_packed, qkv_bias, o, o_packed,
+                 ln2, gate_up, gate_up_packed, down, down_packed):
+        # x: [T, hidden] -> [T, hidden]; each projection as (plain weight, packed or None)
         t = x.shape[0]
-        q, k, v = torch.ops.plait.linear(rms_norm(x, ln1, dims.eps), qkv, qkv_bias).split(
-            split, dim=-1)
+        q, k, v = torch.ops.plait.linear(rms_norm(x, ln1, dims.eps), qkv, qkv_packed,
+                                         qkv_bias).split(split, dim=-1)
         q, k = apply_rope(cos_sin, positions, q.reshape(t, h, d), k.reshape(t, h_kv, d))
         attn = torch.ops.plait.attention(q, k, v.reshape(t, h_kv, d), layer, dims.scale)
-        x = x + torch.ops.plait.linear(attn.reshape(t, h * d), o, None)
-        gate, up = torch.ops.plait.linear(rms_norm(x, ln2, dims.eps), gate_up, None).chunk(
-            2, dim=-1)
-        return x + torch.ops.plait.linear(nn.functional.silu(gate) * up, down, None)
+        x = x + torch.ops.plait.linear(attn.reshape(t, h * d), o, o_packed, None)
+        gate, up = torch.ops.plait.linear(rms_norm(x, ln2, dims.eps), gate_up, gate_up_packed,
+                                          None).chunk(2, dim=-1)
+        return x + torch.ops.plait.linear(nn.functional.silu(gate) * up, down, down_packed,
+                                          None)
 
     def stack_fn(x, positions, cos_sin, layers):  # x: [T, hidden] -> [T, hidden]
         for tensors in layers:
@@ -136,9 +137,8 @@ def _make_stack_fn(dims: _Dims) -> Callable[..., torch.Tensor]:
     return stack_fn
 
 
-def _weight(layer: nn.Linear) -> torch.Tensor:
-    packed = getattr(layer, "packed_weight", None)
-    return packed if packed is not None else layer.weight
+def _weights(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return layer.weight, getattr(layer, "packed_weight", None)
 
 
 class CompiledDecoder:
@@ -165,9 +165,10 @@ class CompiledDecoder:
         for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             self._layers.append((
-                torch.tensor(i), layer.input_layernorm.weight, _weight(attn.qkv_proj),
-                attn.qkv_proj.bias, _weight(attn.o_proj), layer.post_attention_layernorm.weight,
-                _weight(mlp.gate_up_proj), _weight(mlp.down_proj)))
+                torch.tensor(i), layer.input_layernorm.weight, *_weights(attn.qkv_proj),
+                attn.qkv_proj.bias, *_weights(attn.o_proj),
+                layer.post_attention_layernorm.weight, *_weights(mlp.gate_up_proj),
+                *_weights(mlp.down_proj)))
 
     def __call__(
         self,

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from plait.engine.model_config import ModelConfig
+from plait.engine.models.cpu_linear import linear
 from plait.engine.models.rope import RotaryEmbedding
 from plait.kernels import paged_attention, write_kv
 
@@ -34,41 +35,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [S, max_blocks] int32, padded with -1
     max_query_len: int
     max_context_len: int
-
-
-# On CPU, BLAS runs W @ x^T faster than x @ W^T when x has few rows (decode batches).
-_SKINNY_ROWS = 32
-
-
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-    """`layer(x)`, through the fastest CPU path available (see `prepack_cpu_linears`).
-
-    The result may be a transposed (strided) view."""
-    packed = getattr(layer, "packed_weight", None)
-    if packed is not None and x.device.type == "cpu":
-        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
-    if x.device.type != "cpu" or x.shape[0] > _SKINNY_ROWS:
-        return layer(x)
-    out = torch.mm(layer.weight, x.t()).t()
-    return out if layer.bias is None else out + layer.bias
-
-
-def prepack_cpu_linears(model: nn.Module) -> bool:
-    """Reorder every float32 CPU Linear weight once into oneDNN's blocked layout.
-
-    Measured on the default model's shapes on a 2-core CPU: 1.3-2.3x faster than
-    `F.linear` for 1-512 rows (the 49152-row LM head gains most). Call again after the
-    weights change. Returns False (nothing packed) where oneDNN is unavailable.
-    """
-    if not torch.backends.mkldnn.is_available():
-        return False
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight.device.type == "cpu" \
-                and module.weight.dtype == torch.float32:
-            with torch.no_grad():
-                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
-                    module.weight.detach(), _SKINNY_ROWS)
-    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, D]
