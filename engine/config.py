@@ -17,7 +17,7 @@ class EngineConfig:
     `num_kv_blocks=None` sizes the pool from memory: `kv_cache_memory_gb` on CPU,
     `gpu_memory_utilization` of the device on CUDA. `max_prefill_tokens_with_decodes` caps
     the prefill tokens of a step that also decodes (0: only `max_num_batched_tokens`), so
-    running streams are not stalled behind a long prefill chunk. `compile` runs decode steps
+    running streams are not stalled behind a long prefill chunk. `compile` runs every step
     through a torch.compile'd decoder stack on CPU (models/compiled.py; compiled at startup).
     """
 

@@ -86,7 +86,7 @@ class ModelRunner:
         self.compiled = self._compile() if config.compile else None
 
     def _compile(self) -> CompiledDecoder | None:
-        """The compiled decoder for decode steps (CPU only), compiled now. Inductor fixes a
+        """The compiled decoder stack for every step (CPU only), compiled now. Inductor fixes a
         kernel's thread count when it compiles it: torch's current count."""
         if self.device.type != "cpu":
             logger.warning("compile is implemented for CPU only; running eager on %s",
@@ -164,8 +164,7 @@ class ModelRunner:
         if not out.chunks:
             return torch.empty(0, vocab, device=self.device), {}
         input_ids, positions, meta, sample_idx = self._prepare(out)
-        decode = self.compiled is not None and meta.max_query_len == 1
-        forward = self.compiled if decode else self.model
+        forward = self.model if self.compiled is None else self.compiled
         hidden = forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         computed = self.model.compute_logits(hidden[sample_idx])  # [num_sample_chunks, V]
         row_of = {c.request_id: i for i, c in enumerate(c for c in out.chunks if c.sample)}

@@ -87,7 +87,7 @@ OPTIONS: tuple[Option, ...] = (
            "not pinned)"),
     Option("--seed", int, "engine seed for unseeded requests"),
     Option("--compile", bool,
-           "run decode steps through a torch.compile'd decoder (CPU; ~1 min at startup)"),
+           "run every step through a torch.compile'd decoder (CPU; ~1 min at startup)"),
     Option("--max-queued-requests", int,
            "sub-requests admitted beyond the --max-num-seqs running slots; past it a new "
            "request gets 503 + Retry-After"),

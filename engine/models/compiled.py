@@ -1,5 +1,5 @@
-"""Opt-in compiled decode forward (`EngineConfig.compile`): the decoder layers compiled by
-torch.compile (inductor, CPU) into one graph.
+"""Opt-in compiled forward (`EngineConfig.compile`): the decoder layers compiled by
+torch.compile (inductor, CPU) into one graph, run for every step (prefill, decode, mixed).
 
 The compiled unit is a pure function of the layers' tensors (norm weights, projection
 weights, layer indices) passed as inputs, not frozen constants: the graph holds no copy of
@@ -20,8 +20,9 @@ layer instead measured slower: dynamo's per-call overhead, ~0.2 ms, is paid 30 t
 dimension is dynamic (one graph for 2+ tokens; dynamo specializes 1 token), so no padding to
 buckets; every other size is a constant of the graph. The embedding, final norm, LM head and
 sampling stay eager. Every decoder of a process shares the compiled function's code, so
-dynamo's cache holds two graphs per distinct model (shapes, bias or not, packed or not) up to
-its `recompile_limit` (8); past it dynamo runs the function eagerly (correct, not faster).
+dynamo's cache holds two graphs per distinct model (shapes, bias or not, packed or not): a
+decoder raises dynamo's per-function `recompile_limit` to at least `RECOMPILE_LIMIT`, and a
+call that would pass it runs the same function uncompiled (correct, not faster; logged once).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from plait.engine.models.rope import apply_rope
 from plait.kernels import paged_attention, write_kv
 
 logger = logging.getLogger("plait.engine")
+
+# Graphs the compiled function may hold (two per distinct model) before calls run uncompiled.
+RECOMPILE_LIMIT = 32
 
 _LIB = torch.library.Library("plait", "FRAGMENT")
 _LIB.define("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias) -> Tensor")
@@ -147,7 +151,7 @@ class CompiledDecoder:
     Same contract as `LlamaForCausalLM.forward` (CPU only). Compilation happens at the
     first call of each shape class (1 token, 2+ tokens); `warm_up` does it ahead.
     Call `refresh` after the model's weights (or their packing) change. `calls` counts the
-    forwards run.
+    forwards run, `uncompiled_calls` those that ran uncompiled (see the module docstring).
     """
 
     def __init__(self, model: LlamaForCausalLM) -> None:
@@ -155,8 +159,13 @@ class CompiledDecoder:
         first = model.layers[0].self_attn
         dims = _Dims(first.num_heads, first.num_kv_heads, first.head_dim,
                      model.layers[0].input_layernorm.eps, first.scale)
-        self._fn = torch.compile(_make_stack_fn(dims), fullgraph=True)
+        stack_fn = _make_stack_fn(dims)
+        self._eager_fn = stack_fn
+        self._fn = torch.compile(stack_fn, fullgraph=True)
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
         self.calls = 0
+        self.uncompiled_calls = 0
         self.refresh()
 
     def refresh(self) -> None:
@@ -186,14 +195,22 @@ class CompiledDecoder:
             torch._dynamo.mark_dynamic(positions, 0)
         StepContext.current = _Step(meta, kv_caches)
         try:
-            x = self._fn(x, positions, cos_sin, self._layers)
+            try:
+                x = self._fn(x, positions, cos_sin, self._layers)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                if not self.uncompiled_calls:
+                    logger.warning("dynamo's recompile limit reached: this decoder's new "
+                                   "shapes run uncompiled")
+                self.uncompiled_calls += 1
+                x = self._eager_fn(x, positions, cos_sin, self._layers)
         finally:
             StepContext.current = None
         return model.norm(x)
 
     def warm_up(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 block_size: int) -> float:
-        """Compile both shape classes with dummy decode steps; returns the seconds taken.
+        """Compile both shape classes (1 token; 2+ tokens, which also serves prefills) with
+        dummy decode steps; returns the seconds taken.
 
         The dummy steps write K/V into blocks 0 and 1: call before any request has cached
         anything."""
@@ -209,7 +226,7 @@ class CompiledDecoder:
             with torch.inference_mode():
                 self(ids, torch.zeros(num, dtype=torch.int64), kv_caches, meta)
         seconds = time.perf_counter() - start
-        logger.info("compiled the decoder stack for decode steps in %.1f s", seconds)
+        logger.info("compiled the decoder stack in %.1f s", seconds)
         return seconds
 
 
