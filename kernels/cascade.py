@@ -47,6 +47,9 @@ class _Prefix:
 
     rows: torch.Tensor  # [G] int64 rows of the decode group
     block_ids: torch.Tensor  # [P_blocks] int64 cache blocks of the shared prefix
+    # the first block when the prefix's blocks are consecutive ids (as a prompt allocated
+    # at once usually is): its K/V are then a view of the cache, not a gather
+    first_block: int | None = None
 
 
 @dataclass(slots=True)
@@ -54,7 +57,8 @@ class _CascadePlan:
     decodes: _SeqGroup | None  # every decode row, keys from its prefix's end on
     prefixes: list[_Prefix]
     prefills: list[_SeqGroup]
-    # decodes.mask as an additive float mask (0 / -inf), which the fused CPU kernel needs
+    # decodes.mask as an additive float mask (0 / -inf), which the fused CPU kernel needs;
+    # None when no row is padded (every row attends all L gathered keys)
     decode_bias: torch.Tensor | None = None  # [S_d, 1, group, L] float32
 
 
@@ -109,10 +113,15 @@ def _plan(
     first, shared = find_prefixes(tables, [ctx[i] for i in decode_idx], block_size,
                                   min_prefix_blocks)
     decodes = decode_group(decode_idx, starts, ctx, block_tables, block_size, group, first)
-    prefixes = [_Prefix(torch.tensor(rows, device=device),
-                        tables[rows[0], :run].long().to(device)) for rows, run in shared]
+    prefixes = []
+    for rows, run in shared:
+        ids = tables[rows[0], :run].tolist()
+        consecutive = ids == list(range(ids[0], ids[0] + run))
+        prefixes.append(_Prefix(torch.tensor(rows, device=device),
+                                torch.tensor(ids, dtype=torch.int64, device=device),
+                                ids[0] if consecutive else None))
     bias = None
-    if prefixes:
+    if prefixes and not bool(decodes.mask.all()):
         bias = torch.zeros(decodes.mask.shape, device=device).masked_fill_(
             ~decodes.mask, float("-inf"))
     return _CascadePlan(decodes, prefixes, prefills, bias)
@@ -156,9 +165,18 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
            lse_b: torch.Tensor) -> torch.Tensor:
     """Softmax-weighted merge of two partial attentions over disjoint key sets.
 
-    out_*: [R, H, D], lse_*: [R, H] (float32). Returns [R, H, D]."""
-    lse = torch.logaddexp(lse_a, lse_b)  # [R, H]
-    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
+    out_*: [R, H, D], lse_*: [R, H] (float32). Returns [R, H, D]:
+    (e^a out_a + e^b out_b) / (e^a + e^b) = out_b + sigmoid(a - b) (out_a - out_b)."""
+    return torch.lerp(out_b, out_a, torch.sigmoid(lse_a - lse_b).unsqueeze(-1))
+
+
+def _prefix_kv(cache: torch.Tensor, prefix: _Prefix) -> torch.Tensor:  # [1, P, H_kv, D]
+    """The prefix's cached K (or V): a view of `cache` when its blocks are consecutive."""
+    num_blocks, block_size = prefix.block_ids.shape[0], cache.shape[1]
+    if prefix.first_block is not None:
+        blocks = cache[prefix.first_block : prefix.first_block + num_blocks]
+        return blocks.view(1, num_blocks * block_size, *cache.shape[2:])
+    return gather_blocks(cache, prefix.block_ids, 1, num_blocks * block_size)
 
 
 def cascade_attention_reference(
@@ -198,8 +216,7 @@ def cascade_attention_reference(
     dec, lse = dec.squeeze(1), lse.squeeze(1)  # [S_d, H, D], [S_d, H]
     for p in plan.prefixes:
         num_rows = p.rows.shape[0]
-        key = gather_blocks(k_cache, p.block_ids, 1, p.block_ids.shape[0] * block_size)
-        value = gather_blocks(v_cache, p.block_ids, 1, p.block_ids.shape[0] * block_size)
+        key, value = _prefix_kv(k_cache, p), _prefix_kv(v_cache, p)
         # the group's queries stacked as one sequence's queries, no mask: [1, G, H, D]
         pre, pre_lse = attend_with_lse(q[p.rows].view(1, num_rows, -1, head_dim), key,
                                        value, None, scale)

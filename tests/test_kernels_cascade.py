@@ -49,6 +49,40 @@ def test_random_batches_match_paged_and_dense_attention(seed, block_size):
     torch.testing.assert_close(shared.double(), dense_attention(batch), atol=2e-6, rtol=1e-5)
 
 
+def _renumber_blocks(batch, first: list[int]) -> None:
+    """Relabel cache blocks in place so the blocks listed in `first` get ids 0, 1, ... in
+    that order (the rest follow): the same batch, with those blocks consecutive."""
+    used = list(first)
+    used += [b for b in range(batch.k_cache.shape[0]) if b not in set(first)]
+    new_of = torch.empty(len(used), dtype=torch.int64)
+    new_of[torch.tensor(used)] = torch.arange(len(used))
+    for cache in (batch.k_cache, batch.v_cache):
+        cache[new_of] = cache.clone()
+    valid = batch.block_tables >= 0
+    batch.block_tables[valid] = new_of[batch.block_tables[valid].long()].to(torch.int32)
+
+
+@pytest.mark.parametrize("equal_lengths", [True, False])
+def test_consecutive_prefix_blocks_are_attended_as_a_view(equal_lengths):
+    """A prefix whose blocks are consecutive ids (a prompt allocated at once) is read as a
+    view of the cache, and rows of one length need no mask: the same result as the gather
+    path and as dense attention."""
+    lengths = (37, 37, 37, 37) if equal_lengths else (37, 35, 40, 33)
+    batch = build_batch(BatchSpec(seqs=tuple((1, n) for n in lengths), block_size=4))
+    share_prefix(batch, [0, 1, 2, 3], 8, 4)
+    gathered = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
+    plan = cascade._cached_plan.last
+    assert [p.first_block for p in plan.prefixes] == [None]  # random block ids
+    _renumber_blocks(batch, batch.block_tables[0, :8].tolist())
+    cascade._cached_plan.clear()  # the plan is cached by tensor identity; these changed
+    viewed = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
+    plan = cascade._cached_plan.last
+    assert [p.first_block for p in plan.prefixes] == [0]
+    assert (plan.decode_bias is None) == equal_lengths
+    torch.testing.assert_close(viewed, gathered, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(viewed.double(), dense_attention(batch), atol=2e-6, rtol=1e-5)
+
+
 def test_plain_torch_fallback_matches_the_fused_cpu_kernel(monkeypatch):
     spec, shares = _random_case(3, 4)
     batch = build_batch(spec)
