@@ -26,6 +26,7 @@ import torch
 from plait.kernels.reference import (
     PlanCache,
     _attend,
+    _rows,
     _SeqGroup,
     decode_group,
     gather_blocks,
@@ -45,7 +46,8 @@ MIN_PREFIX_BLOCKS = 4
 class _Prefix:
     """Decode rows (positions in the decode group) sharing their first `block_ids`."""
 
-    rows: torch.Tensor  # [G] int64 rows of the decode group
+    rows: torch.Tensor | slice  # [G] rows of the decode group (a slice when consecutive)
+    num_rows: int
     block_ids: torch.Tensor  # [P_blocks] int64 cache blocks of the shared prefix
     # the first block when the prefix's blocks are consecutive ids (as a prompt allocated
     # at once usually is): its K/V are then a view of the cache, not a gather
@@ -117,7 +119,7 @@ def _plan(
     for rows, run in shared:
         ids = tables[rows[0], :run].tolist()
         consecutive = ids == list(range(ids[0], ids[0] + run))
-        prefixes.append(_Prefix(torch.tensor(rows, device=device),
+        prefixes.append(_Prefix(_rows(rows, device), len(rows),
                                 torch.tensor(ids, dtype=torch.int64, device=device),
                                 ids[0] if consecutive else None))
     bias = None
@@ -215,10 +217,9 @@ def cascade_attention_reference(
     dec, lse = attend_with_lse(q, key, value, plan.decode_bias, scale)
     dec, lse = dec.squeeze(1), lse.squeeze(1)  # [S_d, H, D], [S_d, H]
     for p in plan.prefixes:
-        num_rows = p.rows.shape[0]
         key, value = _prefix_kv(k_cache, p), _prefix_kv(v_cache, p)
         # the group's queries stacked as one sequence's queries, no mask: [1, G, H, D]
-        pre, pre_lse = attend_with_lse(q[p.rows].view(1, num_rows, -1, head_dim), key,
+        pre, pre_lse = attend_with_lse(q[p.rows].view(1, p.num_rows, -1, head_dim), key,
                                        value, None, scale)
         dec[p.rows] = _merge(dec[p.rows], lse[p.rows], pre[0], pre_lse[0])
     out[d.token_idx] = dec.to(query.dtype)

@@ -42,11 +42,29 @@ def write_kv_reference(
     flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
     slots = slot_mapping.long()
-    if slots.numel() and bool(slots.min() < 0):
+    if _has_padding(slot_mapping):
         valid = slots >= 0
         slots, key, value = slots[valid], key[valid], value[valid]
     flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
     flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+class _PaddingCheck:
+    """Whether a slot mapping holds a -1, checked once per mapping: every layer of a step
+    writes with the same tensor (compared by identity, as `PlanCache` does)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[torch.Tensor, bool] | None = None
+
+    def __call__(self, slot_mapping: torch.Tensor) -> bool:
+        last = self._last
+        if last is None or last[0] is not slot_mapping:
+            padded = bool(slot_mapping.numel()) and bool(slot_mapping.min() < 0)
+            last = self._last = (slot_mapping, padded)
+        return last[1]
+
+
+_has_padding = _PaddingCheck()
 
 
 @dataclass(slots=True)
