@@ -9,7 +9,12 @@ import torch
 from torch import nn
 
 from plait.engine.models import cpu_linear
-from plait.engine.models.cpu_linear import default_packing, linear, prepack_cpu_linears
+from plait.engine.models.cpu_linear import (
+    cpu_vendor,
+    default_packing,
+    linear,
+    prepack_cpu_linears,
+)
 
 AVAILABLE = [p for p in cpu_linear.PACKINGS
              if p == "none" or (p == "mkl" and torch.backends.mkl.is_available())
@@ -52,11 +57,14 @@ def test_packing_follows_the_weights_after_a_repack() -> None:
 
 def test_default_packing_and_its_override(monkeypatch) -> None:
     monkeypatch.delenv("PLAIT_CPU_GEMM", raising=False)
-    expected = "mkl" if torch.backends.mkl.is_available() else (
-        "onednn" if torch.backends.mkldnn.is_available() else "none")
-    assert default_packing() == expected
+    onednn = "onednn" if torch.backends.mkldnn.is_available() else "none"
+    intel = "mkl" if torch.backends.mkl.is_available() else onednn
+    assert default_packing("GenuineIntel") == intel
+    assert default_packing("AuthenticAMD") == onednn
+    assert default_packing("") == onednn
+    assert default_packing() == default_packing(cpu_vendor())
     monkeypatch.setenv("PLAIT_CPU_GEMM", "None")
-    assert default_packing() == "none"
+    assert default_packing("GenuineIntel") == "none"
     monkeypatch.setenv("PLAIT_CPU_GEMM", "blas")
     with pytest.raises(ValueError, match="PLAIT_CPU_GEMM must be one of mkl, onednn, none"):
         default_packing()

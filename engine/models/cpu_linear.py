@@ -2,11 +2,13 @@
 
 Two packings, chosen per process (`prepack_cpu_linears`, env `PLAIT_CPU_GEMM`):
 
-* `mkl` (the default where torch has MKL): `cblas_sgemm_pack` of the weight; the product
-  runs through `cblas_sgemm_compute` for any number of rows (the pack's row hint only tunes
-  blocking). The plain weight is kept beside it (the LM head shares it with the embedding).
-* `onednn`: oneDNN's blocked layout (`mkldnn._reorder_linear_weight`); the fallback where
-  MKL is missing (aarch64 builds).
+* `mkl` (the default on Intel CPUs where torch has MKL): `cblas_sgemm_pack` of the weight;
+  the product runs through `cblas_sgemm_compute` for any number of rows (the pack's row hint
+  only tunes blocking). The plain weight is kept beside it (the LM head shares it with the
+  embedding).
+* `onednn`: oneDNN's blocked layout (`mkldnn._reorder_linear_weight`); the default on
+  other CPUs (measured 1.3-2.3x faster than `F.linear` on a 2-core AMD EPYC) and where MKL
+  is missing (aarch64 builds).
 
 Measured on the default model's 30 layers (2-core Xeon with AVX-512, 2 threads; ms per
 pass over all 120 projection weights, `BENCHMARKS.md`): rows 1 / 16 / 64 / 128 / 512:
@@ -30,16 +32,32 @@ _MKL_ROW_HINT = 128
 _SKINNY_ROWS = 32
 
 
-def default_packing() -> str:
-    """`PLAIT_CPU_GEMM` if set (one of `PACKINGS`), else mkl where available, else onednn,
-    else none."""
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...; "" if
+    unknown)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def default_packing(vendor: str | None = None) -> str:
+    """`PLAIT_CPU_GEMM` if set (one of `PACKINGS`); else mkl on Intel CPUs where torch has
+    MKL (measured fastest there), onednn elsewhere (measured faster than plain BLAS on an
+    AMD EPYC; MKL was not measured there), none without oneDNN."""
     chosen = os.environ.get("PLAIT_CPU_GEMM", "").strip().lower()
     if chosen:
         if chosen not in PACKINGS:
             raise ValueError(f"PLAIT_CPU_GEMM must be one of {', '.join(PACKINGS)}, "
                              f"not {chosen!r}")
         return chosen
-    if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+    vendor = cpu_vendor() if vendor is None else vendor
+    if vendor == "GenuineIntel" and torch.backends.mkl.is_available() \
+            and hasattr(torch.ops.mkl, "_mkl_linear"):
         return "mkl"
     if torch.backends.mkldnn.is_available():
         return "onednn"
@@ -90,4 +108,5 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T,
     return packed_linear(x, layer.weight, getattr(layer, "packed_weight", None), layer.bias)
 
 
-__all__ = ["PACKINGS", "default_packing", "linear", "packed_linear", "prepack_cpu_linears"]
+__all__ = ["PACKINGS", "cpu_vendor", "default_packing", "linear", "packed_linear",
+           "prepack_cpu_linears"]
