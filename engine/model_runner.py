@@ -14,6 +14,7 @@ import torch
 
 from plait.engine.config import EngineConfig
 from plait.engine.grammar import GrammarCompiler
+from plait.engine.host_memory import keep_freed_memory_mapped
 from plait.engine.input_batch import CachedRequestState, InputBatch
 from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import ResolvedModel
@@ -60,6 +61,8 @@ class ModelRunner:
                  eos_token_ids: tuple[int, ...] = ()) -> None:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory_mapped()  # step temporaries reuse mapped pages
         self.model_config: ModelConfig = resolved.config
         self.block_size = config.block_size
         max_pos = config.max_model_len or resolved.config.max_position_embeddings
