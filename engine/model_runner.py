@@ -14,7 +14,7 @@ import torch
 
 from plait.engine.config import EngineConfig
 from plait.engine.grammar import GrammarCompiler
-from plait.engine.host_memory import keep_freed_memory_mapped
+from plait.engine.host_memory import keep_freed_memory_mapped, warm_sampler
 from plait.engine.input_batch import CachedRequestState, InputBatch
 from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import ResolvedModel
@@ -79,6 +79,8 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampler = Sampler(config.seed)
+        if self.device.type == "cpu":
+            warm_sampler(self.sampler, cfg.vocab_size, config.max_num_seqs)
         # Structured output: the engine core's compiler (engine/grammar.py), set by the core.
         self.grammars: GrammarCompiler | None = None
         self.batch = InputBatch(config.max_num_seqs, cdiv(self.max_model_len, self.block_size),

@@ -1,14 +1,21 @@
-"""`keep_freed_memory_mapped` (engine/host_memory.py), read back through glibc's own
+"""engine/host_memory.py. `keep_freed_memory_mapped`, read back through glibc's own
 accounting (`mallinfo2`): with it, a 20 MB block (a step's logits or activation size) comes
 from the heap and stays there once freed, for the next step to reuse without page faults;
 with glibc's defaults it is a fresh `mmap` each time. Each variant runs in its own
-interpreter, since the setting is per process."""
+interpreter, since the setting is per process. `warm_sampler`: no side effect on the
+sampler's randomness. Both are done by the engine on CPU."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+
+import torch
+
+from plait.engine.host_memory import MMAP_THRESHOLD, warm_sampler
+from plait.engine.sampler import Sampler, SamplingMetadata
+from plait.engine.sampling_params import SamplingParams
 
 BLOCK = textwrap.dedent("""
     import ctypes, sys
@@ -48,17 +55,35 @@ def test_a_freed_20mb_block_stays_in_the_heap() -> None:
     assert _block("fix") == ["False", "True"]
 
 
-def test_the_engine_sets_it_on_cpu(tiny_path) -> None:
+def test_warming_the_sampler_leaves_its_random_stream_alone() -> None:
+    """The dummy batch draws from its own generator: unseeded rows sampled afterwards get
+    the same tokens as from a sampler that was never warmed."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300)
+    meta = SamplingMetadata(params=[SamplingParams(temperature=1.0)] * 6,
+                            generators=[None] * 6, prompt_token_ids=[[]] * 6,
+                            output_token_ids=[[]] * 6, eos_token_ids=())
+    warmed = Sampler(seed=5)
+    assert warm_sampler(warmed, vocab_size=300, max_rows=40) == 40
+    assert warmed(logits, meta).token_ids == Sampler(seed=5)(logits, meta).token_ids
+    # as many rows as fit under the mmap threshold per float32 [rows, vocab] temporary
+    assert warm_sampler(Sampler(seed=5), vocab_size=49152, max_rows=256) == \
+        MMAP_THRESHOLD // (49152 * 4)
+
+
+def test_the_engine_does_both_on_cpu(tiny_path) -> None:
     code = textwrap.dedent(f"""
         from unittest import mock
         from plait.engine import model_runner
         with mock.patch.object(model_runner, "keep_freed_memory_mapped",
-                               wraps=model_runner.keep_freed_memory_mapped) as spy:
+                               wraps=model_runner.keep_freed_memory_mapped) as keep, \\
+             mock.patch.object(model_runner, "warm_sampler",
+                               wraps=model_runner.warm_sampler) as warm:
             from plait import LLM
-            LLM({str(tiny_path)!r}, num_kv_blocks=16)
-        print(spy.call_count)
+            LLM({str(tiny_path)!r}, num_kv_blocks=16, max_num_seqs=8)
+        print(keep.call_count, warm.call_count, warm.call_args.args[2])
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "1"
+    assert result.stdout.strip().splitlines()[-1] == "1 1 8"
