@@ -1,0 +1,47 @@
+"""Where a decode step's time goes: torch.profiler over `LLM.generate` of n choices x T
+tokens from a 512-token prompt (seeded, temperature 0.8, EOS ignored), ops by self CPU time
+per step. The prompt's blocks are cached by a warm-up run first, so the figures are decode.
+
+    python scripts/profile_step.py [--n 16] [--tokens 32] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from plait import LLM, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    llm = LLM(compile=args.compile)
+    ids = llm.tokenizer.encode("The history of the river " * 120)[:512]
+    llm.generate([ids], SamplingParams(n=2, max_tokens=4, ignore_eos=True))
+    params = SamplingParams(n=args.n, temperature=0.8, seed=1, max_tokens=args.tokens,
+                            ignore_eos=True)
+    steps = args.tokens
+    start = time.perf_counter()
+    llm.generate([[*ids[:-2], 6, 9]], params)
+    wall = time.perf_counter() - start
+    print(f"unprofiled: {args.n * steps / wall:.1f} tok/s, {wall / steps * 1e3:.1f} ms/step")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        llm.generate([[*ids[:-2], 6, 7]], params)
+        wall = time.perf_counter() - start
+    print(f"profiled: {wall / steps * 1e3:.1f} ms/step")
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:args.top]
+    for event in events:
+        print(f"{event.key[:60]:60s} calls/step {event.count / steps:7.1f}  "
+              f"self ms/step {event.self_cpu_time_total / steps / 1e3:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
