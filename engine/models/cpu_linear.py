@@ -7,13 +7,13 @@ Two packings, chosen per process (`prepack_cpu_linears`, env `PLAIT_CPU_GEMM`):
   only tunes blocking). The plain weight is kept beside it (the LM head shares it with the
   embedding).
 * `onednn`: oneDNN's blocked layout (`mkldnn._reorder_linear_weight`); the default on
-  other CPUs (measured 1.3-2.3x faster than `F.linear` on a 2-core AMD EPYC) and where MKL
-  is missing (aarch64 builds).
+  other CPUs (measured 1.3-2.3x faster than `F.linear` in an earlier session, on the AMD
+  EPYC VM BENCHMARKS.md's header describes) and where MKL is missing (aarch64 builds).
 
-Measured on the default model's 30 layers (2-core Xeon with AVX-512, 2 threads; ms per
-pass over all 120 projection weights, `BENCHMARKS.md`): rows 1 / 16 / 64 / 128 / 512:
-mkl 20 / 36 / 70 / 99 / 382, onednn 26 / 41 / 90 / 131 / 430, plain `F.linear`
-20 / 50 / 88 / 128 / 389.
+Measured on the default model's 30 layers (`scripts/bench_gemm.py`, 2-core Xeon with
+AVX-512, 2 threads, three runs; ms per pass over all 120 projection weights): rows 1 / 16 /
+64 / 512: mkl 21-28 / 37-38 / 67 / 388, onednn 25-29 / 35-41 / 85-88 / 432, plain
+20-23 / 50-52 / 84-87 / 412.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 PACKINGS = ("mkl", "onednn", "none")
 
-# Row hint given to the MKL pack: the best of 16 / 128 / 512 over 1-512 rows (see above).
+# Row hint given to the MKL pack: measured faster than 16 for every row count from 1 to 512.
 _MKL_ROW_HINT = 128
 # oneDNN's row hint, and the row count below which unpacked weights run as W @ x^T (faster
 # than x @ W^T for skinny batches in BLAS).
@@ -48,7 +48,7 @@ def cpu_vendor() -> str:
 def default_packing(vendor: str | None = None) -> str:
     """`PLAIT_CPU_GEMM` if set (one of `PACKINGS`); else mkl on Intel CPUs where torch has
     MKL (measured fastest there), onednn elsewhere (measured faster than plain BLAS on an
-    AMD EPYC; MKL was not measured there), none without oneDNN."""
+    AMD EPYC, where MKL was not measured), none without oneDNN."""
     chosen = os.environ.get("PLAIT_CPU_GEMM", "").strip().lower()
     if chosen:
         if chosen not in PACKINGS:
