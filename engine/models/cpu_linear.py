@@ -25,7 +25,7 @@ from torch import nn
 
 PACKINGS = ("mkl", "onednn", "none")
 
-# Row hint given to the MKL pack: measured faster than 16 for every row count from 1 to 512.
+# Row hint given to the MKL pack: as fast as 16 or faster at every row count from 1 to 512.
 _MKL_ROW_HINT = 128
 # oneDNN's row hint, and the row count below which unpacked weights run as W @ x^T (faster
 # than x @ W^T for skinny batches in BLAS).
