@@ -43,16 +43,23 @@ BLOCK = textwrap.dedent("""
 """)
 
 
-def _block(variant: str) -> list[str]:
-    result = subprocess.run([sys.executable, "-c", BLOCK, variant], capture_output=True,
-                            text=True, timeout=120)
+def _run(code: str, *args: str, cwd) -> subprocess.CompletedProcess:
+    """`python -c code` outside the checkout: from its root, `kernels/` would shadow PyPI's
+    `kernels`, which transformers imports (see plait/_paths.py)."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def _block(variant: str, cwd) -> list[str]:
+    result = _run(BLOCK, variant, cwd=cwd)
     assert result.returncode == 0, result.stderr
     return result.stdout.split()
 
 
-def test_a_freed_20mb_block_stays_in_the_heap() -> None:
-    assert _block("default") == ["True", "False"]  # glibc's defaults: mmap, unmapped on free
-    assert _block("fix") == ["False", "True"]
+def test_a_freed_20mb_block_stays_in_the_heap(tmp_path) -> None:
+    # glibc's defaults: mmapped, unmapped again on free
+    assert _block("default", tmp_path) == ["True", "False"]
+    assert _block("fix", tmp_path) == ["False", "True"]
 
 
 def test_warming_the_sampler_leaves_its_random_stream_alone() -> None:
@@ -71,7 +78,7 @@ def test_warming_the_sampler_leaves_its_random_stream_alone() -> None:
         MMAP_THRESHOLD // (49152 * 4)
 
 
-def test_the_engine_does_both_on_cpu(tiny_path) -> None:
+def test_the_engine_does_both_on_cpu(tiny_path, tmp_path) -> None:
     code = textwrap.dedent(f"""
         from unittest import mock
         from plait.engine import model_runner
@@ -83,7 +90,6 @@ def test_the_engine_does_both_on_cpu(tiny_path) -> None:
             LLM({str(tiny_path)!r}, num_kv_blocks=16, max_num_seqs=8)
         print(keep.call_count, warm.call_count, warm.call_args.args[2])
     """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300)
+    result = _run(code, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "1 1 8"
