@@ -143,12 +143,13 @@ class GrammarCompiler:
 
     # ---------------------------------------------------------------- internals
     def _compile_and_cache(self, spec: StructuredSpec) -> None:
+        """Cached before it stops being pending, so a `submit` in between never starts a
+        second compile of the same spec."""
         try:
-            pristine = self._compile(spec)
+            self._store(spec, self._compile(spec))
         finally:
             with self._lock:
                 self._pending.pop(spec, None)
-        self._store(spec, pristine)
 
     def _store(self, spec: StructuredSpec, pristine: Any) -> None:
         with self._lock:
