@@ -42,29 +42,16 @@ def write_kv_reference(
     flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
     slots = slot_mapping.long()
-    if _has_padding(slot_mapping):
+    if _has_padding(slot_mapping):  # every layer of a step writes with the same mapping
         valid = slots >= 0
         slots, key, value = slots[valid], key[valid], value[valid]
     flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
     flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-class _PaddingCheck:
-    """Whether a slot mapping holds a -1, checked once per mapping: every layer of a step
-    writes with the same tensor (compared by identity, as `PlanCache` does)."""
-
-    def __init__(self) -> None:
-        self._last: tuple[torch.Tensor, bool] | None = None
-
-    def __call__(self, slot_mapping: torch.Tensor) -> bool:
-        last = self._last
-        if last is None or last[0] is not slot_mapping:
-            padded = bool(slot_mapping.numel()) and bool(slot_mapping.min() < 0)
-            last = self._last = (slot_mapping, padded)
-        return last[1]
-
-
-_has_padding = _PaddingCheck()
+def _padded(slot_mapping: torch.Tensor) -> bool:
+    """Whether the mapping holds a -1 (padding): a host sync, so once per step."""
+    return bool(slot_mapping.numel()) and bool(slot_mapping.min() < 0)
 
 
 @dataclass(slots=True)
@@ -156,29 +143,35 @@ def _plan(
 
 
 class PlanCache:
-    """A planner's result for the last metadata it saw. The model calls attention once per
-    layer with the same metadata tensors, so a step plans once: the tensors are compared by
-    identity, the other arguments by value. `last` is that plan (None before the first)."""
+    """A function's result for the last arguments it saw. The model calls attention (and
+    writes K/V) once per layer with the same metadata tensors, so a step computes its plan
+    once: tensors are compared by identity, the other arguments by value. `last` is that
+    result (None before the first call)."""
 
     def __init__(self, plan: Callable[..., Any]) -> None:
         self._plan = plan
-        self._key: tuple = ()
+        self._key: tuple | None = None
         self.last: Any = None
 
-    def __call__(self, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                 block_tables: torch.Tensor, *args: Any) -> Any:
-        key = self._key
-        if not (key and key[0] is cu_seqlens_q and key[1] is context_lens
-                and key[2] is block_tables and key[3] == args):
-            self.last = self._plan(cu_seqlens_q, context_lens, block_tables, *args)
-            self._key = (cu_seqlens_q, context_lens, block_tables, args)
+    def __call__(self, *args: Any) -> Any:
+        if self._key is None or not _same_args(self._key, args):
+            self.last = self._plan(*args)
+            self._key = args
         return self.last
 
     def clear(self) -> None:
-        self._key, self.last = (), None
+        self._key, self.last = None, None
+
+
+def _same_args(old: tuple, new: tuple) -> bool:
+    """Tensors by identity, everything else by value."""
+    return len(old) == len(new) and all(
+        a is b if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a == b
+        for a, b in zip(old, new, strict=True))
 
 
 _cached_plan = PlanCache(_plan)
+_has_padding = PlanCache(_padded)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int,
