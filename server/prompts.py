@@ -41,7 +41,9 @@ class Prompt:
     text: str
 
 
-def _text_part(part: dict[str, Any], i: int, j: int) -> str:
+def text_part(part: dict[str, Any], i: int, j: int) -> str:
+    """The text of part j of message i's content; a 400 naming it unless it is exactly
+    {"type": "text", "text": <string>}."""
     param = f"messages.[{i}].content.[{j}]"
     kind = part.get("type")
     if kind != "text":

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from plait.engine import StructuredSpec
 from plait.server.errors import bad_request
-from plait.server.prompts import _text_part
+from plait.server.prompts import text_part
 from plait.server.protocol import ChatCompletionRequest, ChatMessage
 from plait.server.structured_params import (
     auto_spec,
@@ -69,7 +69,6 @@ class OutputPlan:
     forced: bool = False  # required / named: every finished output is a call
 
 
-
 async def chat_output_plan(body: ChatCompletionRequest, template: str | None) -> OutputPlan:
     """`plan_output`, off the event loop when the request has schemas to check."""
     if body.tools is None and body.response_format is None:
@@ -95,22 +94,20 @@ def plan_output(body: ChatCompletionRequest, template: str | None) -> OutputPlan
         raise bad_request("Invalid 'response_format': it cannot be combined with "
                           "tool_choice \"required\" or a named function.", "response_format",
                           "invalid_value")
-    if choice == "required":
-        return OutputPlan("calls", required_spec(tools, parallel), names,
-                          parser=PARSERS["json"], native=native, template_tools=template_tools,
-                          system_text=None if native else _system_text(tools, choice, parallel),
-                          forced=True)
-    if choice != "auto":  # a named function
-        return OutputPlan("named", named_spec(tools, choice), names, named=choice,
-                          native=native, template_tools=template_tools,
-                          system_text=None if native else _system_text(tools, choice, parallel),
-                          forced=True)
-    if native and answer is None:
+    if native and choice == "auto" and answer is None:
         return OutputPlan("parser", None, names, parser=parser, native=True,
                           template_tools=template_tools)
+    shared: dict[str, Any] = {
+        "native": native, "template_tools": template_tools,
+        "system_text": None if native else _system_text(tools, choice, parallel)}
+    if choice == "required":
+        return OutputPlan("calls", required_spec(tools, parallel), names,
+                          parser=PARSERS["json"], forced=True, **shared)
+    if choice != "auto":  # a named function
+        return OutputPlan("named", named_spec(tools, choice), names, named=choice,
+                          forced=True, **shared)
     return OutputPlan("calls", auto_spec(tools, parallel, answer), names,
-                      parser=PARSERS["json"], native=native, template_tools=template_tools,
-                      system_text=None if native else _system_text(tools, choice, parallel))
+                      parser=PARSERS["json"], **shared)
 
 
 def _system_text(tools: list[Tool], choice: str, parallel: bool) -> str:
@@ -136,7 +133,7 @@ def _text(message: ChatMessage, i: int) -> str:
     if content is None:
         return ""
     if isinstance(content, list):
-        return "\n".join(_text_part(part, i, j) for j, part in enumerate(content))
+        return "\n".join(text_part(part, i, j) for j, part in enumerate(content))
     return content
 
 
