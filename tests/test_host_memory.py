@@ -7,18 +7,17 @@ sampler's randomness. Both are done by the engine on CPU."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import torch
+from test_packaging import run_python
 
 from plait.engine.host_memory import MMAP_THRESHOLD, warm_sampler
 from plait.engine.sampler import Sampler, SamplingMetadata
 from plait.engine.sampling_params import SamplingParams
 
 BLOCK = textwrap.dedent("""
-    import ctypes, sys
+    import ctypes
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in (
             "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
@@ -27,7 +26,7 @@ BLOCK = textwrap.dedent("""
     libc.mallinfo2.restype = MallInfo2
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
-    if sys.argv[1] == "fix":
+    if FIX:
         from plait.engine.host_memory import keep_freed_memory_mapped
         assert keep_freed_memory_mapped()
     size = 20 << 20
@@ -43,23 +42,16 @@ BLOCK = textwrap.dedent("""
 """)
 
 
-def _run(code: str, *args: str, cwd) -> subprocess.CompletedProcess:
-    """`python -c code` outside the checkout: from its root, `kernels/` would shadow PyPI's
-    `kernels`, which transformers imports (see plait/_paths.py)."""
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
-
-
-def _block(variant: str, cwd) -> list[str]:
-    result = _run(BLOCK, variant, cwd=cwd)
+def _block(fix: bool, cwd) -> list[str]:
+    result = run_python(f"FIX = {fix}\n{BLOCK}", cwd)
     assert result.returncode == 0, result.stderr
     return result.stdout.split()
 
 
 def test_a_freed_20mb_block_stays_in_the_heap(tmp_path) -> None:
     # glibc's defaults: mmapped, unmapped again on free
-    assert _block("default", tmp_path) == ["True", "False"]
-    assert _block("fix", tmp_path) == ["False", "True"]
+    assert _block(False, tmp_path) == ["True", "False"]
+    assert _block(True, tmp_path) == ["False", "True"]
 
 
 def test_warming_the_sampler_leaves_its_random_stream_alone() -> None:
@@ -90,6 +82,6 @@ def test_the_engine_does_both_on_cpu(tiny_path, tmp_path) -> None:
             LLM({str(tiny_path)!r}, num_kv_blocks=16, max_num_seqs=8)
         print(keep.call_count, warm.call_count, warm.call_args.args[2])
     """)
-    result = _run(code, cwd=tmp_path)
+    result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "1 1 8"

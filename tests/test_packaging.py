@@ -33,6 +33,8 @@ BLOCK_HTTP_STACK = textwrap.dedent("""
 
 
 def run_python(code: str, cwd) -> subprocess.CompletedProcess:
+    """`python -c code` run from `cwd`: give a folder outside the checkout, where only
+    site-packages is searched (from the root, kernels/ would shadow PyPI's `kernels`)."""
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
                           timeout=300)
 
