@@ -15,14 +15,21 @@ and a group's prefix is the longest leading run of block ids all its rows share,
 every row keeps at least one suffix token. Prefill chunks are attended exactly as in
 `paged_attention_reference`. The result equals `paged_attention_reference` up to float
 rounding (the merge reorders the softmax sums).
+
+On CPU, where the native kernels build (`native.py`), each decode row's own keys (its
+suffix, or all its keys when it shares no prefix) are attended by the C kernel straight
+from the cache blocks instead of a gather and a padded SDPA call: with unique contexts (16
+streams of ~550 tokens) the gather alone copied ~15 MB of K/V per layer and step.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
+from plait.kernels import native
 from plait.kernels.reference import (
     PlanCache,
     _attend,
@@ -55,6 +62,16 @@ class _Prefix:
 
 
 @dataclass(slots=True)
+class _NativeRows:
+    """The decode rows as `native.decode_attention` takes them (host tensors)."""
+
+    q_rows: torch.Tensor  # [S_d] int64 rows of the query
+    table_rows: torch.Tensor  # [S_d] int64 rows of the block tables
+    first_block: torch.Tensor  # [S_d] int32 first block of the row's own keys
+    ctx_lens: torch.Tensor  # [S_d] int32
+
+
+@dataclass(slots=True)
 class _CascadePlan:
     decodes: _SeqGroup | None  # every decode row, keys from its prefix's end on
     prefixes: list[_Prefix]
@@ -62,6 +79,7 @@ class _CascadePlan:
     # decodes.mask as an additive float mask (0 / -inf), which the fused CPU kernel needs;
     # None when no row is padded (every row attends all L gathered keys)
     decode_bias: torch.Tensor | None = None  # [S_d, 1, group, L] float32
+    native: _NativeRows | None = None  # set on CPU
 
 
 def find_prefixes(
@@ -126,7 +144,14 @@ def _plan(
     if prefixes and not bool(decodes.mask.all()):
         bias = torch.zeros(decodes.mask.shape, device=device).masked_fill_(
             ~decodes.mask, float("-inf"))
-    return _CascadePlan(decodes, prefixes, prefills, bias)
+    rows = None
+    if device.type == "cpu":
+        rows = _NativeRows(
+            torch.tensor([starts[i] for i in decode_idx], dtype=torch.int64),
+            torch.tensor(decode_idx, dtype=torch.int64),
+            torch.tensor(first, dtype=torch.int32),
+            torch.tensor([ctx[i] for i in decode_idx], dtype=torch.int32))
+    return _CascadePlan(decodes, prefixes, prefills, bias, rows)
 
 
 _cached_plan = PlanCache(_plan)  # -> _CascadePlan
@@ -181,6 +206,16 @@ def _prefix_kv(cache: torch.Tensor, prefix: _Prefix) -> torch.Tensor:  # [1, P, 
     return gather_blocks(cache, prefix.block_ids, 1, num_blocks * block_size)
 
 
+def _native_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the native decode kernel takes these tensors (float32 CPU, dense layouts)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    return (query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and query.device.type == "cpu" and query.stride(2) == 1
+            and query.stride(1) == head_dim and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and os.environ.get("PLAIT_NATIVE", "1") != "0"
+            and native.supports_attention(query.shape[1], num_kv_heads, head_dim, block_size))
+
+
 def cascade_attention_reference(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -208,14 +243,24 @@ def cascade_attention_reference(
     d = plan.decodes
     if d is None:
         return out
-    key = gather_blocks(k_cache, d.block_ids, d.num_seqs, d.length)
-    value = gather_blocks(v_cache, d.block_ids, d.num_seqs, d.length)
     q = query[d.token_idx].view(d.num_seqs, 1, -1, head_dim)  # [S_d, 1, H, D]
-    if not plan.prefixes:
-        out[d.token_idx] = _attend(q, key, value, d.mask, scale).view(-1, *query.shape[1:])
-        return out
-    dec, lse = attend_with_lse(q, key, value, plan.decode_bias, scale)
-    dec, lse = dec.squeeze(1), lse.squeeze(1)  # [S_d, H, D], [S_d, H]
+    if plan.native is not None and _native_fits(query, k_cache, v_cache):
+        n = plan.native
+        dec, lse = native.decode_attention(
+            query, n.q_rows, k_cache, v_cache, block_tables.int().contiguous(), n.table_rows,
+            n.first_block, n.ctx_lens, scale, with_lse=bool(plan.prefixes))
+        if not plan.prefixes:
+            out[d.token_idx] = dec.to(query.dtype)
+            return out
+    else:
+        key = gather_blocks(k_cache, d.block_ids, d.num_seqs, d.length)
+        value = gather_blocks(v_cache, d.block_ids, d.num_seqs, d.length)
+        if not plan.prefixes:
+            out[d.token_idx] = _attend(q, key, value, d.mask, scale).view(
+                -1, *query.shape[1:])
+            return out
+        dec, lse = attend_with_lse(q, key, value, plan.decode_bias, scale)
+        dec, lse = dec.squeeze(1), lse.squeeze(1)  # [S_d, H, D], [S_d, H]
     for p in plan.prefixes:
         key, value = _prefix_kv(k_cache, p), _prefix_kv(v_cache, p)
         # the group's queries stacked as one sequence's queries, no mask: [1, G, H, D]

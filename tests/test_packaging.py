@@ -163,8 +163,8 @@ def test_imports_from_a_checkout_without_install(tmp_path, where: str) -> None:
 
 def test_wheel_holds_every_module(tmp_path) -> None:
     """The wheel (what the Dockerfile installs) has every module of every package, nested
-    ones included, exactly once, under plait/. Built from a copy that keeps the symlinks,
-    as docker's COPY does."""
+    ones included, exactly once, under plait/, and the native kernels' C source. Built from
+    a copy that keeps the symlinks, as docker's COPY does."""
     pytest.importorskip("setuptools")
     src = tmp_path / "src"
     src.mkdir()
@@ -182,7 +182,7 @@ def test_wheel_holds_every_module(tmp_path) -> None:
     names = [n for n in zipfile.ZipFile(wheel).namelist() if ".dist-info/" not in n]
     expected = [f"{package.replace('.', '/')}/{py.name}"
                 for package, folder in _source_packages().items() for py in folder.glob("*.py")]
-    assert sorted(names) == sorted(expected)
+    assert sorted(names) == sorted([*expected, "plait/kernels/cpu_ops.c"])
 
 
 def test_server_imports_the_engine_only_through_its_public_module() -> None:

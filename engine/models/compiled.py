@@ -7,8 +7,8 @@ the weights and no module identity. Two custom ops keep out of the graph what in
 should not touch:
 
 * `plait::linear`: the GEMMs, on the weights `prepack_cpu_linears` already packed for MKL
-  or oneDNN (inductor cannot take prepacked weights that are graph inputs, and its own
-  packing needs frozen, per-layer constant weights);
+  or oneDNN and as native panels (inductor cannot take prepacked weights that are graph
+  inputs, and its own packing needs frozen, per-layer constant weights);
 * `plait::attention`: KV write + paged attention, whose shapes depend on the batch's
   metadata. It reads the step's `AttentionMetadata` and KV caches from `StepContext`, set
   around each compiled forward, and the layer index from a 0-d tensor input (an int would
@@ -47,18 +47,21 @@ logger = logging.getLogger("plait.engine")
 RECOMPILE_LIMIT = 32
 
 _LIB = torch.library.Library("plait", "FRAGMENT")
-_LIB.define("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias) -> Tensor")
+_LIB.define("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias, Tensor? panels) "
+            "-> Tensor")
 _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor layer, float scale) -> Tensor")
 
 
 def _linear_impl(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-                 bias: torch.Tensor | None) -> torch.Tensor:  # [T, in] -> [T, out]
-    """`packed_linear`: `weight` plain [out, in], `packed` as `prepack_cpu_linears` left it."""
-    return packed_linear(x, weight, packed, bias).contiguous()
+                 bias: torch.Tensor | None,
+                 panels: torch.Tensor | None) -> torch.Tensor:  # [T, in] -> [T, out]
+    """`packed_linear`: `weight` plain [out, in], `packed` and `panels` as
+    `prepack_cpu_linears` left them."""
+    return packed_linear(x, weight, packed, bias, panels).contiguous()
 
 
 def _linear_fake(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+                 bias: torch.Tensor | None, panels: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -119,19 +122,19 @@ def _make_stack_fn(dims: _Dims) -> Callable[..., torch.Tensor]:
     h, h_kv, d = dims.num_heads, dims.num_kv_heads, dims.head_dim
     split = (h * d, h_kv * d, h_kv * d)
 
-    def layer_fn(x, positions, cos_sin, layer, ln1, qkv, qkv_packed, qkv_bias, o, o_packed,
-                 ln2, gate_up, gate_up_packed, down, down_packed):
-        # x: [T, hidden] -> [T, hidden]; each projection as (plain weight, packed or None)
+    def layer_fn(x, positions, cos_sin, layer, ln1, qkv, qkv_bias, o, ln2, gate_up, down):
+        # x: [T, hidden] -> [T, hidden]; each projection as (plain weight, packed or None,
+        # native panels or None)
         t = x.shape[0]
-        q, k, v = torch.ops.plait.linear(rms_norm(x, ln1, dims.eps), qkv, qkv_packed,
-                                         qkv_bias).split(split, dim=-1)
+        linear = torch.ops.plait.linear
+        q, k, v = linear(rms_norm(x, ln1, dims.eps), qkv[0], qkv[1], qkv_bias,
+                         qkv[2]).split(split, dim=-1)
         q, k = apply_rope(cos_sin, positions, q.reshape(t, h, d), k.reshape(t, h_kv, d))
         attn = torch.ops.plait.attention(q, k, v.reshape(t, h_kv, d), layer, dims.scale)
-        x = x + torch.ops.plait.linear(attn.reshape(t, h * d), o, o_packed, None)
-        gate, up = torch.ops.plait.linear(rms_norm(x, ln2, dims.eps), gate_up, gate_up_packed,
-                                          None).chunk(2, dim=-1)
-        return x + torch.ops.plait.linear(nn.functional.silu(gate) * up, down, down_packed,
-                                          None)
+        x = x + linear(attn.reshape(t, h * d), o[0], o[1], None, o[2])
+        gate, up = linear(rms_norm(x, ln2, dims.eps), gate_up[0], gate_up[1], None,
+                          gate_up[2]).chunk(2, dim=-1)
+        return x + linear(nn.functional.silu(gate) * up, down[0], down[1], None, down[2])
 
     def stack_fn(x, positions, cos_sin, layers):  # x: [T, hidden] -> [T, hidden]
         for tensors in layers:
@@ -141,8 +144,10 @@ def _make_stack_fn(dims: _Dims) -> Callable[..., torch.Tensor]:
     return stack_fn
 
 
-def _weights(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return layer.weight, getattr(layer, "packed_weight", None)
+def _weights(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None,
+                                        torch.Tensor | None]:
+    return (layer.weight, getattr(layer, "packed_weight", None),
+            getattr(layer, "panel_weight", None))
 
 
 class CompiledDecoder:
@@ -174,10 +179,10 @@ class CompiledDecoder:
         for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             self._layers.append((
-                torch.tensor(i), layer.input_layernorm.weight, *_weights(attn.qkv_proj),
-                attn.qkv_proj.bias, *_weights(attn.o_proj),
-                layer.post_attention_layernorm.weight, *_weights(mlp.gate_up_proj),
-                *_weights(mlp.down_proj)))
+                torch.tensor(i), layer.input_layernorm.weight, _weights(attn.qkv_proj),
+                attn.qkv_proj.bias, _weights(attn.o_proj),
+                layer.post_attention_layernorm.weight, _weights(mlp.gate_up_proj),
+                _weights(mlp.down_proj)))
 
     def __call__(
         self,

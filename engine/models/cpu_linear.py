@@ -10,6 +10,13 @@ Two packings, chosen per process (`prepack_cpu_linears`, env `PLAIT_CPU_GEMM`):
   other CPUs (measured 1.3-2.3x faster than `F.linear` in an earlier session, on the AMD
   EPYC VM BENCHMARKS.md's header describes) and where MKL is missing (aarch64 builds).
 
+Beside either packing, where the native kernels build (`plait.kernels.native`, not with
+`PLAIT_NATIVE=0`), each weight is also kept as column panels for the native skinny GEMM,
+which runs every product of at most `NATIVE_MAX_ROWS` rows (the decode steps): it streams
+the weights once per step with prefetching, which neither BLAS does at these shapes
+(`scripts/bench_gemm.py`, same Xeon, ms per pass over the 30 layers at 1 / 8 / 16 / 24 / 32
+rows: native 17 / 20 / 25 / 33 / 40, mkl 18 / 26 / 31 / 34 / 39).
+
 Measured on the default model's 30 layers (`scripts/bench_gemm.py`, 2-core Xeon with
 AVX-512, 2 threads, three runs; ms per pass over all 120 projection weights): rows 1 / 16 /
 64 / 512: mkl 21-28 / 37-38 / 67 / 388, onednn 25-29 / 35-41 / 85-88 / 432, plain
@@ -23,6 +30,8 @@ import os
 import torch
 from torch import nn
 
+from plait.kernels import native
+
 PACKINGS = ("mkl", "onednn", "none")
 
 # Row hint given to the MKL pack: as fast as 16 or faster at every row count from 1 to 512.
@@ -30,6 +39,8 @@ _MKL_ROW_HINT = 128
 # oneDNN's row hint, and the row count below which unpacked weights run as W @ x^T (faster
 # than x @ W^T for skinny batches in BLAS).
 _SKINNY_ROWS = 32
+# Products of at most this many rows run on the native panels (measured fastest up to 24).
+NATIVE_MAX_ROWS = 24
 
 
 def cpu_vendor() -> str:
@@ -66,8 +77,11 @@ def default_packing(vendor: str | None = None) -> str:
 
 def prepack_cpu_linears(model: nn.Module, packing: str | None = None) -> str:
     """Pack every float32 CPU Linear weight of `model` for `packing` (default:
-    `default_packing()`); returns the packing used. Call again after the weights change."""
+    `default_packing()`), and as native panels (`panel_weight`, None without the native
+    kernels or with packing "none"); returns the packing used. Call again after the weights
+    change."""
     packing = packing or default_packing()
+    panels = packing != "none" and native.available()
     for module in model.modules():
         if not (isinstance(module, nn.Linear) and module.weight.device.type == "cpu"
                 and module.weight.dtype == torch.float32):
@@ -82,6 +96,7 @@ def prepack_cpu_linears(model: nn.Module, packing: str | None = None) -> str:
                     weight, _SKINNY_ROWS)
             else:
                 module.packed_weight = None
+            module.panel_weight = native.pack_weight(weight) if panels else None
     return packing
 
 
@@ -90,8 +105,12 @@ def packed_linear(
     weight: torch.Tensor,  # [out, in] plain weight
     packed: torch.Tensor | None,  # weight packed by `prepack_cpu_linears`, or None
     bias: torch.Tensor | None,  # [out]
+    panels: torch.Tensor | None = None,  # [P, in, lanes] `native.pack_weight(weight)`
 ) -> torch.Tensor:  # [T, out], possibly a transposed view
-    """x @ weight^T + bias through the weight's packing (the CPU GEMM of every layer)."""
+    """x @ weight^T + bias through the weight's packing (the CPU GEMM of every layer): the
+    native panels for at most `NATIVE_MAX_ROWS` rows, else the BLAS packing."""
+    if panels is not None and 0 < x.shape[0] <= NATIVE_MAX_ROWS and x.device.type == "cpu":
+        return native.gemm(x, panels, weight.shape[0], bias)
     if packed is not None and x.device.type == "cpu" and x.shape[0] > 0:
         if packed.shape == weight.shape:  # oneDNN keeps [out, in]; an MKL pack is [size, 1]
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -105,8 +124,9 @@ def packed_linear(
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
     """`layer(x)` through its packed weight where it has one."""
-    return packed_linear(x, layer.weight, getattr(layer, "packed_weight", None), layer.bias)
+    return packed_linear(x, layer.weight, getattr(layer, "packed_weight", None), layer.bias,
+                         getattr(layer, "panel_weight", None))
 
 
-__all__ = ["PACKINGS", "cpu_vendor", "default_packing", "linear", "packed_linear",
-           "prepack_cpu_linears"]
+__all__ = ["NATIVE_MAX_ROWS", "PACKINGS", "cpu_vendor", "default_packing", "linear",
+           "packed_linear", "prepack_cpu_linears"]

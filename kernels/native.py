@@ -1,0 +1,244 @@
+"""Plait's native CPU kernels (`cpu_ops.c`), compiled once per machine and loaded by ctypes.
+
+The C source ships inside the package. The first `library()` call of a process compiles it
+with the machine's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`) into
+`$PLAIT_CACHE/native/` (default `~/.cache/plait/native/`), keyed by the source, the
+compiler, the flags and the CPU's feature flags; later processes load the cached file.
+The OpenMP loops link against the `libgomp` torch loads, so they share torch's runtime and
+its `torch.set_num_threads`.
+
+Everything here is optional: without a compiler, on a CPU other than x86-64, with torch
+built against another OpenMP runtime, or with `PLAIT_NATIVE=0`, `library()` returns None
+(the reason is logged once) and the callers keep their plain-torch / BLAS paths.
+
+* `gemm(x, panels, out_features, bias)`: x @ W^T for a few rows, W packed by
+  `pack_weight`; streams the weights once (the decode step's GEMMs).
+* `decode_attention(...)`: one query per sequence over its paged K/V, read in place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("plait.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+
+_c_long, _c_float, _ptr = ctypes.c_long, ctypes.c_float, ctypes.c_void_p
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PLAIT_CACHE", Path.home() / ".cache" / "plait")) / "native"
+
+
+def _torch_gomp() -> Path | None:
+    """The OpenMP runtime torch loaded (its wheel ships `torch/lib/libgomp.so.1`)."""
+    lib = Path(torch.__file__).parent / "lib"
+    found = sorted(lib.glob("libgomp*.so*"))
+    return found[0] if found else None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _compiler_version(cc: str) -> str | None:
+    try:
+        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _build(cc: str, gomp: Path, target: Path) -> str | None:
+    """Compile the source into `target` (atomically); returns an error text or None."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE), f"-L{gomp.parent}",
+           f"-Wl,-rpath,{gomp.parent}", "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            return f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}"
+        os.replace(tmp, target)
+        return None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{' '.join(cmd)} failed: {exc}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.plait_lanes.restype = ctypes.c_int
+    lib.plait_max_tile_rows.restype = ctypes.c_int
+    lib.plait_gemm.restype = ctypes.c_int
+    lib.plait_gemm.argtypes = [_ptr, _c_long, _c_long, _ptr, _c_long, _c_long, _ptr, _ptr,
+                               _c_long]
+    lib.plait_decode_attention.restype = ctypes.c_int
+    lib.plait_decode_attention.argtypes = [
+        _ptr, _c_long, _ptr, _ptr, _ptr, _c_long, _c_long, _c_long, _c_long, _ptr, _c_long,
+        _ptr, _ptr, _ptr, _c_long, _c_float, _ptr, _ptr]
+    return lib
+
+
+def _why_unavailable() -> str | None:
+    if os.environ.get("PLAIT_NATIVE", "1").strip() == "0":
+        return "PLAIT_NATIVE=0"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"not built for {platform.machine()} (x86-64 only)"
+    return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, building them on first use; None when unavailable (logged)."""
+    why = _why_unavailable()
+    gomp = _torch_gomp()
+    cc = os.environ.get("CC", "cc")
+    version = None
+    if why is None and gomp is None:
+        why = "torch ships no libgomp (another OpenMP runtime)"
+    if why is None:
+        version = _compiler_version(cc)
+        if version is None:
+            why = f"no working C compiler ({cc!r})"
+    if why is None:
+        key = hashlib.sha256("\0".join([
+            SOURCE.read_text(), cc, version or "", " ".join(FLAGS), _cpu_flags(), str(gomp),
+        ]).encode()).hexdigest()[:16]
+        target = _cache_dir() / f"plait_cpu_ops-{key}.so"
+        if not target.exists():
+            why = _build(cc, gomp, target)
+        if why is None:
+            try:
+                return _declare(ctypes.CDLL(str(target)))
+            except OSError as exc:
+                why = f"loading {target} failed: {exc}"
+    logger.warning("native CPU kernels off (%s): plain torch / BLAS paths instead", why)
+    return None
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def lanes() -> int:
+    """Floats per vector (and per weight panel) of the compiled kernels."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("native CPU kernels are not available")
+    return lib.plait_lanes()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [P, in, lanes]
+    """`weight` as column panels for `gemm` (float32, padded with zeros to P * lanes rows)."""
+    width = lanes()
+    out_features, in_features = weight.shape
+    panels = -(-out_features // width)
+    padded = weight.new_zeros(panels * width, in_features, dtype=torch.float32)
+    padded[:out_features] = weight
+    return padded.view(panels, width, in_features).transpose(1, 2).contiguous()
+
+
+def gemm(
+    x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
+    panels: torch.Tensor,  # [P, K, lanes] from `pack_weight`
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [out_features] float32, contiguous
+) -> torch.Tensor:  # [M, out_features]
+    """x @ W^T + bias, W the weight `panels` was packed from."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("native CPU kernels are not available")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    if panels.shape[1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"gemm: x {tuple(x.shape)} {x.dtype} does not fit panels "
+                         f"{tuple(panels.shape)}")
+    y = torch.empty(rows, out_features, dtype=torch.float32)
+    if rows == 0:
+        return y
+    if bias is not None:
+        bias = bias.contiguous()
+    rc = lib.plait_gemm(x.data_ptr(), rows, x.stride(0), panels.data_ptr(), out_features, k,
+                        None if bias is None else bias.data_ptr(), y.data_ptr(), out_features)
+    if rc != 0:
+        raise MemoryError("native gemm could not allocate its buffer")
+    return y
+
+
+def decode_attention(
+    query: torch.Tensor,  # [T, H, D] float32; rows may be strided, heads and dims dense
+    q_rows: torch.Tensor,  # [S] int64 rows of `query`, one per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] float32 contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] float32 contiguous
+    block_tables: torch.Tensor,  # [num_seqs, W] int32 contiguous
+    table_rows: torch.Tensor,  # [S] int64 rows of `block_tables`
+    first_block: torch.Tensor,  # [S] int32: each sequence attends from this block on
+    ctx_lens: torch.Tensor,  # [S] int32: ... up to (excluding) this token
+    scale: float,
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # [S, H, D], [S, H] float32 or None
+    """Softmax attention of each sequence's one query over its tokens
+    [first_block * block_size, ctx_len), read from the paged cache in place; also the
+    log-sum-exp of the scaled scores when `with_lse`. Every sequence attends >= 1 token."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("native CPU kernels are not available")
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        raise ValueError("decode_attention: each query row must be [H, D] contiguous")
+    for name, t, dtype in (("q_rows", q_rows, torch.int64), ("table_rows", table_rows,
+                           torch.int64), ("first_block", first_block, torch.int32),
+                           ("ctx_lens", ctx_lens, torch.int32),
+                           ("block_tables", block_tables, torch.int32)):
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"decode_attention: {name} must be contiguous {dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("decode_attention: the caches must be contiguous")
+    seqs = q_rows.shape[0]
+    out = torch.empty(seqs, num_heads, head_dim, dtype=torch.float32)
+    lse = torch.empty(seqs, num_heads, dtype=torch.float32) if with_lse else None
+    rc = lib.plait_decode_attention(
+        query.data_ptr(), query.stride(0), q_rows.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), block_size, num_kv_heads, num_heads, head_dim,
+        block_tables.data_ptr(), block_tables.stride(0), table_rows.data_ptr(),
+        first_block.data_ptr(), ctx_lens.data_ptr(), seqs, scale, out.data_ptr(),
+        None if lse is None else lse.data_ptr())
+    if rc != 0:
+        raise ValueError(f"decode_attention: shapes beyond the kernel's limits (H={num_heads},"
+                         f" H_kv={num_kv_heads}, D={head_dim}, block={block_size})")
+    return out, lse
+
+
+@functools.cache
+def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
+                       block_size: int) -> bool:
+    """Whether `decode_attention` takes these shapes (the C kernel's limits)."""
+    if not available():
+        return False
+    return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 32
+            and head_dim % lanes() == 0 and head_dim <= 256 and block_size <= 256)
+
+
+__all__ = ["available", "decode_attention", "gemm", "lanes", "library", "pack_weight",
+           "supports_attention"]

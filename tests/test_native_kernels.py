@@ -1,0 +1,217 @@
+"""The native CPU kernels (kernels/cpu_ops.c via kernels/native.py) against plain torch in
+float64: the skinny GEMM for every row count and tile remainder, the paged decode attention
+(with its log-sum-exp) for GQA groups, head sizes, block sizes and partial blocks; that the
+model and the cascade backend really take them; and the build's cache and its fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import BatchSpec, build_batch, dense_attention, share_prefix
+from torch import nn
+
+from plait.engine.models import cpu_linear
+from plait.engine.models.cpu_linear import linear, prepack_cpu_linears
+from plait.kernels import cascade, native
+from plait.kernels.cascade import cascade_attention_reference
+from plait.kernels.reference import paged_attention_reference
+
+needs_native = pytest.mark.skipif(not native.available(),
+                                  reason="no C compiler / not x86-64: native kernels off")
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(200, 96), (960, 576), (7, 13), (49, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_equals_float64_for_every_row_count(shape, bias) -> None:
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    panels = native.pack_weight(weight)
+    assert panels.shape == (-(-out_features // native.lanes()), in_features, native.lanes())
+    for rows in (1, 2, 5, 8, 11, 12, 13, 16, 17, 24, 33):
+        x = torch.randn(rows, in_features, generator=gen)
+        expected = x.double() @ weight.double().t() + (0 if b is None else b.double())
+        out = native.gemm(x, panels, out_features, b)
+        assert out.shape == (rows, out_features) and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+        strided = torch.randn(rows, in_features * 2, generator=gen)[:, ::2]  # row stride 2K
+        torch.testing.assert_close(
+            native.gemm(strided, panels, out_features, b).double(),
+            strided.double() @ weight.double().t() + (0 if b is None else b.double()),
+            rtol=1e-5, atol=1e-4)
+        rowed = torch.randn(rows, in_features + 3, generator=gen)[:, :in_features]
+        torch.testing.assert_close(native.gemm(rowed, panels, out_features, b),
+                                   native.gemm(rowed.contiguous(), panels, out_features, b),
+                                   rtol=0, atol=0)
+
+
+@needs_native
+def test_gemm_rejects_a_mismatched_input() -> None:
+    panels = native.pack_weight(torch.randn(32, 16))
+    with pytest.raises(ValueError, match="does not fit"):
+        native.gemm(torch.randn(4, 17), panels, 32)
+    with pytest.raises(ValueError, match="does not fit"):
+        native.gemm(torch.randn(4, 16, dtype=torch.float64), panels, 32)
+    assert native.gemm(torch.randn(0, 16), panels, 32).shape == (0, 32)
+
+
+@needs_native
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_takes_the_panels_up_to_the_row_limit(bias, monkeypatch) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 80, bias=bias)
+    prepack_cpu_linears(nn.Sequential(layer))
+    assert layer.panel_weight is not None
+    calls = []
+    real = native.gemm
+    monkeypatch.setattr(native, "gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 16, cpu_linear.NATIVE_MAX_ROWS, cpu_linear.NATIVE_MAX_ROWS + 1, 100):
+        x = torch.randn(rows, 64)
+        expected = nn.functional.linear(x.double(), layer.weight.double(),
+                                        None if layer.bias is None else layer.bias.double())
+        torch.testing.assert_close(linear(layer, x).double(), expected, rtol=0, atol=1e-4)
+    assert calls == [1, 16, cpu_linear.NATIVE_MAX_ROWS]
+    prepack_cpu_linears(nn.Sequential(layer), "none")  # the plain path keeps no panels
+    assert layer.panel_weight is None
+
+
+def _reference(query, k_cache, v_cache, table, first, ctx, scale):
+    """One sequence's attention over tokens [first * block_size, ctx), in float64."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    ids = table[first: -(-ctx // block_size)].long()
+    keys = k_cache[ids].flatten(0, 1)[: ctx - first * block_size].double()  # [L, H_kv, D]
+    values = v_cache[ids].flatten(0, 1)[: ctx - first * block_size].double()
+    group = query.shape[0] // num_kv_heads
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.einsum("hd,lhd->hl", query.double(), keys) * scale  # [H, L]
+    return torch.einsum("hl,lhd->hd", scores.softmax(-1), values), scores.logsumexp(-1)
+
+
+@needs_native
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 32), (6, 2, 64, 5)])
+def test_decode_attention_equals_float64(heads, kv_heads, head_dim, block_size) -> None:
+    if head_dim % native.lanes():
+        pytest.skip("head_dim not a multiple of this CPU's vector width")
+    gen = torch.Generator().manual_seed(heads * head_dim + block_size)
+    num_blocks, width = 64, 12
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    # sequences: (ctx, first block); 1 token, a partial block, exact blocks, a suffix only
+    seqs = [(1, 0), (block_size + 3, 0), (4 * block_size, 0), (7 * block_size + 2, 3),
+            (5 * block_size + 1, 5)]
+    tables = torch.randperm(num_blocks, generator=gen)[: len(seqs) * width].view(
+        len(seqs), width).int()
+    query = torch.randn(len(seqs) + 3, heads * head_dim + 8, generator=gen)[
+        :, :heads * head_dim].view(-1, heads, head_dim)  # rows strided, heads dense
+    q_rows = torch.tensor([3, 0, 5, 1, 7])
+    table_rows = torch.tensor([4, 2, 0, 1, 3])
+    first = torch.tensor([seqs[i][1] for i in table_rows.tolist()], dtype=torch.int32)
+    ctx = torch.tensor([seqs[i][0] for i in table_rows.tolist()], dtype=torch.int32)
+    scale = head_dim ** -0.5
+    out, lse = native.decode_attention(query, q_rows, k_cache, v_cache, tables, table_rows,
+                                       first, ctx, scale, with_lse=True)
+    assert out.shape == (5, heads, head_dim) and lse.shape == (5, heads)
+    for i in range(5):
+        ref, ref_lse = _reference(query[q_rows[i]], k_cache, v_cache, tables[table_rows[i]],
+                                  int(first[i]), int(ctx[i]), scale)
+        torch.testing.assert_close(out[i].double(), ref, rtol=1e-5, atol=2e-6)
+        torch.testing.assert_close(lse[i].double(), ref_lse, rtol=1e-6, atol=2e-6)
+    again, none = native.decode_attention(query, q_rows, k_cache, v_cache, tables,
+                                          table_rows, first, ctx, scale, with_lse=False)
+    assert none is None and torch.equal(again, out)
+
+
+@needs_native
+def test_decode_attention_rejects_what_it_cannot_take() -> None:
+    k_cache = torch.zeros(4, 16, 2, 64)
+    args = dict(q_rows=torch.tensor([0]), k_cache=k_cache, v_cache=k_cache,
+                block_tables=torch.zeros(1, 1, dtype=torch.int32), table_rows=torch.tensor([0]),
+                first_block=torch.zeros(1, dtype=torch.int32),
+                ctx_lens=torch.ones(1, dtype=torch.int32), scale=1.0, with_lse=False)
+    with pytest.raises(ValueError, match="ctx_lens"):
+        native.decode_attention(torch.zeros(1, 4, 64), **{**args, "ctx_lens": torch.ones(1)})
+    with pytest.raises(ValueError, match=r"\[H, D\] contiguous"):
+        native.decode_attention(torch.zeros(1, 64, 4).transpose(1, 2), **args)
+    with pytest.raises(ValueError, match="limits"):  # 40 query heads per KV head
+        native.decode_attention(torch.zeros(1, 80, 64), **args)
+    assert not native.supports_attention(80, 2, 64, 16)
+    assert native.supports_attention(4, 2, 64, 16)
+
+
+@needs_native
+def test_cascade_backend_attends_decodes_natively(monkeypatch) -> None:
+    """Decode rows (shared prefixes and unique contexts) go through the native kernel and
+    the result still equals plain paged attention and dense attention."""
+    calls = []
+    real = native.decode_attention
+    monkeypatch.setattr(native, "decode_attention",
+                        lambda *a, **k: calls.append(k["with_lse"]) or real(*a, **k))
+    spec = BatchSpec(seqs=((1, 70), (1, 75), (1, 90), (1, 33), (5, 20), (1, 1)), num_heads=6,
+                     num_kv_heads=2, head_dim=32, block_size=16, seed=3)
+    batch = build_batch(spec)
+    share_prefix(batch, [0, 1, 2], 4, 16)
+    plain = paged_attention_reference(**batch.kernel_args())
+    for min_prefix in (1, 100):  # with a cascaded prefix, and every row on its own keys
+        out = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=min_prefix)
+        assert bool(cascade._cached_plan.last.prefixes) == (min_prefix == 1)
+        torch.testing.assert_close(out, plain, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(out.double(), dense_attention(batch), atol=2e-6, rtol=1e-5)
+    assert calls == [True, False]
+    monkeypatch.setenv("PLAIT_NATIVE", "0")  # the torch path: no native call
+    cascade._cached_plan.clear()
+    torch.testing.assert_close(cascade_attention_reference(**batch.kernel_args()), plain,
+                               atol=2e-6, rtol=1e-5)
+    assert calls == [True, False]
+
+
+@pytest.fixture
+def fresh_library(tmp_path, monkeypatch):
+    """`native.library()` rebuilt from scratch into an empty cache, restored afterwards."""
+    monkeypatch.setenv("PLAIT_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    native.supports_attention.cache_clear()
+    yield tmp_path
+    monkeypatch.undo()
+    native.library.cache_clear()
+    native.supports_attention.cache_clear()
+
+
+@needs_native
+def test_the_build_is_cached_per_machine(fresh_library) -> None:
+    lib = native.library()
+    assert lib is not None and lib.plait_lanes() in (4, 8, 16)
+    built = list((fresh_library / "native").glob("plait_cpu_ops-*.so"))
+    assert len(built) == 1 and not list((fresh_library / "native").glob("*.tmp"))
+    stamp = built[0].stat().st_mtime_ns
+    native.library.cache_clear()
+    assert native.library() is not None  # a second process: loads, does not rebuild
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("env", [{"PLAIT_NATIVE": "0"}, {"CC": "/nonexistent/cc"}])
+def test_without_the_kernels_everything_falls_back(env, fresh_library, monkeypatch,
+                                                    caplog) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level("WARNING", logger="plait.kernels"):
+        assert native.library() is None and not native.available()
+    assert "native CPU kernels off" in caplog.text
+    assert not native.supports_attention(4, 2, 64, 16)
+    with pytest.raises(RuntimeError, match="not available"):
+        native.pack_weight(torch.zeros(4, 4))
+    layer = nn.Linear(16, 24)
+    prepack_cpu_linears(nn.Sequential(layer))
+    assert layer.panel_weight is None
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(linear(layer, x), nn.functional.linear(x, layer.weight,
+                                                                       layer.bias))
+    spec = BatchSpec(seqs=((1, 40), (1, 9)), num_heads=4, num_kv_heads=2, head_dim=32,
+                     block_size=8, seed=1)
+    batch = build_batch(spec)
+    cascade._cached_plan.clear()
+    torch.testing.assert_close(cascade_attention_reference(**batch.kernel_args()),
+                               paged_attention_reference(**batch.kernel_args()), atol=2e-6,
+                               rtol=1e-5)
