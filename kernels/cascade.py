@@ -16,14 +16,17 @@ every row keeps at least one suffix token. Prefill chunks are attended exactly a
 `paged_attention_reference`. The result equals `paged_attention_reference` up to float
 rounding (the merge reorders the softmax sums).
 
-On CPU, where the native kernels build (`native.py`), each decode row's own keys (its
-suffix, or all its keys when it shares no prefix) are attended by the C kernel straight
-from the cache blocks instead of a gather and a padded SDPA call: with unique contexts (16
-streams of ~550 tokens) the gather alone copied ~15 MB of K/V per layer and step.
+On CPU, where the native kernels build (`native.py`), every decode row is attended by the
+C kernel straight from the cache blocks, with the same grouping: the rows of a shared
+prefix, in chunks of up to 32 query heads, read it once, and one online softmax carries on
+over each row's own tokens, so there is no gather, no padded SDPA call and no merge (with
+unique contexts, 16 streams of ~550 tokens, the gather alone copied ~15 MB of K/V per layer
+and step).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -63,12 +66,28 @@ class _Prefix:
 
 @dataclass(slots=True)
 class _NativeRows:
-    """The decode rows as `native.decode_attention` takes them (host tensors)."""
+    """The decode rows as `native.decode_attention` takes them: in chunks of rows sharing a
+    prefix (a row alone otherwise), host tensors."""
 
-    q_rows: torch.Tensor  # [S_d] int64 rows of the query
+    token_rows: torch.Tensor | slice  # [S_d] rows of the query / output, in chunk order
+    chunk_start: torch.Tensor  # [C + 1] int64
+    chunk_shared: torch.Tensor  # [C] int32 tokens of the chunk's shared prefix
+    q_rows: torch.Tensor  # [S_d] int64 rows of the query, in chunk order
     table_rows: torch.Tensor  # [S_d] int64 rows of the block tables
-    first_block: torch.Tensor  # [S_d] int32 first block of the row's own keys
     ctx_lens: torch.Tensor  # [S_d] int32
+
+
+def native_chunks(shared: list[tuple[list[int], int]], num_rows: int, max_rows: int,
+                  ) -> list[tuple[list[int], int]]:
+    """(rows, shared blocks) per chunk: each shared group split into near-equal chunks of
+    at most `max_rows` rows, then every other row alone (0 shared blocks)."""
+    chunks, grouped = [], set()
+    for rows, run in shared:
+        parts = -(-len(rows) // max_rows)
+        for k in range(parts):
+            chunks.append((rows[k * len(rows) // parts:(k + 1) * len(rows) // parts], run))
+        grouped.update(rows)
+    return chunks + [([r], 0) for r in range(num_rows) if r not in grouped]
 
 
 @dataclass(slots=True)
@@ -145,12 +164,16 @@ def _plan(
         bias = torch.zeros(decodes.mask.shape, device=device).masked_fill_(
             ~decodes.mask, float("-inf"))
     rows = None
-    if device.type == "cpu":
+    if device.type == "cpu" and group <= native.MAX_QUERIES:
+        chunks = native_chunks(shared, len(decode_idx), native.MAX_QUERIES // group)
+        order = [decode_idx[r] for rows_, _ in chunks for r in rows_]  # sequences
         rows = _NativeRows(
-            torch.tensor([starts[i] for i in decode_idx], dtype=torch.int64),
-            torch.tensor(decode_idx, dtype=torch.int64),
-            torch.tensor(first, dtype=torch.int32),
-            torch.tensor([ctx[i] for i in decode_idx], dtype=torch.int32))
+            _rows([starts[i] for i in order], device),
+            torch.tensor([0, *itertools.accumulate(len(c) for c, _ in chunks)]),
+            torch.tensor([run * block_size for _, run in chunks], dtype=torch.int32),
+            torch.tensor([starts[i] for i in order], dtype=torch.int64),
+            torch.tensor(order, dtype=torch.int64),
+            torch.tensor([ctx[i] for i in order], dtype=torch.int32))
     return _CascadePlan(decodes, prefixes, prefills, bias, rows)
 
 
@@ -243,24 +266,20 @@ def cascade_attention_reference(
     d = plan.decodes
     if d is None:
         return out
-    q = query[d.token_idx].view(d.num_seqs, 1, -1, head_dim)  # [S_d, 1, H, D]
     if plan.native is not None and _native_fits(query, k_cache, v_cache):
         n = plan.native
-        dec, lse = native.decode_attention(
-            query, n.q_rows, k_cache, v_cache, block_tables.int().contiguous(), n.table_rows,
-            n.first_block, n.ctx_lens, scale, with_lse=bool(plan.prefixes))
-        if not plan.prefixes:
-            out[d.token_idx] = dec.to(query.dtype)
-            return out
-    else:
-        key = gather_blocks(k_cache, d.block_ids, d.num_seqs, d.length)
-        value = gather_blocks(v_cache, d.block_ids, d.num_seqs, d.length)
-        if not plan.prefixes:
-            out[d.token_idx] = _attend(q, key, value, d.mask, scale).view(
-                -1, *query.shape[1:])
-            return out
-        dec, lse = attend_with_lse(q, key, value, plan.decode_bias, scale)
-        dec, lse = dec.squeeze(1), lse.squeeze(1)  # [S_d, H, D], [S_d, H]
+        out[n.token_rows] = native.decode_attention(
+            query, k_cache, v_cache, block_tables.int().contiguous(), n.chunk_start,
+            n.chunk_shared, n.q_rows, n.table_rows, n.ctx_lens, scale).to(query.dtype)
+        return out
+    q = query[d.token_idx].view(d.num_seqs, 1, -1, head_dim)  # [S_d, 1, H, D]
+    key = gather_blocks(k_cache, d.block_ids, d.num_seqs, d.length)
+    value = gather_blocks(v_cache, d.block_ids, d.num_seqs, d.length)
+    if not plan.prefixes:
+        out[d.token_idx] = _attend(q, key, value, d.mask, scale).view(-1, *query.shape[1:])
+        return out
+    dec, lse = attend_with_lse(q, key, value, plan.decode_bias, scale)
+    dec, lse = dec.squeeze(1), lse.squeeze(1)  # [S_d, H, D], [S_d, H]
     for p in plan.prefixes:
         key, value = _prefix_kv(k_cache, p), _prefix_kv(v_cache, p)
         # the group's queries stacked as one sequence's queries, no mask: [1, G, H, D]

@@ -10,7 +10,8 @@
  *   plait_gemm              y[M, N] = x[M, K] @ W^T (+ bias), W pre-packed in column
  *                           panels of LANES: the decode GEMM (few rows, weights streamed)
  *   plait_decode_attention  one query token per sequence over its paged K/V, read in
- *                           place from the cache (no gather), with the log-sum-exp
+ *                           place from the cache (no gather); rows sharing a prompt's
+ *                           blocks read them once (cascade attention, no merge)
  */
 #include <math.h>
 #include <stdint.h>
@@ -170,107 +171,255 @@ static inline float hsum(vf v) {
 #endif
 }
 
-#define MAX_GROUP 32     /* query heads per KV head */
+#define MAX_QUERIES 32  /* query vectors one task holds: rows of a chunk x heads per KV head */
 #define MAX_HEAD_DIM 256
-#define MAX_BLOCK 256    /* tokens per cache block */
-/* Each (sequence, head) task prefetches its rows of the block this many blocks ahead into
- * L2: the blocks are scattered over the pool, so the hardware prefetcher cannot follow
- * (16 sequences of ~560 tokens: 37.6 -> 27 ms per decode step over 30 layers; what is
- * left is the latency of reading 16-token blocks scattered over the pool, ~11 GB/s). */
+#define MAX_BLOCK 256   /* tokens per cache block */
+/* Each task prefetches its rows of the block this many blocks ahead into L2: the blocks
+ * are scattered over the pool, so the hardware prefetcher cannot follow (16 sequences of
+ * ~560 tokens: 37.6 -> 27 ms per decode step over 30 layers; what is left is the latency
+ * of reading 16-token blocks scattered over the pool, ~11 GB/s). */
 #define PF_BLOCKS 2
 
-/* For each sequence i (of S) and each of its query heads: attention of the query row
- * q[q_rows[i]] ([H, D], row stride q_stride floats) over the sequence's cached tokens
- * first_block[i] * block_size .. ctx_len[i] - 1, whose blocks are
- * block_tables[table_rows[i] * table_stride + t / block_size] (int32) in the caches
- * k_cache / v_cache [num_blocks, block_size, H_kv, D] (contiguous).
- * Writes out[i] ([H, D], dense) and, when lse is not NULL, lse[i * H + h] = the log of the
- * softmax's normaliser of the scaled scores (natural log). Head h reads KV head h / (H /
- * H_kv). D must be a multiple of LANES; every sequence must attend at least one token.
+static inline float hmax(vf v) {
+#if LANES == 16
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  float t[LANES];
+  memcpy(t, &v, sizeof t);
+  for (int w = LANES / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; i++) t[i] = t[i] > t[i + w] ? t[i] : t[i + w];
+  return t[0];
+#endif
+}
+
+/* The running softmax of one task: `nq` query vectors (pre-scaled), their running max,
+ * normaliser and weighted sum of values. */
+typedef struct {
+  long nq, dv;
+  float *q;    /* [nq, D] */
+  float *m;    /* [nq] */
+  float *l;    /* [nq] */
+  vf *acc;     /* [nq, dv] */
+} state_t;
+
+/* Rescales query a's state to a new maximum `mb` (>= its current one). */
+static inline void rescale(state_t *st, long a, float mb) {
+  if (mb == st->m[a]) return;
+  const float alpha = st->m[a] == -INFINITY ? 0.0f : expf(st->m[a] - mb);
+  st->l[a] *= alpha;
+  st->m[a] = mb;
+  for (long d = 0; d < st->dv; d++) st->acc[a * st->dv + d] *= alpha;
+}
+
+static inline void prefetch_rows(const float *k, const float *v, long rows, long stride,
+                                 long run) {
+  for (long j = 0; j < rows; j++)
+    for (long d = 0; d < run; d += 64 / (long)sizeof(float)) {
+      __builtin_prefetch(k + j * stride + d, 0, 2);
+      __builtin_prefetch(v + j * stride + d, 0, 2);
+    }
+}
+
+/* Every query of `st` attends tokens [t_from, t_to) of KV head h through `table`, with the
+ * queries across the vector lanes: the queries are transposed once ([D][QV * LANES]), a
+ * token's scores for all of them are QV vectors (D FMAs each, the key's elements
+ * broadcast), and the online softmax runs on whole vectors, once per LANES tokens. The
+ * keys are read once for all the queries (the rows of a chunk sharing a prefix, times the
+ * heads of a KV group). */
+static void attend_shared(state_t *st, const int32_t *table, long t_from, long t_to,
+                          const float *k_cache, const float *v_cache, long block_size,
+                          long num_kv_heads, long h, long head_dim) {
+  /* QMAX query vectors; TB tokens' partial scores: TB * QMAX accumulators in registers */
+  enum { QMAX = MAX_QUERIES / LANES, TB = LANES == 16 ? 8 : 2 };
+  const long stride = num_kv_heads * head_dim, dv = st->dv, nq = st->nq;
+  const long qv = (nq + LANES - 1) / LANES;
+  float qt[MAX_HEAD_DIM * QMAX * LANES] __attribute__((aligned(64)));
+  float prob[LANES][QMAX * LANES + 4] __attribute__((aligned(64)));  /* +4: a0 + u < 36 */
+  float scale_by[QMAX * LANES] __attribute__((aligned(64)));
+  vf m[QMAX], l[QMAX];
+  for (long d = 0; d < head_dim; d++)
+    for (long a = 0; a < QMAX * LANES; a++)
+      qt[d * QMAX * LANES + a] = a < nq ? st->q[a * head_dim + d] : 0.0f;
+  for (long v = 0; v < qv; v++)
+    for (int lane = 0; lane < LANES; lane++) {
+      const long a = v * LANES + lane;
+      m[v][lane] = a < nq ? st->m[a] : 0.0f;
+      l[v][lane] = a < nq ? st->l[a] : 0.0f;
+    }
+  for (long t = t_from; t < t_to;) {
+    const long blk = table[t / block_size], off = t % block_size;
+    const long block_end = t - off + block_size < t_to ? t - off + block_size : t_to;
+    const long n = block_end - t < LANES ? block_end - t : LANES;
+    const float *kb = k_cache + ((blk * block_size + off) * num_kv_heads + h) * head_dim;
+    const float *vb = v_cache + ((blk * block_size + off) * num_kv_heads + h) * head_dim;
+    if (off == 0 && t + PF_BLOCKS * block_size < t_to) {
+      const long ahead = table[t / block_size + PF_BLOCKS];
+      prefetch_rows(k_cache + (ahead * block_size * num_kv_heads + h) * head_dim,
+                    v_cache + (ahead * block_size * num_kv_heads + h) * head_dim, block_size,
+                    stride, head_dim);
+    }
+    vf sc[LANES][QMAX];
+    for (long j0 = 0; j0 < n; j0 += TB) {  /* scores: TB tokens x QMAX vectors in registers */
+      const float *kr[TB];
+      vf part[TB][QMAX];
+      for (int j = 0; j < TB; j++) {  /* past n: the last token again, ignored */
+        kr[j] = kb + (j0 + j < n ? j0 + j : n - 1) * stride;
+        for (int v = 0; v < QMAX; v++) part[j][v] = (vf){0};
+      }
+      for (long d = 0; d < head_dim; d++) {
+        vf qd[QMAX];
+        for (int v = 0; v < QMAX; v++) qd[v] = *(const vf *)(qt + d * QMAX * LANES + v * LANES);
+        _Pragma("GCC unroll 8") for (int j = 0; j < TB; j++) {
+          const float kd = kr[j][d];
+          _Pragma("GCC unroll 4") for (int v = 0; v < QMAX; v++) part[j][v] += kd * qd[v];
+        }
+      }
+      for (long j = 0; j < TB && j0 + j < n; j++)
+        for (int v = 0; v < QMAX; v++) sc[j0 + j][v] = part[j][v];
+    }
+    for (long v = 0; v < qv; v++) {  /* online softmax, all queries at once */
+      vf mx = m[v];
+      for (long j = 0; j < n; j++) mx = vselect(sc[j][v] > mx, sc[j][v], mx);
+      const vf alpha = vexp(m[v] - mx);
+      vf sum = (vf){0};
+      for (long j = 0; j < n; j++) {
+        const vf p = vexp(sc[j][v] - mx);
+        *(vf *)&prob[j][v * LANES] = p;
+        sum += p;
+      }
+      l[v] = l[v] * alpha + sum;
+      m[v] = mx;
+      *(vf *)&scale_by[v * LANES] = alpha;
+    }
+    for (long d = 0; d < dv; d++) {  /* acc = acc * alpha + sum_j p_j V_j, 4 queries a pass */
+      for (long a0 = 0; a0 < nq; a0 += 4) {
+        vf r[4];
+        const int na = nq - a0 < 4 ? (int)(nq - a0) : 4;
+        for (int u = 0; u < 4; u++)
+          r[u] = u < na ? st->acc[(a0 + u) * dv + d] * scale_by[a0 + u] : (vf){0};
+        for (long j = 0; j < n; j++) {
+          const vf vv = *(const vf *)(vb + j * stride + d * LANES);
+          _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) r[u] += prob[j][a0 + u] * vv;
+        }
+        for (int u = 0; u < na; u++) st->acc[(a0 + u) * dv + d] = r[u];
+      }
+    }
+    t += n;
+  }
+  for (long a = 0; a < nq; a++) {
+    st->m[a] = m[a / LANES][a % LANES];
+    st->l[a] = l[a / LANES][a % LANES];
+  }
+}
+
+/* Queries [a0, a0 + G) of `st` (one row's heads of KV head h) attend tokens [t_from, t_to)
+ * token by token: one dot product per token and query (for the few queries of one row
+ * the transpose of `attend_shared` costs more than it saves). */
+static void attend_own(state_t *st, long a0, long G, const int32_t *table, long t_from,
+                       long t_to, const float *k_cache, const float *v_cache, long block_size,
+                       long num_kv_heads, long h, long head_dim) {
+  const long stride = num_kv_heads * head_dim, dv = st->dv;
+  float s[MAX_QUERIES][MAX_BLOCK + LANES] __attribute__((aligned(64)));
+  for (long t = t_from; t < t_to;) {
+    const long blk = table[t / block_size], off = t % block_size;
+    const long n = t - off + block_size < t_to ? block_size - off : t_to - t;
+    const float *kb = k_cache + ((blk * block_size + off) * num_kv_heads + h) * head_dim;
+    const float *vb = v_cache + ((blk * block_size + off) * num_kv_heads + h) * head_dim;
+    if (off == 0 && t + PF_BLOCKS * block_size < t_to) {
+      const long ahead = table[t / block_size + PF_BLOCKS];
+      prefetch_rows(k_cache + (ahead * block_size * num_kv_heads + h) * head_dim,
+                    v_cache + (ahead * block_size * num_kv_heads + h) * head_dim, block_size,
+                    stride, head_dim);
+    }
+    for (long j = 0; j < n; j++) {  /* scores */
+      const float *kj = kb + j * stride;
+      for (long g = 0; g < G; g++) {
+        const float *qa = st->q + (a0 + g) * head_dim;
+        vf dot = (vf){0};
+        for (long d = 0; d < dv; d++)
+          dot += *(const vf *)(qa + d * LANES) * *(const vf *)(kj + d * LANES);
+        s[g][j] = hsum(dot);
+      }
+    }
+    const long padded = (n + LANES - 1) / LANES * LANES;
+    for (long g = 0; g < G; g++) {  /* online softmax update */
+      float mb = st->m[a0 + g];
+      for (long j = 0; j < n; j++) mb = s[g][j] > mb ? s[g][j] : mb;
+      rescale(st, a0 + g, mb);
+      for (long j = n; j < padded; j++) s[g][j] = -INFINITY;
+      const vf mv = (vf){0} + mb;
+      for (long j = 0; j < padded; j += LANES) *(vf *)&s[g][j] = vexp(*(vf *)&s[g][j] - mv);
+      float sum = 0.0f;
+      for (long j = 0; j < n; j++) sum += s[g][j];
+      st->l[a0 + g] += sum;
+    }
+    for (long j = 0; j < n; j++) {  /* acc += p V */
+      const float *vj = vb + j * stride;
+      for (long d = 0; d < dv; d++) {
+        const vf vv = *(const vf *)(vj + d * LANES);
+        for (long g = 0; g < G; g++) st->acc[(a0 + g) * dv + d] += s[g][j] * vv;
+      }
+    }
+    t += n;
+  }
+}
+
+/* Decode attention: one query token per sequence over its paged K/V, read in place.
+ *
+ * Sequences come in chunks: chunk c is sequences chunk_start[c] .. chunk_start[c+1] - 1,
+ * whose first chunk_shared[c] tokens are the same cache blocks (those of the chunk's first
+ * sequence's table; 0 for a chunk of one). Sequence i's query row is q[q_rows[i]] ([H, D],
+ * row stride q_stride floats); it attends its tokens 0 .. ctx_len[i] - 1, whose blocks are
+ * block_tables[table_rows[i] * table_stride + t / block_size] (int32), in the caches
+ * k_cache / v_cache [num_blocks, block_size, H_kv, D] (contiguous); query head h reads KV
+ * head h / (H / H_kv). A task is one chunk and one KV head: it reads the shared tokens once
+ * for all the chunk's queries (cascade attention without a merge: one online softmax
+ * continues over each row's own tokens). Writes out[i] ([H, D], dense, i in chunk order).
+ * D must be a multiple of LANES and every sequence must attend at least one token.
  * Returns 0, or -1 if the shapes exceed this kernel's limits. */
-int plait_decode_attention(const float *q, long q_stride, const int64_t *q_rows,
-                           const float *k_cache, const float *v_cache, long block_size,
-                           long num_kv_heads, long num_heads, long head_dim,
-                           const int32_t *block_tables, long table_stride,
-                           const int64_t *table_rows, const int32_t *first_block,
-                           const int32_t *ctx_len, long S, float scale, float *out,
-                           float *lse) {
-  const long G = num_heads / num_kv_heads, DV = head_dim / LANES;
-  if (G < 1 || G > MAX_GROUP || head_dim % LANES || head_dim > MAX_HEAD_DIM ||
-      block_size > MAX_BLOCK || num_heads % num_kv_heads)
+int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
+                           const float *v_cache, long block_size, long num_kv_heads,
+                           long num_heads, long head_dim, const int32_t *block_tables,
+                           long table_stride, long num_chunks, const int64_t *chunk_start,
+                           const int32_t *chunk_shared, const int64_t *q_rows,
+                           const int64_t *table_rows, const int32_t *ctx_len, float scale,
+                           float *out) {
+  if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % LANES ||
+      head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK)
     return -1;
-  const long token_stride = num_kv_heads * head_dim;  /* floats between two tokens */
-#pragma omp parallel for schedule(static)
-  for (long task = 0; task < S * num_kv_heads; task++) {
-    const long i = task / num_kv_heads, h = task % num_kv_heads;
-    const float *qrow = q + q_rows[i] * q_stride + h * G * head_dim;
-    const int32_t *table = block_tables + table_rows[i] * table_stride;
-    vf qv[MAX_GROUP * MAX_HEAD_DIM / LANES], acc[MAX_GROUP * MAX_HEAD_DIM / LANES];
-    float m[MAX_GROUP], l[MAX_GROUP];
-    float s[MAX_GROUP][MAX_BLOCK + LANES] __attribute__((aligned(64)));
-    for (long g = 0; g < G; g++) {
-      m[g] = -INFINITY;
-      l[g] = 0.0f;
-      for (long d = 0; d < DV; d++) {
-        qv[g * DV + d] = *(const vf *)(qrow + g * head_dim + d * LANES) * scale;
-        acc[g * DV + d] = (vf){0};
+  const long G = num_heads / num_kv_heads;
+  for (long c = 0; c < num_chunks; c++)
+    if ((chunk_start[c + 1] - chunk_start[c]) * G > MAX_QUERIES) return -1;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (long task = 0; task < num_chunks * num_kv_heads; task++) {
+    const long c = task / num_kv_heads, h = task % num_kv_heads;
+    const long first = chunk_start[c], rows = chunk_start[c + 1] - first;
+    float qs[MAX_QUERIES * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float m[MAX_QUERIES], l[MAX_QUERIES];
+    vf acc[MAX_QUERIES * MAX_HEAD_DIM / LANES];
+    state_t st = {rows * G, head_dim / LANES, qs, m, l, acc};
+    for (long r = 0; r < rows; r++)
+      for (long g = 0; g < G; g++) {
+        const long a = r * G + g;
+        const float *src = q + q_rows[first + r] * q_stride + (h * G + g) * head_dim;
+        for (long d = 0; d < head_dim; d++) qs[a * head_dim + d] = src[d] * scale;
+        m[a] = -INFINITY;
+        l[a] = 0.0f;
+        for (long d = 0; d < st.dv; d++) acc[a * st.dv + d] = (vf){0};
       }
-    }
-    const long end = ctx_len[i];
-    for (long t0 = (long)first_block[i] * block_size; t0 < end; t0 += block_size) {
-      const long n = end - t0 < block_size ? end - t0 : block_size;
-      const long blk = table[t0 / block_size];
-      const float *kb = k_cache + (blk * block_size * num_kv_heads + h) * head_dim;
-      const float *vb = v_cache + (blk * block_size * num_kv_heads + h) * head_dim;
-      if (t0 + PF_BLOCKS * block_size < end) {  /* a later block's rows of this head, into L2 */
-        const long next = table[t0 / block_size + PF_BLOCKS];
-        const float *kn = k_cache + (next * block_size * num_kv_heads + h) * head_dim;
-        const float *vn = v_cache + (next * block_size * num_kv_heads + h) * head_dim;
-        for (long j = 0; j < block_size; j++)
-          for (long d = 0; d < head_dim; d += 64 / (long)sizeof(float)) {
-            __builtin_prefetch(kn + j * token_stride + d, 0, 2);
-            __builtin_prefetch(vn + j * token_stride + d, 0, 2);
-          }
-      }
-      for (long j = 0; j < n; j++) {  /* scores of the block's tokens */
-        const float *kt = kb + j * token_stride;
-        for (long g = 0; g < G; g++) {
-          vf dot = (vf){0};
-          for (long d = 0; d < DV; d++) dot += qv[g * DV + d] * *(const vf *)(kt + d * LANES);
-          s[g][j] = hsum(dot);
-        }
-      }
-      const long padded = (n + LANES - 1) / LANES * LANES;
-      for (long g = 0; g < G; g++) {  /* online softmax update */
-        float mb = m[g];
-        for (long j = 0; j < n; j++) mb = s[g][j] > mb ? s[g][j] : mb;
-        for (long j = n; j < padded; j++) s[g][j] = -INFINITY;
-        const vf mv = (vf){0} + mb;
-        float sum = 0.0f;
-        for (long j = 0; j < padded; j += LANES) {
-          vf e = vexp(*(vf *)&s[g][j] - mv);
-          *(vf *)&s[g][j] = e;
-        }
-        for (long j = 0; j < n; j++) sum += s[g][j];
-        const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - mb);
-        l[g] = l[g] * alpha + sum;
-        m[g] = mb;
-        for (long d = 0; d < DV; d++) acc[g * DV + d] *= alpha;
-      }
-      for (long j = 0; j < n; j++) {  /* acc += p V */
-        const float *vt = vb + j * token_stride;
-        for (long d = 0; d < DV; d++) {
-          const vf vv = *(const vf *)(vt + d * LANES);
-          for (long g = 0; g < G; g++) acc[g * DV + d] += s[g][j] * vv;
-        }
-      }
-    }
-    for (long g = 0; g < G; g++) {
-      const long head = h * G + g;
-      const float inv = 1.0f / l[g];
-      float *o = out + (i * num_heads + head) * head_dim;
-      for (long d = 0; d < DV; d++) *(vf *)(o + d * LANES) = acc[g * DV + d] * inv;
-      if (lse) lse[i * num_heads + head] = m[g] + logf(l[g]);
+    const long shared = chunk_shared[c];
+    if (shared > 0)
+      attend_shared(&st, block_tables + table_rows[first] * table_stride, 0, shared,
+                    k_cache, v_cache, block_size, num_kv_heads, h, head_dim);
+    for (long r = 0; r < rows; r++)
+      attend_own(&st, r * G, G, block_tables + table_rows[first + r] * table_stride, shared,
+                 ctx_len[first + r], k_cache, v_cache, block_size, num_kv_heads, h,
+                 head_dim);
+    for (long a = 0; a < rows * G; a++) {
+      const long r = a / G, g = a % G;
+      const float inv = 1.0f / l[a];
+      float *o = out + ((first + r) * num_heads + h * G + g) * head_dim;
+      for (long d = 0; d < st.dv; d++) *(vf *)(o + d * LANES) = acc[a * st.dv + d] * inv;
     }
   }
   return 0;

@@ -13,7 +13,8 @@ built against another OpenMP runtime, or with `PLAIT_NATIVE=0`, `library()` retu
 
 * `gemm(x, panels, out_features, bias)`: x @ W^T for a few rows, W packed by
   `pack_weight`; streams the weights once (the decode step's GEMMs).
-* `decode_attention(...)`: one query per sequence over its paged K/V, read in place.
+* `decode_attention(...)`: one query per sequence over its paged K/V, read in place; rows
+  that share a prompt's blocks read them once.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                _c_long]
     lib.plait_decode_attention.restype = ctypes.c_int
     lib.plait_decode_attention.argtypes = [
-        _ptr, _c_long, _ptr, _ptr, _ptr, _c_long, _c_long, _c_long, _c_long, _ptr, _c_long,
-        _ptr, _ptr, _ptr, _c_long, _c_float, _ptr, _ptr]
+        _ptr, _c_long, _ptr, _ptr, _c_long, _c_long, _c_long, _c_long, _ptr, _c_long, _c_long,
+        _ptr, _ptr, _ptr, _ptr, _ptr, _c_float, _ptr]
     return lib
 
 
@@ -187,19 +188,20 @@ def gemm(
 
 def decode_attention(
     query: torch.Tensor,  # [T, H, D] float32; rows may be strided, heads and dims dense
-    q_rows: torch.Tensor,  # [S] int64 rows of `query`, one per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] float32 contiguous
     v_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] float32 contiguous
     block_tables: torch.Tensor,  # [num_seqs, W] int32 contiguous
+    chunk_start: torch.Tensor,  # [C + 1] int64: chunk c is sequences start[c]..start[c+1]-1
+    chunk_shared: torch.Tensor,  # [C] int32: leading tokens the chunk's sequences share
+    q_rows: torch.Tensor,  # [S] int64 rows of `query`, one per sequence (chunk order)
     table_rows: torch.Tensor,  # [S] int64 rows of `block_tables`
-    first_block: torch.Tensor,  # [S] int32: each sequence attends from this block on
-    ctx_lens: torch.Tensor,  # [S] int32: ... up to (excluding) this token
+    ctx_lens: torch.Tensor,  # [S] int32 tokens each sequence attends
     scale: float,
-    with_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # [S, H, D], [S, H] float32 or None
-    """Softmax attention of each sequence's one query over its tokens
-    [first_block * block_size, ctx_len), read from the paged cache in place; also the
-    log-sum-exp of the scaled scores when `with_lse`. Every sequence attends >= 1 token."""
+) -> torch.Tensor:  # [S, H, D] float32, in chunk order
+    """Softmax attention of each sequence's one query over its tokens [0, ctx_len), read
+    from the paged cache in place. The sequences of a chunk share their first
+    `chunk_shared` tokens (the same blocks: those of the chunk's first sequence), which are
+    read once for all of them; at most `max_chunk_rows(H, H_kv)` sequences per chunk."""
     lib = library()
     if lib is None:
         raise RuntimeError("native CPU kernels are not available")
@@ -207,27 +209,38 @@ def decode_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if query.stride(2) != 1 or query.stride(1) != head_dim:
         raise ValueError("decode_attention: each query row must be [H, D] contiguous")
-    for name, t, dtype in (("q_rows", q_rows, torch.int64), ("table_rows", table_rows,
-                           torch.int64), ("first_block", first_block, torch.int32),
+    for name, t, dtype in (("chunk_start", chunk_start, torch.int64),
+                           ("chunk_shared", chunk_shared, torch.int32),
+                           ("q_rows", q_rows, torch.int64),
+                           ("table_rows", table_rows, torch.int64),
                            ("ctx_lens", ctx_lens, torch.int32),
                            ("block_tables", block_tables, torch.int32)):
         if t.dtype != dtype or not t.is_contiguous():
             raise ValueError(f"decode_attention: {name} must be contiguous {dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("decode_attention: the caches must be contiguous")
-    seqs = q_rows.shape[0]
-    out = torch.empty(seqs, num_heads, head_dim, dtype=torch.float32)
-    lse = torch.empty(seqs, num_heads, dtype=torch.float32) if with_lse else None
+    out = torch.empty(q_rows.shape[0], num_heads, head_dim, dtype=torch.float32)
     rc = lib.plait_decode_attention(
-        query.data_ptr(), query.stride(0), q_rows.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), block_size, num_kv_heads, num_heads, head_dim,
-        block_tables.data_ptr(), block_tables.stride(0), table_rows.data_ptr(),
-        first_block.data_ptr(), ctx_lens.data_ptr(), seqs, scale, out.data_ptr(),
-        None if lse is None else lse.data_ptr())
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_size, num_kv_heads, num_heads, head_dim, block_tables.data_ptr(),
+        block_tables.stride(0), chunk_shared.shape[0], chunk_start.data_ptr(),
+        chunk_shared.data_ptr(), q_rows.data_ptr(), table_rows.data_ptr(),
+        ctx_lens.data_ptr(), scale, out.data_ptr())
     if rc != 0:
         raise ValueError(f"decode_attention: shapes beyond the kernel's limits (H={num_heads},"
-                         f" H_kv={num_kv_heads}, D={head_dim}, block={block_size})")
-    return out, lse
+                         f" H_kv={num_kv_heads}, D={head_dim}, block={block_size}, or a chunk"
+                         f" of more than {max_chunk_rows(num_heads, num_kv_heads)} rows)")
+    return out
+
+
+# Query vectors one task of the kernel holds (MAX_QUERIES in cpu_ops.c): a chunk holds at
+# most MAX_QUERIES // (H / H_kv) sequences.
+MAX_QUERIES = 32
+
+
+def max_chunk_rows(num_heads: int, num_kv_heads: int) -> int:
+    """The most sequences one chunk of `decode_attention` may hold."""
+    return MAX_QUERIES // max(1, num_heads // num_kv_heads)
 
 
 @functools.cache
@@ -236,9 +249,9 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
     """Whether `decode_attention` takes these shapes (the C kernel's limits)."""
     if not available():
         return False
-    return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 32
+    return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_QUERIES
             and head_dim % lanes() == 0 and head_dim <= 256 and block_size <= 256)
 
 
-__all__ = ["available", "decode_attention", "gemm", "lanes", "library", "pack_weight",
-           "supports_attention"]
+__all__ = ["MAX_QUERIES", "available", "decode_attention", "gemm", "lanes", "library",
+           "max_chunk_rows", "pack_weight", "supports_attention"]

@@ -77,16 +77,44 @@ def test_packed_linear_takes_the_panels_up_to_the_row_limit(bias, monkeypatch) -
     assert layer.panel_weight is None
 
 
-def _reference(query, k_cache, v_cache, table, first, ctx, scale):
-    """One sequence's attention over tokens [first * block_size, ctx), in float64."""
+def _reference(query, k_cache, v_cache, table, ctx, scale):
+    """One sequence's attention over its tokens [0, ctx), in float64."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    ids = table[first: -(-ctx // block_size)].long()
-    keys = k_cache[ids].flatten(0, 1)[: ctx - first * block_size].double()  # [L, H_kv, D]
-    values = v_cache[ids].flatten(0, 1)[: ctx - first * block_size].double()
+    ids = table[: -(-ctx // block_size)].long()
+    keys = k_cache[ids].flatten(0, 1)[:ctx].double()  # [L, H_kv, D]
+    values = v_cache[ids].flatten(0, 1)[:ctx].double()
     group = query.shape[0] // num_kv_heads
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = torch.einsum("hd,lhd->hl", query.double(), keys) * scale  # [H, L]
-    return torch.einsum("hl,lhd->hd", scores.softmax(-1), values), scores.logsumexp(-1)
+    return torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
+
+
+def _chunked_case(heads, kv_heads, head_dim, block_size, seed):
+    """A shared chunk of 3 rows (5 common blocks, own tails of 1 token to 2 blocks + 3), a
+    chunk of 2 rows sharing 1 block, and 3 rows alone (1 token, a partial block, exact
+    blocks); tables and query rows in a shuffled order."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks, width = 96, 12
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen)[: 8 * width].view(8, width).int()
+    chunks = [([0, 1, 2], 5), ([3, 4], 1), ([5], 0), ([6], 0), ([7], 0)]
+    ctx = [5 * block_size + 1, 6 * block_size + 5, 7 * block_size + 3, block_size + 1,
+           2 * block_size, 1, block_size - 1, 3 * block_size]
+    for rows, shared in chunks:
+        tables[rows, :shared] = tables[rows[0], :shared]
+    query = torch.randn(11, heads * head_dim + 8, generator=gen)[:, :heads * head_dim].view(
+        -1, heads, head_dim)  # rows strided, heads dense
+    table_rows = torch.tensor([7, 0, 2, 1, 4, 3, 6, 5])  # sequence of each query row below
+    q_rows = torch.tensor([9, 0, 4, 2, 10, 7, 1, 3])
+    order = [s for rows, _ in chunks for s in rows]
+    where = {seq: i for i, seq in enumerate(table_rows.tolist())}
+    args = dict(
+        chunk_start=torch.tensor([0, 3, 5, 6, 7, 8]),
+        chunk_shared=torch.tensor([n * block_size for _, n in chunks], dtype=torch.int32),
+        q_rows=q_rows[[where[s] for s in order]], table_rows=torch.tensor(order),
+        ctx_lens=torch.tensor([ctx[s] for s in order], dtype=torch.int32))
+    return query, k_cache, v_cache, tables, args
 
 
 @needs_native
@@ -95,76 +123,66 @@ def _reference(query, k_cache, v_cache, table, first, ctx, scale):
 def test_decode_attention_equals_float64(heads, kv_heads, head_dim, block_size) -> None:
     if head_dim % native.lanes():
         pytest.skip("head_dim not a multiple of this CPU's vector width")
-    gen = torch.Generator().manual_seed(heads * head_dim + block_size)
-    num_blocks, width = 64, 12
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    # sequences: (ctx, first block); 1 token, a partial block, exact blocks, a suffix only
-    seqs = [(1, 0), (block_size + 3, 0), (4 * block_size, 0), (7 * block_size + 2, 3),
-            (5 * block_size + 1, 5)]
-    tables = torch.randperm(num_blocks, generator=gen)[: len(seqs) * width].view(
-        len(seqs), width).int()
-    query = torch.randn(len(seqs) + 3, heads * head_dim + 8, generator=gen)[
-        :, :heads * head_dim].view(-1, heads, head_dim)  # rows strided, heads dense
-    q_rows = torch.tensor([3, 0, 5, 1, 7])
-    table_rows = torch.tensor([4, 2, 0, 1, 3])
-    first = torch.tensor([seqs[i][1] for i in table_rows.tolist()], dtype=torch.int32)
-    ctx = torch.tensor([seqs[i][0] for i in table_rows.tolist()], dtype=torch.int32)
+    query, k_cache, v_cache, tables, args = _chunked_case(heads, kv_heads, head_dim,
+                                                          block_size, heads + block_size)
     scale = head_dim ** -0.5
-    out, lse = native.decode_attention(query, q_rows, k_cache, v_cache, tables, table_rows,
-                                       first, ctx, scale, with_lse=True)
-    assert out.shape == (5, heads, head_dim) and lse.shape == (5, heads)
-    for i in range(5):
-        ref, ref_lse = _reference(query[q_rows[i]], k_cache, v_cache, tables[table_rows[i]],
-                                  int(first[i]), int(ctx[i]), scale)
+    out = native.decode_attention(query, k_cache, v_cache, tables, scale=scale, **args)
+    assert out.shape == (8, heads, head_dim)
+    for i in range(8):
+        seq, ctx = int(args["table_rows"][i]), int(args["ctx_lens"][i])
+        ref = _reference(query[args["q_rows"][i]], k_cache, v_cache, tables[seq], ctx, scale)
         torch.testing.assert_close(out[i].double(), ref, rtol=1e-5, atol=2e-6)
-        torch.testing.assert_close(lse[i].double(), ref_lse, rtol=1e-6, atol=2e-6)
-    again, none = native.decode_attention(query, q_rows, k_cache, v_cache, tables,
-                                          table_rows, first, ctx, scale, with_lse=False)
-    assert none is None and torch.equal(again, out)
 
 
 @needs_native
 def test_decode_attention_rejects_what_it_cannot_take() -> None:
-    k_cache = torch.zeros(4, 16, 2, 64)
-    args = dict(q_rows=torch.tensor([0]), k_cache=k_cache, v_cache=k_cache,
-                block_tables=torch.zeros(1, 1, dtype=torch.int32), table_rows=torch.tensor([0]),
-                first_block=torch.zeros(1, dtype=torch.int32),
-                ctx_lens=torch.ones(1, dtype=torch.int32), scale=1.0, with_lse=False)
+    query, k_cache, v_cache, tables, args = _chunked_case(4, 2, 64, 16, 0)
     with pytest.raises(ValueError, match="ctx_lens"):
-        native.decode_attention(torch.zeros(1, 4, 64), **{**args, "ctx_lens": torch.ones(1)})
+        native.decode_attention(query, k_cache, v_cache, tables, scale=1.0,
+                                **{**args, "ctx_lens": args["ctx_lens"].float()})
     with pytest.raises(ValueError, match=r"\[H, D\] contiguous"):
-        native.decode_attention(torch.zeros(1, 64, 4).transpose(1, 2), **args)
-    with pytest.raises(ValueError, match="limits"):  # 40 query heads per KV head
-        native.decode_attention(torch.zeros(1, 80, 64), **args)
-    assert not native.supports_attention(80, 2, 64, 16)
+        native.decode_attention(query.transpose(1, 2).contiguous().transpose(1, 2), k_cache,
+                                v_cache, tables, scale=1.0, **args)
+    big = native.max_chunk_rows(4, 2) + 1  # one chunk of too many rows
+    assert native.max_chunk_rows(4, 2) == native.MAX_QUERIES // 2
+    with pytest.raises(ValueError, match="limits"):
+        native.decode_attention(
+            query.repeat(big, 1, 1), k_cache, v_cache, tables, scale=1.0,
+            chunk_start=torch.tensor([0, big]), chunk_shared=torch.zeros(1, dtype=torch.int32),
+            q_rows=torch.arange(big), table_rows=torch.zeros(big, dtype=torch.int64),
+            ctx_lens=torch.ones(big, dtype=torch.int32))
+    assert not native.supports_attention(80, 2, 64, 16)  # 40 query heads per KV head
     assert native.supports_attention(4, 2, 64, 16)
 
 
 @needs_native
 def test_cascade_backend_attends_decodes_natively(monkeypatch) -> None:
-    """Decode rows (shared prefixes and unique contexts) go through the native kernel and
-    the result still equals plain paged attention and dense attention."""
+    """Decode rows (a shared prefix, in chunks, and unique contexts) go through the native
+    kernel, once per call, and the result still equals plain paged attention and dense
+    attention; the chunks split a shared group evenly."""
     calls = []
     real = native.decode_attention
     monkeypatch.setattr(native, "decode_attention",
-                        lambda *a, **k: calls.append(k["with_lse"]) or real(*a, **k))
-    spec = BatchSpec(seqs=((1, 70), (1, 75), (1, 90), (1, 33), (5, 20), (1, 1)), num_heads=6,
-                     num_kv_heads=2, head_dim=32, block_size=16, seed=3)
+                        lambda *a, **k: calls.append(a[4].tolist()) or real(*a, **k))
+    seqs = (*((1, 70 + i) for i in range(13)), (1, 33), (5, 20), (1, 1))
+    spec = BatchSpec(seqs=seqs, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16,
+                     seed=3)
     batch = build_batch(spec)
-    share_prefix(batch, [0, 1, 2], 4, 16)
+    share_prefix(batch, list(range(13)), 4, 16)
     plain = paged_attention_reference(**batch.kernel_args())
-    for min_prefix in (1, 100):  # with a cascaded prefix, and every row on its own keys
+    for min_prefix in (1, 100):  # with a shared prefix, and every row on its own keys
         out = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=min_prefix)
-        assert bool(cascade._cached_plan.last.prefixes) == (min_prefix == 1)
         torch.testing.assert_close(out, plain, atol=2e-6, rtol=1e-5)
         torch.testing.assert_close(out.double(), dense_attention(batch), atol=2e-6, rtol=1e-5)
-    assert calls == [True, False]
+    # 13 shared rows, at most 32 // 3 = 10 per chunk: 6 + 7; then the 2 other decodes
+    assert calls == [[0, 6, 13, 14, 15], list(range(16))]
+    assert cascade.native_chunks([([0, 1, 2, 3, 4], 2)], 7, 2) == [
+        ([0], 2), ([1, 2], 2), ([3, 4], 2), ([5], 0), ([6], 0)]
     monkeypatch.setenv("PLAIT_NATIVE", "0")  # the torch path: no native call
     cascade._cached_plan.clear()
     torch.testing.assert_close(cascade_attention_reference(**batch.kernel_args()), plain,
                                atol=2e-6, rtol=1e-5)
-    assert calls == [True, False]
+    assert len(calls) == 2
 
 
 @pytest.fixture
