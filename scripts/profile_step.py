@@ -1,6 +1,8 @@
 """Where a decode step's time goes: torch.profiler over `LLM.generate` of n choices x T
 tokens from a 512-token prompt (seeded, temperature 0.8, EOS ignored), ops by self CPU time
 per step. The prompt's blocks are cached by a warm-up run first, so the figures are decode.
+The native CPU kernels (ctypes calls the profiler cannot see) are wrapped in
+`record_function` ranges named `plait::native_gemm` / `plait::native_decode_attention`.
 
     python scripts/profile_step.py [--n 16] [--tokens 32] [--compile]
 """
@@ -13,6 +15,19 @@ import time
 import torch
 
 from plait import LLM, SamplingParams
+from plait.kernels import native
+
+
+def _label_native_kernels() -> None:
+    """Make the native kernels' calls visible to torch.profiler."""
+    for name in ("gemm", "decode_attention"):
+        kernel = getattr(native, name)
+
+        def labelled(*args, _kernel=kernel, _label=f"plait::native_{name}", **kwargs):
+            with torch.profiler.record_function(_label):
+                return _kernel(*args, **kwargs)
+
+        setattr(native, name, labelled)
 
 
 def main() -> None:
@@ -22,6 +37,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
+    _label_native_kernels()
     llm = LLM(compile=args.compile)
     ids = llm.tokenizer.encode("The history of the river " * 120)[:512]
     llm.generate([ids], SamplingParams(n=2, max_tokens=4, ignore_eos=True))
