@@ -163,18 +163,18 @@ def _plan(
     if prefixes and not bool(decodes.mask.all()):
         bias = torch.zeros(decodes.mask.shape, device=device).masked_fill_(
             ~decodes.mask, float("-inf"))
-    rows = None
+    native_rows = None
     if device.type == "cpu" and group <= native.MAX_QUERIES:
         chunks = native_chunks(shared, len(decode_idx), native.MAX_QUERIES // group)
-        order = [decode_idx[r] for rows_, _ in chunks for r in rows_]  # sequences
-        rows = _NativeRows(
+        order = [decode_idx[r] for chunk, _ in chunks for r in chunk]  # sequences
+        native_rows = _NativeRows(
             _rows([starts[i] for i in order], device),
             torch.tensor([0, *itertools.accumulate(len(c) for c, _ in chunks)]),
             torch.tensor([run * block_size for _, run in chunks], dtype=torch.int32),
             torch.tensor([starts[i] for i in order], dtype=torch.int64),
             torch.tensor(order, dtype=torch.int64),
             torch.tensor([ctx[i] for i in order], dtype=torch.int32))
-    return _CascadePlan(decodes, prefixes, prefills, bias, rows)
+    return _CascadePlan(decodes, prefixes, prefills, bias, native_rows)
 
 
 _cached_plan = PlanCache(_plan)  # -> _CascadePlan

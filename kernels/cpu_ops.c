@@ -180,18 +180,6 @@ static inline float hsum(vf v) {
  * of reading 16-token blocks scattered over the pool, ~11 GB/s). */
 #define PF_BLOCKS 2
 
-static inline float hmax(vf v) {
-#if LANES == 16
-  return _mm512_reduce_max_ps((__m512)v);
-#else
-  float t[LANES];
-  memcpy(t, &v, sizeof t);
-  for (int w = LANES / 2; w > 0; w /= 2)
-    for (int i = 0; i < w; i++) t[i] = t[i] > t[i + w] ? t[i] : t[i + w];
-  return t[0];
-#endif
-}
-
 /* The running softmax of one task: `nq` query vectors (pre-scaled), their running max,
  * normaliser and weighted sum of values. */
 typedef struct {
