@@ -199,13 +199,25 @@ static inline void rescale(state_t *st, long a, float mb) {
   for (long d = 0; d < st->dv; d++) st->acc[a * st->dv + d] *= alpha;
 }
 
-static inline void prefetch_rows(const float *k, const float *v, long rows, long stride,
-                                 long run) {
-  for (long j = 0; j < rows; j++)
-    for (long d = 0; d < run; d += 64 / (long)sizeof(float)) {
-      __builtin_prefetch(k + j * stride + d, 0, 2);
-      __builtin_prefetch(v + j * stride + d, 0, 2);
-    }
+/* Where token t's rows of KV head h are in the caches (*kb, *vb; the next tokens of its
+ * block follow at a stride of H_kv * D floats). At a block's first token it also prefetches
+ * this head's rows of the block PF_BLOCKS ahead, when [t, t_to) reaches that far. */
+static inline void locate(const int32_t *table, long t, long t_to, const float *k_cache,
+                          const float *v_cache, long block_size, long num_kv_heads, long h,
+                          long head_dim, const float **kb, const float **vb) {
+  const long blk = table[t / block_size], off = t % block_size;
+  *kb = k_cache + ((blk * block_size + off) * num_kv_heads + h) * head_dim;
+  *vb = v_cache + ((blk * block_size + off) * num_kv_heads + h) * head_dim;
+  if (off == 0 && t + PF_BLOCKS * block_size < t_to) {
+    const long ahead = table[t / block_size + PF_BLOCKS], stride = num_kv_heads * head_dim;
+    const float *k = k_cache + (ahead * block_size * num_kv_heads + h) * head_dim;
+    const float *v = v_cache + (ahead * block_size * num_kv_heads + h) * head_dim;
+    for (long j = 0; j < block_size; j++)
+      for (long d = 0; d < head_dim; d += 64 / (long)sizeof(float)) {
+        __builtin_prefetch(k + j * stride + d, 0, 2);
+        __builtin_prefetch(v + j * stride + d, 0, 2);
+      }
+  }
 }
 
 /* Every query of `st` attends tokens [t_from, t_to) of KV head h through `table`, with the
@@ -235,17 +247,11 @@ static void attend_shared(state_t *st, const int32_t *table, long t_from, long t
       l[v][lane] = a < nq ? st->l[a] : 0.0f;
     }
   for (long t = t_from; t < t_to;) {
-    const long blk = table[t / block_size], off = t % block_size;
+    const long off = t % block_size;
     const long block_end = t - off + block_size < t_to ? t - off + block_size : t_to;
     const long n = block_end - t < LANES ? block_end - t : LANES;
-    const float *kb = k_cache + ((blk * block_size + off) * num_kv_heads + h) * head_dim;
-    const float *vb = v_cache + ((blk * block_size + off) * num_kv_heads + h) * head_dim;
-    if (off == 0 && t + PF_BLOCKS * block_size < t_to) {
-      const long ahead = table[t / block_size + PF_BLOCKS];
-      prefetch_rows(k_cache + (ahead * block_size * num_kv_heads + h) * head_dim,
-                    v_cache + (ahead * block_size * num_kv_heads + h) * head_dim, block_size,
-                    stride, head_dim);
-    }
+    const float *kb, *vb;
+    locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, h, head_dim, &kb, &vb);
     vf sc[LANES][QMAX];
     for (long j0 = 0; j0 < n; j0 += TB) {  /* scores: TB tokens x QMAX vectors in registers */
       const float *kr[TB];
@@ -309,16 +315,10 @@ static void attend_own(state_t *st, long a0, long G, const int32_t *table, long 
   const long stride = num_kv_heads * head_dim, dv = st->dv;
   float s[MAX_QUERIES][MAX_BLOCK + LANES] __attribute__((aligned(64)));
   for (long t = t_from; t < t_to;) {
-    const long blk = table[t / block_size], off = t % block_size;
+    const long off = t % block_size;
     const long n = t - off + block_size < t_to ? block_size - off : t_to - t;
-    const float *kb = k_cache + ((blk * block_size + off) * num_kv_heads + h) * head_dim;
-    const float *vb = v_cache + ((blk * block_size + off) * num_kv_heads + h) * head_dim;
-    if (off == 0 && t + PF_BLOCKS * block_size < t_to) {
-      const long ahead = table[t / block_size + PF_BLOCKS];
-      prefetch_rows(k_cache + (ahead * block_size * num_kv_heads + h) * head_dim,
-                    v_cache + (ahead * block_size * num_kv_heads + h) * head_dim, block_size,
-                    stride, head_dim);
-    }
+    const float *kb, *vb;
+    locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, h, head_dim, &kb, &vb);
     for (long j = 0; j < n; j++) {  /* scores */
       const float *kj = kb + j * stride;
       for (long g = 0; g < G; g++) {
