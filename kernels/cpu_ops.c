@@ -221,9 +221,10 @@ static inline void locate(const int32_t *table, long t, long t_to, const float *
 }
 
 /* Every query of `st` attends tokens [t_from, t_to) of KV head h through `table`, with the
- * queries across the vector lanes: the queries are transposed once ([D][QV * LANES]), a
- * token's scores for all of them are QV vectors (D FMAs each, the key's elements
- * broadcast), and the online softmax runs on whole vectors, once per LANES tokens. The
+ * queries across the vector lanes: the queries are transposed once ([D][QMAX * LANES],
+ * zero past nq), a token's scores for all of them are qv vectors (D FMAs each, the key's
+ * elements broadcast), and the online softmax runs on whole vectors, once per LANES
+ * tokens (at most one block). The
  * keys are read once for all the queries (the rows of a chunk sharing a prefix, times the
  * heads of a KV group). */
 static void attend_shared(state_t *st, const int32_t *table, long t_from, long t_to,
@@ -234,7 +235,8 @@ static void attend_shared(state_t *st, const int32_t *table, long t_from, long t
   const long stride = num_kv_heads * head_dim, dv = st->dv, nq = st->nq;
   const long qv = (nq + LANES - 1) / LANES;
   float qt[MAX_HEAD_DIM * QMAX * LANES] __attribute__((aligned(64)));
-  float prob[LANES][QMAX * LANES + 4] __attribute__((aligned(64)));  /* +4: a0 + u < 36 */
+  /* +4: the value pass reads 4 queries at a time, past nq in its last group */
+  float prob[LANES][QMAX * LANES + 4] __attribute__((aligned(64)));
   float scale_by[QMAX * LANES] __attribute__((aligned(64)));
   vf m[QMAX], l[QMAX];
   for (long d = 0; d < head_dim; d++)
