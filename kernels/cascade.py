@@ -27,7 +27,6 @@ and step).
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -164,14 +163,15 @@ def _plan(
         bias = torch.zeros(decodes.mask.shape, device=device).masked_fill_(
             ~decodes.mask, float("-inf"))
     native_rows = None
-    if device.type == "cpu" and group <= native.MAX_QUERIES:
-        chunks = native_chunks(shared, len(decode_idx), native.MAX_QUERIES // group)
+    if device.type == "cpu" and native.max_chunk_rows(group) >= 1:
+        chunks = native_chunks(shared, len(decode_idx), native.max_chunk_rows(group))
         order = [decode_idx[r] for chunk, _ in chunks for r in chunk]  # sequences
+        q_rows = [starts[i] for i in order]
         native_rows = _NativeRows(
-            _rows([starts[i] for i in order], device),
+            _rows(q_rows, device),
             torch.tensor([0, *itertools.accumulate(len(c) for c, _ in chunks)]),
             torch.tensor([run * block_size for _, run in chunks], dtype=torch.int32),
-            torch.tensor([starts[i] for i in order], dtype=torch.int64),
+            torch.tensor(q_rows, dtype=torch.int64),
             torch.tensor(order, dtype=torch.int64),
             torch.tensor([ctx[i] for i in order], dtype=torch.int32))
     return _CascadePlan(decodes, prefixes, prefills, bias, native_rows)
@@ -235,7 +235,7 @@ def _native_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return (query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
             and query.device.type == "cpu" and query.stride(2) == 1
             and query.stride(1) == head_dim and k_cache.is_contiguous()
-            and v_cache.is_contiguous() and os.environ.get("PLAIT_NATIVE", "1") != "0"
+            and v_cache.is_contiguous()
             and native.supports_attention(query.shape[1], num_kv_heads, head_dim, block_size))
 
 

@@ -34,19 +34,13 @@
 
 /* Cache lines to prefetch ahead while streaming a weight panel (measured on a 2-core
  * Xeon: without it the loads and the FMAs do not overlap and 16 rows run 30% slower). */
-#ifndef PREFETCH_LINES
 #define PREFETCH_LINES 64
-#endif
-#ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2
-#endif
 
 typedef float vf __attribute__((vector_size(LANES * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(LANES * 4), aligned(4)));
 
 int plait_lanes(void) { return LANES; }
-
-int plait_max_tile_rows(void) { return RMAX; }
 
 /* ------------------------------------------------------------------------------------ */
 /* GEMM                                                                                  */

@@ -88,7 +88,6 @@ def _build(cc: str, gomp: Path, target: Path) -> str | None:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.plait_lanes.restype = ctypes.c_int
-    lib.plait_max_tile_rows.restype = ctypes.c_int
     lib.plait_gemm.restype = ctypes.c_int
     lib.plait_gemm.argtypes = [_ptr, _c_long, _c_long, _ptr, _c_long, _c_long, _ptr, _ptr,
                                _c_long]
@@ -140,12 +139,17 @@ def available() -> bool:
     return library() is not None
 
 
-def lanes() -> int:
-    """Floats per vector (and per weight panel) of the compiled kernels."""
+def _loaded() -> ctypes.CDLL:
+    """`library()`, or RuntimeError when the kernels are not available."""
     lib = library()
     if lib is None:
         raise RuntimeError("native CPU kernels are not available")
-    return lib.plait_lanes()
+    return lib
+
+
+def lanes() -> int:
+    """Floats per vector (and per weight panel) of the compiled kernels."""
+    return _loaded().plait_lanes()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [P, in, lanes]
@@ -165,9 +169,7 @@ def gemm(
     bias: torch.Tensor | None = None,  # [out_features] float32, contiguous
 ) -> torch.Tensor:  # [M, out_features]
     """x @ W^T + bias, W the weight `panels` was packed from."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("native CPU kernels are not available")
+    lib = _loaded()
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, k = x.shape
@@ -201,10 +203,8 @@ def decode_attention(
     """Softmax attention of each sequence's one query over its tokens [0, ctx_len), read
     from the paged cache in place. The sequences of a chunk share their first
     `chunk_shared` tokens (the same blocks: those of the chunk's first sequence), which are
-    read once for all of them; at most `max_chunk_rows(H, H_kv)` sequences per chunk."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("native CPU kernels are not available")
+    read once for all of them; at most `max_chunk_rows(H / H_kv)` sequences per chunk."""
+    lib = _loaded()
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if query.stride(2) != 1 or query.stride(1) != head_dim:
@@ -229,18 +229,18 @@ def decode_attention(
     if rc != 0:
         raise ValueError(f"decode_attention: shapes beyond the kernel's limits (H={num_heads},"
                          f" H_kv={num_kv_heads}, D={head_dim}, block={block_size}, or a chunk"
-                         f" of more than {max_chunk_rows(num_heads, num_kv_heads)} rows)")
+                         f" of more than {max_chunk_rows(num_heads // num_kv_heads)} rows)")
     return out
 
 
-# Query vectors one task of the kernel holds (MAX_QUERIES in cpu_ops.c): a chunk holds at
-# most MAX_QUERIES // (H / H_kv) sequences.
+# Query vectors one task of the kernel holds (MAX_QUERIES in cpu_ops.c).
 MAX_QUERIES = 32
 
 
-def max_chunk_rows(num_heads: int, num_kv_heads: int) -> int:
-    """The most sequences one chunk of `decode_attention` may hold."""
-    return MAX_QUERIES // max(1, num_heads // num_kv_heads)
+def max_chunk_rows(group: int) -> int:
+    """The most sequences one chunk of `decode_attention` may hold, with `group` query heads
+    per KV head (0 when even one sequence's heads do not fit)."""
+    return MAX_QUERIES // max(1, group)
 
 
 @functools.cache

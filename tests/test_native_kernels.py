@@ -143,8 +143,8 @@ def test_decode_attention_rejects_what_it_cannot_take() -> None:
     with pytest.raises(ValueError, match=r"\[H, D\] contiguous"):
         native.decode_attention(query.transpose(1, 2).contiguous().transpose(1, 2), k_cache,
                                 v_cache, tables, scale=1.0, **args)
-    big = native.max_chunk_rows(4, 2) + 1  # one chunk of too many rows
-    assert native.max_chunk_rows(4, 2) == native.MAX_QUERIES // 2
+    big = native.max_chunk_rows(2) + 1  # one chunk of too many rows
+    assert native.max_chunk_rows(2) == native.MAX_QUERIES // 2
     with pytest.raises(ValueError, match="limits"):
         native.decode_attention(
             query.repeat(big, 1, 1), k_cache, v_cache, tables, scale=1.0,
@@ -156,7 +156,7 @@ def test_decode_attention_rejects_what_it_cannot_take() -> None:
 
 
 @needs_native
-def test_cascade_backend_attends_decodes_natively(monkeypatch) -> None:
+def test_cascade_backend_attends_decodes_natively(fresh_library, monkeypatch) -> None:
     """Decode rows (a shared prefix, in chunks, and unique contexts) go through the native
     kernel, once per call, and the result still equals plain paged attention and dense
     attention; the chunks split a shared group evenly."""
@@ -179,6 +179,8 @@ def test_cascade_backend_attends_decodes_natively(monkeypatch) -> None:
     assert cascade.native_chunks([([0, 1, 2, 3, 4], 2)], 7, 2) == [
         ([0], 2), ([1, 2], 2), ([3, 4], 2), ([5], 0), ([6], 0)]
     monkeypatch.setenv("PLAIT_NATIVE", "0")  # the torch path: no native call
+    native.library.cache_clear()
+    native.supports_attention.cache_clear()
     cascade._cached_plan.clear()
     torch.testing.assert_close(cascade_attention_reference(**batch.kernel_args()), plain,
                                atol=2e-6, rtol=1e-5)
