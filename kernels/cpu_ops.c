@@ -18,6 +18,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -165,7 +166,12 @@ static inline float hsum(vf v) {
 #endif
 }
 
-#define MAX_QUERIES 32  /* query vectors one task holds: rows of a chunk x heads per KV head */
+#define MAX_QUERIES 48  /* query vectors one task holds: rows of a chunk x heads per KV head */
+/* Split a chunk into pieces when chunks x KV heads < PIECE_TASKS tasks per thread; a piece
+ * has at least PIECE_BLOCKS blocks; at most MAX_PIECES_MERGED pieces per chunk. */
+#define PIECE_TASKS 3
+#define PIECE_BLOCKS 4
+#define MAX_PIECES_MERGED 64
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256   /* tokens per cache block */
 /* Each task prefetches its rows of the block this many blocks ahead into L2: the blocks
@@ -193,24 +199,35 @@ static inline void rescale(state_t *st, long a, float mb) {
   for (long d = 0; d < st->dv; d++) st->acc[a * st->dv + d] *= alpha;
 }
 
-/* Where token t's rows of KV head h are in the caches (*kb, *vb; the next tokens of its
- * block follow at a stride of H_kv * D floats). At a block's first token it also prefetches
- * this head's rows of the block PF_BLOCKS ahead, when [t, t_to) reaches that far. */
-static inline void locate(const int32_t *table, long t, long t_to, const float *k_cache,
-                          const float *v_cache, long block_size, long num_kv_heads, long h,
-                          long head_dim, const float **kb, const float **vb) {
+/* Where token t's rows of KV head h are in the caches (k, v; the next tokens of its block
+ * follow at a stride of H_kv * D floats), and where the same rows of the block PF_BLOCKS
+ * ahead are (kp, vp; NULL when [t, t_to) does not reach that far): the loops prefetch
+ * those a token at a time, as they go (one burst per block overflowed the miss queues). */
+typedef struct {
+  const float *k, *v, *kp, *vp;
+} span_t;
+
+static inline span_t locate(const int32_t *table, long t, long t_to, const float *k_cache,
+                            const float *v_cache, long block_size, long num_kv_heads, long h,
+                            long head_dim) {
   const long blk = table[t / block_size], off = t % block_size;
-  *kb = k_cache + ((blk * block_size + off) * num_kv_heads + h) * head_dim;
-  *vb = v_cache + ((blk * block_size + off) * num_kv_heads + h) * head_dim;
-  if (off == 0 && t + PF_BLOCKS * block_size < t_to) {
-    const long ahead = table[t / block_size + PF_BLOCKS], stride = num_kv_heads * head_dim;
-    const float *k = k_cache + (ahead * block_size * num_kv_heads + h) * head_dim;
-    const float *v = v_cache + (ahead * block_size * num_kv_heads + h) * head_dim;
-    for (long j = 0; j < block_size; j++)
-      for (long d = 0; d < head_dim; d += 64 / (long)sizeof(float)) {
-        __builtin_prefetch(k + j * stride + d, 0, 2);
-        __builtin_prefetch(v + j * stride + d, 0, 2);
-      }
+  const long at = ((blk * block_size + off) * num_kv_heads + h) * head_dim;
+  span_t sp = {k_cache + at, v_cache + at, NULL, NULL};
+  if (t - off + PF_BLOCKS * block_size < t_to) {
+    const long ahead = table[t / block_size + PF_BLOCKS];
+    const long pat = ((ahead * block_size + off) * num_kv_heads + h) * head_dim;
+    sp.kp = k_cache + pat;
+    sp.vp = v_cache + pat;
+  }
+  return sp;
+}
+
+/* Prefetches token j's K and V rows (head_dim floats each) of the block ahead into L2. */
+static inline void prefetch_rows(const span_t *sp, long j, long stride, long head_dim) {
+  if (!sp->kp) return;
+  for (long d = 0; d < head_dim; d += 64 / (long)sizeof(float)) {
+    __builtin_prefetch(sp->kp + j * stride + d, 0, 2);
+    __builtin_prefetch(sp->vp + j * stride + d, 0, 2);
   }
 }
 
@@ -225,7 +242,7 @@ static void attend_shared(state_t *st, const int32_t *table, long t_from, long t
                           const float *k_cache, const float *v_cache, long block_size,
                           long num_kv_heads, long h, long head_dim) {
   /* QMAX query vectors; TB tokens' partial scores: TB * QMAX accumulators in registers */
-  enum { QMAX = MAX_QUERIES / LANES, TB = LANES == 16 ? 8 : 2 };
+  enum { QMAX = MAX_QUERIES / LANES, TB = LANES == 16 ? 8 : 1 };
   const long stride = num_kv_heads * head_dim, dv = st->dv, nq = st->nq;
   const long qv = (nq + LANES - 1) / LANES;
   float qt[MAX_HEAD_DIM * QMAX * LANES] __attribute__((aligned(64)));
@@ -246,8 +263,9 @@ static void attend_shared(state_t *st, const int32_t *table, long t_from, long t
     const long off = t % block_size;
     const long block_end = t - off + block_size < t_to ? t - off + block_size : t_to;
     const long n = block_end - t < LANES ? block_end - t : LANES;
-    const float *kb, *vb;
-    locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, h, head_dim, &kb, &vb);
+    const span_t sp = locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, h,
+                             head_dim);
+    const float *kb = sp.k, *vb = sp.v;
     vf sc[LANES][QMAX];
     for (long j0 = 0; j0 < n; j0 += TB) {  /* scores: TB tokens x QMAX vectors in registers */
       const float *kr[TB];
@@ -255,6 +273,7 @@ static void attend_shared(state_t *st, const int32_t *table, long t_from, long t
       for (int j = 0; j < TB; j++) {  /* past n: the last token again, ignored */
         kr[j] = kb + (j0 + j < n ? j0 + j : n - 1) * stride;
         for (int v = 0; v < QMAX; v++) part[j][v] = (vf){0};
+        if (j0 + j < n) prefetch_rows(&sp, j0 + j, stride, head_dim);
       }
       for (long d = 0; d < head_dim; d++) {
         vf qd[QMAX];
@@ -302,47 +321,119 @@ static void attend_shared(state_t *st, const int32_t *table, long t_from, long t
   }
 }
 
-/* Queries [a0, a0 + G) of `st` (one row's heads of KV head h) attend tokens [t_from, t_to)
- * token by token: one dot product per token and query (for the few queries of one row
- * the transpose of `attend_shared` costs more than it saves). */
+/* Queries [a0, a0 + G) of `st` attend the n tokens of one block whose rows of their KV
+ * head start at kb / vb (a stride of `stride` floats from token to token), token by token:
+ * one dot product per token and query (for the few queries of one row the transpose of
+ * `attend_shared` costs more than it saves). */
+static inline __attribute__((always_inline)) void own_block_fixed(
+    state_t *st, long a0, const int G, const int DV, const span_t *sp, long n, long stride) {
+  /* own_block for G queries of DV vectors known at compile time: the queries and the
+   * weighted sums stay in registers for the whole block */
+  const long head_dim = DV * LANES;
+  float s[G][MAX_BLOCK + LANES] __attribute__((aligned(64)));
+  vf qr[G][DV];
+  for (int g = 0; g < G; g++)
+    for (int d = 0; d < DV; d++) qr[g][d] = *(const vf *)(st->q + (a0 + g) * head_dim + d * LANES);
+  for (long j = 0; j < n; j++) {  /* scores */
+    const float *kj = sp->k + j * stride;
+    prefetch_rows(sp, j, stride, head_dim);
+    vf kv[DV];
+    for (int d = 0; d < DV; d++) kv[d] = *(const vf *)(kj + d * LANES);
+    for (int g = 0; g < G; g++) {
+      vf dot = qr[g][0] * kv[0];
+      for (int d = 1; d < DV; d++) dot += qr[g][d] * kv[d];
+      s[g][j] = hsum(dot);
+    }
+  }
+  const long padded = (n + LANES - 1) / LANES * LANES;
+  float alpha[G];
+  for (int g = 0; g < G; g++) {  /* online softmax update */
+    const long a = a0 + g;
+    float mb = st->m[a];
+    for (long j = 0; j < n; j++) mb = s[g][j] > mb ? s[g][j] : mb;
+    alpha[g] = st->m[a] == -INFINITY ? 0.0f : expf(st->m[a] - mb);
+    st->m[a] = mb;
+    for (long j = n; j < padded; j++) s[g][j] = -INFINITY;
+    const vf mv = (vf){0} + mb;
+    vf sum = (vf){0};
+    for (long j = 0; j < padded; j += LANES) {
+      const vf e = vexp(*(vf *)&s[g][j] - mv);
+      *(vf *)&s[g][j] = e;
+      sum += e;
+    }
+    st->l[a] = st->l[a] * alpha[g] + hsum(sum);
+  }
+  vf r[G][DV];  /* acc = acc * alpha + sum_j p_j V_j */
+  for (int g = 0; g < G; g++)
+    for (int d = 0; d < DV; d++) r[g][d] = st->acc[(a0 + g) * DV + d] * alpha[g];
+  for (long j = 0; j < n; j++) {
+    const float *vj = sp->v + j * stride;
+    for (int d = 0; d < DV; d++) {
+      const vf vv = *(const vf *)(vj + d * LANES);
+      for (int g = 0; g < G; g++) r[g][d] += s[g][j] * vv;
+    }
+  }
+  for (int g = 0; g < G; g++)
+    for (int d = 0; d < DV; d++) st->acc[(a0 + g) * DV + d] = r[g][d];
+}
+
+static void own_block(state_t *st, long a0, long G, const span_t *sp, long n, long stride,
+                      long head_dim) {
+  const long dv = st->dv;
+#define OWN_FIXED(g, d)                                    \
+  if (G == g && dv == d) {                                 \
+    own_block_fixed(st, a0, g, d, sp, n, stride);          \
+    return;                                                \
+  }
+  OWN_FIXED(1, 4) OWN_FIXED(2, 4) OWN_FIXED(3, 4) OWN_FIXED(4, 4) OWN_FIXED(1, 8) OWN_FIXED(2, 8)
+#undef OWN_FIXED
+  const float *kb = sp->k, *vb = sp->v;
+  float s[MAX_QUERIES][MAX_BLOCK + LANES] __attribute__((aligned(64)));
+  for (long j = 0; j < n; j++) {  /* scores */
+    const float *kj = kb + j * stride;
+    prefetch_rows(sp, j, stride, head_dim);
+    for (long g = 0; g < G; g++) {
+      const float *qa = st->q + (a0 + g) * head_dim;
+      vf dot = (vf){0};
+      for (long d = 0; d < dv; d++)
+        dot += *(const vf *)(qa + d * LANES) * *(const vf *)(kj + d * LANES);
+      s[g][j] = hsum(dot);
+    }
+  }
+  const long padded = (n + LANES - 1) / LANES * LANES;
+  for (long g = 0; g < G; g++) {  /* online softmax update */
+    float mb = st->m[a0 + g];
+    for (long j = 0; j < n; j++) mb = s[g][j] > mb ? s[g][j] : mb;
+    rescale(st, a0 + g, mb);
+    for (long j = n; j < padded; j++) s[g][j] = -INFINITY;
+    const vf mv = (vf){0} + mb;
+    for (long j = 0; j < padded; j += LANES) *(vf *)&s[g][j] = vexp(*(vf *)&s[g][j] - mv);
+    float sum = 0.0f;
+    for (long j = 0; j < n; j++) sum += s[g][j];
+    st->l[a0 + g] += sum;
+  }
+  for (long j = 0; j < n; j++) {  /* acc += p V */
+    const float *vj = vb + j * stride;
+    for (long d = 0; d < dv; d++) {
+      const vf vv = *(const vf *)(vj + d * LANES);
+      for (long g = 0; g < G; g++) st->acc[(a0 + g) * dv + d] += s[g][j] * vv;
+    }
+  }
+}
+
+/* One row's queries attend tokens [t_from, t_to), block by block: those of KV heads
+ * [h, h + nh) are `st`'s queries a0 + (hh - h) * G + g. With every KV head (a row alone),
+ * each block's K and V rows are read whole, in order. */
 static void attend_own(state_t *st, long a0, long G, const int32_t *table, long t_from,
                        long t_to, const float *k_cache, const float *v_cache, long block_size,
-                       long num_kv_heads, long h, long head_dim) {
-  const long stride = num_kv_heads * head_dim, dv = st->dv;
-  float s[MAX_QUERIES][MAX_BLOCK + LANES] __attribute__((aligned(64)));
+                       long num_kv_heads, long h, long nh, long head_dim) {
   for (long t = t_from; t < t_to;) {
     const long off = t % block_size;
     const long n = t - off + block_size < t_to ? block_size - off : t_to - t;
-    const float *kb, *vb;
-    locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, h, head_dim, &kb, &vb);
-    for (long j = 0; j < n; j++) {  /* scores */
-      const float *kj = kb + j * stride;
-      for (long g = 0; g < G; g++) {
-        const float *qa = st->q + (a0 + g) * head_dim;
-        vf dot = (vf){0};
-        for (long d = 0; d < dv; d++)
-          dot += *(const vf *)(qa + d * LANES) * *(const vf *)(kj + d * LANES);
-        s[g][j] = hsum(dot);
-      }
-    }
-    const long padded = (n + LANES - 1) / LANES * LANES;
-    for (long g = 0; g < G; g++) {  /* online softmax update */
-      float mb = st->m[a0 + g];
-      for (long j = 0; j < n; j++) mb = s[g][j] > mb ? s[g][j] : mb;
-      rescale(st, a0 + g, mb);
-      for (long j = n; j < padded; j++) s[g][j] = -INFINITY;
-      const vf mv = (vf){0} + mb;
-      for (long j = 0; j < padded; j += LANES) *(vf *)&s[g][j] = vexp(*(vf *)&s[g][j] - mv);
-      float sum = 0.0f;
-      for (long j = 0; j < n; j++) sum += s[g][j];
-      st->l[a0 + g] += sum;
-    }
-    for (long j = 0; j < n; j++) {  /* acc += p V */
-      const float *vj = vb + j * stride;
-      for (long d = 0; d < dv; d++) {
-        const vf vv = *(const vf *)(vj + d * LANES);
-        for (long g = 0; g < G; g++) st->acc[(a0 + g) * dv + d] += s[g][j] * vv;
-      }
+    for (long hh = h; hh < h + nh; hh++) {
+      const span_t sp = locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, hh,
+                               head_dim);
+      own_block(st, a0 + (hh - h) * G, G, &sp, n, num_kv_heads * head_dim, head_dim);
     }
     t += n;
   }
@@ -356,11 +447,15 @@ static void attend_own(state_t *st, long a0, long G, const int32_t *table, long 
  * row stride q_stride floats); it attends its tokens 0 .. ctx_len[i] - 1, whose blocks are
  * block_tables[table_rows[i] * table_stride + t / block_size] (int32), in the caches
  * k_cache / v_cache [num_blocks, block_size, H_kv, D] (contiguous); query head h reads KV
- * head h / (H / H_kv). A task is one chunk and one KV head: it reads the shared tokens once
- * for all the chunk's queries (cascade attention without a merge: one online softmax
- * continues over each row's own tokens). Writes out[i] ([H, D], dense, i in chunk order).
+ * head h / (H / H_kv). A task is one piece of one chunk and one KV head: it reads the
+ * shared tokens once for all the chunk's queries (cascade attention: one online softmax
+ * continues over each row's own tokens). When chunks x KV heads are too few to keep every
+ * thread busy (one long prompt's n choices, or a single stream), a chunk's main range (its
+ * shared tokens, or a lone row's context) is split into pieces of whole blocks attended in
+ * parallel, whose partial softmaxes are then merged (flash-decoding); the rows' own tokens
+ * go with the last piece. Writes out[i] ([H, D], dense, i in chunk order).
  * D must be a multiple of LANES and every sequence must attend at least one token.
- * Returns 0, or -1 if the shapes exceed this kernel's limits. */
+ * Returns 0, -1 if the shapes exceed this kernel's limits, -2 if out of memory. */
 int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
                            const float *v_cache, long block_size, long num_kv_heads,
                            long num_heads, long head_dim, const int32_t *block_tables,
@@ -374,37 +469,121 @@ int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
   const long G = num_heads / num_kv_heads;
   for (long c = 0; c < num_chunks; c++)
     if ((chunk_start[c + 1] - chunk_start[c]) * G > MAX_QUERIES) return -1;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (long task = 0; task < num_chunks * num_kv_heads; task++) {
-    const long c = task / num_kv_heads, h = task % num_kv_heads;
+  /* pieces: chunk c's are first_piece[c] .. first_piece[c + 1] - 1 */
+  long *first_piece = malloc((num_chunks + 1) * sizeof(long));
+  if (!first_piece) return -2;
+  const long want = PIECE_TASKS * omp_get_max_threads();
+  long split = (want + num_chunks * num_kv_heads - 1) / (num_chunks * num_kv_heads);
+  split = split > MAX_PIECES_MERGED ? MAX_PIECES_MERGED : split;
+  first_piece[0] = 0;
+  for (long c = 0; c < num_chunks; c++) {
     const long first = chunk_start[c], rows = chunk_start[c + 1] - first;
-    float qs[MAX_QUERIES * MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float m[MAX_QUERIES], l[MAX_QUERIES];
-    vf acc[MAX_QUERIES * MAX_HEAD_DIM / LANES];
-    state_t st = {rows * G, head_dim / LANES, qs, m, l, acc};
-    for (long r = 0; r < rows; r++)
-      for (long g = 0; g < G; g++) {
-        const long a = r * G + g;
-        const float *src = q + q_rows[first + r] * q_stride + (h * G + g) * head_dim;
+    const long main = chunk_shared[c] > 0 ? chunk_shared[c] : rows == 1 ? ctx_len[first] : 0;
+    long pieces = main / (PIECE_BLOCKS * block_size);
+    pieces = pieces < 1 ? 1 : pieces < split ? pieces : split;
+    first_piece[c + 1] = first_piece[c] + pieces;
+  }
+  const long num_pieces = first_piece[num_chunks];
+  const long part = MAX_QUERIES * (head_dim + 2);  /* a piece's m, l, acc per KV head */
+  float *parts = NULL;
+  if (num_pieces > num_chunks) {
+    parts = malloc(num_pieces * num_kv_heads * part * sizeof(float));
+    if (!parts) {
+      free(first_piece);
+      return -2;
+    }
+  }
+#pragma omp parallel
+  {
+    long c = 0;
+#pragma omp for schedule(dynamic, 1)
+    for (long task = 0; task < num_pieces * num_kv_heads; task++) {
+      const long piece = task / num_kv_heads, h = task % num_kv_heads;
+      while (first_piece[c + 1] <= piece) c++;  /* tasks come in order per thread */
+      while (first_piece[c] > piece) c--;
+      const long first = chunk_start[c], rows = chunk_start[c + 1] - first;
+      const long p = piece - first_piece[c], pieces = first_piece[c + 1] - first_piece[c];
+      const long shared = chunk_shared[c];
+      /* a row alone and whole: one task takes all its KV heads (contiguous block reads) */
+      const int whole = rows == 1 && shared == 0 && pieces == 1 && num_heads <= MAX_QUERIES;
+      if (whole && h > 0) continue;
+      const long h0 = whole ? 0 : h, nh = whole ? num_kv_heads : 1;
+      float qs[MAX_QUERIES * MAX_HEAD_DIM] __attribute__((aligned(64)));
+      float m[MAX_QUERIES], l[MAX_QUERIES];
+      vf acc[MAX_QUERIES * MAX_HEAD_DIM / LANES];
+      /* query a: row a / (nh * G), KV head h0 + a / G % nh, its head a % G of that group */
+      state_t st = {rows * nh * G, head_dim / LANES, qs, m, l, acc};
+      for (long a = 0; a < st.nq; a++) {
+        const long r = a / (nh * G), head = (h0 + a / G % nh) * G + a % G;
+        const float *src = q + q_rows[first + r] * q_stride + head * head_dim;
         for (long d = 0; d < head_dim; d++) qs[a * head_dim + d] = src[d] * scale;
         m[a] = -INFINITY;
         l[a] = 0.0f;
         for (long d = 0; d < st.dv; d++) acc[a * st.dv + d] = (vf){0};
       }
-    const long shared = chunk_shared[c];
-    if (shared > 0)
-      attend_shared(&st, block_tables + table_rows[first] * table_stride, 0, shared,
-                    k_cache, v_cache, block_size, num_kv_heads, h, head_dim);
-    for (long r = 0; r < rows; r++)
-      attend_own(&st, r * G, G, block_tables + table_rows[first + r] * table_stride, shared,
-                 ctx_len[first + r], k_cache, v_cache, block_size, num_kv_heads, h,
-                 head_dim);
-    for (long a = 0; a < rows * G; a++) {
-      const long r = a / G, g = a % G;
-      const float inv = 1.0f / l[a];
-      float *o = out + ((first + r) * num_heads + h * G + g) * head_dim;
-      for (long d = 0; d < st.dv; d++) *(vf *)(o + d * LANES) = acc[a * st.dv + d] * inv;
+      const long main = shared > 0 ? shared : rows == 1 ? ctx_len[first] : 0;
+      /* this piece's share of the main range, in whole blocks */
+      const long main_blocks = (main + block_size - 1) / block_size;
+      const long from = p * main_blocks / pieces * block_size;
+      const long to = p + 1 == pieces ? main : (p + 1) * main_blocks / pieces * block_size;
+      const int32_t *table = block_tables + table_rows[first] * table_stride;
+      if (shared > 0)
+        attend_shared(&st, table, from, to, k_cache, v_cache, block_size, num_kv_heads, h,
+                      head_dim);
+      else if (main > 0)
+        attend_own(&st, 0, G, table, from, to, k_cache, v_cache, block_size, num_kv_heads, h0,
+                   nh, head_dim);
+      if (p + 1 == pieces)
+        for (long r = 0; r < rows; r++)
+          attend_own(&st, r * nh * G, G, block_tables + table_rows[first + r] * table_stride,
+                     main, ctx_len[first + r], k_cache, v_cache, block_size, num_kv_heads, h0,
+                     nh, head_dim);
+      if (pieces == 1) {
+        for (long a = 0; a < st.nq; a++) {
+          const long r = a / (nh * G), head = (h0 + a / G % nh) * G + a % G;
+          const float inv = 1.0f / l[a];
+          float *o = out + ((first + r) * num_heads + head) * head_dim;
+          for (long d = 0; d < st.dv; d++) *(vf *)(o + d * LANES) = acc[a * st.dv + d] * inv;
+        }
+      } else {  /* nh == 1 */
+        float *dst = parts + task * part;  /* [m | l | acc] of this piece and head */
+        memcpy(dst, m, rows * G * sizeof(float));
+        memcpy(dst + MAX_QUERIES, l, rows * G * sizeof(float));
+        memcpy(dst + 2 * MAX_QUERIES, acc, rows * G * head_dim * sizeof(float));
+      }
+    }
+    /* merge the pieces of split chunks: e^(m_p - m) weights their sums */
+#pragma omp for schedule(dynamic, 1)
+    for (long ch = 0; ch < num_chunks * num_kv_heads; ch++) {
+      const long cc = ch / num_kv_heads, h = ch % num_kv_heads;
+      const long p0 = first_piece[cc], pieces = first_piece[cc + 1] - p0;
+      if (pieces == 1) continue;
+      const long first = chunk_start[cc], rows = chunk_start[cc + 1] - first;
+      for (long a = 0; a < rows * G; a++) {
+        float mx = -INFINITY, sum = 0.0f;
+        for (long p = 0; p < pieces; p++) {
+          const float mp = parts[((p0 + p) * num_kv_heads + h) * part + a];
+          mx = mp > mx ? mp : mx;
+        }
+        float w[MAX_PIECES_MERGED];
+        for (long p = 0; p < pieces; p++) {
+          const float *src = parts + ((p0 + p) * num_kv_heads + h) * part;
+          w[p] = src[a] == -INFINITY ? 0.0f : expf(src[a] - mx);
+          sum += w[p] * src[MAX_QUERIES + a];
+        }
+        const long r = a / G, g = a % G;
+        float *o = out + ((first + r) * num_heads + h * G + g) * head_dim;
+        for (long d = 0; d < head_dim; d++) {
+          float v = 0.0f;
+          for (long p = 0; p < pieces; p++)
+            v += w[p] * parts[((p0 + p) * num_kv_heads + h) * part + 2 * MAX_QUERIES +
+                              a * head_dim + d];
+          o[d] = v / sum;
+        }
+      }
     }
   }
+  free(parts);
+  free(first_piece);
   return 0;
 }

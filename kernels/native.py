@@ -234,7 +234,7 @@ def decode_attention(
 
 
 # Query vectors one task of the kernel holds (MAX_QUERIES in cpu_ops.c).
-MAX_QUERIES = 32
+MAX_QUERIES = 48
 
 
 def max_chunk_rows(group: int) -> int:

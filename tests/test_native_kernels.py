@@ -135,6 +135,45 @@ def test_decode_attention_equals_float64(heads, kv_heads, head_dim, block_size) 
 
 
 @needs_native
+@pytest.mark.parametrize(("heads", "kv_heads", "rows", "shared_blocks"),
+                         [(9, 3, 16, 40), (4, 1, 8, 25), (9, 3, 1, 0), (2, 1, 1, 0)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_split_into_pieces_equals_float64(heads, kv_heads, rows,
+                                                           shared_blocks, threads) -> None:
+    """Few chunks x KV heads and a long main range (one prompt's n choices sharing 40 or 25
+    blocks, or one row alone over 37 blocks): the kernel splits the range into pieces
+    attended in parallel and merges their softmaxes (with one KV head there are fewer tasks
+    than PIECE_TASKS per thread on any thread count, so the split always happens). Each
+    row's result equals float64 attention over its own table, own tails included."""
+    if 64 % native.lanes():
+        pytest.skip("head_dim not a multiple of this CPU's vector width")
+    gen = torch.Generator().manual_seed(rows + heads)
+    block_size, head_dim = 16, 64
+    k_cache = torch.randn(768, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(768, block_size, kv_heads, head_dim, generator=gen)
+    ids = torch.randperm(768, generator=gen).int()
+    width = max(shared_blocks, 37) + 3
+    tables = ids[: rows * width].view(rows, width).clone()
+    tables[:, :shared_blocks] = tables[0, :shared_blocks]
+    ctx = ([shared_blocks * block_size + 1 + (7 * r) % 40 for r in range(rows)]
+           if shared_blocks else [37 * block_size + 5])
+    query = torch.randn(rows, heads, head_dim, generator=gen)
+    args = dict(chunk_start=torch.tensor([0, rows]),
+                chunk_shared=torch.tensor([shared_blocks * block_size], dtype=torch.int32),
+                q_rows=torch.arange(rows), table_rows=torch.arange(rows),
+                ctx_lens=torch.tensor(ctx, dtype=torch.int32))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = native.decode_attention(query, k_cache, v_cache, tables, scale=0.125, **args)
+    finally:
+        torch.set_num_threads(before)
+    for r in range(rows):
+        ref = _reference(query[r], k_cache, v_cache, tables[r], ctx[r], 0.125)
+        torch.testing.assert_close(out[r].double(), ref, rtol=1e-5, atol=2e-6)
+
+
+@needs_native
 def test_decode_attention_rejects_what_it_cannot_take() -> None:
     query, k_cache, v_cache, tables, args = _chunked_case(4, 2, 64, 16, 0)
     with pytest.raises(ValueError, match="ctx_lens"):
@@ -151,7 +190,7 @@ def test_decode_attention_rejects_what_it_cannot_take() -> None:
             chunk_start=torch.tensor([0, big]), chunk_shared=torch.zeros(1, dtype=torch.int32),
             q_rows=torch.arange(big), table_rows=torch.zeros(big, dtype=torch.int64),
             ctx_lens=torch.ones(big, dtype=torch.int32))
-    assert not native.supports_attention(80, 2, 64, 16)  # 40 query heads per KV head
+    assert not native.supports_attention(100, 2, 64, 16)  # 50 query heads per KV head
     assert native.supports_attention(4, 2, 64, 16)
 
 
@@ -164,18 +203,19 @@ def test_cascade_backend_attends_decodes_natively(fresh_library, monkeypatch) ->
     real = native.decode_attention
     monkeypatch.setattr(native, "decode_attention",
                         lambda *a, **k: calls.append(a[4].tolist()) or real(*a, **k))
-    seqs = (*((1, 70 + i) for i in range(13)), (1, 33), (5, 20), (1, 1))
+    seqs = (*((1, 70 + i) for i in range(20)), (1, 33), (5, 20), (1, 1))
     spec = BatchSpec(seqs=seqs, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16,
                      seed=3)
     batch = build_batch(spec)
-    share_prefix(batch, list(range(13)), 4, 16)
+    share_prefix(batch, list(range(20)), 4, 16)
     plain = paged_attention_reference(**batch.kernel_args())
     for min_prefix in (1, 100):  # with a shared prefix, and every row on its own keys
         out = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=min_prefix)
         torch.testing.assert_close(out, plain, atol=2e-6, rtol=1e-5)
         torch.testing.assert_close(out.double(), dense_attention(batch), atol=2e-6, rtol=1e-5)
-    # 13 shared rows, at most 32 // 3 = 10 per chunk: 6 + 7; then the 2 other decodes
-    assert calls == [[0, 6, 13, 14, 15], list(range(16))]
+    # 20 shared rows, at most 48 // 3 = 16 per chunk: 10 + 10; then the 2 other decodes
+    assert native.max_chunk_rows(3) == 16
+    assert calls == [[0, 10, 20, 21, 22], list(range(23))]
     assert cascade.native_chunks([([0, 1, 2, 3, 4], 2)], 7, 2) == [
         ([0], 2), ([1, 2], 2), ([3, 4], 2), ([5], 0), ([6], 0)]
     monkeypatch.setenv("PLAIT_NATIVE", "0")  # the torch path: no native call
