@@ -16,12 +16,14 @@ every row keeps at least one suffix token. Prefill chunks are attended exactly a
 `paged_attention_reference`. The result equals `paged_attention_reference` up to float
 rounding (the merge reorders the softmax sums).
 
-On CPU, where the native kernels build (`native.py`), every decode row is attended by the
-C kernel straight from the cache blocks, with the same grouping: the rows of a shared
-prefix, in chunks of up to 32 query heads, read it once, and one online softmax carries on
-over each row's own tokens, so there is no gather, no padded SDPA call and no merge (with
-unique contexts, 16 streams of ~550 tokens, the gather alone copied ~15 MB of K/V per layer
-and step).
+On CPU, where the native kernels build (`native.py`), every row of the step is attended by
+the C kernel straight from the cache blocks, in one call, with the same grouping: the rows
+of a shared prefix, in chunks of up to 48 query heads, read it once, and one online softmax
+carries on over each row's own tokens, so there is no gather, no padded SDPA call and no
+merge (with unique contexts, 16 streams of ~550 tokens, the gather alone copied ~15 MB of
+K/V per layer and step). A prefill chunk goes the same way, as tiles of consecutive query
+positions: each tile's rows share the tokens before its first position, and attend their
+own few causally (`prefill_tiles`).
 """
 
 from __future__ import annotations
@@ -135,6 +137,44 @@ def find_prefixes(
     return first, groups
 
 
+def prefill_tiles(positions: range, max_rows: int) -> list[range]:
+    """A prefill chunk's query positions as tiles of at most `max_rows` consecutive ones,
+    the last (longest) tile first: tile [p, p + R) attends tokens [0, p) as a shared prefix
+    and row p + r its own [p, p + r] (causal), so `native.decode_attention` computes the
+    causal half and nothing of the masked one; the costly tiles start first."""
+    tiles = [positions[k:k + max_rows] for k in range(0, len(positions), max_rows)]
+    return tiles[::-1]
+
+
+def _native_rows(decode_chunks: list[tuple[list[int], int]], decode_idx: list[int],
+                 num_q: list[int], starts: list[int], ctx: list[int], block_size: int,
+                 max_rows: int, device: torch.device) -> _NativeRows:
+    """Every row of the step as `native.decode_attention` chunks: the decode chunks, then
+    each prefill chunk's tiles (`prefill_tiles`)."""
+    q_rows, table_rows, ctx_lens, sizes, shared = [], [], [], [], []
+    for chunk, run in decode_chunks:
+        seqs = [decode_idx[r] for r in chunk]
+        q_rows += [starts[i] for i in seqs]
+        table_rows += seqs
+        ctx_lens += [ctx[i] for i in seqs]
+        sizes.append(len(seqs))
+        shared.append(run * block_size)
+    for i, n in enumerate(num_q):
+        if n <= 1:
+            continue
+        first_pos = ctx[i] - n  # the chunk's first query position
+        for tile in prefill_tiles(range(first_pos, ctx[i]), max_rows):
+            q_rows += [starts[i] + p - first_pos for p in tile]
+            table_rows += [i] * len(tile)
+            ctx_lens += [p + 1 for p in tile]
+            sizes.append(len(tile))
+            shared.append(tile.start)
+    return _NativeRows(
+        _rows(q_rows, device), torch.tensor([0, *itertools.accumulate(sizes)]),
+        torch.tensor(shared, dtype=torch.int32), torch.tensor(q_rows, dtype=torch.int64),
+        torch.tensor(table_rows, dtype=torch.int64), torch.tensor(ctx_lens, dtype=torch.int32))
+
+
 def _plan(
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
     block_size: int, group: int, max_query_len: int, max_context_len: int,
@@ -142,11 +182,14 @@ def _plan(
 ) -> _CascadePlan:
     starts, ctx, num_q = split_batch(cu_seqlens_q, context_lens, max_query_len,
                                      max_context_len)
+    device = block_tables.device
+    max_rows = native.max_chunk_rows(group) if device.type == "cpu" else 0
     prefills = prefill_groups(num_q, starts, ctx, block_tables, block_size, group)
     decode_idx = [i for i, n in enumerate(num_q) if n == 1]
     if not decode_idx:
-        return _CascadePlan(None, [], prefills)
-    device = block_tables.device
+        native_rows = (_native_rows([], [], num_q, starts, ctx, block_size, max_rows, device)
+                       if max_rows >= 1 and prefills else None)
+        return _CascadePlan(None, [], prefills, native=native_rows)
     tables = block_tables[torch.tensor(decode_idx, device=device)].cpu()  # [S_d, W]
     first, shared = find_prefixes(tables, [ctx[i] for i in decode_idx], block_size,
                                   min_prefix_blocks)
@@ -163,17 +206,10 @@ def _plan(
         bias = torch.zeros(decodes.mask.shape, device=device).masked_fill_(
             ~decodes.mask, float("-inf"))
     native_rows = None
-    if device.type == "cpu" and native.max_chunk_rows(group) >= 1:
-        chunks = native_chunks(shared, len(decode_idx), native.max_chunk_rows(group))
-        order = [decode_idx[r] for chunk, _ in chunks for r in chunk]  # sequences
-        q_rows = [starts[i] for i in order]
-        native_rows = _NativeRows(
-            _rows(q_rows, device),
-            torch.tensor([0, *itertools.accumulate(len(c) for c, _ in chunks)]),
-            torch.tensor([run * block_size for _, run in chunks], dtype=torch.int32),
-            torch.tensor(q_rows, dtype=torch.int64),
-            torch.tensor(order, dtype=torch.int64),
-            torch.tensor([ctx[i] for i in order], dtype=torch.int32))
+    if max_rows >= 1:
+        native_rows = _native_rows(native_chunks(shared, len(decode_idx), max_rows),
+                                   decode_idx, num_q, starts, ctx, block_size, max_rows,
+                                   device)
     return _CascadePlan(decodes, prefixes, prefills, bias, native_rows)
 
 
@@ -269,12 +305,23 @@ def cascade_attention_reference(
     min_prefix_blocks: int = MIN_PREFIX_BLOCKS,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Same contract and result as `paged_attention_reference`; decode rows that share a
-    leading run of at least `min_prefix_blocks` blocks attend it once per group."""
+    leading run of at least `min_prefix_blocks` blocks attend it once per group (on CPU with
+    the native kernels, every row goes through `native.decode_attention` instead)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = query.shape[1] // num_kv_heads
-    out = torch.empty_like(query)
     plan = _cached_plan(cu_seqlens_q, context_lens, block_tables, block_size, group,
                         max_query_len, max_context_len, min_prefix_blocks)
+    if plan.native is not None and _native_fits(query, k_cache, v_cache):
+        n = plan.native
+        rows = native.decode_attention(
+            query, k_cache, v_cache, block_tables.int().contiguous(), n.chunk_start,
+            n.chunk_shared, n.q_rows, n.table_rows, n.ctx_lens, scale).to(query.dtype)
+        if n.token_rows == slice(0, query.shape[0]):  # every row, in order
+            return rows
+        out = torch.empty_like(query)
+        out[n.token_rows] = rows
+        return out
+    out = torch.empty_like(query)
     for g in plan.prefills:
         key = gather_blocks(k_cache, g.block_ids, 1, g.length)
         value = gather_blocks(v_cache, g.block_ids, 1, g.length)
@@ -283,15 +330,6 @@ def cascade_attention_reference(
         out[g.token_idx] = attend(q, key, value, g.mask, scale).view(-1, *query.shape[1:])
     d = plan.decodes
     if d is None:
-        return out
-    if plan.native is not None and _native_fits(query, k_cache, v_cache):
-        n = plan.native
-        dec = native.decode_attention(
-            query, k_cache, v_cache, block_tables.int().contiguous(), n.chunk_start,
-            n.chunk_shared, n.q_rows, n.table_rows, n.ctx_lens, scale)
-        if n.token_rows == slice(0, query.shape[0]):  # every row a decode, in order
-            return dec.to(query.dtype)
-        out[n.token_rows] = dec.to(query.dtype)
         return out
     q = query[d.token_idx].view(d.num_seqs, 1, -1, head_dim)  # [S_d, 1, H, D]
     key = gather_blocks(k_cache, d.block_ids, d.num_seqs, d.length)

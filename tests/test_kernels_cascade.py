@@ -130,9 +130,10 @@ def test_batch_without_shared_blocks_is_the_plain_decode_path():
 
 
 def test_prefill_from_the_first_token_uses_the_causal_kernel(monkeypatch):
-    """A prefill chunk with no cached tokens before it (queries == keys) goes through SDPA's
-    own causal mask with grouped-query heads; one after cached tokens keeps the explicit
-    mask. Both equal plain paged attention and dense attention."""
+    """On the torch path, a prefill chunk with no cached tokens before it (queries == keys)
+    goes through SDPA's own causal mask with grouped-query heads; one after cached tokens
+    keeps the explicit mask. Both equal plain paged attention and dense attention."""
+    monkeypatch.setattr(cascade, "_native_fits", lambda *args: False)
     calls = []
     real = cascade._attend_causal
     monkeypatch.setattr(cascade, "_attend_causal",

@@ -196,9 +196,9 @@ def test_decode_attention_rejects_what_it_cannot_take() -> None:
 
 @needs_native
 def test_cascade_backend_attends_decodes_natively(fresh_library, monkeypatch) -> None:
-    """Decode rows (a shared prefix, in chunks, and unique contexts) go through the native
-    kernel, once per call, and the result still equals plain paged attention and dense
-    attention; the chunks split a shared group evenly."""
+    """Every row (decodes with a shared prefix, in chunks, unique contexts, and a prefill
+    chunk) goes through the native kernel, once per call, and the result still equals
+    plain paged attention and dense attention; the chunks split a shared group evenly."""
     calls = []
     real = native.decode_attention
     monkeypatch.setattr(native, "decode_attention",
@@ -213,9 +213,10 @@ def test_cascade_backend_attends_decodes_natively(fresh_library, monkeypatch) ->
         out = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=min_prefix)
         torch.testing.assert_close(out, plain, atol=2e-6, rtol=1e-5)
         torch.testing.assert_close(out.double(), dense_attention(batch), atol=2e-6, rtol=1e-5)
-    # 20 shared rows, at most 48 // 3 = 16 per chunk: 10 + 10; then the 2 other decodes
+    # 20 shared rows, at most 48 // 3 = 16 per chunk: 10 + 10; then the 2 other decodes,
+    # then the prefill chunk of 5 queries as one tile
     assert native.max_chunk_rows(3) == 16
-    assert calls == [[0, 10, 20, 21, 22], list(range(23))]
+    assert calls == [[0, 10, 20, 21, 22, 27], [*range(23), 27]]
     assert cascade.native_chunks([([0, 1, 2, 3, 4], 2)], 7, 2) == [
         ([0], 2), ([1, 2], 2), ([3, 4], 2), ([5], 0), ([6], 0)]
     monkeypatch.setenv("PLAIT_NATIVE", "0")  # the torch path: no native call
@@ -225,6 +226,32 @@ def test_cascade_backend_attends_decodes_natively(fresh_library, monkeypatch) ->
     torch.testing.assert_close(cascade_attention_reference(**batch.kernel_args()), plain,
                                atol=2e-6, rtol=1e-5)
     assert len(calls) == 2
+
+
+@needs_native
+@pytest.mark.parametrize("cached", [0, 37])
+def test_prefill_chunks_go_native_as_causal_tiles(fresh_library, monkeypatch, cached) -> None:
+    """Prefill chunks (from the first token, and after `cached` cached tokens) attend through
+    the native kernel as tiles of up to max_chunk_rows consecutive positions, longest first:
+    tile [p, p + R) shares the tokens before p, row p + r attends up to p + r. Equal to plain
+    paged attention and to dense attention, beside decode rows."""
+    assert [(t.start, t.stop) for t in cascade.prefill_tiles(range(3, 40), 16)] == [
+        (35, 40), (19, 35), (3, 19)]
+    calls = []
+    real = native.decode_attention
+    monkeypatch.setattr(native, "decode_attention",
+                        lambda *a, **k: calls.append((a[4].tolist(), a[5].tolist()))
+                        or real(*a, **k))
+    spec = BatchSpec(seqs=((40, 40 + cached), (1, 30), (21, 21 + cached), (1, 7)),
+                     num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=cached)
+    batch = build_batch(spec)
+    out = cascade_attention_reference(**batch.kernel_args())
+    torch.testing.assert_close(out, paged_attention_reference(**batch.kernel_args()),
+                               atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out.double(), dense_attention(batch), atol=2e-6, rtol=1e-5)
+    # the 2 decodes alone, then 40 queries as tiles of 8, 16, 16 and 21 as 5, 16
+    assert calls == [([0, 1, 2, 10, 26, 42, 47, 63],
+                      [0, 0, cached + 32, cached + 16, cached, cached + 16, cached])]
 
 
 @pytest.fixture
