@@ -587,3 +587,45 @@ int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
   free(first_piece);
   return 0;
 }
+
+/* Rotary embedding (neox style: rotate halves) and the KV-cache write of one layer's new
+ * tokens, in one pass. q [T, H, D] (row stride q_stride floats, heads dense) is rotated in
+ * place; k [T, H_kv, D] (row stride k_stride) is rotated into k_cache and v (row stride
+ * v_stride) copied into v_cache at slot slots[t] (caches [num_slots, H_kv, D] contiguous;
+ * slot -1: not written). Token t's angles are row positions[t] of cos_sin [P, D] (cos |
+ * sin halves). Without FMA contraction, each element is (x1 * cos) - (x2 * sin) rounded as
+ * torch's separate multiplies and subtraction round it, so the result is the same bits as
+ * the plain-torch path. Returns 0, or -1 if D is odd. */
+__attribute__((optimize("fp-contract=off"))) int plait_rope_write_kv(
+    float *q, long q_stride, const float *k, long k_stride, const float *v, long v_stride,
+    long num_tokens, long num_heads, long num_kv_heads, long head_dim, const float *cos_sin,
+    const int64_t *positions, float *k_cache, float *v_cache, const int64_t *slots) {
+  if (head_dim % 2) return -1;
+  const long half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (num_tokens >= 64)
+  for (long t = 0; t < num_tokens; t++) {
+    const float *cs = cos_sin + positions[t] * head_dim, *sn = cs + half;
+    for (long h = 0; h < num_heads; h++) {
+      float *x = q + t * q_stride + h * head_dim;
+      for (long i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * cs[i] - x2 * sn[i];
+        x[i + half] = x2 * cs[i] + x1 * sn[i];
+      }
+    }
+    if (slots[t] < 0) continue;
+    float *kc = k_cache + slots[t] * num_kv_heads * head_dim;
+    float *vc = v_cache + slots[t] * num_kv_heads * head_dim;
+    for (long h = 0; h < num_kv_heads; h++) {
+      const float *x = k + t * k_stride + h * head_dim;
+      float *o = kc + h * head_dim;
+      for (long i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        o[i] = x1 * cs[i] - x2 * sn[i];
+        o[i + half] = x2 * cs[i] + x1 * sn[i];
+      }
+    }
+    memcpy(vc, v + t * v_stride, num_kv_heads * head_dim * sizeof(float));
+  }
+  return 0;
+}

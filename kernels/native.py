@@ -95,6 +95,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.plait_decode_attention.argtypes = [
         _ptr, _c_long, _ptr, _ptr, _c_long, _c_long, _c_long, _c_long, _ptr, _c_long, _c_long,
         _ptr, _ptr, _ptr, _ptr, _ptr, _c_float, _ptr]
+    lib.plait_rope_write_kv.restype = ctypes.c_int
+    lib.plait_rope_write_kv.argtypes = [
+        _ptr, _c_long, _ptr, _c_long, _ptr, _c_long, _c_long, _c_long, _c_long, _c_long, _ptr,
+        _ptr, _ptr, _ptr, _ptr]
     return lib
 
 
@@ -233,6 +237,40 @@ def decode_attention(
     return out
 
 
+def rope_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor) -> bool:
+    """Whether `rope_write_kv` takes these tensors (float32 CPU, heads and dims dense, the
+    caches contiguous) and the kernels are available."""
+    return (available() and q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            == torch.float32 and q.device.type == "cpu" and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and q.shape[-1] % 2 == 0
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v)))
+
+
+def rope_write_kv(
+    q: torch.Tensor,  # [T, H, D] float32, rotated in place; rows may be strided
+    k: torch.Tensor,  # [T, H_kv, D] float32
+    v: torch.Tensor,  # [T, H_kv, D] float32
+    cos_sin: torch.Tensor,  # [max_positions, D] float32: cos | sin halves
+    positions: torch.Tensor,  # [T] int64
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] float32 contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] float32 contiguous
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = not written
+) -> torch.Tensor:  # q
+    """`apply_rope` (neox style) of q in place and of k, then `write_kv` of the rotated k and
+    of v, in one pass over the step's tokens; the same bits as the plain-torch path."""
+    if not rope_fits(q, k, v, k_cache, v_cache):
+        raise ValueError("rope_write_kv: tensors do not fit (see rope_fits)")
+    positions = positions.to(torch.int64).contiguous()
+    slot_mapping = slot_mapping.to(torch.int64).contiguous()
+    cos_sin = cos_sin.contiguous()
+    _loaded().plait_rope_write_kv(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        q.shape[0], q.shape[1], k.shape[1], q.shape[2], cos_sin.data_ptr(),
+        positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr())
+    return q
+
+
 # Query vectors one task of the kernel holds (MAX_QUERIES in cpu_ops.c).
 MAX_QUERIES = 48
 
@@ -254,4 +292,4 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
 
 
 __all__ = ["MAX_QUERIES", "available", "decode_attention", "gemm", "lanes", "library",
-           "max_chunk_rows", "pack_weight", "supports_attention"]
+           "max_chunk_rows", "pack_weight", "rope_fits", "rope_write_kv", "supports_attention"]

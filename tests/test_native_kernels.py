@@ -302,3 +302,39 @@ def test_without_the_kernels_everything_falls_back(env, fresh_library, monkeypat
     torch.testing.assert_close(cascade_attention_reference(**batch.kernel_args()),
                                paged_attention_reference(**batch.kernel_args()), atol=2e-6,
                                rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("num_tokens", [1, 16, 100])
+def test_rope_write_kv_is_the_torch_path_bit_for_bit(num_tokens) -> None:
+    """The fused rotary embedding + KV write equals `apply_rope` then `write_kv_reference`
+    exactly (torch.equal): q rotated in place in its strided qkv buffer, the rotated k and v
+    at their slots, a slot of -1 not written, the other cache rows untouched."""
+    from plait.engine.models.rope import RotaryEmbedding, apply_rope
+    from plait.kernels.reference import write_kv_reference
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    heads, kv_heads, head_dim = 9, 3, 64
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    slots = torch.randperm(40 * 16, generator=gen)[:num_tokens]
+    slots[num_tokens // 2] = -1
+
+    def split(t):
+        q, k, v = t.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), -1)
+        return (q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim),
+                v.view(num_tokens, kv_heads, head_dim))
+
+    caches = [torch.randn(40, 16, kv_heads, head_dim, generator=gen) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    q, k, v = split(qkv.clone())
+    q_ref, k_ref = apply_rope(rope.cos_sin, positions, q, k)
+    write_kv_reference(k_ref, v, *expected, slots)
+    q, k, v = split(qkv.clone())
+    assert native.rope_fits(q, k, v, *caches)
+    out = native.rope_write_kv(q, k, v, rope.cos_sin, positions, *caches, slots)
+    assert out.data_ptr() == q.data_ptr()  # in place
+    assert torch.equal(q, q_ref)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    assert not native.rope_fits(q.double(), k, v, *caches)

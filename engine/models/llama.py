@@ -22,7 +22,7 @@ from torch import nn
 from plait.engine.model_config import ModelConfig
 from plait.engine.models.cpu_linear import linear
 from plait.engine.models.rope import RotaryEmbedding
-from plait.kernels import paged_attention, write_kv
+from plait.kernels import native, paged_attention, write_kv
 
 
 @dataclass(slots=True)
@@ -79,9 +79,13 @@ class Attention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if native.rope_fits(q, k, v, k_cache, v_cache):  # one pass, same bits
+            native.rope_write_kv(q, k, v, self.rope.cos_sin, positions, k_cache, v_cache,
+                                 meta.slot_mapping)
+        else:
+            q, k = self.rope(positions, q, k)
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
             scale=self.scale, max_query_len=meta.max_query_len,
