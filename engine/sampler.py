@@ -25,6 +25,7 @@ from plait.engine.grammar import RequestGrammar, allowed_tokens
 from plait.engine.outputs import TokenLogprob
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.transfer import to_device
+from plait.kernels import native
 
 # Temperatures are clamped to this before dividing, so a tiny positive value cannot turn
 # logits into inf (and the softmax into nan); it is already indistinguishable from greedy.
@@ -366,7 +367,10 @@ class Sampler:
                 to_device([p.top_k or 0 for p in ps], device),
                 to_device([p.top_p for p in ps], device),
                 to_device([p.min_p for p in ps], device))
-        return _inverse_cdf(logits, self._uniforms(generators, device))
+        u = self._uniforms(generators, device)
+        if device.type == "cpu" and logits.dtype == torch.float32 and native.available():
+            return native.sample_inverse_cdf(logits, u)  # the same rule, one pass per row
+        return _inverse_cdf(logits, u)
 
     def _uniforms(self, generators: list[torch.Generator | None],
                   device: torch.device) -> torch.Tensor:

@@ -629,3 +629,71 @@ __attribute__((optimize("fp-contract=off"))) int plait_rope_write_kv(
   }
   return 0;
 }
+
+/* One token per row by inverse-CDF sampling: the first token whose cumulative weight
+ * exceeds u[r] times the row's total, the weights being exp(logit - max) (a logit equal to
+ * the max weighs 1, so +inf logits share the mass; below max - 87, 0). A token of zero
+ * weight is never picked; a rounding overshoot past the end picks the last token of
+ * positive weight; a row with a NaN picks vocab - 1. logits [rows, vocab] (row stride
+ * `stride` floats); scratch [rows, vocab] floats; writes out[rows]. Each row is computed by
+ * one thread in a fixed order, so a row's token depends only on its logits and u. */
+int plait_sample_inverse_cdf(const float *logits, long rows, long vocab, long stride,
+                             const float *u, float *scratch, int64_t *out) {
+#pragma omp parallel for schedule(static)
+  for (long r = 0; r < rows; r++) {
+    const float *l = logits + r * stride;
+    float *w = scratch + r * vocab;
+    float mx = -INFINITY;
+    int nan = 0;
+    for (long i = 0; i < vocab; i++) {
+      mx = l[i] > mx ? l[i] : mx;
+      nan |= l[i] != l[i];
+    }
+    if (nan) {
+      out[r] = vocab - 1;
+      continue;
+    }
+    const vf mv = (vf){0} + mx, lo = (vf){0} - 87.0f;
+    vf acc = (vf){0};
+    long i = 0;
+    for (; i + LANES <= vocab; i += LANES) {
+      const vf x = *(const vf *)(l + i), d = x - mv;
+      vf e = vselect(d < lo, (vf){0}, vexp(d));
+      e = vselect(x == mv, (vf){0} + 1.0f, e);
+      *(vf *)(w + i) = e;
+      acc += e;
+    }
+    double total = hsum(acc);
+    for (; i < vocab; i++) {
+      const float d = l[i] - mx;
+      w[i] = l[i] == mx ? 1.0f : d < -87.0f ? 0.0f : expf(d);
+      total += w[i];
+    }
+    const double target = (double)u[r] * total;
+    double run = 0.0;
+    long pick = -1;
+    for (i = 0; i + LANES <= vocab && pick < 0; i += LANES) {  /* whole vectors first */
+      const double block = hsum(*(const vf *)(w + i));
+      if (run + block <= target) {
+        run += block;
+        continue;
+      }
+      for (long j = i; j < i + LANES; j++) {
+        run += w[j];
+        if (w[j] > 0 && run > target) {
+          pick = j;
+          break;
+        }
+      }
+    }
+    for (; i < vocab && pick < 0; i++) {
+      run += w[i];
+      if (w[i] > 0 && run > target) pick = i;
+    }
+    if (pick < 0)  /* overshoot: the last token of positive weight */
+      for (pick = vocab - 1; pick > 0 && !(w[pick] > 0); pick--) {
+      }
+    out[r] = pick;
+  }
+  return 0;
+}

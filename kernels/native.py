@@ -99,6 +99,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.plait_rope_write_kv.argtypes = [
         _ptr, _c_long, _ptr, _c_long, _ptr, _c_long, _c_long, _c_long, _c_long, _c_long, _ptr,
         _ptr, _ptr, _ptr, _ptr]
+    lib.plait_sample_inverse_cdf.restype = ctypes.c_int
+    lib.plait_sample_inverse_cdf.argtypes = [_ptr, _c_long, _c_long, _c_long, _ptr, _ptr, _ptr]
     return lib
 
 
@@ -271,6 +273,26 @@ def rope_write_kv(
     return q
 
 
+def sample_inverse_cdf(
+    logits: torch.Tensor,  # [R, V] float32 CPU, unit stride along V (masked = -inf)
+    u: torch.Tensor,  # [R] or [R, 1] float32 in [0, 1)
+) -> torch.Tensor:  # [R] int64
+    """The token of each row whose cumulative weight first exceeds u times the row's total,
+    weights exp(logit - max): `sampler._inverse_cdf` in one pass per row, the rows in
+    parallel (C: plait_sample_inverse_cdf)."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
+        raise ValueError("sample_inverse_cdf: logits must be [R, V] float32 on the CPU")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    u = u.reshape(rows).to(torch.float32).contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    scratch = torch.empty(rows, vocab, dtype=torch.float32)
+    _loaded().plait_sample_inverse_cdf(logits.data_ptr(), rows, vocab, logits.stride(0),
+                                       u.data_ptr(), scratch.data_ptr(), out.data_ptr())
+    return out
+
+
 # Query vectors one task of the kernel holds (MAX_QUERIES in cpu_ops.c).
 MAX_QUERIES = 48
 
@@ -292,4 +314,5 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
 
 
 __all__ = ["MAX_QUERIES", "available", "decode_attention", "gemm", "lanes", "library",
-           "max_chunk_rows", "pack_weight", "rope_fits", "rope_write_kv", "supports_attention"]
+           "max_chunk_rows", "pack_weight", "rope_fits", "rope_write_kv", "sample_inverse_cdf",
+           "supports_attention"]

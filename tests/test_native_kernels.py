@@ -338,3 +338,33 @@ def test_rope_write_kv_is_the_torch_path_bit_for_bit(num_tokens) -> None:
     assert torch.equal(q, q_ref)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
     assert not native.rope_fits(q.double(), k, v, *caches)
+
+
+@needs_native
+def test_sample_inverse_cdf_picks_as_the_torch_rule() -> None:
+    """The native inverse-CDF sampler picks the token `sampler._inverse_cdf` picks: on
+    random rows at many u (away from interval edges, where float rounding may differ), and
+    exactly on the edge cases: masked (-inf) tokens never, +inf logits share the mass, a
+    row of all -inf is uniform, u near 1 past the last positive weight, a NaN row."""
+    from plait.engine.sampler import _inverse_cdf
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 1000, generator=gen) * 3
+    logits[3, 500:] = float("-inf")
+    u = torch.rand(16, 1, generator=gen)
+    assert torch.equal(native.sample_inverse_cdf(logits, u), _inverse_cdf(logits, u))
+    for k in range(200):  # one row, u swept
+        u1 = torch.tensor([[k / 200 + 0.0013]])
+        assert native.sample_inverse_cdf(logits[:1], u1).item() == _inverse_cdf(
+            logits[:1], u1).item()
+    inf, nan = float("inf"), float("nan")
+    cases = torch.tensor([[0.0, -inf, 1.0, -inf, 0.5, -inf, -inf, -inf, -inf, -inf, -inf,
+                           -inf, -inf, -inf, -inf, -inf, -inf, -inf],
+                          [1.0, inf, 0.3, inf] + [0.0] * 14,
+                          [-inf] * 18,
+                          [0.2, nan] + [0.0] * 16])
+    for value in (0.0, 0.3, 0.6, 0.99999994):
+        uu = torch.full((4, 1), value)
+        assert torch.equal(native.sample_inverse_cdf(cases, uu), _inverse_cdf(cases, uu))
+    picked = native.sample_inverse_cdf(cases[:1].expand(64, -1), torch.rand(64, generator=gen))
+    assert set(picked.tolist()) <= {0, 2, 4}
