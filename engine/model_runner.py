@@ -14,7 +14,11 @@ import torch
 
 from plait.engine.config import EngineConfig
 from plait.engine.grammar import GrammarCompiler
-from plait.engine.host_memory import keep_freed_memory_mapped, warm_sampler
+from plait.engine.host_memory import (
+    keep_freed_memory_mapped,
+    warm_sampler,
+    zeros_on_huge_pages,
+)
 from plait.engine.input_batch import CachedRequestState, InputBatch
 from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import ResolvedModel
@@ -73,9 +77,10 @@ class ModelRunner:
         self.max_model_len = min(max_pos, self.num_blocks * self.block_size)
         cfg = self.model_config
         # kv_cache: [layers, 2 (k|v), num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, self.block_size,
-                                    cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype,
-                                    device=self.device)
+        shape = (cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
+                 cfg.head_dim)
+        self.kv_cache = (zeros_on_huge_pages(shape, self.dtype) if self.device.type == "cpu"
+                         else torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampler = Sampler(config.seed)

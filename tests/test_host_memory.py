@@ -85,3 +85,25 @@ def test_the_engine_does_both_on_cpu(tiny_path, tmp_path) -> None:
     result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "1 1 8"
+
+
+def test_zeros_on_huge_pages_asks_for_them_before_the_first_touch(monkeypatch) -> None:
+    """The KV-cache buffer: zeros of the shape and dtype, starting on a 2 MiB boundary, and
+    MADV_HUGEPAGE asked for its whole 2 MiB pages (whether the kernel grants them is its
+    setting's business); refused advice still gives the zeros."""
+    from plait.engine import host_memory
+
+    calls = []
+    real = host_memory._madvise_huge
+    monkeypatch.setattr(host_memory, "_madvise_huge",
+                        lambda address, length: calls.append((address, length))
+                        or real(address, length))
+    shape = (3, 2, 100, 16, 3, 64)  # 7.03 MiB float32: 3 whole huge pages
+    kv = host_memory.zeros_on_huge_pages(shape, torch.float32)
+    assert kv.shape == shape and kv.dtype == torch.float32 and kv.is_contiguous()
+    assert not kv.any()
+    assert kv.data_ptr() % host_memory.HUGE_PAGE == 0
+    assert calls == [(kv.data_ptr(), 3 * host_memory.HUGE_PAGE)]  # whole pages only
+    monkeypatch.setattr(host_memory, "_madvise_huge", lambda address, length: False)
+    small = host_memory.zeros_on_huge_pages((5, 7), torch.bfloat16)
+    assert small.shape == (5, 7) and small.dtype == torch.bfloat16 and not small.any()
