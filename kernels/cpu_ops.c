@@ -11,7 +11,10 @@
  *                           panels of LANES: the decode GEMM (few rows, weights streamed)
  *   plait_decode_attention  one query token per sequence over its paged K/V, read in
  *                           place from the cache (no gather); rows sharing a prompt's
- *                           blocks read them once (cascade attention, no merge)
+ *                           blocks read them once (cascade attention, no merge); the
+ *                           engine also feeds it prefill chunks as tiles of positions
+ *   plait_rope_write_kv     RoPE of q and k and the KV-cache write, in one pass
+ *   plait_sample_inverse_cdf  one token per row of logits by inverse-CDF sampling
  */
 #include <math.h>
 #include <stdint.h>
@@ -694,6 +697,53 @@ int plait_sample_inverse_cdf(const float *logits, long rows, long vocab, long st
       for (pick = vocab - 1; pick > 0 && !(w[pick] > 0); pick--) {
       }
     out[r] = pick;
+  }
+  return 0;
+}
+
+/* RMS normalization of the rows of x [T, D] (row stride x_stride), after adding `add`
+ * (same shape, row stride add_stride; NULL: nothing added): s = x + add is written to
+ * sum_out (row stride D; NULL when add is NULL) and s * w / sqrt(mean(s^2) + eps) to out
+ * (row stride D). The sum of squares runs over whole vectors, so it differs from torch's
+ * in the last bits. Returns 0. */
+int plait_add_rms_norm(const float *x, long x_stride, const float *add, long add_stride,
+                       const float *w, long num_tokens, long dim, float eps, float *sum_out,
+                       float *out) {
+#pragma omp parallel for schedule(static) if (num_tokens >= 64)
+  for (long t = 0; t < num_tokens; t++) {
+    const float *xr = x + t * x_stride;
+    float *s = add ? sum_out + t * dim : (float *)xr;
+    if (add)
+      for (long i = 0; i < dim; i++) s[i] = xr[i] + add[t * add_stride + i];
+    vf acc = (vf){0};
+    long i = 0;
+    for (; i + LANES <= dim; i += LANES) {
+      const vf v = *(const vf *)(s + i);
+      acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (; i < dim; i++) ss += s[i] * s[i];
+    const float r = 1.0f / sqrtf(ss / (float)dim + eps);
+    float *o = out + t * dim;
+    for (i = 0; i < dim; i++) o[i] = s[i] * r * w[i];
+  }
+  return 0;
+}
+
+/* out[t] = silu(g) * u for the row t of gate_up [T, 2 I] = g | u (row stride gu_stride):
+ * g / (1 + exp(-g)) * u, out [T, I] dense. Returns 0. */
+int plait_silu_mul(const float *gate_up, long gu_stride, long num_tokens, long inter,
+                   float *out) {
+#pragma omp parallel for schedule(static) if (num_tokens >= 16)
+  for (long t = 0; t < num_tokens; t++) {
+    const float *g = gate_up + t * gu_stride, *u = g + inter;
+    float *o = out + t * inter;
+    long i = 0;
+    for (; i + LANES <= inter; i += LANES) {
+      const vf gv = *(const vf *)(g + i);
+      *(vf *)(o + i) = gv / (1.0f + vexp(-gv)) * *(const vf *)(u + i);
+    }
+    for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
   }
   return 0;
 }

@@ -99,6 +99,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.plait_rope_write_kv.argtypes = [
         _ptr, _c_long, _ptr, _c_long, _ptr, _c_long, _c_long, _c_long, _c_long, _c_long, _ptr,
         _ptr, _ptr, _ptr, _ptr]
+    lib.plait_add_rms_norm.restype = ctypes.c_int
+    lib.plait_add_rms_norm.argtypes = [_ptr, _c_long, _ptr, _c_long, _ptr, _c_long, _c_long,
+                                       _c_float, _ptr, _ptr]
+    lib.plait_silu_mul.restype = ctypes.c_int
+    lib.plait_silu_mul.argtypes = [_ptr, _c_long, _c_long, _c_long, _ptr]
     lib.plait_sample_inverse_cdf.restype = ctypes.c_int
     lib.plait_sample_inverse_cdf.argtypes = [_ptr, _c_long, _c_long, _c_long, _ptr, _ptr, _ptr]
     return lib
@@ -209,7 +214,8 @@ def decode_attention(
     """Softmax attention of each sequence's one query over its tokens [0, ctx_len), read
     from the paged cache in place. The sequences of a chunk share their first
     `chunk_shared` tokens (the same blocks: those of the chunk's first sequence), which are
-    read once for all of them; at most `max_chunk_rows(H / H_kv)` sequences per chunk."""
+    read once for all of them; at most `max_chunk_rows(H / H_kv)` sequences per chunk. A
+    sequence may be one query position of a prefill (its context ends at that position)."""
     lib = _loaded()
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -232,6 +238,8 @@ def decode_attention(
         block_tables.stride(0), chunk_shared.shape[0], chunk_start.data_ptr(),
         chunk_shared.data_ptr(), q_rows.data_ptr(), table_rows.data_ptr(),
         ctx_lens.data_ptr(), scale, out.data_ptr())
+    if rc == -2:
+        raise MemoryError("native decode_attention could not allocate its buffers")
     if rc != 0:
         raise ValueError(f"decode_attention: shapes beyond the kernel's limits (H={num_heads},"
                          f" H_kv={num_kv_heads}, D={head_dim}, block={block_size}, or a chunk"
@@ -293,6 +301,45 @@ def sample_inverse_cdf(
     return out
 
 
+def rows_fit(*tensors: torch.Tensor) -> bool:
+    """Whether the row-wise kernels (`add_rms_norm`, `silu_mul`) take these [T, D] tensors:
+    float32 on the CPU, unit stride along D, and the kernels available."""
+    return available() and all(t.dtype == torch.float32 and t.device.type == "cpu"
+                               and t.dim() == 2 and t.stride(1) == 1 for t in tensors)
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [T, D] float32, unit stride along D
+    add: torch.Tensor | None,  # [T, D] float32, unit stride along D; None: nothing added
+    weight: torch.Tensor,  # [D] float32
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (x + add, or x itself), normalized: [T, D] each
+    """RMS normalization of x + add in one pass per row (the residual add fused): returns
+    the sum (the residual stream) and sum * weight / sqrt(mean(sum^2) + eps)."""
+    if not rows_fit(x, *(() if add is None else (add,))) or weight.dtype != torch.float32:
+        raise ValueError("add_rms_norm: tensors do not fit (see rows_fit)")
+    rows, dim = x.shape
+    weight = weight.contiguous()
+    total = x if add is None else torch.empty(rows, dim, dtype=torch.float32)
+    out = torch.empty(rows, dim, dtype=torch.float32)
+    _loaded().plait_add_rms_norm(
+        x.data_ptr(), x.stride(0), None if add is None else add.data_ptr(),
+        0 if add is None else add.stride(0), weight.data_ptr(), rows, dim, eps,
+        None if add is None else total.data_ptr(), out.data_ptr())
+    return total, out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
+    """silu(gate) * up of a fused gate|up projection's output, in one pass."""
+    if not rows_fit(gate_up) or gate_up.shape[1] % 2:
+        raise ValueError("silu_mul: gate_up must be [T, 2 I] float32 with unit stride")
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=torch.float32)
+    _loaded().plait_silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, inter,
+                             out.data_ptr())
+    return out
+
+
 # Query vectors one task of the kernel holds (MAX_QUERIES in cpu_ops.c).
 MAX_QUERIES = 48
 
@@ -313,6 +360,6 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
             and head_dim % lanes() == 0 and head_dim <= 256 and block_size <= 256)
 
 
-__all__ = ["MAX_QUERIES", "available", "decode_attention", "gemm", "lanes", "library",
-           "max_chunk_rows", "pack_weight", "rope_fits", "rope_write_kv", "sample_inverse_cdf",
-           "supports_attention"]
+__all__ = ["MAX_QUERIES", "add_rms_norm", "available", "decode_attention", "gemm", "lanes",
+           "library", "max_chunk_rows", "pack_weight", "rope_fits", "rope_write_kv", "rows_fit",
+           "sample_inverse_cdf", "silu_mul", "supports_attention"]

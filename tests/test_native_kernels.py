@@ -368,3 +368,29 @@ def test_sample_inverse_cdf_picks_as_the_torch_rule() -> None:
         assert torch.equal(native.sample_inverse_cdf(cases, uu), _inverse_cdf(cases, uu))
     picked = native.sample_inverse_cdf(cases[:1].expand(64, -1), torch.rand(64, generator=gen))
     assert set(picked.tolist()) <= {0, 2, 4}
+
+
+@needs_native
+@pytest.mark.parametrize("num_tokens", [1, 16, 100])
+def test_add_rms_norm_and_silu_mul_equal_torch(num_tokens) -> None:
+    """The fused residual add + RMS norm and SiLU * up equal their float64 torch
+    definitions on strided rows (a view of a wider buffer); without `add` the first result
+    is x itself."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 576 + 7, generator=gen)[:, :576]
+    add = torch.randn(num_tokens, 600, generator=gen)[:, 10:586]
+    weight = torch.rand(576, generator=gen) + 0.5
+    total, out = native.add_rms_norm(x, add, weight, 1e-5)
+    s = x.double() + add.double()
+    assert torch.equal(total, x + add)  # the same float add
+    ref = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=2e-6)
+    same, out = native.add_rms_norm(x, None, weight, 1e-5)
+    assert same is x
+    ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(out.double(), ref * weight.double(), rtol=2e-6, atol=2e-6)
+    gate_up = torch.randn(num_tokens, 2 * 1536 + 5, generator=gen)[:, :2 * 1536] * 4
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    torch.testing.assert_close(native.silu_mul(gate_up).double(),
+                               torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=2e-6)
+    assert not native.rows_fit(x.double())

@@ -51,6 +51,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, D]
+        if native.rows_fit(x):  # one C pass per row (CPU float32)
+            return native.add_rms_norm(x, None, self.weight, self.eps)[1]
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -102,7 +104,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)
+        gate_up = linear(self.gate_up_proj, x)
+        if native.rows_fit(gate_up):
+            return linear(self.down_proj, native.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return linear(self.down_proj, nn.functional.silu(gate) * up)
 
 
@@ -115,7 +120,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, positions, x, kv_cache, meta):  # x: [T, hidden]
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        attn = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        if native.rows_fit(x, attn):  # the residual add fused into the norm
+            norm = self.post_attention_layernorm
+            x, h = native.add_rms_norm(x, attn, norm.weight, norm.eps)
+            return x + self.mlp(h)
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
