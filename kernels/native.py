@@ -1,4 +1,5 @@
-"""Plait's native CPU kernels (`cpu_ops.c`), compiled once per machine and loaded by ctypes.
+"""Plait's native CPU kernels (`cpu_*.c`, `cpu_vec.h`), compiled once per machine and loaded
+by ctypes.
 
 The C source ships inside the package. The first `library()` call of a process compiles it
 with the machine's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`) into
@@ -33,7 +34,10 @@ import torch
 
 logger = logging.getLogger("plait.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_ops.c")
+# The C sources, built together into one library, and the header they share.
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_gemm.c", "cpu_attention.c", "cpu_rowwise.c"))
+HEADER = Path(__file__).with_name("cpu_vec.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 _c_long, _c_float, _ptr = ctypes.c_long, ctypes.c_float, ctypes.c_void_p
@@ -71,7 +75,7 @@ def _build(cc: str, gomp: Path, target: Path) -> str | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE), f"-L{gomp.parent}",
+    cmd = [cc, *FLAGS, "-o", tmp, *map(str, SOURCES), f"-L{gomp.parent}",
            f"-Wl,-rpath,{gomp.parent}", "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -132,7 +136,8 @@ def library() -> ctypes.CDLL | None:
             why = f"no working C compiler ({cc!r})"
     if why is None:
         key = hashlib.sha256("\0".join([
-            SOURCE.read_text(), cc, version or "", " ".join(FLAGS), _cpu_flags(), str(gomp),
+            *(path.read_text() for path in (HEADER, *SOURCES)), cc, version or "",
+            " ".join(FLAGS), _cpu_flags(), str(gomp),
         ]).encode()).hexdigest()[:16]
         target = _cache_dir() / f"plait_cpu_ops-{key}.so"
         if not target.exists():
@@ -340,7 +345,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
     return out
 
 
-# Query vectors one task of the kernel holds (MAX_QUERIES in cpu_ops.c).
+# Query vectors one task of the kernel holds (MAX_QUERIES in cpu_attention.c).
 MAX_QUERIES = 48
 
 

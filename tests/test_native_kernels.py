@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/cpu_ops.c via kernels/native.py) against plain torch in
+"""The native CPU kernels (kernels/cpu_*.c via kernels/native.py) against plain torch in
 float64: the skinny GEMM for every row count and tile remainder, the paged decode attention
 (with its log-sum-exp) for GQA groups, head sizes, block sizes and partial blocks; that the
 model and the cascade backend really take them; and the build's cache and its fallbacks."""

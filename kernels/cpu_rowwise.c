@@ -1,0 +1,159 @@
+/* Per-row operations of a layer, and the sampler (see cpu_vec.h). */
+#include "cpu_vec.h"
+
+/* Rotary embedding (neox style: rotate halves) and the KV-cache write of one layer's new
+ * tokens, in one pass. q [T, H, D] (row stride q_stride floats, heads dense) is rotated in
+ * place; k [T, H_kv, D] (row stride k_stride) is rotated into k_cache and v (row stride
+ * v_stride) copied into v_cache at slot slots[t] (caches [num_slots, H_kv, D] contiguous;
+ * slot -1: not written). Token t's angles are row positions[t] of cos_sin [P, D] (cos |
+ * sin halves). Without FMA contraction, each element is (x1 * cos) - (x2 * sin) rounded as
+ * torch's separate multiplies and subtraction round it, so the result is the same bits as
+ * the plain-torch path. Returns 0, or -1 if D is odd. */
+__attribute__((optimize("fp-contract=off"))) int plait_rope_write_kv(
+    float *q, long q_stride, const float *k, long k_stride, const float *v, long v_stride,
+    long num_tokens, long num_heads, long num_kv_heads, long head_dim, const float *cos_sin,
+    const int64_t *positions, float *k_cache, float *v_cache, const int64_t *slots) {
+  if (head_dim % 2) return -1;
+  const long half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (num_tokens >= 64)
+  for (long t = 0; t < num_tokens; t++) {
+    const float *cs = cos_sin + positions[t] * head_dim, *sn = cs + half;
+    for (long h = 0; h < num_heads; h++) {
+      float *x = q + t * q_stride + h * head_dim;
+      for (long i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * cs[i] - x2 * sn[i];
+        x[i + half] = x2 * cs[i] + x1 * sn[i];
+      }
+    }
+    if (slots[t] < 0) continue;
+    float *kc = k_cache + slots[t] * num_kv_heads * head_dim;
+    float *vc = v_cache + slots[t] * num_kv_heads * head_dim;
+    for (long h = 0; h < num_kv_heads; h++) {
+      const float *x = k + t * k_stride + h * head_dim;
+      float *o = kc + h * head_dim;
+      for (long i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        o[i] = x1 * cs[i] - x2 * sn[i];
+        o[i + half] = x2 * cs[i] + x1 * sn[i];
+      }
+    }
+    memcpy(vc, v + t * v_stride, num_kv_heads * head_dim * sizeof(float));
+  }
+  return 0;
+}
+
+/* One token per row by inverse-CDF sampling: the first token whose cumulative weight
+ * exceeds u[r] times the row's total, the weights being exp(logit - max) (a logit equal to
+ * the max weighs 1, so +inf logits share the mass; below max - 87, 0). A token of zero
+ * weight is never picked; a rounding overshoot past the end picks the last token of
+ * positive weight; a row with a NaN picks vocab - 1. logits [rows, vocab] (row stride
+ * `stride` floats); scratch [rows, vocab] floats; writes out[rows]. Each row is computed by
+ * one thread in a fixed order, so a row's token depends only on its logits and u. */
+int plait_sample_inverse_cdf(const float *logits, long rows, long vocab, long stride,
+                             const float *u, float *scratch, int64_t *out) {
+#pragma omp parallel for schedule(static)
+  for (long r = 0; r < rows; r++) {
+    const float *l = logits + r * stride;
+    float *w = scratch + r * vocab;
+    float mx = -INFINITY;
+    int nan = 0;
+    for (long i = 0; i < vocab; i++) {
+      mx = l[i] > mx ? l[i] : mx;
+      nan |= l[i] != l[i];
+    }
+    if (nan) {
+      out[r] = vocab - 1;
+      continue;
+    }
+    const vf mv = (vf){0} + mx, lo = (vf){0} - 87.0f;
+    vf acc = (vf){0};
+    long i = 0;
+    for (; i + LANES <= vocab; i += LANES) {
+      const vf x = *(const vf *)(l + i), d = x - mv;
+      vf e = vselect(d < lo, (vf){0}, vexp(d));
+      e = vselect(x == mv, (vf){0} + 1.0f, e);
+      *(vf *)(w + i) = e;
+      acc += e;
+    }
+    double total = hsum(acc);
+    for (; i < vocab; i++) {
+      const float d = l[i] - mx;
+      w[i] = l[i] == mx ? 1.0f : d < -87.0f ? 0.0f : expf(d);
+      total += w[i];
+    }
+    const double target = (double)u[r] * total;
+    double run = 0.0;
+    long pick = -1;
+    for (i = 0; i + LANES <= vocab && pick < 0; i += LANES) {  /* whole vectors first */
+      const double block = hsum(*(const vf *)(w + i));
+      if (run + block <= target) {
+        run += block;
+        continue;
+      }
+      for (long j = i; j < i + LANES; j++) {
+        run += w[j];
+        if (w[j] > 0 && run > target) {
+          pick = j;
+          break;
+        }
+      }
+    }
+    for (; i < vocab && pick < 0; i++) {
+      run += w[i];
+      if (w[i] > 0 && run > target) pick = i;
+    }
+    if (pick < 0)  /* overshoot: the last token of positive weight */
+      for (pick = vocab - 1; pick > 0 && !(w[pick] > 0); pick--) {
+      }
+    out[r] = pick;
+  }
+  return 0;
+}
+
+/* RMS normalization of the rows of x [T, D] (row stride x_stride), after adding `add`
+ * (same shape, row stride add_stride; NULL: nothing added): s = x + add is written to
+ * sum_out (row stride D; NULL when add is NULL) and s * w / sqrt(mean(s^2) + eps) to out
+ * (row stride D). The sum of squares runs over whole vectors, so it differs from torch's
+ * in the last bits. Returns 0. */
+int plait_add_rms_norm(const float *x, long x_stride, const float *add, long add_stride,
+                       const float *w, long num_tokens, long dim, float eps, float *sum_out,
+                       float *out) {
+#pragma omp parallel for schedule(static) if (num_tokens >= 64)
+  for (long t = 0; t < num_tokens; t++) {
+    const float *xr = x + t * x_stride;
+    float *s = add ? sum_out + t * dim : (float *)xr;
+    if (add)
+      for (long i = 0; i < dim; i++) s[i] = xr[i] + add[t * add_stride + i];
+    vf acc = (vf){0};
+    long i = 0;
+    for (; i + LANES <= dim; i += LANES) {
+      const vf v = *(const vf *)(s + i);
+      acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (; i < dim; i++) ss += s[i] * s[i];
+    const float r = 1.0f / sqrtf(ss / (float)dim + eps);
+    float *o = out + t * dim;
+    for (i = 0; i < dim; i++) o[i] = s[i] * r * w[i];
+  }
+  return 0;
+}
+
+/* out[t] = silu(g) * u for the row t of gate_up [T, 2 I] = g | u (row stride gu_stride):
+ * g / (1 + exp(-g)) * u, out [T, I] dense. Returns 0. */
+int plait_silu_mul(const float *gate_up, long gu_stride, long num_tokens, long inter,
+                   float *out) {
+#pragma omp parallel for schedule(static) if (num_tokens >= 16)
+  for (long t = 0; t < num_tokens; t++) {
+    const float *g = gate_up + t * gu_stride, *u = g + inter;
+    float *o = out + t * inter;
+    long i = 0;
+    for (; i + LANES <= inter; i += LANES) {
+      const vf gv = *(const vf *)(g + i);
+      *(vf *)(o + i) = gv / (1.0f + vexp(-gv)) * *(const vf *)(u + i);
+    }
+    for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+  }
+  return 0;
+}
