@@ -67,15 +67,16 @@ class _Prefix:
 
 @dataclass(slots=True)
 class _NativeRows:
-    """The decode rows as `native.decode_attention` takes them: in chunks of rows sharing a
-    prefix (a row alone otherwise), host tensors."""
+    """The step's rows as `native.decode_attention` takes them, host tensors: the decode rows
+    in chunks of rows sharing a prefix (a row alone otherwise), then the prefill chunks'
+    positions in tiles (`prefill_tiles`)."""
 
-    token_rows: torch.Tensor | slice  # [S_d] rows of the query / output, in chunk order
+    token_rows: torch.Tensor | slice  # [S] rows of the query / output, in chunk order
     chunk_start: torch.Tensor  # [C + 1] int64
     chunk_shared: torch.Tensor  # [C] int32 tokens of the chunk's shared prefix
-    q_rows: torch.Tensor  # [S_d] int64 rows of the query, in chunk order
-    table_rows: torch.Tensor  # [S_d] int64 rows of the block tables
-    ctx_lens: torch.Tensor  # [S_d] int32
+    q_rows: torch.Tensor  # [S] int64 rows of the query, in chunk order
+    table_rows: torch.Tensor  # [S] int64 rows of the block tables
+    ctx_lens: torch.Tensor  # [S] int32
 
 
 def native_chunks(shared: list[tuple[list[int], int]], num_rows: int, max_rows: int,
