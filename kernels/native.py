@@ -1,10 +1,10 @@
 """Plait's native CPU kernels (`cpu_*.c`, `cpu_vec.h`), compiled once per machine and loaded
 by ctypes.
 
-The C source ships inside the package. The first `library()` call of a process compiles it
-with the machine's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`) into
-`$PLAIT_CACHE/native/` (default `~/.cache/plait/native/`), keyed by the source, the
-compiler, the flags and the CPU's feature flags; later processes load the cached file.
+The C sources ship inside the package. The first `library()` call of a process compiles them
+with the machine's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`) into one
+library in `$PLAIT_CACHE/native/` (default `~/.cache/plait/native/`), keyed by the sources,
+the compiler, the flags and the CPU's feature flags; later processes load the cached file.
 The OpenMP loops link against the `libgomp` torch loads, so they share torch's runtime and
 its `torch.set_num_threads`.
 
@@ -15,7 +15,10 @@ built against another OpenMP runtime, or with `PLAIT_NATIVE=0`, `library()` retu
 * `gemm(x, panels, out_features, bias)`: x @ W^T for a few rows, W packed by
   `pack_weight`; streams the weights once (the decode step's GEMMs).
 * `decode_attention(...)`: one query per sequence over its paged K/V, read in place; rows
-  that share a prompt's blocks read them once.
+  that share a prompt's blocks read them once (the cascade backend also feeds it prefill
+  positions, in tiles).
+* `rope_write_kv`, `add_rms_norm`, `silu_mul`: a layer's small per-row operations, one pass
+  each; `sample_inverse_cdf`: the sampler's draw.
 """
 
 from __future__ import annotations
