@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import logging
 import math
+from typing import Any
 
 import torch
 
@@ -31,17 +32,24 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20
 
 
+def _libc_function(name: str, argtypes: list[Any]) -> Any | None:
+    """The C library's function `name` (returning int) via ctypes, or None where the C
+    library or the function is missing (not glibc / not Linux)."""
+    try:
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), name)
+    except (OSError, AttributeError, TypeError):
+        return None
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
+
+
 def keep_freed_memory_mapped() -> bool:
     """Raise glibc's mmap and trim thresholds for this process (see the module docstring).
     Returns False, changing nothing, where the C library has no `mallopt` (not glibc)."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    mallopt = _libc_function("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
     # a trim threshold of -1: never trim
     if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, -1)):
         logger.warning("mallopt refused the thresholds; large temporaries may page-fault")
@@ -57,13 +65,8 @@ HUGE_PAGE = 2 << 20
 def _madvise_huge(address: int, length: int) -> bool:
     """madvise(address, length, MADV_HUGEPAGE); False where the C library or the kernel
     refuses (not Linux, transparent huge pages compiled out)."""
-    try:
-        madvise = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
-    except (OSError, AttributeError, TypeError):
-        return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise(address, length, _MADV_HUGEPAGE) == 0
+    madvise = _libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+    return madvise is not None and madvise(address, length, _MADV_HUGEPAGE) == 0
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
