@@ -256,9 +256,10 @@ def _attend_causal(
     scale: float,
 ) -> torch.Tensor:  # [1, L, H, D]
     """`reference._attend` for a prefill chunk with no cached tokens before it (its queries
-    are all its keys): SDPA's own causal mask and grouped-query heads, which skip the
-    masked half of the scores instead of computing and masking them (512 tokens: ~1.4x
-    faster on CPU)."""
+    are all its keys): SDPA's own causal mask and grouped-query heads instead of an explicit
+    mask over the stacked group. On CPU this is the torch path only (the native kernel takes
+    prefills), where it measured no faster than the mask: 512 tokens, 4.0-4.3 ms per layer
+    either way (BENCHMARKS.md)."""
     out = torch.nn.functional.scaled_dot_product_attention(
         query.transpose(1, 2).float(), key.transpose(1, 2).float(),
         value.transpose(1, 2).float(), is_causal=True, scale=scale, enable_gqa=True)
