@@ -274,6 +274,12 @@ static void attend_own(state_t *st, long a0, long G, const int32_t *table, long 
   }
 }
 
+/* Tokens of a chunk's main range, the one split into pieces: its shared prefix, or a lone
+ * row's whole context (`ctx_first`); 0 for rows with nothing in common. */
+static inline long main_range(long shared, long rows, long ctx_first) {
+  return shared > 0 ? shared : rows == 1 ? ctx_first : 0;
+}
+
 /* Decode attention: one query token per sequence over its paged K/V, read in place.
  *
  * Sequences come in chunks: chunk c is sequences chunk_start[c] .. chunk_start[c+1] - 1,
@@ -313,7 +319,7 @@ int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
   first_piece[0] = 0;
   for (long c = 0; c < num_chunks; c++) {
     const long first = chunk_start[c], rows = chunk_start[c + 1] - first;
-    const long main = chunk_shared[c] > 0 ? chunk_shared[c] : rows == 1 ? ctx_len[first] : 0;
+    const long main = main_range(chunk_shared[c], rows, ctx_len[first]);
     long pieces = main / (PIECE_BLOCKS * block_size);
     pieces = pieces < 1 ? 1 : pieces < split ? pieces : split;
     first_piece[c + 1] = first_piece[c] + pieces;
@@ -356,7 +362,7 @@ int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
         l[a] = 0.0f;
         for (long d = 0; d < st.dv; d++) acc[a * st.dv + d] = (vf){0};
       }
-      const long main = shared > 0 ? shared : rows == 1 ? ctx_len[first] : 0;
+      const long main = main_range(shared, rows, ctx_len[first]);
       /* this piece's share of the main range, in whole blocks */
       const long main_blocks = (main + block_size - 1) / block_size;
       const long from = p * main_blocks / pieces * block_size;
