@@ -29,6 +29,7 @@ own few causally (`prefill_tiles`).
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -215,6 +216,19 @@ def _plan(
 
 
 _cached_plan = PlanCache(_plan)  # -> _CascadePlan
+
+
+def native_plan(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                block_tables: torch.Tensor, block_size: int, group: int, max_query_len: int,
+                max_context_len: int) -> _NativeRows | None:
+    """The step's rows as `cascade_attention_reference` gives them to
+    `native.decode_attention` (the same plan, computed once per step); None where that
+    backend would not run them natively (no native kernels, a CUDA batch, or
+    `PLAIT_CASCADE=0`, which selects the plain reference)."""
+    if os.environ.get("PLAIT_CASCADE", "1") == "0" or block_tables.device.type != "cpu":
+        return None
+    return _cached_plan(cu_seqlens_q, context_lens, block_tables, block_size, group,
+                        max_query_len, max_context_len, MIN_PREFIX_BLOCKS).native
 
 
 def attend_with_lse(

@@ -89,4 +89,24 @@ static inline float hsum(vf v) {
 #endif
 }
 
+/* The kernels each source exports (ctypes loads them; cpu_decoder.c calls the others). */
+int plait_gemm(const float *x, long M, long ldx, const float *w, long N, long K,
+               const float *bias, float *y, long ldy);
+int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
+                           const float *v_cache, long block_size, long num_kv_heads,
+                           long num_heads, long head_dim, const int32_t *block_tables,
+                           long table_stride, long num_chunks, const int64_t *chunk_start,
+                           const int32_t *chunk_shared, const int64_t *q_rows,
+                           const int64_t *table_rows, const int32_t *ctx_len, float scale,
+                           float *out);
+int plait_rope_write_kv(float *q, long q_stride, const float *k, long k_stride, const float *v,
+                        long v_stride, long num_tokens, long num_heads, long num_kv_heads,
+                        long head_dim, const float *cos_sin, const int64_t *positions,
+                        float *k_cache, float *v_cache, const int64_t *slots);
+int plait_add_rms_norm(const float *x, long x_stride, const float *add, long add_stride,
+                       const float *w, long num_tokens, long dim, float eps, float *sum_out,
+                       float *out);
+int plait_silu_mul(const float *gate_up, long gu_stride, long num_tokens, long inter,
+                   float *out);
+
 #endif /* PLAIT_CPU_VEC_H */

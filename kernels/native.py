@@ -19,6 +19,8 @@ built against another OpenMP runtime, or with `PLAIT_NATIVE=0`, `library()` retu
   positions, in tiles).
 * `rope_write_kv`, `add_rms_norm`, `silu_mul`: a layer's small per-row operations, one pass
   each; `sample_inverse_cdf`: the sampler's draw.
+* `decoder_stack(...)`: a decode step's whole Llama decoder stack through the kernels above
+  in one call, no Python between layers (`cpu_decoder.c`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import os
 import platform
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +42,8 @@ logger = logging.getLogger("plait.kernels")
 
 # The C sources, built together into one library, and the header they share.
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_gemm.c", "cpu_attention.c", "cpu_rowwise.c"))
+                for name in ("cpu_gemm.c", "cpu_attention.c", "cpu_rowwise.c",
+                                                    "cpu_decoder.c"))
 HEADER = Path(__file__).with_name("cpu_vec.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
@@ -111,6 +115,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                        _c_float, _ptr, _ptr]
     lib.plait_silu_mul.restype = ctypes.c_int
     lib.plait_silu_mul.argtypes = [_ptr, _c_long, _c_long, _c_long, _ptr]
+    lib.plait_decoder_stack.restype = ctypes.c_int
+    lib.plait_decoder_stack.argtypes = [
+        _c_long, _ptr, _c_long, _c_long, _c_long, _c_long, _c_long, _c_long, _c_float, _ptr,
+        _ptr, _ptr, _ptr, _ptr, _c_long, _ptr, _c_long, _c_long, _ptr, _ptr, _ptr, _ptr, _ptr,
+        _c_float, _ptr]
     lib.plait_sample_inverse_cdf.restype = ctypes.c_int
     lib.plait_sample_inverse_cdf.argtypes = [_ptr, _c_long, _c_long, _c_long, _ptr, _ptr, _ptr]
     return lib
@@ -255,6 +264,62 @@ def decode_attention(
     return out
 
 
+# The pointers of one layer in `decoder_stack`'s table (L_* in cpu_decoder.c), in order.
+STACK_POINTERS = ("input_norm", "qkv_panels", "qkv_bias", "o_panels", "post_norm",
+                  "gate_up_panels", "down_panels", "k_cache", "v_cache")
+
+
+@dataclass(frozen=True, slots=True)
+class StackShape:
+    """The sizes of a Llama decoder stack that `decoder_stack` needs beside its pointers."""
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+def decoder_stack(
+    layers: torch.Tensor,  # [L, len(STACK_POINTERS)] int64 addresses, 0 = no bias
+    shape: StackShape,
+    x: torch.Tensor,  # [T, hidden] float32 dense: the embeddings, then the residual stream
+    final_norm: torch.Tensor,  # [hidden] float32
+    cos_sin: torch.Tensor,  # [max_positions, D] float32 contiguous: cos | sin halves
+    positions: torch.Tensor,  # [T] int64 contiguous
+    slot_mapping: torch.Tensor,  # [T] int64 contiguous, -1 = not written
+    block_size: int,
+    block_tables: torch.Tensor,  # [S, W] int32 contiguous
+    chunk_start: torch.Tensor,  # [C + 1] int64, as `decode_attention` takes them
+    chunk_shared: torch.Tensor,  # [C] int32
+    q_rows: torch.Tensor,  # [T] int64: token row of each attention row, chunk order
+    table_rows: torch.Tensor,  # [T] int64
+    ctx_lens: torch.Tensor,  # [T] int32
+    scale: float,
+) -> torch.Tensor:  # [T, hidden] float32: the final norm of the last residual stream
+    """Every layer of a Llama decoder over the T tokens of a step, one token per sequence
+    (T at most `cpu_linear.NATIVE_MAX_ROWS`, every projection packed by `pack_weight`), in
+    one C call: the kernels the eager forward runs (`add_rms_norm`, `gemm`, `rope_write_kv`,
+    `decode_attention`, `silu_mul`), in its order, with no Python between them, so the same
+    bits. `layers[l]` holds layer l's tensors' `data_ptr()`s in `STACK_POINTERS` order; the
+    caller keeps them alive. x is updated in place."""
+    rows = x.shape[0]
+    out = torch.empty(rows, shape.hidden, dtype=torch.float32)
+    rc = _loaded().plait_decoder_stack(
+        layers.shape[0], layers.data_ptr(), rows, shape.hidden, shape.num_heads,
+        shape.num_kv_heads, shape.head_dim, shape.intermediate, shape.eps,
+        final_norm.data_ptr(), x.data_ptr(), cos_sin.data_ptr(), positions.data_ptr(),
+        slot_mapping.data_ptr(), block_size, block_tables.data_ptr(), block_tables.stride(0),
+        chunk_shared.shape[0], chunk_start.data_ptr(), chunk_shared.data_ptr(),
+        q_rows.data_ptr(), table_rows.data_ptr(), ctx_lens.data_ptr(), scale, out.data_ptr())
+    if rc == -2:
+        raise MemoryError("native decoder_stack could not allocate its buffers")
+    if rc != 0:
+        raise ValueError("decoder_stack: shapes beyond the kernels' limits")
+    return out
+
+
 def rope_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor) -> bool:
     """Whether `rope_write_kv` takes these tensors (float32 CPU, heads and dims dense, the
@@ -368,6 +433,7 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
             and head_dim % lanes() == 0 and head_dim <= 256 and block_size <= 256)
 
 
-__all__ = ["MAX_QUERIES", "add_rms_norm", "available", "decode_attention", "gemm", "lanes",
-           "library", "max_chunk_rows", "pack_weight", "rope_fits", "rope_write_kv", "rows_fit",
-           "sample_inverse_cdf", "silu_mul", "supports_attention"]
+__all__ = ["MAX_QUERIES", "STACK_POINTERS", "StackShape", "add_rms_norm", "available",
+           "decode_attention", "decoder_stack", "gemm", "lanes", "library", "max_chunk_rows",
+           "pack_weight", "rope_fits", "rope_write_kv", "rows_fit", "sample_inverse_cdf",
+           "silu_mul", "supports_attention"]

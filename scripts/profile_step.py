@@ -25,7 +25,7 @@ from plait.kernels import native
 def _label_native_kernels() -> None:
     """Make the native kernels' calls visible to torch.profiler."""
     for name in ("gemm", "decode_attention", "rope_write_kv", "sample_inverse_cdf",
-                 "add_rms_norm", "silu_mul"):
+                 "add_rms_norm", "silu_mul", "decoder_stack"):
         kernel = getattr(native, name)
 
         def labelled(*args, _kernel=kernel, _label=f"plait::native_{name}", **kwargs):

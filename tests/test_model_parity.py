@@ -48,6 +48,16 @@ class PagedHarness:
     def run(self, model, seqs: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:
         """seqs: (all token ids so far, num already cached, block table). Returns the logits
         of every newly computed position, per sequence."""
+        ids, positions, meta = self.step(seqs)
+        with torch.no_grad():
+            hidden = model(ids, positions, self.kv, meta)
+            logits = model.compute_logits(hidden)
+        cu = meta.cu_seqlens_q.tolist()
+        return [logits[a:b] for a, b in itertools.pairwise(cu)]
+
+    def step(self, seqs: list[tuple[list[int], int, list[int]]],
+             ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The input ids, positions and metadata of one forward over `seqs` (as `run`)."""
         bs = self.block_size
         ids, pos, slots, cu, ctx, tables = [], [], [], [0], [], []
         width = max(len(t) for _, _, t in seqs)
@@ -64,10 +74,7 @@ class PagedHarness:
             torch.tensor(ctx, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32),
             max_query_len=max(b - a for a, b in itertools.pairwise(cu)),
             max_context_len=max(ctx))
-        with torch.no_grad():
-            hidden = model(torch.tensor(ids), torch.tensor(pos), self.kv, meta)
-            logits = model.compute_logits(hidden)
-        return [logits[a:b] for a, b in itertools.pairwise(cu)]
+        return torch.tensor(ids), torch.tensor(pos), meta
 
 
 @pytest.fixture(scope="module")

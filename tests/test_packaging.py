@@ -183,7 +183,7 @@ def test_wheel_holds_every_module(tmp_path) -> None:
     expected = [f"{package.replace('.', '/')}/{py.name}"
                 for package, folder in _source_packages().items() for py in folder.glob("*.py")]
     assert sorted(names) == sorted([*expected, *(f"plait/kernels/{name}" for name in (
-        "cpu_gemm.c", "cpu_attention.c", "cpu_rowwise.c", "cpu_vec.h"))])
+        "cpu_gemm.c", "cpu_attention.c", "cpu_rowwise.c", "cpu_decoder.c", "cpu_vec.h"))])
 
 
 def test_server_imports_the_engine_only_through_its_public_module() -> None:

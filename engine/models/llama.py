@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from plait.engine.model_config import ModelConfig
-from plait.engine.models.cpu_linear import linear
+from plait.engine.models.cpu_linear import NATIVE_MAX_ROWS, linear
 from plait.engine.models.rope import RotaryEmbedding
 from plait.kernels import native, paged_attention, write_kv
+from plait.kernels.cascade import native_plan
 
 
 @dataclass(slots=True)
@@ -152,9 +153,94 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
+        stacked = self.native_stack(x, positions, kv_caches, meta)
+        if stacked is not None:
+            return stacked
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(positions, x, kv_cache, meta)
         return self.norm(x)
+
+    def native_stack(
+        self,
+        x: torch.Tensor,  # [T, hidden] the step's embeddings (overwritten)
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:  # [T, hidden], or None: not taken
+        """The decoder layers and final norm in one native call (`native.decoder_stack`)
+        for a step of at most `NATIVE_MAX_ROWS` tokens where every kernel of the layers'
+        eager path would be native anyway (float32 CPU, projections packed as panels, no
+        bias but q|k|v's, native attention for this batch); the same bits as that path,
+        without ~10 Python calls per layer. None when any of it does not hold."""
+        if not 0 < x.shape[0] <= NATIVE_MAX_ROWS or not native.rows_fit(x) \
+                or not x.is_contiguous():
+            return None
+        table = self._stack_table(kv_caches)
+        if table is None:
+            return None
+        block_size = kv_caches[0][0].shape[1]
+        group = self.config.num_heads // self.config.num_kv_heads
+        plan = native_plan(meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                           block_size, group, meta.max_query_len, meta.max_context_len)
+        if plan is None:
+            return None
+        attn = self.layers[0].self_attn
+        return native.decoder_stack(
+            table, self._stack_shape, x, self.norm.weight, attn.rope.cos_sin,
+            positions.to(torch.int64).contiguous(),
+            meta.slot_mapping.to(torch.int64).contiguous(), block_size,
+            meta.block_tables.int().contiguous(), plan.chunk_start, plan.chunk_shared,
+            plan.q_rows, plan.table_rows, plan.ctx_lens, attn.scale)
+
+    def _stack_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                     ) -> torch.Tensor | None:
+        """The layers' addresses for `native.decoder_stack` ([L, 9] int64), None when a
+        layer does not fit it. Cached while the caches and the packed panels are the same
+        tensors (`prepack_cpu_linears` replaces every panel at once)."""
+        key = (getattr(self.layers[0].self_attn.qkv_proj, "panel_weight", None),
+               *(t for kv in kv_caches for t in kv))
+        cached = getattr(self, "_stack_cache", None)
+        if cached is not None and len(cached[0]) == len(key) \
+                and all(a is b for a, b in zip(cached[0], key, strict=True)):
+            return cached[1]
+        table = self._build_stack_table(kv_caches)
+        self._stack_cache = (key, table)
+        return table
+
+    def _build_stack_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                           ) -> torch.Tensor | None:
+        cfg = self.config
+        k_cache = kv_caches[0][0]
+        if not (native.available() and cfg.head_dim % 2 == 0
+                and native.supports_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                              k_cache.shape[1])):
+            return None
+        self._stack_shape = native.StackShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                                              cfg.head_dim, cfg.intermediate_size,
+                                              cfg.rms_norm_eps)
+
+        def dense(t: torch.Tensor | None) -> bool:
+            return t is not None and t.dtype == torch.float32 and t.device.type == "cpu" \
+                and t.is_contiguous()
+
+        rows = []
+        for layer, (k, v) in zip(self.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            panels = [getattr(lin, "panel_weight", None) for lin in linears]
+            bias = attn.qkv_proj.bias
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if not all(dense(t) for t in (*panels, *norms, k, v)) \
+                    or any(lin.bias is not None for lin in linears[1:]) \
+                    or (bias is not None and not dense(bias)):
+                return None
+            rows.append([norms[0].data_ptr(), panels[0].data_ptr(),
+                         0 if bias is None else bias.data_ptr(), panels[1].data_ptr(),
+                         norms[1].data_ptr(), panels[2].data_ptr(), panels[3].data_ptr(),
+                         k.data_ptr(), v.data_ptr()])
+        if not dense(self.norm.weight) or not dense(self.layers[0].self_attn.rope.cos_sin):
+            return None
+        return torch.tensor(rows, dtype=torch.int64)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V]
         return linear(self.lm_head, hidden).float()
