@@ -329,14 +329,11 @@ def cascade_attention_reference(
                         max_query_len, max_context_len, min_prefix_blocks)
     if plan.native is not None and _native_fits(query, k_cache, v_cache):
         n = plan.native
-        rows = native.decode_attention(
+        in_order = n.token_rows == slice(0, query.shape[0])  # every row, in chunk order
+        return native.decode_attention(
             query, k_cache, v_cache, block_tables.int().contiguous(), n.chunk_start,
-            n.chunk_shared, n.q_rows, n.table_rows, n.ctx_lens, scale).to(query.dtype)
-        if n.token_rows == slice(0, query.shape[0]):  # every row, in order
-            return rows
-        out = torch.empty_like(query)
-        out[n.token_rows] = rows
-        return out
+            n.chunk_shared, n.q_rows, n.table_rows, n.ctx_lens, scale,
+            out_rows=None if in_order else n.q_rows).to(query.dtype)
     out = torch.empty_like(query)
     for g in plan.prefills:
         key = gather_blocks(k_cache, g.block_ids, 1, g.length)

@@ -160,19 +160,23 @@ static void attend_shared(state_t *st, const int32_t *table, long t_from, long t
  * head start at kb / vb (a stride of `stride` floats from token to token), token by token:
  * one dot product per token and query (for the few queries of one row the transpose of
  * `attend_shared` costs more than it saves). */
+#define OWN_GMAX 4  /* the largest G and DV `own_block` specialises for */
+#define OWN_DVMAX 8
 static inline __attribute__((always_inline)) void own_block_fixed(
     state_t *st, long a0, const int G, const int DV, const span_t *sp, long n, long stride) {
   /* own_block for G queries of DV vectors known at compile time: the queries and the
    * weighted sums stay in registers for the whole block */
   const long head_dim = DV * LANES;
-  float s[G][MAX_BLOCK + LANES] __attribute__((aligned(64)));
-  vf qr[G][DV];
+  /* arrays of constant size (the largest G and DV `own_block` passes): sized by G and DV
+   * they would be VLAs, allocated on the stack per iteration, not kept in registers */
+  float s[OWN_GMAX][MAX_BLOCK + LANES] __attribute__((aligned(64)));
+  vf qr[OWN_GMAX][OWN_DVMAX];
   for (int g = 0; g < G; g++)
     for (int d = 0; d < DV; d++) qr[g][d] = *(const vf *)(st->q + (a0 + g) * head_dim + d * LANES);
   for (long j = 0; j < n; j++) {  /* scores */
     const float *kj = sp->k + j * stride;
     prefetch_rows(sp, j, stride, head_dim);
-    vf kv[DV];
+    vf kv[OWN_DVMAX];
     for (int d = 0; d < DV; d++) kv[d] = *(const vf *)(kj + d * LANES);
     for (int g = 0; g < G; g++) {
       vf dot = qr[g][0] * kv[0];
@@ -181,7 +185,7 @@ static inline __attribute__((always_inline)) void own_block_fixed(
     }
   }
   const long padded = (n + LANES - 1) / LANES * LANES;
-  float alpha[G];
+  float alpha[OWN_GMAX];
   for (int g = 0; g < G; g++) {  /* online softmax update */
     const long a = a0 + g;
     float mb = st->m[a];
@@ -198,7 +202,7 @@ static inline __attribute__((always_inline)) void own_block_fixed(
     }
     st->l[a] = st->l[a] * alpha[g] + hsum(sum);
   }
-  vf r[G][DV];  /* acc = acc * alpha + sum_j p_j V_j */
+  vf r[OWN_GMAX][OWN_DVMAX];  /* acc = acc * alpha + sum_j p_j V_j */
   for (int g = 0; g < G; g++)
     for (int d = 0; d < DV; d++) r[g][d] = st->acc[(a0 + g) * DV + d] * alpha[g];
   for (long j = 0; j < n; j++) {
@@ -294,16 +298,18 @@ static inline long main_range(long shared, long rows, long ctx_first) {
  * thread busy (one long prompt's n choices, or a single stream), a chunk's main range (its
  * shared tokens, or a lone row's context) is split into pieces of whole blocks attended in
  * parallel, whose partial softmaxes are then merged (flash-decoding); the rows' own tokens
- * go with the last piece. Writes out[i] ([H, D], dense, i in chunk order).
+ * go with the last piece. Writes sequence i's [H, D] (dense) to out row out_rows[i], or to
+ * row i (chunk order) when out_rows is NULL.
  * D must be a multiple of LANES and every sequence must attend at least one token.
  * Returns 0, -1 if the shapes exceed this kernel's limits, -2 if out of memory. */
+#define OUT_ROW(i) (out_rows ? out_rows[i] : (i))
 int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
                            const float *v_cache, long block_size, long num_kv_heads,
                            long num_heads, long head_dim, const int32_t *block_tables,
                            long table_stride, long num_chunks, const int64_t *chunk_start,
                            const int32_t *chunk_shared, const int64_t *q_rows,
                            const int64_t *table_rows, const int32_t *ctx_len, float scale,
-                           float *out) {
+                           float *out, const int64_t *out_rows) {
   if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % LANES ||
       head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK)
     return -1;
@@ -383,7 +389,7 @@ int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
         for (long a = 0; a < st.nq; a++) {
           const long r = a / (nh * G), head = (h0 + a / G % nh) * G + a % G;
           const float inv = 1.0f / l[a];
-          float *o = out + ((first + r) * num_heads + head) * head_dim;
+          float *o = out + (OUT_ROW(first + r) * num_heads + head) * head_dim;
           for (long d = 0; d < st.dv; d++) *(vf *)(o + d * LANES) = acc[a * st.dv + d] * inv;
         }
       } else {  /* nh == 1 */
@@ -413,7 +419,7 @@ int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
           sum += w[p] * src[MAX_QUERIES + a];
         }
         const long r = a / G, g = a % G;
-        float *o = out + ((first + r) * num_heads + h * G + g) * head_dim;
+        float *o = out + (OUT_ROW(first + r) * num_heads + h * G + g) * head_dim;
         for (long d = 0; d < head_dim; d++) {
           float v = 0.0f;
           for (long p = 0; p < pieces; p++)

@@ -21,8 +21,8 @@ enum {
  *
  *   x, h = x + m, rms_norm(x + m)       (layer 0: h = rms_norm(x); m = the last MLP out)
  *   q|k|v = h @ Wqkv^T (+ bias); rope of q and k; k, v written at slot_mapping
- *   a = attention of q over the cache (the chunks of plait_decode_attention; its output
- *       row i goes to token row q_rows[i])
+ *   a = attention of q over the cache (the chunks of plait_decode_attention, written to
+ *       their token rows, q_rows)
  *   x, h = x + a @ Wo^T, rms_norm(...);  m = down(silu(gate) * up) of h
  *
  * and at the end x += m, out = rms_norm(x) with final_norm. x [rows, hidden] (dense) is the
@@ -38,14 +38,14 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
                         const int32_t *ctx_len, float scale, float *out) {
   const long q_dim = num_heads * head_dim, kv_dim = num_kv_heads * head_dim;
   const long qkv_dim = q_dim + 2 * kv_dim;
-  const long sizes[] = {rows * hidden, rows * qkv_dim, rows * q_dim, rows * q_dim,
-                        rows * 2 * inter, rows * inter, rows * hidden};
+  const long sizes[] = {rows * hidden, rows * qkv_dim, rows * q_dim, rows * 2 * inter,
+                        rows * inter, rows * hidden};
   long total = 0;
   for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += sizes[i];
   float *buf = malloc(sizeof(float) * (size_t)(total > 0 ? total : 1));
   if (!buf) return -2;
-  float *h = buf, *qkv = h + sizes[0], *att = qkv + sizes[1], *att_rows = att + sizes[2];
-  float *gate_up = att_rows + sizes[3], *act = gate_up + sizes[4], *m = act + sizes[5];
+  float *h = buf, *qkv = h + sizes[0], *att = qkv + sizes[1], *gate_up = att + sizes[2];
+  float *act = gate_up + sizes[3], *m = act + sizes[4];
   /* rc: -1 when a kernel refuses the shapes (RoPE: odd D; attention: its limits), -2 when
    * one cannot allocate (the GEMMs' -1, the attention's -2) */
   int rc = 0;
@@ -69,11 +69,9 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
     if ((rc = plait_decode_attention(q, qkv_dim, PTR(L_K_CACHE), PTR(L_V_CACHE), block_size,
                                      num_kv_heads, num_heads, head_dim, block_tables,
                                      table_stride, num_chunks, chunk_start, chunk_shared,
-                                     q_rows, table_rows, ctx_len, scale, att)))
+                                     q_rows, table_rows, ctx_len, scale, att, q_rows)))
       break;
-    for (long i = 0; i < rows; i++)  /* chunk order -> token rows */
-      memcpy(att_rows + q_rows[i] * q_dim, att + i * q_dim, sizeof(float) * (size_t)q_dim);
-    if (plait_gemm(att_rows, rows, q_dim, PTR(L_O), hidden, q_dim, NULL, m, hidden)) {
+    if (plait_gemm(att, rows, q_dim, PTR(L_O), hidden, q_dim, NULL, m, hidden)) {
       rc = -2;
       break;
     }

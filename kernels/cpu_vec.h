@@ -98,7 +98,7 @@ int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
                            long table_stride, long num_chunks, const int64_t *chunk_start,
                            const int32_t *chunk_shared, const int64_t *q_rows,
                            const int64_t *table_rows, const int32_t *ctx_len, float scale,
-                           float *out);
+                           float *out, const int64_t *out_rows);
 int plait_rope_write_kv(float *q, long q_stride, const float *k, long k_stride, const float *v,
                         long v_stride, long num_tokens, long num_heads, long num_kv_heads,
                         long head_dim, const float *cos_sin, const int64_t *positions,

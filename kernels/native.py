@@ -105,7 +105,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.plait_decode_attention.restype = ctypes.c_int
     lib.plait_decode_attention.argtypes = [
         _ptr, _c_long, _ptr, _ptr, _c_long, _c_long, _c_long, _c_long, _ptr, _c_long, _c_long,
-        _ptr, _ptr, _ptr, _ptr, _ptr, _c_float, _ptr]
+        _ptr, _ptr, _ptr, _ptr, _ptr, _c_float, _ptr, _ptr]
     lib.plait_rope_write_kv.restype = ctypes.c_int
     lib.plait_rope_write_kv.argtypes = [
         _ptr, _c_long, _ptr, _c_long, _ptr, _c_long, _c_long, _c_long, _c_long, _c_long, _ptr,
@@ -227,12 +227,15 @@ def decode_attention(
     table_rows: torch.Tensor,  # [S] int64 rows of `block_tables`
     ctx_lens: torch.Tensor,  # [S] int32 tokens each sequence attends
     scale: float,
-) -> torch.Tensor:  # [S, H, D] float32, in chunk order
+    out_rows: torch.Tensor | None = None,  # [S] int64 distinct: output row of each sequence
+) -> torch.Tensor:  # [S, H, D] float32 in chunk order; [T, H, D] with out_rows
     """Softmax attention of each sequence's one query over its tokens [0, ctx_len), read
     from the paged cache in place. The sequences of a chunk share their first
     `chunk_shared` tokens (the same blocks: those of the chunk's first sequence), which are
     read once for all of them; at most `max_chunk_rows(H / H_kv)` sequences per chunk. A
-    sequence may be one query position of a prefill (its context ends at that position)."""
+    sequence may be one query position of a prefill (its context ends at that position).
+    With `out_rows`, sequence i's result is row out_rows[i] of a [T, H, D] output (T the
+    query's rows; rows no sequence names are left unwritten), as the caller orders them."""
     lib = _loaded()
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -243,18 +246,26 @@ def decode_attention(
                            ("q_rows", q_rows, torch.int64),
                            ("table_rows", table_rows, torch.int64),
                            ("ctx_lens", ctx_lens, torch.int32),
-                           ("block_tables", block_tables, torch.int32)):
+                           ("block_tables", block_tables, torch.int32),
+                           *((("out_rows", out_rows, torch.int64),) if out_rows is not None
+                             else ())):
         if t.dtype != dtype or not t.is_contiguous():
             raise ValueError(f"decode_attention: {name} must be contiguous {dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("decode_attention: the caches must be contiguous")
-    out = torch.empty(q_rows.shape[0], num_heads, head_dim, dtype=torch.float32)
+    if out_rows is not None and (out_rows.shape != q_rows.shape or (
+            out_rows.numel() and not 0 <= int(out_rows.min()) <= int(out_rows.max())
+            < query.shape[0])):
+        raise ValueError("decode_attention: out_rows must be [S] rows of the query")
+    rows = q_rows.shape[0] if out_rows is None else query.shape[0]
+    out = torch.empty(rows, num_heads, head_dim, dtype=torch.float32)
     rc = lib.plait_decode_attention(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         block_size, num_kv_heads, num_heads, head_dim, block_tables.data_ptr(),
         block_tables.stride(0), chunk_shared.shape[0], chunk_start.data_ptr(),
         chunk_shared.data_ptr(), q_rows.data_ptr(), table_rows.data_ptr(),
-        ctx_lens.data_ptr(), scale, out.data_ptr())
+        ctx_lens.data_ptr(), scale, out.data_ptr(),
+        None if out_rows is None else out_rows.data_ptr())
     if rc == -2:
         raise MemoryError("native decode_attention could not allocate its buffers")
     if rc != 0:

@@ -173,6 +173,39 @@ def test_decode_attention_split_into_pieces_equals_float64(heads, kv_heads, rows
         torch.testing.assert_close(out[r].double(), ref, rtol=1e-5, atol=2e-6)
 
 
+def _lone_long_row():
+    """One sequence alone over 37 blocks with one KV head: too few tasks, so the kernel
+    splits its context into pieces and merges them."""
+    gen = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(64, 16, 1, 64, generator=gen)
+    v_cache = torch.randn(64, 16, 1, 64, generator=gen)
+    tables = torch.randperm(64, generator=gen)[:40].view(1, 40).int()
+    query = torch.randn(3, 4, 64, generator=gen)
+    args = dict(chunk_start=torch.tensor([0, 1]), chunk_shared=torch.zeros(1, dtype=torch.int32),
+                q_rows=torch.tensor([1]), table_rows=torch.tensor([0]),
+                ctx_lens=torch.tensor([37 * 16 + 5], dtype=torch.int32))
+    return query, k_cache, v_cache, tables, args
+
+
+@needs_native
+@pytest.mark.parametrize("case", ["chunks", "split"])
+def test_decode_attention_writes_each_sequence_to_its_out_row(case) -> None:
+    """Chunks of shared and lone rows, or one row whose pieces are merged: with out_rows,
+    sequence i's result is exactly row out_rows[i] of the output."""
+    query, k_cache, v_cache, tables, args = (_chunked_case(9, 3, 64, 16, 3) if case == "chunks"
+                                             else _lone_long_row())
+    chunked = native.decode_attention(query, k_cache, v_cache, tables, scale=0.125, **args)
+    rows = len(args["q_rows"])
+    out_rows = torch.randperm(query.shape[0], generator=torch.Generator().manual_seed(1))[:rows]
+    out = native.decode_attention(query, k_cache, v_cache, tables, scale=0.125,
+                                  out_rows=out_rows, **args)
+    assert out.shape == query.shape
+    assert torch.equal(out[out_rows], chunked)
+    with pytest.raises(ValueError, match="out_rows"):
+        native.decode_attention(query, k_cache, v_cache, tables, scale=0.125,
+                                out_rows=out_rows + query.shape[0], **args)
+
+
 @needs_native
 def test_decode_attention_rejects_what_it_cannot_take() -> None:
     query, k_cache, v_cache, tables, args = _chunked_case(4, 2, 64, 16, 0)
