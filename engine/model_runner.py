@@ -175,8 +175,16 @@ class ModelRunner:
             return torch.empty(0, vocab, device=self.device), {}
         input_ids, positions, meta, sample_idx = self._prepare(out)
         forward = self.model if self.compiled is None else self.compiled
-        hidden = forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
-        computed = self.model.compute_logits(hidden[sample_idx])  # [num_sample_chunks, V]
+        # Only the sampled rows' states are needed, unless a chunk scores its prompt.
+        every_row = sample_idx.shape[0] == input_ids.shape[0] or any(
+            self.batch.states[c.request_id].params.prompt_logprobs is not None
+            for c in out.chunks)
+        if every_row:
+            hidden = forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+            computed = self.model.compute_logits(hidden[sample_idx])  # [num_sample_chunks, V]
+        else:
+            hidden = forward(input_ids, positions, self.kv_caches, meta, sample_idx)
+            computed = self.model.compute_logits(hidden)
         row_of = {c.request_id: i for i, c in enumerate(c for c in out.chunks if c.sample)}
         offset = 0
         for chunk in out.chunks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from tiny_model import make_tiny_model
 from plait import LLM, SamplingParams
 from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import ResolvedModel
+from plait.engine.models.cpu_linear import NATIVE_MAX_ROWS
 from plait.engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from plait.engine.weights import load_weights
 
@@ -115,6 +117,33 @@ def test_mixed_batch_equals_each_alone(models, tokenizer) -> None:
     torch.testing.assert_close(a_out, a_ref, atol=5e-4, rtol=0)
     torch.testing.assert_close(b_out, b_ref[9:], atol=5e-4, rtol=0)
     torch.testing.assert_close(c_out, c_ref[-1:], atol=5e-4, rtol=0)
+
+
+def test_kept_rows_equal_those_of_the_full_forward(models, tokenizer) -> None:
+    """`keep` (the runner's sampled rows): the last layer attends and runs its MLP for those
+    rows only. Their logits equal the full forward's (float noise: their attention runs
+    as decode rows), and every token's K/V is written the same, bit for bit."""
+    model, _ = models
+    a = tokenizer.encode(" ".join(PROMPTS))  # a fresh prompt longer than the native stack's
+    b, c = tokenizer.encode(PROMPTS[2]), tokenizer.encode(PROMPTS[1])
+    base = PagedHarness(model.config)
+    base.run(model, [(b[:9], 0, [33, 34, 35])])
+    base.run(model, [(c[:-1], 0, [40, 41, 42, 43, 44, 45])])
+    seqs = [(a, 0, list(range(46, 46 + -(-len(a) // 4)))), (b, 9, [33, 34, 35, 36, 37]),
+            (c, len(c) - 1, [40, 41, 42, 43, 44, 45])]
+    ids, positions, meta = base.step(seqs)
+    assert ids.shape[0] > NATIVE_MAX_ROWS  # the layer loop, not the one-call native stack
+    keep = meta.cu_seqlens_q[1:].long() - 1  # each sequence's last row
+    full_kv, kept_kv, none_kv = (copy.deepcopy(base.kv) for _ in range(3))
+    with torch.no_grad():
+        full = model.compute_logits(model(ids, positions, full_kv, meta))
+        kept = model.compute_logits(model(ids, positions, kept_kv, meta, keep))
+        empty = model(ids, positions, none_kv, meta, keep[:0])
+    assert kept.shape == (3, model.config.vocab_size) and empty.shape[0] == 0
+    torch.testing.assert_close(kept, full[keep], atol=5e-4, rtol=0)
+    for kv in (kept_kv, none_kv):
+        for (k, v), (k_ref, v_ref) in zip(kv, full_kv, strict=True):
+            assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
 
 
 def test_wrong_block_table_changes_logits(models, tokenizer) -> None:

@@ -194,7 +194,8 @@ class CompiledDecoder:
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
+        keep: torch.Tensor | None = None,  # [K] rows whose states are needed (all: None)
+    ) -> torch.Tensor:  # [T, hidden], or [K, hidden] with keep
         self.calls += 1
         model = self.model
         cos_sin = model.layers[0].self_attn.rope.cos_sin
@@ -202,7 +203,7 @@ class CompiledDecoder:
         if self.native_steps:
             stacked = model.native_stack(x, positions, kv_caches, meta)
             if stacked is not None:
-                return stacked
+                return stacked if keep is None else stacked[keep]
         if x.shape[0] > 1:  # one graph for every token count but 1 (dynamo specializes it)
             torch._dynamo.mark_dynamic(x, 0)
             torch._dynamo.mark_dynamic(positions, 0)
@@ -218,7 +219,7 @@ class CompiledDecoder:
                 x = self._eager_fn(x, positions, cos_sin, self._layers)
         finally:
             StepContext.current = None
-        return model.norm(x)
+        return model.norm(x if keep is None else x[keep])
 
     def warm_up(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 block_size: int) -> float:
