@@ -2,7 +2,7 @@
  * thread pool's threads.
  *
  * Built at run time by plait/kernels/native.py with the machine's C compiler
- * (cc -O3 -march=native -fopenmp), the three sources into one library, linked against the
+ * (cc -O3 -march=native -fopenmp), the four sources into one library, linked against the
  * libgomp torch itself loads, so these parallel regions and torch's share one OpenMP
  * runtime and thread count:
  *
@@ -15,6 +15,8 @@
  *   cpu_rowwise.c    plait_rope_write_kv, plait_add_rms_norm, plait_silu_mul,
  *                    plait_sample_inverse_cdf: a layer's small per-row operations and the
  *                    sampler, one pass each
+ *   cpu_decoder.c    plait_decoder_stack: every layer of a Llama decoder over a step's few
+ *                    rows through the kernels above, in one call
  *
  * Vectors are GCC vector extensions of LANES floats: the widest the target has
  * (16 with AVX-512, 8 with AVX/AVX2, 4 otherwise), so one source serves every CPU.

@@ -41,9 +41,8 @@ import torch
 logger = logging.getLogger("plait.kernels")
 
 # The C sources, built together into one library, and the header they share.
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_gemm.c", "cpu_attention.c", "cpu_rowwise.c",
-                                                    "cpu_decoder.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "cpu_gemm.c", "cpu_attention.c", "cpu_rowwise.c", "cpu_decoder.c"))
 HEADER = Path(__file__).with_name("cpu_vec.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
