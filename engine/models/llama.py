@@ -212,9 +212,11 @@ class LlamaForCausalLM(nn.Module):
                            block_size, group, meta.max_query_len, meta.max_context_len)
         if plan is None:
             return None
-        attn = self.layers[0].self_attn
+        attn, cfg = self.layers[0].self_attn, self.config
+        shape = native.StackShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                                  cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
         return native.decoder_stack(
-            table, self._stack_shape, x, self.norm.weight, attn.rope.cos_sin,
+            table, shape, x, self.norm.weight, attn.rope.cos_sin,
             positions.to(torch.int64).contiguous(),
             meta.slot_mapping.to(torch.int64).contiguous(), block_size,
             meta.block_tables.int().contiguous(), plan.chunk_start, plan.chunk_shared,
@@ -243,9 +245,6 @@ class LlamaForCausalLM(nn.Module):
                 and native.supports_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                               k_cache.shape[1])):
             return None
-        self._stack_shape = native.StackShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                                              cfg.head_dim, cfg.intermediate_size,
-                                              cfg.rms_norm_eps)
 
         def dense(t: torch.Tensor | None) -> bool:
             return t is not None and t.dtype == torch.float32 and t.device.type == "cpu" \
