@@ -1,5 +1,5 @@
-/* The skinny GEMM of decode steps (see cpu_vec.h). */
-#include "cpu_vec.h"
+/* The skinny GEMM of decode steps (see vec.h). */
+#include "vec.h"
 
 /* Cache lines to prefetch ahead while streaming a weight panel (measured on a 2-core
  * Xeon: without it the loads and the FMAs do not overlap and 16 rows run 30% slower). */

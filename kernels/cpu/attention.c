@@ -1,5 +1,5 @@
-/* Paged attention over the KV cache, read in place (see cpu_vec.h). */
-#include "cpu_vec.h"
+/* Paged attention over the KV cache, read in place (see vec.h). */
+#include "vec.h"
 
 #define MAX_QUERIES 48  /* query vectors one task holds: rows of a chunk x heads per KV head */
 /* Split a chunk into pieces when chunks x KV heads < PIECE_TASKS tasks per thread; a piece

@@ -1,5 +1,5 @@
-/* A Llama decoder stack for the few rows of a decode step, in one call (see cpu_vec.h). */
-#include "cpu_vec.h"
+/* A Llama decoder stack for the few rows of a decode step, in one call (see vec.h). */
+#include "vec.h"
 
 /* The pointers of one layer in `plait_decoder_stack`'s table, in this order. */
 enum {

@@ -1,182 +1,34 @@
-"""Plait's native CPU kernels (`cpu_*.c`, `cpu_vec.h`), compiled once per machine and loaded
-by ctypes.
-
-The C sources ship inside the package. The first `library()` call of a process compiles them
-with the machine's C compiler (`$CC`, else `cc`) for this CPU (`-march=native`) into one
-library in `$PLAIT_CACHE/native/` (default `~/.cache/plait/native/`), keyed by the sources,
-the compiler, the flags and the CPU's feature flags; later processes load the cached file.
-The OpenMP loops link against the `libgomp` torch loads, so they share torch's runtime and
-its `torch.set_num_threads`.
-
-Everything here is optional: without a compiler, on a CPU other than x86-64, with torch
-built against another OpenMP runtime, or with `PLAIT_NATIVE=0`, `library()` returns None
-(the reason is logged once) and the callers keep their plain-torch / BLAS paths.
+"""Python entry points of Plait's native CPU kernels (the C in this folder, loaded by
+`build.py`): each checks its tensors, then makes one ctypes call.
 
 * `gemm(x, panels, out_features, bias)`: x @ W^T for a few rows, W packed by
   `pack_weight`; streams the weights once (the decode step's GEMMs).
 * `decode_attention(...)`: one query per sequence over its paged K/V, read in place; rows
-  that share a prompt's blocks read them once (the cascade backend also feeds it prefill
-  positions, in tiles).
+  that share a prompt's blocks read them once (the CPU attention backend also feeds it
+  prefill positions, in tiles).
 * `rope_write_kv`, `add_rms_norm`, `silu_mul`: a layer's small per-row operations, one pass
   each; `sample_inverse_cdf`: the sampler's draw.
-* `decoder_stack(...)`: a decode step's whole Llama decoder stack through the kernels above
-  in one call, no Python between layers (`cpu_decoder.c`).
+* `decoder_stack(...)`: a step's whole Llama decoder stack through the kernels above in one
+  call, no Python between layers (`decoder.c`).
+
+Every function raises RuntimeError when the kernels are not available (`build.available()`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("plait.kernels")
-
-# The C sources, built together into one library, and the header they share.
-SOURCES = tuple(Path(__file__).with_name(name) for name in (
-    "cpu_gemm.c", "cpu_attention.c", "cpu_rowwise.c", "cpu_decoder.c"))
-HEADER = Path(__file__).with_name("cpu_vec.h")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
-
-_c_long, _c_float, _ptr = ctypes.c_long, ctypes.c_float, ctypes.c_void_p
+from plait.kernels.cpu.build import available, loaded
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("PLAIT_CACHE", Path.home() / ".cache" / "plait")) / "native"
-
-
-def _torch_gomp() -> Path | None:
-    """The OpenMP runtime torch loaded (its wheel ships `torch/lib/libgomp.so.1`)."""
-    lib = Path(torch.__file__).parent / "lib"
-    found = sorted(lib.glob("libgomp*.so*"))
-    return found[0] if found else None
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            return next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _compiler_version(cc: str) -> str | None:
-    try:
-        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
-
-
-def _build(cc: str, gomp: Path, target: Path) -> str | None:
-    """Compile the source into `target` (atomically); returns an error text or None."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    cmd = [cc, *FLAGS, "-o", tmp, *map(str, SOURCES), f"-L{gomp.parent}",
-           f"-Wl,-rpath,{gomp.parent}", "-lm"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            return f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}"
-        os.replace(tmp, target)
-        return None
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"{' '.join(cmd)} failed: {exc}"
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.plait_lanes.restype = ctypes.c_int
-    lib.plait_gemm.restype = ctypes.c_int
-    lib.plait_gemm.argtypes = [_ptr, _c_long, _c_long, _ptr, _c_long, _c_long, _ptr, _ptr,
-                               _c_long]
-    lib.plait_decode_attention.restype = ctypes.c_int
-    lib.plait_decode_attention.argtypes = [
-        _ptr, _c_long, _ptr, _ptr, _c_long, _c_long, _c_long, _c_long, _ptr, _c_long, _c_long,
-        _ptr, _ptr, _ptr, _ptr, _ptr, _c_float, _ptr, _ptr]
-    lib.plait_rope_write_kv.restype = ctypes.c_int
-    lib.plait_rope_write_kv.argtypes = [
-        _ptr, _c_long, _ptr, _c_long, _ptr, _c_long, _c_long, _c_long, _c_long, _c_long, _ptr,
-        _ptr, _ptr, _ptr, _ptr]
-    lib.plait_add_rms_norm.restype = ctypes.c_int
-    lib.plait_add_rms_norm.argtypes = [_ptr, _c_long, _ptr, _c_long, _ptr, _c_long, _c_long,
-                                       _c_float, _ptr, _ptr]
-    lib.plait_silu_mul.restype = ctypes.c_int
-    lib.plait_silu_mul.argtypes = [_ptr, _c_long, _c_long, _c_long, _ptr]
-    lib.plait_decoder_stack.restype = ctypes.c_int
-    lib.plait_decoder_stack.argtypes = [
-        _c_long, _ptr, _c_long, _c_long, _c_long, _c_long, _c_long, _c_long, _c_float, _ptr,
-        _ptr, _ptr, _ptr, _ptr, _c_long, _ptr, _c_long, _c_long, _ptr, _ptr, _ptr, _ptr, _ptr,
-        _c_float, _ptr]
-    lib.plait_sample_inverse_cdf.restype = ctypes.c_int
-    lib.plait_sample_inverse_cdf.argtypes = [_ptr, _c_long, _c_long, _c_long, _ptr, _ptr, _ptr]
-    return lib
-
-
-def _why_unavailable() -> str | None:
-    if os.environ.get("PLAIT_NATIVE", "1").strip() == "0":
-        return "PLAIT_NATIVE=0"
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"not built for {platform.machine()} (x86-64 only)"
-    return None
-
-
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, building them on first use; None when unavailable (logged)."""
-    why = _why_unavailable()
-    gomp = _torch_gomp()
-    cc = os.environ.get("CC", "cc")
-    version = None
-    if why is None and gomp is None:
-        why = "torch ships no libgomp (another OpenMP runtime)"
-    if why is None:
-        version = _compiler_version(cc)
-        if version is None:
-            why = f"no working C compiler ({cc!r})"
-    if why is None:
-        key = hashlib.sha256("\0".join([
-            *(path.read_text() for path in (HEADER, *SOURCES)), cc, version or "",
-            " ".join(FLAGS), _cpu_flags(), str(gomp),
-        ]).encode()).hexdigest()[:16]
-        target = _cache_dir() / f"plait_cpu_ops-{key}.so"
-        if not target.exists():
-            why = _build(cc, gomp, target)
-        if why is None:
-            try:
-                return _declare(ctypes.CDLL(str(target)))
-            except OSError as exc:
-                why = f"loading {target} failed: {exc}"
-    logger.warning("native CPU kernels off (%s): plain torch / BLAS paths instead", why)
-    return None
-
-
-def available() -> bool:
-    return library() is not None
-
-
-def _loaded() -> ctypes.CDLL:
-    """`library()`, or RuntimeError when the kernels are not available."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("native CPU kernels are not available")
-    return lib
 
 
 def lanes() -> int:
     """Floats per vector (and per weight panel) of the compiled kernels."""
-    return _loaded().plait_lanes()
+    return loaded().plait_lanes()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [P, in, lanes]
@@ -196,7 +48,7 @@ def gemm(
     bias: torch.Tensor | None = None,  # [out_features] float32, contiguous
 ) -> torch.Tensor:  # [M, out_features]
     """x @ W^T + bias, W the weight `panels` was packed from."""
-    lib = _loaded()
+    lib = loaded()
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, k = x.shape
@@ -235,7 +87,7 @@ def decode_attention(
     sequence may be one query position of a prefill (its context ends at that position).
     With `out_rows`, sequence i's result is row out_rows[i] of a [T, H, D] output (T the
     query's rows; rows no sequence names are left unwritten), as the caller orders them."""
-    lib = _loaded()
+    lib = loaded()
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if query.stride(2) != 1 or query.stride(1) != head_dim:
@@ -316,7 +168,7 @@ def decoder_stack(
     caller keeps them alive. x is updated in place."""
     rows = x.shape[0]
     out = torch.empty(rows, shape.hidden, dtype=torch.float32)
-    rc = _loaded().plait_decoder_stack(
+    rc = loaded().plait_decoder_stack(
         layers.shape[0], layers.data_ptr(), rows, shape.hidden, shape.num_heads,
         shape.num_kv_heads, shape.head_dim, shape.intermediate, shape.eps,
         final_norm.data_ptr(), x.data_ptr(), cos_sin.data_ptr(), positions.data_ptr(),
@@ -357,7 +209,7 @@ def rope_write_kv(
     positions = positions.to(torch.int64).contiguous()
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     cos_sin = cos_sin.contiguous()
-    _loaded().plait_rope_write_kv(
+    loaded().plait_rope_write_kv(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         q.shape[0], q.shape[1], k.shape[1], q.shape[2], cos_sin.data_ptr(),
         positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr())
@@ -379,7 +231,7 @@ def sample_inverse_cdf(
     u = u.reshape(rows).to(torch.float32).contiguous()
     out = torch.empty(rows, dtype=torch.int64)
     scratch = torch.empty(rows, vocab, dtype=torch.float32)
-    _loaded().plait_sample_inverse_cdf(logits.data_ptr(), rows, vocab, logits.stride(0),
+    loaded().plait_sample_inverse_cdf(logits.data_ptr(), rows, vocab, logits.stride(0),
                                        u.data_ptr(), scratch.data_ptr(), out.data_ptr())
     return out
 
@@ -405,7 +257,7 @@ def add_rms_norm(
     weight = weight.contiguous()
     total = x if add is None else torch.empty(rows, dim, dtype=torch.float32)
     out = torch.empty(rows, dim, dtype=torch.float32)
-    _loaded().plait_add_rms_norm(
+    loaded().plait_add_rms_norm(
         x.data_ptr(), x.stride(0), None if add is None else add.data_ptr(),
         0 if add is None else add.stride(0), weight.data_ptr(), rows, dim, eps,
         None if add is None else total.data_ptr(), out.data_ptr())
@@ -418,7 +270,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
         raise ValueError("silu_mul: gate_up must be [T, 2 I] float32 with unit stride")
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=torch.float32)
-    _loaded().plait_silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, inter,
+    loaded().plait_silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, inter,
                              out.data_ptr())
     return out
 
@@ -444,6 +296,6 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
 
 
 __all__ = ["MAX_QUERIES", "STACK_POINTERS", "StackShape", "add_rms_norm", "available",
-           "decode_attention", "decoder_stack", "gemm", "lanes", "library", "max_chunk_rows",
+           "decode_attention", "decoder_stack", "gemm", "lanes", "max_chunk_rows",
            "pack_weight", "rope_fits", "rope_write_kv", "rows_fit", "sample_inverse_cdf",
            "silu_mul", "supports_attention"]

@@ -1,5 +1,5 @@
-/* Per-row operations of a layer, and the sampler (see cpu_vec.h). */
-#include "cpu_vec.h"
+/* Per-row operations of a layer, and the sampler (see vec.h). */
+#include "vec.h"
 
 /* Rotary embedding (neox style: rotate halves) and the KV-cache write of one layer's new
  * tokens, in one pass. q [T, H, D] (row stride q_stride floats, heads dense) is rotated in
