@@ -30,7 +30,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # Triton JIT-compiles a small C launcher (it includes Python.h, which the base image's Python
 # ships) the first time a kernel runs, and on CPU the engine compiles its native kernels
-# (kernels/cpu_*.c) the same way, so the runtime image needs a C compiler; the -runtime
+# (kernels/cpu/*.c) the same way, so the runtime image needs a C compiler; the -runtime
 # base image has none.
 # DL3008 (pin apt versions) is ignored for this one instruction: the packages come from the
 # base image's Ubuntu archive, which drops superseded versions on every security update, so an

@@ -24,6 +24,8 @@ _EXPORTS = {
     "EngineConfig": "config",
     "RuntimeInfo": "config",
     "VALID_DTYPES": "config",
+    "CPU_GEMMS": "config",
+    "ATTENTION_BACKENDS": "config",
     "LLM": "llm",
     "RequestDelta": "outputs",
     "TokenLogprob": "outputs",
@@ -46,6 +48,8 @@ _EXPORTS = {
     "find_marker": "faults",
 }
 __all__ = [
+    "ATTENTION_BACKENDS",
+    "CPU_GEMMS",
     "FAKE_FRAME",
     "GRAMMAR_FAILED",
     "LLM",
@@ -80,7 +84,13 @@ __all__ = [
 if TYPE_CHECKING:
     from plait.engine.async_engine import AsyncEngine
     from plait.engine.client import EngineClient, EngineDeadError, EngineLoadError, RequestStream
-    from plait.engine.config import VALID_DTYPES, EngineConfig, RuntimeInfo
+    from plait.engine.config import (
+        ATTENTION_BACKENDS,
+        CPU_GEMMS,
+        VALID_DTYPES,
+        EngineConfig,
+        RuntimeInfo,
+    )
     from plait.engine.engine_process import ProcessEngine
     from plait.engine.faults import FAKE_FRAME, InjectedFault, arm_engine_faults, find_marker
     from plait.engine.llm import LLM

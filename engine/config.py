@@ -6,6 +6,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The CPU linear layers' BLAS format (engine/models/linear.py) and the attention backends
+# (kernels/ops.py); "auto" picks by CPU vendor / device.
+CPU_GEMMS = ("auto", "mkl", "onednn", "none")
+ATTENTION_BACKENDS = ("auto", "reference")
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,8 +21,14 @@ class EngineConfig:
     `num_kv_blocks=None` sizes the pool from memory: `kv_cache_memory_gb` on CPU,
     `gpu_memory_utilization` of the device on CUDA. `max_prefill_tokens_with_decodes` caps
     the prefill tokens of a step that also decodes (0: only `max_num_batched_tokens`), so
-    running streams are not stalled behind a long prefill chunk. `compile` runs every step
-    through a torch.compile'd decoder stack on CPU (models/compiled.py; compiled at startup).
+    running streams are not stalled behind a long prefill chunk.
+
+    The kernels below the model runner, chosen once when it starts (kernels/ops.py):
+    `native` uses the native CPU kernels (float32 CPU, where they build); `cascade` attends
+    a prompt's shared blocks once for all the rows that share them (off: the plain paged
+    reference); `attention_backend` "reference" forces the plain-torch attention on every
+    device; `cpu_gemm` is the CPU linear layers' BLAS format ("auto": MKL on Intel, oneDNN
+    elsewhere).
     """
 
     model: str | None = None
@@ -35,7 +45,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_shared_logits: int = 32
     seed: int = 0
-    compile: bool = False
+    native: bool = True
+    cascade: bool = True
+    attention_backend: str = "auto"
+    cpu_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -56,6 +69,11 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.max_shared_logits < 0:
             raise ValueError("max_shared_logits must be >= 0")
+        if self.cpu_gemm not in CPU_GEMMS:
+            raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

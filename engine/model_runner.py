@@ -22,14 +22,14 @@ from plait.engine.host_memory import (
 from plait.engine.input_batch import CachedRequestState, InputBatch
 from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import ResolvedModel
-from plait.engine.models.compiled import CompiledDecoder
-from plait.engine.models.cpu_linear import prepack_cpu_linears
-from plait.engine.models.llama import AttentionMetadata, LlamaForCausalLM
+from plait.engine.models.linear import convert_linears, resolve_cpu_gemm
+from plait.engine.models.llama import LlamaForCausalLM
 from plait.engine.outputs import TokenLogprob
 from plait.engine.sampler import Sampler, SamplingMetadata
 from plait.engine.sched_output import RunnerOutput, SchedulerOutput
 from plait.engine.transfer import to_device
 from plait.engine.weights import load_weights
+from plait.kernels import AttentionMetadata, AttentionShape, TorchOps, select_ops
 
 logger = logging.getLogger("plait.engine")
 
@@ -57,11 +57,12 @@ def cdiv(a: int, b: int) -> int:
 class ModelRunner:
     """Builds the model on `device`, a KV cache sized from `config`, and serves steps.
 
-    `eos_token_ids` are masked for rows below `min_tokens`; `seed` seeds the generator of
-    unseeded requests (see `Sampler`)."""
+    The ops table (kernels/ops.py) and the linear layers' weight format are chosen here,
+    once, from `config`; the model is built with the table, loaded, converted to the format,
+    then bound to the KV cache. `eos_token_ids` are masked for rows below `min_tokens`;
+    `seed` seeds the generator of unseeded requests (see `Sampler`)."""
 
     def __init__(self, config: EngineConfig, resolved: ResolvedModel,
-                 model: LlamaForCausalLM | None = None,
                  eos_token_ids: tuple[int, ...] = ()) -> None:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -69,10 +70,16 @@ class ModelRunner:
             keep_freed_memory_mapped()  # step temporaries reuse mapped pages
         self.model_config: ModelConfig = resolved.config
         self.block_size = config.block_size
+        cfg = self.model_config
+        self.ops: TorchOps = select_ops(
+            self.device, self.dtype,
+            AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.block_size),
+            native_kernels=config.native, cascade=config.cascade,
+            attention_backend=config.attention_backend,
+            cpu_gemm=resolve_cpu_gemm(config.cpu_gemm) if self.device.type == "cpu"
+            else "none")
         max_pos = config.max_model_len or resolved.config.max_position_embeddings
-        if model is None:
-            model = self._load_model(resolved, max_pos)
-        self.model = model.eval()
+        self.model = self._load_model(resolved, max_pos).eval()
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(config)
         self.max_model_len = min(max_pos, self.num_blocks * self.block_size)
         cfg = self.model_config
@@ -82,8 +89,9 @@ class ModelRunner:
         self.kv_cache = (zeros_on_huge_pages(shape, self.dtype) if self.device.type == "cpu"
                          else torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.model.bind(self.kv_caches)
         self.eos_token_ids = tuple(eos_token_ids)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, native_draw=config.native)
         if self.device.type == "cpu":
             warm_sampler(self.sampler, cfg.vocab_size, config.max_num_seqs)
         # Structured output: the engine core's compiler (engine/grammar.py), set by the core.
@@ -93,26 +101,15 @@ class ModelRunner:
         # kept_logits: [max_shared_logits, vocab] float32, rows addressed by kept slot
         self.kept_logits = torch.zeros(config.max_shared_logits, cfg.vocab_size,
                                        dtype=torch.float32, device=self.device)
-        self.compiled = self._compile() if config.compile else None
-
-    def _compile(self) -> CompiledDecoder | None:
-        """The compiled decoder stack for every step (CPU only), compiled now. Inductor fixes a
-        kernel's thread count when it compiles it: torch's current count."""
-        if self.device.type != "cpu":
-            logger.warning("compile is implemented for CPU only; running eager on %s",
-                           self.device)
-            return None
-        decoder = CompiledDecoder(self.model)
-        decoder.warm_up(self.kv_caches, self.block_size)
-        return decoder
 
     def _load_model(self, resolved: ResolvedModel, max_pos: int) -> LlamaForCausalLM:
         with torch.device(self.device):
-            model = LlamaForCausalLM(resolved.config, max_pos)
+            model = LlamaForCausalLM(resolved.config, max_pos, self.ops)
         load_weights(model, resolved.path)
         model = model.to(self.dtype)
         if self.device.type == "cpu":
-            logger.info("CPU GEMMs: %s-packed weights", prepack_cpu_linears(model))
+            chosen = convert_linears(model, self.ops.cpu_gemm, panels=self.ops.native)
+            logger.info("CPU GEMMs: %s", chosen)
         return model
 
     def _block_bytes(self) -> int:
@@ -174,17 +171,15 @@ class ModelRunner:
         if not out.chunks:
             return torch.empty(0, vocab, device=self.device), {}
         input_ids, positions, meta, sample_idx = self._prepare(out)
-        forward = self.model if self.compiled is None else self.compiled
         # Only the sampled rows' states are needed, unless a chunk scores its prompt.
         every_row = sample_idx.shape[0] == input_ids.shape[0] or any(
             self.batch.states[c.request_id].params.prompt_logprobs is not None
             for c in out.chunks)
-        if every_row:
-            hidden = forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
-            computed = self.model.compute_logits(hidden[sample_idx])  # [num_sample_chunks, V]
-        else:
-            hidden = forward(input_ids, positions, self.kv_caches, meta, sample_idx)
-            computed = self.model.compute_logits(hidden)
+        if not every_row:
+            meta.keep = sample_idx
+        meta = self.ops.plan(meta, positions)  # the attention plan, once for every layer
+        hidden = self.model(input_ids, positions, meta)  # [T, hidden], or [K, hidden]
+        computed = self.model.compute_logits(hidden[sample_idx] if every_row else hidden)
         row_of = {c.request_id: i for i, c in enumerate(c for c in out.chunks if c.sample)}
         offset = 0
         for chunk in out.chunks:

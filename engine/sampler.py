@@ -25,7 +25,7 @@ from plait.engine.grammar import RequestGrammar, allowed_tokens
 from plait.engine.outputs import TokenLogprob
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.transfer import to_device
-from plait.kernels import native
+from plait.kernels.cpu import build, native
 
 # Temperatures are clamped to this before dividing, so a tiny positive value cannot turn
 # logits into inf (and the softmax into nan); it is already indistinguishable from greedy.
@@ -274,8 +274,11 @@ class Sampler:
     reproducible and independent of the batch.
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, native_draw: bool = True) -> None:
+        """`native_draw`: draw float32 CPU rows with the native kernel where it is built
+        (`native.sample_inverse_cdf`, the same rule as `_inverse_cdf`)."""
         self._seed = seed
+        self._native = native_draw and build.available()
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
@@ -368,7 +371,7 @@ class Sampler:
                 to_device([p.top_p for p in ps], device),
                 to_device([p.min_p for p in ps], device))
         u = self._uniforms(generators, device)
-        if device.type == "cpu" and logits.dtype == torch.float32 and native.available():
+        if self._native and device.type == "cpu" and logits.dtype == torch.float32:
             return native.sample_inverse_cdf(logits, u)  # the same rule, one pass per row
         return _inverse_cdf(logits, u)
 

@@ -1,15 +1,22 @@
-"""Attention kernels over the paged KV cache, dispatched by device.
+"""Plait's kernels, and the ops table the model calls (`ops.py`).
 
-Public entry points (same signature for every backend):
-
-* `write_kv(key, value, k_cache, v_cache, slot_mapping)` stores new K/V in the cache.
-* `paged_attention(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, ...)`
-  attends a flattened variable-length batch of queries to the cached K/V.
-
-CUDA tensors use the Triton kernels when triton imports; everything else (CPU, or
-`PLAIT_ATTENTION_BACKEND=reference`) uses the plain-torch reference implementations.
+* `ops.py`: `select_ops` picks one table per engine (`TorchOps`, `CpuNativeOps`,
+  `TritonOps`): add_rms_norm, rope_write_kv, silu_mul, attention, and the per-step `plan`.
+* `metadata.py`: `AttentionMetadata`, built once per step by the runner.
+* `reference.py`: the plain-torch paged attention and KV write, the ground truth.
+* `cpu/`: the native C kernels (`build.py` compiles and loads them, `native.py` calls them)
+  and the CPU attention backend (`attention.py`).
+* `cuda/`: the Triton paged attention and KV write.
 """
 
-from plait.kernels.dispatch import paged_attention, write_kv
+from plait.kernels.metadata import AttentionMetadata, rows_metadata
+from plait.kernels.ops import (
+    AttentionShape,
+    CpuNativeOps,
+    TorchOps,
+    TritonOps,
+    select_ops,
+)
 
-__all__ = ["paged_attention", "write_kv"]
+__all__ = ["AttentionMetadata", "AttentionShape", "CpuNativeOps", "TorchOps", "TritonOps",
+           "rows_metadata", "select_ops"]

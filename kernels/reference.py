@@ -1,6 +1,8 @@
 """Plain-torch reference implementations of the paged-attention kernels.
 
-These are the CPU backend and the ground truth the Triton kernels are tested against.
+The ground truth every other backend is tested against (the native CPU kernels, the CPU
+attention backend in `cpu/attention.py`, the Triton kernels in `cuda/`), and the plain
+attention of the torch ops table with cascade attention off (`ops.py`).
 
 Cache layout, per layer:
 
@@ -18,9 +20,7 @@ cu_seqlens_q[s]` tokens of its `context_lens[s]` tokens; query j sits at absolut
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -31,27 +31,26 @@ def write_kv_reference(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 = padding, not written
+    padded: bool | None = None,  # whether a slot is -1; None: look (a host sync)
 ) -> None:
     """Store each token's K/V at its slot. Tokens with slot -1 are skipped.
 
-    When every slot is valid (the runner's case: it never pads) this is one `index_copy_`
-    per cache: no boolean-mask gathers of K/V, no temporaries, and no multithreaded
-    `index_put_`, whose thread start-up alone costs milliseconds on a busy 2-core CPU.
+    When every slot is valid (the runner's case: it never pads, and says so with
+    `padded=False`) this is one `index_copy_` per cache: no boolean-mask gathers of K/V, no
+    temporaries, and no multithreaded `index_put_`, whose thread start-up alone costs
+    milliseconds on a busy 2-core CPU.
     """
     num_blocks, block_size = k_cache.shape[:2]
     flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
     slots = slot_mapping.long()
-    if _has_padding(slot_mapping):  # every layer of a step writes with the same mapping
+    if padded is None:
+        padded = bool(slot_mapping.numel()) and bool(slot_mapping.min() < 0)
+    if padded:
         valid = slots >= 0
         slots, key, value = slots[valid], key[valid], value[valid]
     flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
     flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
-
-
-def _padded(slot_mapping: torch.Tensor) -> bool:
-    """Whether the mapping holds a -1 (padding): a host sync, so once per step."""
-    return bool(slot_mapping.numel()) and bool(slot_mapping.min() < 0)
 
 
 @dataclass(slots=True)
@@ -128,11 +127,12 @@ def prefill_groups(
     return groups
 
 
-def _plan(
+def plan_reference(
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
     block_size: int, group: int, max_query_len: int, max_context_len: int,
 ) -> list[_SeqGroup]:
-    """Split the batch into one group of all decodes plus one group per prefill chunk."""
+    """The batch as `paged_attention_reference` attends it: one group of all decodes plus
+    one group per prefill chunk (a host sync: compute it once per step)."""
     starts, ctx, num_q = split_batch(cu_seqlens_q, context_lens, max_query_len,
                                      max_context_len)
     decode_idx = [i for i, n in enumerate(num_q) if n == 1]
@@ -140,38 +140,6 @@ def _plan(
     if decode_idx:
         groups.append(decode_group(decode_idx, starts, ctx, block_tables, block_size, group))
     return groups + prefill_groups(num_q, starts, ctx, block_tables, block_size, group)
-
-
-class PlanCache:
-    """A function's result for the last arguments it saw. The model calls attention (and
-    writes K/V) once per layer with the same metadata tensors, so a step computes its plan
-    once: tensors are compared by identity, the other arguments by value. `last` is that
-    result (None before the first call)."""
-
-    def __init__(self, plan: Callable[..., Any]) -> None:
-        self._plan = plan
-        self._key: tuple | None = None
-        self.last: Any = None
-
-    def __call__(self, *args: Any) -> Any:
-        if self._key is None or not _same_args(self._key, args):
-            self.last = self._plan(*args)
-            self._key = args
-        return self.last
-
-    def clear(self) -> None:
-        self._key, self.last = None, None
-
-
-def _same_args(old: tuple, new: tuple) -> bool:
-    """Tensors by identity, everything else by value."""
-    return len(old) == len(new) and all(
-        a is b if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a == b
-        for a, b in zip(old, new, strict=True))
-
-
-_cached_plan = PlanCache(_plan)
-_has_padding = PlanCache(_padded)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int,
@@ -216,6 +184,7 @@ def paged_attention_reference(
     scale: float,
     max_query_len: int,
     max_context_len: int,
+    plan: list[_SeqGroup] | None = None,  # `plan_reference` of this batch; None: made here
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's queries over its paged K/V.
 
@@ -227,8 +196,9 @@ def paged_attention_reference(
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = query.shape[1] // num_kv_heads
     out = torch.empty_like(query)
-    plan = _cached_plan(cu_seqlens_q, context_lens, block_tables, block_size, group,
-                        max_query_len, max_context_len)
+    if plan is None:
+        plan = plan_reference(cu_seqlens_q, context_lens, block_tables, block_size, group,
+                              max_query_len, max_context_len)
     for g in plan:
         key = gather_blocks(k_cache, g.block_ids, g.num_seqs, g.length)
         value = gather_blocks(v_cache, g.block_ids, g.num_seqs, g.length)

@@ -21,7 +21,7 @@ from typing import Any
 import plait
 from plait.bench.cli import add_parser as add_bench_parser
 from plait.bench.cli import run as run_bench
-from plait.engine import VALID_DTYPES, EngineConfig
+from plait.engine import ATTENTION_BACKENDS, CPU_GEMMS, VALID_DTYPES, EngineConfig
 from plait.server.settings import ServerSettings  # a plain dataclass: no HTTP stack
 
 ENV_PREFIX = "PLAIT_"
@@ -86,8 +86,17 @@ OPTIONS: tuple[Option, ...] = (
            "recent prompts kept for reuse (their last logits; their blocks stay cached, "
            "not pinned)"),
     Option("--seed", int, "engine seed for unseeded requests"),
-    Option("--compile", bool,
-           "run every step through a torch.compile'd decoder (CPU; ~1 min at startup)"),
+    Option("--native", bool,
+           "use the native CPU kernels (float32 CPU; built with the machine's C compiler on "
+           "first use)"),
+    Option("--cascade", bool,
+           "attend a prompt's shared KV blocks once for all the choices sharing them (off: "
+           "plain paged attention)"),
+    Option("--attention-backend", str,
+           "auto (Triton on CUDA, the CPU backend on CPU) or reference (plain torch)",
+           ATTENTION_BACKENDS),
+    Option("--cpu-gemm", str,
+           "the CPU GEMMs' weight packing (auto: mkl on Intel, onednn elsewhere)", CPU_GEMMS),
     Option("--max-queued-requests", int,
            "sub-requests admitted beyond the --max-num-seqs running slots; past it a new "
            "request gets 503 + Retry-After"),

@@ -12,10 +12,17 @@ move divided by its time:
 read + write bytes. The target for long-context decode is >= 60% of it. Choose sizes far
 above the L2 cache (50 MB on H100/H200), or K/V are re-read from L2 and the number is
 inflated.
+
+A script, not part of the package: `scripts/gpu_check.py` and the tests import it from its
+path. Run alone it prints one configuration's figures:
+
+    python scripts/bench_decode.py [--seqs 32] [--context 4096] [--heads 32] [--kv-heads 8]
+                                   [--head-dim 128] [--block-size 16] [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 
 import torch
@@ -56,7 +63,7 @@ def measure_decode_bandwidth(
     passed). Allocates K/V of `kv_bytes` on the current CUDA device.
     """
     _require_cuda()
-    from plait.kernels.triton_attention import paged_attention_triton
+    from plait.kernels.cuda.attention import paged_attention_triton
 
     device = torch.device("cuda")
     blocks_per_seq = -(-context_len // block_size)
@@ -94,3 +101,27 @@ def measure_copy_bandwidth(num_bytes: int) -> float:
     dst = torch.empty_like(src)  # [num_bytes]
     time_ms = _time_ms(lambda: dst.copy_(src))
     return 2 * num_bytes / (time_ms * 1e-3) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--splits", type=int, default=None)
+    args = parser.parse_args()
+    result = measure_decode_bandwidth(args.seqs, args.context, args.heads, args.kv_heads,
+                                      args.head_dim, args.block_size,
+                                      getattr(torch, args.dtype), args.splits)
+    copy = measure_copy_bandwidth(2 << 30)
+    print(f"decode: {result['gbps']:.0f} GB/s ({result['time_ms']:.3f} ms, "
+          f"{result['kv_bytes'] / 1e6:.0f} MB of K/V); copy: {copy:.0f} GB/s; "
+          f"{100 * result['gbps'] / copy:.0f}% of copy")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,10 @@
-"""The CPU GEMM packings (engine/models/cpu_linear.py) on the default model's projection
-shapes: ms for one pass over all 30 layers' 120 weights, per row count. The column `native`
-is what the engine runs (the native panels up to NATIVE_MAX_ROWS rows, the default BLAS
-packing above); the others are each BLAS packing alone.
+"""The CPU linear formats (engine/models/linear.py) on the default model's projection shapes:
+ms for one pass over all 30 layers' 120 weights, per row count. The column `native` is what
+the engine runs with the native kernels (`PanelLinear`: the native panels up to
+NATIVE_MAX_ROWS rows, the default BLAS format above); the others are each format alone
+(`none` is torch's GEMM on the plain weight, `Linear`).
 
-Each packing holds its own copy of 30 layers of random weights, so a pass streams them from
+Each format holds its own copy of 30 layers of random weights, so a pass streams them from
 memory as a decode step does (no weight stays in cache between layers).
 
     python scripts/bench_gemm.py [--rows 1,16,64,128,512] [--threads 2]
@@ -15,39 +16,52 @@ import argparse
 import time
 
 import torch
-from torch import nn
 
-from plait.engine.models.cpu_linear import (
-    PACKINGS,
-    default_packing,
-    linear,
-    prepack_cpu_linears,
+from plait.engine.models.linear import (
+    FORMATS,
+    Linear,
+    MklLinear,
+    OneDnnLinear,
+    PanelLinear,
+    resolve_cpu_gemm,
 )
-from plait.kernels import native
+from plait.kernels.cpu import build
 
 # SmolLM2-135M: hidden 576, 9 query / 3 KV heads of 64, intermediate 1536 (fused gate+up)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LAYERS = 30
 
 
-def _layers(packing: str, panels: bool) -> dict[str, list[nn.Linear]]:
-    layers = {name: [nn.Linear(k, n, bias=False) for _ in range(LAYERS)]
-              for name, (n, k) in SHAPES.items()}
-    for group in layers.values():
-        prepack_cpu_linears(nn.Sequential(*group), packing)
-        if not panels:
-            for layer in group:
-                layer.panel_weight = None
+def _formats() -> dict[str, type[Linear]]:
+    """The BLAS formats this torch runs: plain always, MKL and oneDNN where built in."""
+    usable = {Linear: True,
+              MklLinear: torch.backends.mkl.is_available()
+              and hasattr(torch.ops.mkl, "_mkl_linear"),
+              OneDnnLinear: torch.backends.mkldnn.is_available()}
+    return {fmt.format: fmt for fmt, ok in usable.items() if ok}
+
+
+def _layers(make) -> dict[str, list[Linear]]:
+    """30 layers of random float32 weights per projection, each given its format by
+    `make(linear)` (a format's `adopt`, or `PanelLinear.over`)."""
+    layers = {}
+    for name, (n, k) in SHAPES.items():
+        group = []
+        for _ in range(LAYERS):
+            plain = Linear(k, n, bias=False)
+            torch.nn.init.normal_(plain.weight, std=0.02)
+            group.append(make(plain))
+        layers[name] = group
     return layers
 
 
-def _pass_ms(layers: dict[str, list[nn.Linear]], rows: int, repeats: int) -> float:
+def _pass_ms(layers: dict[str, list[Linear]], rows: int, repeats: int) -> float:
     inputs = {name: torch.randn(rows, k) for name, (_, k) in SHAPES.items()}
 
     def one_pass() -> None:
         for name, group in layers.items():
             for layer in group:
-                linear(layer, inputs[name])
+                layer(inputs[name])
 
     for _ in range(2):
         one_pass()
@@ -63,11 +77,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    packings = [p for p in PACKINGS if p != "mkl" or torch.backends.mkl.is_available()]
     with torch.no_grad():
-        models = {p: _layers(p, panels=False) for p in packings}
-        if native.available():
-            models = {"native": _layers(default_packing(), panels=True), **models}
+        models = {name: _layers(fmt.adopt) for name, fmt in _formats().items()}
+        if build.available():
+            large = FORMATS[resolve_cpu_gemm()]  # what the engine puts under its panels
+            models = {"native": _layers(lambda src: PanelLinear.over(src, large)), **models}
         packings = list(models)
         print("rows  " + "  ".join(f"{p:>8}" for p in packings) + "   (ms per pass)")
         for rows in (int(r) for r in args.rows.split(",")):

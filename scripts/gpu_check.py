@@ -3,8 +3,10 @@
 
 Needs only torch, triton and transformers (no fastapi/pydantic, no network). Sections:
 
-  kernels     Triton attention / KV write against the torch reference on CUDA shapes
-  parity      Plait logits vs transformers on a random Llama (fp32 and bf16)
+  kernels     Triton attention / KV write, through the ops table a CUDA engine gets
+              (`select_ops`: `TritonOps`), against the torch reference on CUDA shapes
+  parity      Plait logits vs transformers on a random Llama (fp32 and bf16), the model
+              built with the ops table the engine would pick (`ops` in the results)
   decode      Plait decode throughput at batch 1, 32, 128 vs transformers `generate`
   shared      n=100 shared-prefill workload (512-token prompt, max_tokens=1) vs generate
   bandwidth   decode attention kernel GB/s vs device copy GB/s, measured in the same run
@@ -19,6 +21,7 @@ suite does), skipping the CUDA-only ones.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import sys
@@ -31,14 +34,35 @@ import torch
 
 from plait import LLM, SamplingParams
 from plait.engine.model_config import ModelConfig
-from plait.engine.models.llama import AttentionMetadata, LlamaForCausalLM
+from plait.engine.models.linear import convert_linears, resolve_cpu_gemm
+from plait.engine.models.llama import LlamaForCausalLM
 from plait.engine.weights import load_weights
+from plait.kernels import AttentionMetadata, AttentionShape, TorchOps, TritonOps, select_ops
 
 # ~1.1B parameters, Llama-shaped (GQA 32/8, SwiGLU, RoPE).
 BIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+
+
+def load_script(name: str):
+    """A sibling script (scripts/<name>.py) as a module, imported from its path: scripts
+    are not a package, and `python -P` (gpu_check.sh) puts no script folder on sys.path."""
+    path = Path(__file__).resolve().with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"plait_scripts_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def engine_ops(device: str, dtype: torch.dtype, cfg: ModelConfig, block_size: int) -> TorchOps:
+    """The ops table an engine with the default options gets on `device` (as
+    `ModelRunner` chooses it)."""
+    return select_ops(
+        torch.device(device), dtype,
+        AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size),
+        cpu_gemm=resolve_cpu_gemm() if device == "cpu" else "none")
 
 
 def synthetic_tokenizer(vocab_size: int):
@@ -73,49 +97,70 @@ def build_model_dir(shape: dict, out: Path, device: str, dtype: torch.dtype):
 
 
 def check_kernels(device: str) -> dict:
-    """Triton kernels vs the reference on CUDA-sized shapes, bf16 and fp16."""
+    """Triton kernels vs the reference on CUDA-sized shapes, bf16 and fp16, through the ops
+    table a CUDA engine gets: new K/V for every query token written with `ops.write_kv`
+    (bit for bit the reference's), then `ops.attention` over the written cache."""
     if device != "cuda":
         return {"skipped": "needs CUDA"}
-    from plait.kernels.reference import paged_attention_reference
-    from plait.kernels.triton_attention import paged_attention_triton
+    from plait.kernels.reference import paged_attention_reference, write_kv_reference
 
     results = {}
     for dtype in (torch.bfloat16, torch.float16):
         for block_size, gqa in ((16, 4), (32, 8), (8, 1)):
             torch.manual_seed(0)
             num_kv, dim = 8, 128
+            shape = AttentionShape(num_kv * gqa, num_kv, dim, block_size)
+            ops = select_ops(torch.device("cuda"), dtype, shape)
+            if not isinstance(ops, TritonOps):
+                raise RuntimeError(f"select_ops chose {type(ops).__name__} on CUDA, "
+                                   "not TritonOps (is triton importable?)")
             q_lens, ctx_lens = [1, 1, 37, 300, 1, 129], [1, 2050, 37, 812, 4000, 129]
             num_blocks = sum(-(-c // block_size) for c in ctx_lens) + 8
             k_cache = torch.randn(num_blocks, block_size, num_kv, dim, device="cuda", dtype=dtype)
             v_cache = torch.randn_like(k_cache)
             perm = torch.randperm(num_blocks, device="cuda")
             width = max(-(-c // block_size) for c in ctx_lens)
-            tables, used = [], 0
-            for c in ctx_lens:
+            tables, used, positions, slots = [], 0, [], []
+            for n_q, c in zip(q_lens, ctx_lens, strict=True):
                 n = -(-c // block_size)
                 row = perm[used : used + n].tolist()
                 used += n
                 tables.append(row + [-1] * (width - n))
+                for p in range(c - n_q, c):  # the query tokens' positions and slots
+                    positions.append(p)
+                    slots.append(row[p // block_size] * block_size + p % block_size)
             query = torch.randn(sum(q_lens), num_kv * gqa, dim, device="cuda", dtype=dtype)
+            key = torch.randn(sum(q_lens), num_kv, dim, device="cuda", dtype=dtype)
+            value = torch.randn_like(key)
             cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device="cuda",
                               dtype=torch.int32)
-            args = dict(query=query, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu,
-                        context_lens=torch.tensor(ctx_lens, device="cuda", dtype=torch.int32),
-                        block_tables=torch.tensor(tables, device="cuda", dtype=torch.int32),
-                        scale=dim**-0.5, max_query_len=max(q_lens), max_context_len=max(ctx_lens))
-            ref = paged_attention_reference(**args).float()
-            out = paged_attention_triton(**args).float()
+            meta = AttentionMetadata(
+                torch.tensor(slots, device="cuda", dtype=torch.int64), cu,
+                torch.tensor(ctx_lens, device="cuda", dtype=torch.int32),
+                torch.tensor(tables, device="cuda", dtype=torch.int32), max(q_lens),
+                max(ctx_lens))
+            meta = ops.plan(meta, torch.tensor(positions, device="cuda"))
+            ref_k, ref_v = k_cache.clone(), v_cache.clone()
+            write_kv_reference(key, value, ref_k, ref_v, meta.slot_mapping)
+            ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+            written = bool(torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v))
+            ref = paged_attention_reference(
+                query, ref_k, ref_v, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                scale=dim**-0.5, max_query_len=meta.max_query_len,
+                max_context_len=meta.max_context_len).float()
+            out = ops.attention(query, k_cache, v_cache, meta, dim**-0.5).float()
             err = (out - ref).abs().max().item()
             atol, rtol = (3e-2, 2e-2) if dtype == torch.bfloat16 else (5e-3, 5e-3)
-            ok = bool(torch.allclose(out, ref, atol=atol, rtol=rtol))
-            results[f"{str(dtype)[6:]} bs{block_size} gqa{gqa}"] = {"max_abs_err": err,
-                                                                    "ok": ok}
+            ok = bool(torch.allclose(out, ref, atol=atol, rtol=rtol)) and written
+            results[f"{str(dtype)[6:]} bs{block_size} gqa{gqa}"] = {
+                "max_abs_err": err, "write_kv_exact": written, "ok": ok}
     return results
 
 
 def check_parity(device: str, tiny: bool, errors: dict) -> dict:
-    """Plait's forward (dispatching to Triton on CUDA) against transformers' logits. A dtype
-    that fails is recorded in `errors` and the other still runs."""
+    """Plait's forward (through the engine's ops table: Triton on CUDA) against
+    transformers' logits. A dtype that fails is recorded in `errors` and the other still
+    runs."""
     shape = dict(TINY if tiny else BIG, num_hidden_layers=2 if tiny else 4)
     results = {}
     for dtype, tol in ((torch.float32, 2e-3), (torch.bfloat16, 0.25)):
@@ -133,27 +178,33 @@ def _parity_one(shape: dict, device: str, dtype: torch.dtype, tol: float) -> dic
     with tempfile.TemporaryDirectory() as tmp:
         hf = build_model_dir(shape, Path(tmp), device, dtype)
         cfg = ModelConfig.from_dir(Path(tmp))
+        bs, nb = 16, 32
+        ops = engine_ops(device, dtype, cfg, bs)
         with torch.device(device):
-            ours = LlamaForCausalLM(cfg, 2048)
+            ours = LlamaForCausalLM(cfg, 2048, ops)
         load_weights(ours, Path(tmp))
         ours = ours.to(dtype).eval()
+        if device == "cpu":  # the weight format the runner gives the ops table's linears
+            convert_linears(ours, ops.cpu_gemm, panels=ops.native)
     ids = torch.randint(2, shape["vocab_size"], (200,), device=device)
-    bs, nb = 16, 32
     kv = [(torch.zeros(nb, bs, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype),
            torch.zeros(nb, bs, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype))
           for _ in range(cfg.num_layers)]
+    ours.bind(kv)
     table = torch.randperm(nb, device=device)[:13].to(torch.int32)
-    slots = (table.long()[torch.arange(200, device=device) // bs] * bs
-             + torch.arange(200, device=device) % bs)
+    positions = torch.arange(200, device=device)
+    slots = table.long()[positions // bs] * bs + positions % bs
     meta = AttentionMetadata(slots, torch.tensor([0, 200], device=device, dtype=torch.int32),
                              torch.tensor([200], device=device, dtype=torch.int32),
                              table[None], 200, 200)
     with torch.inference_mode():
-        got = ours.compute_logits(ours(ids, torch.arange(200, device=device), kv, meta))
+        meta = ops.plan(meta, positions)  # once per step, as the runner does
+        got = ours.compute_logits(ours(ids, positions, meta))
         ref = hf(ids[None]).logits[0].float()
     err = (got - ref).abs().max().item()
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    return {"max_abs_err": err, "argmax_agreement": agree, "ok": err < tol}
+    return {"max_abs_err": err, "argmax_agreement": agree, "ok": err < tol,
+            "ops": ops.describe()}
 
 
 def hf_generate_tok_s(hf, prompts: list[list[int]], max_tokens: int, n: int = 1) -> tuple:
@@ -223,12 +274,11 @@ def bench(device: str, tiny: bool, model_dir: Path, hf) -> dict:
 def bandwidth(device: str) -> dict:
     if device != "cuda":
         return {"skipped": "needs CUDA"}
-    from plait.kernels.bench_decode import measure_copy_bandwidth, measure_decode_bandwidth
-
-    copy = measure_copy_bandwidth(2 << 30)
+    bench_decode = load_script("bench_decode")
+    copy = bench_decode.measure_copy_bandwidth(2 << 30)
     rows = []
     for num_seqs, ctx in ((32, 4096), (128, 2048), (8, 32768)):
-        r = measure_decode_bandwidth(num_seqs, ctx, 32, 8, 128, 16, torch.bfloat16)
+        r = bench_decode.measure_decode_bandwidth(num_seqs, ctx, 32, 8, 128, 16, torch.bfloat16)
         rows.append({"num_seqs": num_seqs, "context_len": ctx, "gbps": r["gbps"],
                      "fraction_of_copy": r["gbps"] / copy, "time_ms": r["time_ms"]})
     return {"copy_gbps": copy, "decode": rows}

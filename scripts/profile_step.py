@@ -4,9 +4,11 @@ per step. The prompt's blocks are cached by a warm-up run first, so the figures 
 `--unique`: instead n different ~512-token prompts of one choice each, submitted at once,
 prefills included (W4 of bench_peers.py in-process); op times are then totals in seconds.
 The native CPU kernels (ctypes calls the profiler cannot see) are wrapped in
-`record_function` ranges named `plait::native_<kernel>`.
+`record_function` ranges named `plait::native_<kernel>`: the attributes of
+`plait.kernels.cpu.native` are replaced before the engine starts (the ops table, the linear
+layers and the sampler call them through the module, so they reach the wrappers).
 
-    python scripts/profile_step.py [--n 16] [--tokens 32] [--compile] [--unique]
+    python scripts/profile_step.py [--n 16] [--tokens 32] [--unique]
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from plait import LLM, SamplingParams
 from plait.bench.workloads import random_words
-from plait.kernels import native
+from plait.kernels.cpu import native
 
 
 def _label_native_kernels() -> None:
@@ -39,12 +41,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--unique", action="store_true")
     args = parser.parse_args()
     _label_native_kernels()
-    llm = LLM(compile=args.compile)
+    llm = LLM()
     if args.unique:
         _profile_unique(llm, args)
         return

@@ -1,6 +1,7 @@
-"""The packed CPU GEMMs (engine/models/cpu_linear.py) against plain `F.linear` in float64:
-every packing, every row count a step can have (the MKL pack is used for any number of
-rows, not only its hint), bias or none, strided inputs; and the model-level choice."""
+"""The CPU linear formats (engine/models/linear.py) against plain `F.linear` in float64:
+every format, every row count a step can have (the MKL pack is used for any number of
+rows, not only its hint), bias or none, strided inputs; the conversion the runner makes
+once at load; and the choice of format."""
 
 from __future__ import annotations
 
@@ -8,69 +9,94 @@ import pytest
 import torch
 from torch import nn
 
-from plait.engine.models import cpu_linear
-from plait.engine.models.cpu_linear import (
+from plait.engine.models.linear import (
+    FORMATS,
+    Linear,
+    PanelLinear,
+    convert_linears,
     cpu_vendor,
-    default_packing,
-    linear,
-    prepack_cpu_linears,
+    resolve_cpu_gemm,
 )
+from plait.kernels.cpu import build
 
-AVAILABLE = [p for p in cpu_linear.PACKINGS
-             if p == "none" or (p == "mkl" and torch.backends.mkl.is_available())
-             or (p == "onednn" and torch.backends.mkldnn.is_available())]
+AVAILABLE = [name for name in FORMATS
+             if name == "none" or (name == "mkl" and torch.backends.mkl.is_available())
+             or (name == "onednn" and torch.backends.mkldnn.is_available())]
 
 
-@pytest.mark.parametrize("packing", AVAILABLE)
+def _linear(in_features: int, out_features: int, bias: bool) -> Linear:
+    layer = Linear(in_features, out_features, bias=bias)
+    nn.init.normal_(layer.weight)
+    if bias:
+        nn.init.normal_(layer.bias)
+    return layer
+
+
+def _expected(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.linear(x.double(), layer.weight.double(),
+                                None if layer.bias is None else layer.bias.double())
+
+
+@pytest.mark.parametrize("name", AVAILABLE)
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_equals_plain_for_every_row_count(packing, bias) -> None:
+def test_every_format_equals_plain_for_every_row_count(name, bias) -> None:
     torch.manual_seed(0)
-    layer = nn.Linear(96, 200, bias=bias)
-    model = nn.Sequential(layer)
-    assert prepack_cpu_linears(model, packing) == packing
-    assert (getattr(layer, "packed_weight", None) is None) == (packing == "none")
-    for rows in (1, 2, 3, 7, 16, 17, 33, 128, 129, 300):
+    plain = _linear(96, 200, bias)
+    layer = FORMATS[name].adopt(plain)
+    assert layer.format == name and layer.weight is plain.weight and layer.bias is plain.bias
+    for rows in (0, 1, 2, 3, 7, 16, 17, 33, 128, 129, 300):
         x = torch.randn(rows, 96)
-        expected = nn.functional.linear(x.double(), layer.weight.double(),
-                                        None if layer.bias is None else layer.bias.double())
-        out = linear(layer, x)
+        out = layer(x)
         assert out.shape == (rows, 200) and out.dtype == torch.float32
-        torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-4)
+        torch.testing.assert_close(out.double(), _expected(plain, x), rtol=0, atol=1e-4)
         strided = torch.randn(96, rows).t()  # a transposed view, as attention outputs can be
-        torch.testing.assert_close(
-            linear(layer, strided).double(),
-            nn.functional.linear(strided.double(), layer.weight.double(),
-                                 None if layer.bias is None else layer.bias.double()),
-            rtol=0, atol=1e-4)
+        torch.testing.assert_close(layer(strided).double(), _expected(plain, strided),
+                                   rtol=0, atol=1e-4)
 
 
-def test_packing_follows_the_weights_after_a_repack() -> None:
-    """`prepack_cpu_linears` again after the weights change: the new weights are used."""
-    layer = nn.Linear(32, 48, bias=False)
-    prepack_cpu_linears(nn.Sequential(layer))
+@pytest.mark.parametrize("name", AVAILABLE)
+def test_prepack_follows_the_weights(name) -> None:
+    """`prepack()` again after the weights change: the new weights are used."""
+    layer = FORMATS[name].adopt(_linear(32, 48, bias=False))
     with torch.no_grad():
         layer.weight.mul_(2)
-    prepack_cpu_linears(nn.Sequential(layer))
+    layer.prepack()
     x = torch.randn(5, 32)
-    torch.testing.assert_close(linear(layer, x), x @ layer.weight.t(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(layer(x), x @ layer.weight.t(), rtol=0, atol=1e-5)
 
 
-def test_default_packing_and_its_override(monkeypatch) -> None:
-    monkeypatch.delenv("PLAIT_CPU_GEMM", raising=False)
+def test_resolve_cpu_gemm() -> None:
     onednn = "onednn" if torch.backends.mkldnn.is_available() else "none"
     intel = "mkl" if torch.backends.mkl.is_available() else onednn
-    assert default_packing("GenuineIntel") == intel
-    assert default_packing("AuthenticAMD") == onednn
-    assert default_packing("") == onednn
-    assert default_packing() == default_packing(cpu_vendor())
-    monkeypatch.setenv("PLAIT_CPU_GEMM", "None")
-    assert default_packing("GenuineIntel") == "none"
-    monkeypatch.setenv("PLAIT_CPU_GEMM", "blas")
-    with pytest.raises(ValueError, match="PLAIT_CPU_GEMM must be one of mkl, onednn, none"):
-        default_packing()
+    assert resolve_cpu_gemm("auto", "GenuineIntel") == intel
+    assert resolve_cpu_gemm("auto", "AuthenticAMD") == onednn
+    assert resolve_cpu_gemm("auto", "") == onednn
+    assert resolve_cpu_gemm() == resolve_cpu_gemm("auto", cpu_vendor())
+    assert resolve_cpu_gemm("none", "GenuineIntel") == "none"
+    with pytest.raises(ValueError, match="cpu_gemm must be one of auto, mkl, onednn, none"):
+        resolve_cpu_gemm("blas")
 
 
-def test_only_float32_cpu_linears_are_packed() -> None:
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.float64))
-    prepack_cpu_linears(model, AVAILABLE[0])
-    assert getattr(model[1], "packed_weight", None) is None
+@pytest.mark.parametrize("panels", [False, True])
+def test_convert_linears_gives_float32_cpu_linears_their_format(panels) -> None:
+    """Every float32 `Linear` of the tree is replaced once, sharing its Parameters (a tied
+    weight stays tied); other dtypes keep torch's GEMM; nothing else is touched."""
+    if panels and not build.available():
+        pytest.skip("native kernels unavailable: no panels")
+    name = AVAILABLE[-1]
+    tied = _linear(8, 16, bias=False)
+    model = nn.Sequential(_linear(8, 8, bias=True), _linear(8, 8, bias=False).double(),
+                          nn.Sequential(tied), nn.LayerNorm(8))
+    embedding = nn.Embedding(16, 8)
+    embedding.weight = tied.weight
+    convert_linears(model, name, panels=panels)
+    expected = PanelLinear if panels else FORMATS[name]
+    assert type(model[0]) is expected and type(model[2][0]) is expected
+    assert type(model[1]) is Linear and isinstance(model[3], nn.LayerNorm)
+    assert model[2][0].weight is embedding.weight
+    if panels:
+        assert model[0].large.format == name
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model[0](x).double(), _expected(model[0], x), rtol=0,
+                               atol=1e-5)
+

@@ -9,9 +9,40 @@ import pytest
 import torch
 from kernel_cases import BatchSpec, build_batch, dense_attention, share_prefix
 
-from plait.kernels import cascade
-from plait.kernels.cascade import cascade_attention_reference, find_prefixes
+from plait.kernels.cpu import attention as cascade
+from plait.kernels.cpu import build, native
+from plait.kernels.cpu.attention import (
+    cascade_attention_reference,
+    find_prefixes,
+    native_attention,
+    plan_cascade,
+    plan_native,
+)
 from plait.kernels.reference import paged_attention_reference
+
+
+def _plan(batch, min_prefix_blocks: int = cascade.MIN_PREFIX_BLOCKS) -> cascade.CascadePlan:
+    """`plan_cascade` of `batch`, as the ops table computes it once per step."""
+    _, block_size, num_kv_heads, _ = batch.k_cache.shape
+    return plan_cascade(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
+                        block_size, batch.query.shape[1] // num_kv_heads,
+                        batch.max_query_len, batch.max_context_len, min_prefix_blocks)
+
+
+def _native(batch, min_prefix_blocks: int) -> torch.Tensor | None:
+    """The batch through the native kernel's path (`plan_native`, `native_attention`), as
+    `CpuNativeOps` attends it; None where the kernels are not built here or do not take
+    this geometry."""
+    _, block_size, num_kv_heads, head_dim = batch.k_cache.shape
+    num_heads = batch.query.shape[1]
+    if not (build.available() and batch.query.dtype == torch.float32
+            and native.supports_attention(num_heads, num_kv_heads, head_dim, block_size)):
+        return None
+    rows = plan_native(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
+                       block_size, num_heads // num_kv_heads, batch.max_query_len,
+                       batch.max_context_len, min_prefix_blocks)
+    return native_attention(batch.query.contiguous(), batch.k_cache, batch.v_cache,
+                            batch.block_tables, rows, batch.scale)
 
 
 def _random_case(seed: int, block_size: int) -> tuple[BatchSpec, list[tuple[list[int], int]]]:
@@ -43,10 +74,21 @@ def test_random_batches_match_paged_and_dense_attention(seed, block_size):
     for rows, num_blocks in shares:
         share_prefix(batch, rows, num_blocks, block_size)
     plain = paged_attention_reference(**batch.kernel_args())
-    shared = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
-    assert cascade._cached_plan.last.prefixes, "the case must exercise a shared prefix"
+    plan = _plan(batch, min_prefix_blocks=1)
+    assert plan.prefixes, "the case must exercise a shared prefix"
+    shared = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1,
+                                         plan=plan)
+    # the plan computed inside (plan=None) is the same one
+    torch.testing.assert_close(
+        cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1), shared,
+        atol=0, rtol=0)
     torch.testing.assert_close(shared, plain, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(shared.double(), dense_attention(batch), atol=2e-6, rtol=1e-5)
+    natively = _native(batch, min_prefix_blocks=1)
+    if natively is not None:  # the same batch through the native backend's seam
+        torch.testing.assert_close(natively, plain, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(natively.double(), dense_attention(batch), atol=2e-6,
+                                   rtol=1e-5)
 
 
 def _renumber_blocks(batch, first: list[int]) -> None:
@@ -70,14 +112,15 @@ def test_consecutive_prefix_blocks_are_attended_as_a_view(equal_lengths):
     lengths = (37, 37, 37, 37) if equal_lengths else (37, 35, 40, 33)
     batch = build_batch(BatchSpec(seqs=tuple((1, n) for n in lengths), block_size=4))
     share_prefix(batch, [0, 1, 2, 3], 8, 4)
-    gathered = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
-    plan = cascade._cached_plan.last
+    plan = _plan(batch, min_prefix_blocks=1)
     assert [p.first_block for p in plan.prefixes] == [None]  # random block ids
+    gathered = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1,
+                                           plan=plan)
     _renumber_blocks(batch, batch.block_tables[0, :8].tolist())
-    cascade._cached_plan.clear()  # the plan is cached by tensor identity; these changed
-    viewed = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
-    plan = cascade._cached_plan.last
+    plan = _plan(batch, min_prefix_blocks=1)  # the block tables changed: plan again
     assert [p.first_block for p in plan.prefixes] == [0]
+    viewed = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1,
+                                         plan=plan)
     assert (plan.decode_bias is None) == equal_lengths
     torch.testing.assert_close(viewed, gathered, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(viewed.double(), dense_attention(batch), atol=2e-6, rtol=1e-5)
@@ -88,10 +131,11 @@ def test_plain_torch_fallback_matches_the_fused_cpu_kernel(monkeypatch):
     batch = build_batch(spec)
     for rows, num_blocks in shares:
         share_prefix(batch, rows, num_blocks, 4)
-    fused = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
+    plan = _plan(batch, min_prefix_blocks=1)
+    assert plan.prefixes, "the case must exercise a shared prefix"
+    fused = cascade_attention_reference(**batch.kernel_args(), plan=plan)
     monkeypatch.setattr(cascade, "_HAS_FLASH_CPU", False)
-    cascade._cached_plan.clear()
-    fallback = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
+    fallback = cascade_attention_reference(**batch.kernel_args(), plan=plan)
     torch.testing.assert_close(fallback, fused, atol=2e-6, rtol=1e-5)
 
 
@@ -124,8 +168,9 @@ def test_groups_are_the_longest_shared_run_capped_to_leave_a_suffix_token():
 
 def test_batch_without_shared_blocks_is_the_plain_decode_path():
     batch = build_batch(BatchSpec(seqs=((1, 30), (1, 12), (3, 9))))
-    shared = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=1)
-    assert cascade._cached_plan.last.prefixes == []
+    plan = _plan(batch, min_prefix_blocks=1)
+    assert plan.prefixes == [] and plan.decode_bias is None
+    shared = cascade_attention_reference(**batch.kernel_args(), plan=plan)
     torch.testing.assert_close(shared, paged_attention_reference(**batch.kernel_args()))
 
 
@@ -133,14 +178,12 @@ def test_prefill_from_the_first_token_uses_the_causal_kernel(monkeypatch):
     """On the torch path, a prefill chunk with no cached tokens before it (queries == keys)
     goes through SDPA's own causal mask with grouped-query heads; one after cached tokens
     keeps the explicit mask. Both equal plain paged attention and dense attention."""
-    monkeypatch.setattr(cascade, "_native_fits", lambda *args: False)
     calls = []
     real = cascade._attend_causal
     monkeypatch.setattr(cascade, "_attend_causal",
                         lambda q, *a: calls.append(q.shape[1]) or real(q, *a))
     batch = build_batch(BatchSpec(seqs=((13, 13), (1, 20), (6, 6), (5, 21)), num_heads=6,
                                   num_kv_heads=2, head_dim=32, block_size=4, seed=5))
-    cascade._cached_plan.clear()
     out = cascade_attention_reference(**batch.kernel_args())
     assert calls == [13, 6]
     torch.testing.assert_close(out, paged_attention_reference(**batch.kernel_args()),

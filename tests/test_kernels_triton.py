@@ -5,10 +5,15 @@ On CPU the kernels run under the Triton interpreter in one subprocess
 before triton is imported, which this pytest process cannot promise. Each case's output
 is compared here, in the parent, with the reference on the same seeded inputs. The
 `cuda` tests run the compiled kernels in-process on larger shapes.
+
+The ops-table cases (`OPS_CASES`) run a layer's KV write and attention through the table
+`select_ops` picks for CUDA (`TritonOps`), which the interpreter runs on CPU tensors, and
+compare with the plain reference table (`TorchOps` without cascade).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -17,11 +22,20 @@ import sys
 import pytest
 import torch
 from kernel_cases import MIXED_SEQS, BatchSpec, build_batch, build_write_case, dense_attention
-from triton_interpret_worker import ATTENTION_CASES, ERROR_CASES, WRITE_CASES, case_group
+from triton_interpret_worker import (
+    ATTENTION_CASES,
+    ERROR_CASES,
+    OPS_CASES,
+    WRITE_CASES,
+    case_group,
+    ops_step,
+)
 
+from plait.kernels.ops import AttentionShape, TorchOps, TritonOps, select_ops
 from plait.kernels.reference import paged_attention_reference, write_kv_reference
 
 WORKER = pathlib.Path(__file__).with_name("triton_interpret_worker.py")
+BENCH_DECODE = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "bench_decode.py"
 # (atol, rtol) against the reference, which computes in fp32 and rounds once at the end
 TOLERANCES = {
     torch.float32: (2e-5, 1e-5),
@@ -52,7 +66,7 @@ def interpreted(tmp_path_factory) -> dict:
             results |= torch.load(out_path, weights_only=True)
             continue
         crash = f"worker crashed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-        names = [*ATTENTION_CASES, *WRITE_CASES, *ERROR_CASES]
+        names = [*ATTENTION_CASES, *WRITE_CASES, *OPS_CASES, *ERROR_CASES]
         results |= {name: crash for name in names if case_group(name) == group}
     return results
 
@@ -107,6 +121,26 @@ def test_interpreted_write_kv_matches_direct_indexing(interpreted, name):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("name", list(OPS_CASES))
+def test_interpreted_triton_ops_match_the_reference_ops(interpreted, name):
+    """`TritonOps.rope_write_kv` (its `write_kv`) and `.attention`, as a CUDA engine calls
+    them, against the reference table on the same step: the caches bit for bit, the
+    attention within the kernel's tolerance."""
+    spec = OPS_CASES[name]
+    got = interpreted[name]
+    assert isinstance(got, dict), got
+    shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size)
+    expected = ops_step(spec, TorchOps(shape, cascade=False))
+    assert torch.equal(got["k_cache"], expected["k_cache"])
+    assert torch.equal(got["v_cache"], expected["v_cache"])
+    # the write changed the cache: the query tokens attend their new K/V
+    assert not torch.equal(expected["k_cache"], build_batch(spec).k_cache)
+    out, ref = got["attention"], expected["attention"]
+    atol, rtol = TOLERANCES[spec.dtype]
+    assert out.shape == ref.shape and out.dtype == ref.dtype == spec.dtype
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("name", list(ERROR_CASES))
 def test_interpreted_launcher_rejects_bad_input(interpreted, name):
     assert isinstance(interpreted[name], str) and interpreted[name].startswith("ValueError:")
@@ -132,7 +166,7 @@ def _cuda_batch(spec: BatchSpec) -> dict:
 def test_cuda_attention_matches_reference(
     seqs, num_heads, num_kv_heads, head_dim, block_size, dtype
 ):
-    from plait.kernels.triton_attention import paged_attention_triton
+    from plait.kernels.cuda.attention import paged_attention_triton
 
     spec = BatchSpec(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=7)
     args = _cuda_batch(spec)
@@ -147,7 +181,7 @@ def test_cuda_attention_matches_reference(
 @requires_cuda
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_cuda_write_kv_matches_reference(block_size):
-    from plait.kernels.triton_write_kv import write_kv_triton
+    from plait.kernels.cuda.write_kv import write_kv_triton
 
     inputs = build_write_case(300, 8, 128, block_size, torch.bfloat16, seed=3)
     expected = {k: v.clone() for k, v in inputs.items()}
@@ -160,17 +194,42 @@ def test_cuda_write_kv_matches_reference(block_size):
 
 @pytest.mark.cuda
 @requires_cuda
-def test_cuda_decode_bandwidth_reports_sane_numbers():
-    from plait.kernels.bench_decode import measure_copy_bandwidth, measure_decode_bandwidth
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_ops_table_matches_the_reference_ops(dtype):
+    """The table a CUDA engine gets (`select_ops`) against the reference table on the same
+    device: the KV write bit for bit, the attention within tolerance."""
+    spec = BatchSpec((*MIXED_SEQS, (300, 700), (1, 2049)), num_heads=32, num_kv_heads=8,
+                     head_dim=128, block_size=16, dtype=dtype, seed=9)
+    shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size)
+    ops = select_ops(torch.device("cuda"), dtype, shape)
+    assert isinstance(ops, TritonOps)
+    got = ops_step(spec, ops, device="cuda")
+    expected = ops_step(spec, TorchOps(shape, cascade=False), device="cuda")
+    assert torch.equal(got["k_cache"], expected["k_cache"])
+    assert torch.equal(got["v_cache"], expected["v_cache"])
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(got["attention"], expected["attention"], atol=atol, rtol=rtol)
 
-    result = measure_decode_bandwidth(8, 4096, 32, 8, 128, 16, torch.bfloat16)
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_decode_bandwidth_reports_sane_numbers():
+    bench_decode = _load_bench_decode()
+    result = bench_decode.measure_decode_bandwidth(8, 4096, 32, 8, 128, 16, torch.bfloat16)
     assert result["gbps"] > 0 and result["time_ms"] > 0
-    assert measure_copy_bandwidth(1 << 28) > 0
+    assert bench_decode.measure_copy_bandwidth(1 << 28) > 0
+
+
+def _load_bench_decode():
+    """scripts/bench_decode.py (a script, not in the package), imported from its path."""
+    spec = importlib.util.spec_from_file_location("bench_decode_under_test", BENCH_DECODE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_bench_decode_imports_without_cuda_and_refuses_to_run():
-    from plait.kernels import bench_decode
-
+    bench_decode = _load_bench_decode()
     with pytest.raises(RuntimeError, match="CUDA"):
         bench_decode.measure_decode_bandwidth(1, 16, 2, 1, 64, 16, torch.float16)

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import copy
-import itertools
 from pathlib import Path
 
 import pytest
 import torch
+from model_helpers import PagedHarness, load_model
 from tiny_model import make_tiny_model
 
 from plait import LLM, SamplingParams
-from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import ResolvedModel
-from plait.engine.models.cpu_linear import NATIVE_MAX_ROWS
-from plait.engine.models.llama import AttentionMetadata, LlamaForCausalLM
-from plait.engine.weights import load_weights
+from plait.engine.models.linear import NATIVE_MAX_ROWS
+from plait.kernels.cpu import build
 
 PROMPTS = [
     "The capital of France is",
@@ -27,61 +25,15 @@ PROMPTS = [
 LOGITS_ATOL = 2e-3
 
 
-def _plait_model(path: Path) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(ModelConfig.from_dir(path), 4096)
-    load_weights(model, path)
-    return model.eval()
-
-
 def _hf_model(path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-class PagedHarness:
-    """A KV cache with hand-written block tables, to drive the model directly."""
-
-    def __init__(self, cfg: ModelConfig, num_blocks: int = 64, block_size: int = 4) -> None:
-        self.block_size = block_size
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
-
-    def run(self, model, seqs: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:
-        """seqs: (all token ids so far, num already cached, block table). Returns the logits
-        of every newly computed position, per sequence."""
-        ids, positions, meta = self.step(seqs)
-        with torch.no_grad():
-            hidden = model(ids, positions, self.kv, meta)
-            logits = model.compute_logits(hidden)
-        cu = meta.cu_seqlens_q.tolist()
-        return [logits[a:b] for a, b in itertools.pairwise(cu)]
-
-    def step(self, seqs: list[tuple[list[int], int, list[int]]],
-             ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The input ids, positions and metadata of one forward over `seqs` (as `run`)."""
-        bs = self.block_size
-        ids, pos, slots, cu, ctx, tables = [], [], [], [0], [], []
-        width = max(len(t) for _, _, t in seqs)
-        for tokens, cached, table in seqs:
-            span = range(cached, len(tokens))
-            ids += tokens[cached:]
-            pos += span
-            slots += [table[p // bs] * bs + p % bs for p in span]
-            cu.append(cu[-1] + len(span))
-            ctx.append(len(tokens))
-            tables.append(table + [-1] * (width - len(table)))
-        meta = AttentionMetadata(
-            torch.tensor(slots), torch.tensor(cu, dtype=torch.int32),
-            torch.tensor(ctx, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32),
-            max_query_len=max(b - a for a, b in itertools.pairwise(cu)),
-            max_context_len=max(ctx))
-        return torch.tensor(ids), torch.tensor(pos), meta
-
-
 @pytest.fixture(scope="module")
 def models(default_model: ResolvedModel):
-    return _plait_model(default_model.path), _hf_model(default_model.path)
+    return load_model(default_model.path), _hf_model(default_model.path)
 
 
 def test_default_model_logits_match_transformers(models, tokenizer) -> None:
@@ -135,10 +87,13 @@ def test_kept_rows_equal_those_of_the_full_forward(models, tokenizer) -> None:
     assert ids.shape[0] > NATIVE_MAX_ROWS  # the layer loop, not the one-call native stack
     keep = meta.cu_seqlens_q[1:].long() - 1  # each sequence's last row
     full_kv, kept_kv, none_kv = (copy.deepcopy(base.kv) for _ in range(3))
-    with torch.no_grad():
-        full = model.compute_logits(model(ids, positions, full_kv, meta))
-        kept = model.compute_logits(model(ids, positions, kept_kv, meta, keep))
-        empty = model(ids, positions, none_kv, meta, keep[:0])
+    full = model.compute_logits(base.forward(model, ids, positions, meta, full_kv))
+    meta = base.step(seqs)[2]
+    meta.keep = keep
+    kept = model.compute_logits(base.forward(model, ids, positions, meta, kept_kv))
+    meta = base.step(seqs)[2]
+    meta.keep = keep[:0]
+    empty = base.forward(model, ids, positions, meta, none_kv)
     assert kept.shape == (3, model.config.vocab_size) and empty.shape[0] == 0
     torch.testing.assert_close(kept, full[keep], atol=5e-4, rtol=0)
     for kv in (kept_kv, none_kv):
@@ -171,6 +126,7 @@ def test_greedy_32_tokens_equal_transformers_generate(default_model, models, tok
     assert ours[0].outputs[0].token_ids == ref[0, len(ids):].tolist()
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["cpu-native-ops", "torch-ops"])
 @pytest.mark.parametrize("model_type,rope_scaling", [
     ("qwen2", None),
     ("mistral", None),
@@ -178,9 +134,11 @@ def test_greedy_32_tokens_equal_transformers_generate(default_model, models, tok
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
 ])
 def test_tiny_architectures_match_transformers(tmp_path, default_model, model_type,
-                                               rope_scaling) -> None:
+                                               rope_scaling, native) -> None:
+    """Both CPU ops tables (the native kernels, and plain torch) give transformers' logits."""
     path = make_tiny_model(tmp_path / model_type, default_model.path, model_type, rope_scaling)
-    ours_model, hf = _plait_model(path), _hf_model(path)
+    ours_model, hf = load_model(path, native=native), _hf_model(path)
+    assert ours_model.ops.name == ("cpu-native" if native and build.available() else "torch")
     if rope_scaling is not None:
         assert ours_model.config.rope_scaling is not None
     ids = list(range(100, 300, 3))  # 67 tokens: positions past original_max_position_embeddings

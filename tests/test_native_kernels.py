@@ -1,7 +1,7 @@
-"""The native CPU kernels (kernels/cpu_*.c via kernels/native.py) against plain torch in
-float64: the skinny GEMM for every row count and tile remainder, the paged decode attention
-(with its log-sum-exp) for GQA groups, head sizes, block sizes and partial blocks; that the
-model and the cascade backend really take them; and the build's cache and its fallbacks."""
+"""The native CPU kernels (kernels/cpu/*.c via kernels/cpu/native.py) against plain torch
+in float64: the skinny GEMM for every row count and tile remainder, the paged decode
+attention for GQA groups, head sizes, block sizes and partial blocks; that the panel linear
+layer and the CPU ops table really take them; and the build's cache and its fallbacks."""
 
 from __future__ import annotations
 
@@ -10,13 +10,20 @@ import torch
 from kernel_cases import BatchSpec, build_batch, dense_attention, share_prefix
 from torch import nn
 
-from plait.engine.models import cpu_linear
-from plait.engine.models.cpu_linear import linear, prepack_cpu_linears
-from plait.kernels import cascade, native
-from plait.kernels.cascade import cascade_attention_reference
+from plait.engine.models.linear import (
+    FORMATS,
+    NATIVE_MAX_ROWS,
+    Linear,
+    PanelLinear,
+    convert_linears,
+    resolve_cpu_gemm,
+)
+from plait.kernels import AttentionMetadata, AttentionShape, select_ops
+from plait.kernels.cpu import attention, build, native
+from plait.kernels.cpu.attention import native_attention, plan_native
 from plait.kernels.reference import paged_attention_reference
 
-needs_native = pytest.mark.skipif(not native.available(),
+needs_native = pytest.mark.skipif(not build.available(),
                                   reason="no C compiler / not x86-64: native kernels off")
 
 
@@ -59,22 +66,31 @@ def test_gemm_rejects_a_mismatched_input() -> None:
 
 @needs_native
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_takes_the_panels_up_to_the_row_limit(bias, monkeypatch) -> None:
+@pytest.mark.parametrize("large", sorted(FORMATS))
+def test_panel_linear_takes_the_panels_up_to_the_row_limit(bias, large, monkeypatch) -> None:
+    """`PanelLinear`: the native GEMM for 1..NATIVE_MAX_ROWS rows, its BLAS format (any of
+    them) above, a dense output either way; the same weight Parameter as the loaded one."""
+    if large == "mkl" and not torch.backends.mkl.is_available():
+        pytest.skip("torch without MKL")
     torch.manual_seed(0)
-    layer = nn.Linear(64, 80, bias=bias)
-    prepack_cpu_linears(nn.Sequential(layer))
-    assert layer.panel_weight is not None
+    plain = Linear(64, 80, bias=bias)
+    nn.init.normal_(plain.weight)
+    if bias:
+        nn.init.normal_(plain.bias)
+    layer = PanelLinear.over(plain, FORMATS[large])
+    assert layer.weight is plain.weight and layer.large.weight is plain.weight
+    assert layer.panels.shape == (-(-80 // native.lanes()), 64, native.lanes())
     calls = []
     real = native.gemm
     monkeypatch.setattr(native, "gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, 16, cpu_linear.NATIVE_MAX_ROWS, cpu_linear.NATIVE_MAX_ROWS + 1, 100):
+    for rows in (1, 16, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 30, 100):
         x = torch.randn(rows, 64)
-        expected = nn.functional.linear(x.double(), layer.weight.double(),
-                                        None if layer.bias is None else layer.bias.double())
-        torch.testing.assert_close(linear(layer, x).double(), expected, rtol=0, atol=1e-4)
-    assert calls == [1, 16, cpu_linear.NATIVE_MAX_ROWS]
-    prepack_cpu_linears(nn.Sequential(layer), "none")  # the plain path keeps no panels
-    assert layer.panel_weight is None
+        expected = nn.functional.linear(x.double(), plain.weight.double(),
+                                        None if plain.bias is None else plain.bias.double())
+        out = layer(x)
+        assert out.is_contiguous()
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-4)
+    assert calls == [1, 16, NATIVE_MAX_ROWS]
 
 
 def _reference(query, k_cache, v_cache, table, ctx, scale):
@@ -243,22 +259,21 @@ def test_cascade_backend_attends_decodes_natively(fresh_library, monkeypatch) ->
     share_prefix(batch, list(range(20)), 4, 16)
     plain = paged_attention_reference(**batch.kernel_args())
     for min_prefix in (1, 100):  # with a shared prefix, and every row on its own keys
-        out = cascade_attention_reference(**batch.kernel_args(), min_prefix_blocks=min_prefix)
+        out = _native(batch, min_prefix)
         torch.testing.assert_close(out, plain, atol=2e-6, rtol=1e-5)
         torch.testing.assert_close(out.double(), dense_attention(batch), atol=2e-6, rtol=1e-5)
     # 20 shared rows, at most 48 // 3 = 16 per chunk: 10 + 10; then the 2 other decodes,
     # then the prefill chunk of 5 queries as one tile
     assert native.max_chunk_rows(3) == 16
     assert calls == [[0, 10, 20, 21, 22, 27], [*range(23), 27]]
-    assert cascade.native_chunks([([0, 1, 2, 3, 4], 2)], 7, 2) == [
+    assert attention.native_chunks([([0, 1, 2, 3, 4], 2)], 7, 2) == [
         ([0], 2), ([1, 2], 2), ([3, 4], 2), ([5], 0), ([6], 0)]
-    monkeypatch.setenv("PLAIT_NATIVE", "0")  # the torch path: no native call
-    native.library.cache_clear()
-    native.supports_attention.cache_clear()
-    cascade._cached_plan.clear()
-    torch.testing.assert_close(cascade_attention_reference(**batch.kernel_args()), plain,
-                               atol=2e-6, rtol=1e-5)
-    assert len(calls) == 2
+    # the CPU ops table attends natively, in one call; the torch table (kernels off) does
+    # not call the kernel
+    for native_kernels, expected_calls in ((True, 3), (False, 3)):
+        torch.testing.assert_close(_ops_attention(batch, native_kernels), plain, atol=2e-6,
+                                   rtol=1e-5)
+        assert len(calls) == expected_calls
 
 
 @needs_native
@@ -268,7 +283,7 @@ def test_prefill_chunks_go_native_as_causal_tiles(fresh_library, monkeypatch, ca
     the native kernel as tiles of up to max_chunk_rows consecutive positions, longest first:
     tile [p, p + R) shares the tokens before p, row p + r attends up to p + r. Equal to plain
     paged attention and to dense attention, beside decode rows."""
-    assert [(t.start, t.stop) for t in cascade.prefill_tiles(range(3, 40), 16)] == [
+    assert [(t.start, t.stop) for t in attention.prefill_tiles(range(3, 40), 16)] == [
         (35, 40), (19, 35), (3, 19)]
     calls = []
     real = native.decode_attention
@@ -278,7 +293,7 @@ def test_prefill_chunks_go_native_as_causal_tiles(fresh_library, monkeypatch, ca
     spec = BatchSpec(seqs=((40, 40 + cached), (1, 30), (21, 21 + cached), (1, 7)),
                      num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=cached)
     batch = build_batch(spec)
-    out = cascade_attention_reference(**batch.kernel_args())
+    out = _native(batch)
     torch.testing.assert_close(out, paged_attention_reference(**batch.kernel_args()),
                                atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(out.double(), dense_attention(batch), atol=2e-6, rtol=1e-5)
@@ -287,52 +302,79 @@ def test_prefill_chunks_go_native_as_causal_tiles(fresh_library, monkeypatch, ca
                       [0, 0, cached + 32, cached + 16, cached, cached + 16, cached])]
 
 
+def _native(batch, min_prefix_blocks: int = attention.MIN_PREFIX_BLOCKS) -> torch.Tensor:
+    """`batch`'s attention through `plan_native` and `native_attention`."""
+    args = batch.kernel_args()
+    block_size, num_kv_heads = args["k_cache"].shape[1], args["k_cache"].shape[2]
+    rows = plan_native(args["cu_seqlens_q"], args["context_lens"], args["block_tables"],
+                       block_size, args["query"].shape[1] // num_kv_heads,
+                       args["max_query_len"], args["max_context_len"], min_prefix_blocks)
+    return native_attention(args["query"], args["k_cache"], args["v_cache"],
+                            args["block_tables"], rows, args["scale"])
+
+
+def _ops_attention(batch, native_kernels: bool) -> torch.Tensor:
+    """`batch`'s attention through the float32 CPU ops table, planned as the runner does."""
+    args = batch.kernel_args()
+    _, block_size, num_kv_heads, head_dim = args["k_cache"].shape
+    ops = select_ops(torch.device("cpu"), torch.float32,
+                     AttentionShape(args["query"].shape[1], num_kv_heads, head_dim, block_size),
+                     native_kernels=native_kernels)
+    assert ops.name == ("cpu-native" if native_kernels and build.available() else "torch")
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), args["cu_seqlens_q"],
+                             args["context_lens"], args["block_tables"],
+                             args["max_query_len"], args["max_context_len"])
+    ops.plan(meta, torch.zeros(0, dtype=torch.int64))
+    return ops.attention(args["query"], args["k_cache"], args["v_cache"], meta, args["scale"])
+
+
 @pytest.fixture
 def fresh_library(tmp_path, monkeypatch):
-    """`native.library()` rebuilt from scratch into an empty cache, restored afterwards."""
+    """`build.library()` rebuilt from scratch into an empty cache, restored afterwards."""
     monkeypatch.setenv("PLAIT_CACHE", str(tmp_path))
-    native.library.cache_clear()
+    build.library.cache_clear()
     native.supports_attention.cache_clear()
     yield tmp_path
     monkeypatch.undo()
-    native.library.cache_clear()
+    build.library.cache_clear()
     native.supports_attention.cache_clear()
 
 
 @needs_native
 def test_the_build_is_cached_per_machine(fresh_library) -> None:
-    lib = native.library()
+    lib = build.library()
     assert lib is not None and lib.plait_lanes() in (4, 8, 16)
     built = list((fresh_library / "native").glob("plait_cpu_ops-*.so"))
     assert len(built) == 1 and not list((fresh_library / "native").glob("*.tmp"))
     stamp = built[0].stat().st_mtime_ns
-    native.library.cache_clear()
-    assert native.library() is not None  # a second process: loads, does not rebuild
+    build.library.cache_clear()
+    assert build.library() is not None  # a second process: loads, does not rebuild
     assert built[0].stat().st_mtime_ns == stamp
 
 
-@pytest.mark.parametrize("env", [{"PLAIT_NATIVE": "0"}, {"CC": "/nonexistent/cc"}])
-def test_without_the_kernels_everything_falls_back(env, fresh_library, monkeypatch,
+def test_without_the_kernels_everything_falls_back(fresh_library, monkeypatch,
                                                     caplog) -> None:
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    """No C compiler: the build is refused (logged), the engine's ops table is the torch
+    one, linear layers keep a BLAS format, and attention still equals the reference."""
+    monkeypatch.setenv("CC", "/nonexistent/cc")
     with caplog.at_level("WARNING", logger="plait.kernels"):
-        assert native.library() is None and not native.available()
+        assert build.library() is None and not build.available()
     assert "native CPU kernels off" in caplog.text
     assert not native.supports_attention(4, 2, 64, 16)
     with pytest.raises(RuntimeError, match="not available"):
         native.pack_weight(torch.zeros(4, 4))
-    layer = nn.Linear(16, 24)
-    prepack_cpu_linears(nn.Sequential(layer))
-    assert layer.panel_weight is None
+    model = nn.Sequential(Linear(16, 24))
+    nn.init.normal_(model[0].weight)
+    nn.init.normal_(model[0].bias)
+    convert_linears(model, resolve_cpu_gemm(), panels=False)
+    assert not isinstance(model[0], PanelLinear)
     x = torch.randn(3, 16)
-    torch.testing.assert_close(linear(layer, x), nn.functional.linear(x, layer.weight,
-                                                                       layer.bias))
+    torch.testing.assert_close(model(x), nn.functional.linear(x, model[0].weight,
+                                                              model[0].bias))
     spec = BatchSpec(seqs=((1, 40), (1, 9)), num_heads=4, num_kv_heads=2, head_dim=32,
                      block_size=8, seed=1)
     batch = build_batch(spec)
-    cascade._cached_plan.clear()
-    torch.testing.assert_close(cascade_attention_reference(**batch.kernel_args()),
+    torch.testing.assert_close(_ops_attention(batch, native_kernels=True),
                                paged_attention_reference(**batch.kernel_args()), atol=2e-6,
                                rtol=1e-5)
 
@@ -343,12 +385,13 @@ def test_rope_write_kv_is_the_torch_path_bit_for_bit(num_tokens) -> None:
     """The fused rotary embedding + KV write equals `apply_rope` then `write_kv_reference`
     exactly (torch.equal): q rotated in place in its strided qkv buffer, the rotated k and v
     at their slots, a slot of -1 not written, the other cache rows untouched."""
-    from plait.engine.models.rope import RotaryEmbedding, apply_rope
+    from plait.engine.models.rope import rope_cos_sin
+    from plait.kernels.ops import apply_rope
     from plait.kernels.reference import write_kv_reference
 
     gen = torch.Generator().manual_seed(num_tokens)
     heads, kv_heads, head_dim = 9, 3, 64
-    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    cos_sin = rope_cos_sin(head_dim, 4096, 10000.0, None)
     qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
     positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
     slots = torch.randperm(40 * 16, generator=gen)[:num_tokens]
@@ -362,11 +405,11 @@ def test_rope_write_kv_is_the_torch_path_bit_for_bit(num_tokens) -> None:
     caches = [torch.randn(40, 16, kv_heads, head_dim, generator=gen) for _ in range(2)]
     expected = [c.clone() for c in caches]
     q, k, v = split(qkv.clone())
-    q_ref, k_ref = apply_rope(rope.cos_sin, positions, q, k)
+    q_ref, k_ref = apply_rope(cos_sin, positions, q, k)
     write_kv_reference(k_ref, v, *expected, slots)
     q, k, v = split(qkv.clone())
     assert native.rope_fits(q, k, v, *caches)
-    out = native.rope_write_kv(q, k, v, rope.cos_sin, positions, *caches, slots)
+    out = native.rope_write_kv(q, k, v, cos_sin, positions, *caches, slots)
     assert out.data_ptr() == q.data_ptr()  # in place
     assert torch.equal(q, q_ref)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])

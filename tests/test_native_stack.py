@@ -1,6 +1,7 @@
-"""`LlamaForCausalLM.native_stack` (one C call for every layer of a few-row step,
-kernels/cpu_decoder.c) against the eager layer loop it replaces: the same bits, in the
-hidden states and in every K/V it writes, and None wherever that loop would not be native."""
+"""The native whole-stack call (one C call for every layer of a few-row step,
+kernels/cpu/decoder.c, `CpuNativeOps.decoder_stack`) against the layer loop through the same
+ops table: the same bits, in the hidden states and in every K/V it writes; and not planned
+wherever that loop would not be native."""
 
 from __future__ import annotations
 
@@ -9,27 +10,21 @@ import copy
 import pytest
 import torch
 from engine_helpers import prompt
-from test_model_parity import PagedHarness
+from model_helpers import PagedHarness, load_model
 from tiny_model import make_tiny_model
 
-from plait.engine.model_config import ModelConfig
-from plait.engine.models.cpu_linear import NATIVE_MAX_ROWS, prepack_cpu_linears
+from plait.engine.models.linear import NATIVE_MAX_ROWS
 from plait.engine.models.llama import LlamaForCausalLM
-from plait.engine.weights import load_weights
-from plait.kernels import native
+from plait.kernels.cpu import build
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+pytestmark = pytest.mark.skipif(not build.available(), reason="native kernels unavailable")
 
 SHARED = 20  # prompt tokens the first four sequences share: 5 blocks of 4
 
 
-def _model(tmp_path, default_model, model_type: str, prepack: bool = True) -> LlamaForCausalLM:
+def _model(tmp_path, default_model, model_type: str, **options) -> LlamaForCausalLM:
     path = make_tiny_model(tmp_path / model_type, default_model.path, model_type)
-    model = LlamaForCausalLM(ModelConfig.from_dir(path), 2048)
-    load_weights(model, path)
-    if prepack:
-        prepack_cpu_linears(model)
-    return model.eval()
+    return load_model(path, 2048, **options)
 
 
 def _sequences() -> list[tuple[list[int], list[int]]]:
@@ -53,15 +48,11 @@ def _prefilled(model: LlamaForCausalLM) -> PagedHarness:
 
 
 def _both(model: LlamaForCausalLM, harness: PagedHarness, ids, positions, meta):
-    """(native stack's hidden states and caches, the eager layer loop's)."""
+    """(native stack's hidden states and caches, the layer loop's)."""
     kv_stack, kv_loop = copy.deepcopy(harness.kv), copy.deepcopy(harness.kv)
-    with torch.inference_mode():
-        x = model.embed_tokens(ids)
-        stacked = model.native_stack(x.clone(), positions, kv_stack, meta)
-        looped = x.clone()
-        for layer, kv in zip(model.layers, kv_loop, strict=True):
-            looped = layer(positions, looped, kv, meta)
-        looped = model.norm(looped)
+    stacked = harness.forward(model, ids, positions, meta, kv_stack)
+    assert meta.whole_stack and model.stack is not None  # the plan chose the stack
+    looped = harness.forward(model, ids, positions, meta, kv_loop, whole_stack=False)
     return (stacked, kv_stack), (looped, kv_loop)
 
 
@@ -103,25 +94,26 @@ def test_a_small_mixed_step_is_the_layer_loop_bit_for_bit(tmp_path, default_mode
         assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
 
 
-def test_not_taken_where_the_loop_is_not_all_native(tmp_path, default_model,
-                                                    monkeypatch) -> None:
+def test_not_planned_where_the_loop_is_not_all_native(tmp_path, default_model) -> None:
     model = _model(tmp_path, default_model, "llama")
     harness = _prefilled(model)
     seqs = _sequences()
-    ids, positions, meta = harness.step([(t, len(t) - 1, table) for t, table in seqs])
-    x = model.embed_tokens(ids).detach()
-    with torch.inference_mode():
-        assert model.native_stack(x.clone(), positions, harness.kv, meta) is not None
-        # more rows than the native GEMM takes
-        many = x[:1].expand(NATIVE_MAX_ROWS + 1, -1).contiguous()
-        assert model.native_stack(many, positions, harness.kv, meta) is None
-        # PLAIT_CASCADE=0 selects the plain-torch attention
-        monkeypatch.setenv("PLAIT_CASCADE", "0")
-        assert model.native_stack(x.clone(), positions, harness.kv, meta) is None
-        monkeypatch.delenv("PLAIT_CASCADE")
-        # float64 activations (a model in another dtype)
-        assert model.native_stack(x.double(), positions, harness.kv, meta) is None
-    # weights not packed as panels
-    plain = _model(tmp_path / "plain", default_model, "llama", prepack=False)
-    with torch.inference_mode():
-        assert plain.native_stack(x.clone(), positions, harness.kv, meta) is None
+    _, positions, meta = harness.step([(t, len(t) - 1, table) for t, table in seqs])
+    model.bind(harness.kv)
+    assert model.stack is not None and model.ops.plan(meta, positions).whole_stack
+    # more rows than the native GEMM takes: a prefill of NATIVE_MAX_ROWS + 1 tokens
+    long = prompt(50, NATIVE_MAX_ROWS + 1)
+    _, positions, meta = harness.step([(long, 0, list(range(40, 47)))])
+    assert not model.ops.plan(meta, positions).whole_stack
+    # cascade attention off: the plain-torch attention, so no whole stack
+    plain_attention = _model(tmp_path / "nocascade", default_model, "llama", cascade=False)
+    assert plain_attention.ops.stack_rows == 0
+    plain_attention.bind(harness.kv)
+    assert plain_attention.stack is None
+    # weights not in native panels
+    unpacked = _model(tmp_path / "plain", default_model, "llama", convert=False)
+    unpacked.bind(harness.kv)
+    assert unpacked.stack is None
+    # the native kernels off: the torch ops table, which runs no whole stack
+    torch_ops = _model(tmp_path / "torch", default_model, "llama", native=False)
+    assert torch_ops.ops.name == "torch" and torch_ops.ops.stack_rows == 0

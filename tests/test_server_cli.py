@@ -63,8 +63,29 @@ def test_no_enable_prefix_caching_flag() -> None:
     assert engine_config(parse(["--no-enable-prefix-caching"])).enable_prefix_caching is False
 
 
+def test_kernel_switches_are_engine_options_env_included() -> None:
+    """The old kernel environment switches still work, through the options table, into
+    EngineConfig (read once at start, nowhere below the runner)."""
+    config = engine_config(parse([]))
+    assert (config.native, config.cascade, config.attention_backend, config.cpu_gemm) == \
+        (True, True, "auto", "auto")
+    env = {"PLAIT_NATIVE": "0", "PLAIT_CASCADE": "0", "PLAIT_ATTENTION_BACKEND": "reference",
+           "PLAIT_CPU_GEMM": "onednn"}
+    config = engine_config(parse([], env))
+    assert (config.native, config.cascade, config.attention_backend, config.cpu_gemm) == \
+        (False, False, "reference", "onednn")
+    config = engine_config(parse(["--native", "--cpu-gemm", "none"], env))
+    assert (config.native, config.cpu_gemm) == (True, "none")
+    with pytest.raises(ValueError, match="cpu_gemm must be one of"):
+        EngineConfig(cpu_gemm="blas")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(attention_backend="flash")
+
+
 @pytest.mark.parametrize("env", [{"PLAIT_PORT": "eighty"}, {"PLAIT_DTYPE": "int3"},
-                                 {"PLAIT_ENABLE_PREFIX_CACHING": "maybe"}])
+                                 {"PLAIT_ENABLE_PREFIX_CACHING": "maybe"},
+                                 {"PLAIT_CPU_GEMM": "blas"},
+                                 {"PLAIT_ATTENTION_BACKEND": "flash"}])
 def test_bad_env_values_are_named(env: dict[str, str]) -> None:
     with pytest.raises(EnvError, match=next(iter(env))):
         build_parser(env)

@@ -5,9 +5,10 @@ set before triton is first imported no matter what the pytest process imported a
 
     TRITON_INTERPRET=1 python tests/triton_interpret_worker.py OUT.pt {regular|large}
 
-OUT.pt maps each case name of the group to the kernel's output tensor, or to the text of
-the exception it raised. Cases with block ids past 2**31 elements run as their own group:
-an int32 overflow there is a wild pointer, and the segfault should fail only those cases.
+OUT.pt maps each case name of the group to the kernel's output tensor (a dict of tensors
+for the ops-table cases), or to the text of the exception it raised. Cases with block ids
+past 2**31 elements run as their own group: an int32 overflow there is a wild pointer, and
+the segfault should fail only those cases.
 The case tables live here; the test module rebuilds the same seeded inputs and checks the
 outputs against the reference.
 """
@@ -71,6 +72,14 @@ WRITE_CASES: dict[str, dict] = {
     ),
 }
 
+# name -> batch whose query tokens get new K/V written, then attend, through the ops table
+# `select_ops` picks for CUDA (`TritonOps`, run here on CPU tensors by the interpreter); the
+# test compares with the plain reference table (`ops_step`)
+OPS_CASES: dict[str, BatchSpec] = {
+    "ops_triton_fp32": BatchSpec(MIXED_SEQS, num_heads=6, block_size=8, seed=21),
+    "ops_triton_fp16": BatchSpec(MIXED_SEQS, num_heads=8, dtype=torch.float16, seed=22),
+}
+
 # name -> (batch, which argument to break); each must raise ValueError in the launcher
 ERROR_CASES: dict[str, tuple[BatchSpec, str]] = {
     "head_dim_not_power_of_two": (BatchSpec(((1, 4),), head_dim=48), "none"),
@@ -81,7 +90,7 @@ ERROR_CASES: dict[str, tuple[BatchSpec, str]] = {
 
 
 def _run_attention(spec: BatchSpec, num_splits: int | None) -> torch.Tensor:
-    from plait.kernels.triton_attention import paged_attention_triton
+    from plait.kernels.cuda.attention import paged_attention_triton
 
     batch = build_batch(spec)
     return paged_attention_triton(**batch.kernel_args(), num_splits=num_splits)
@@ -89,7 +98,7 @@ def _run_attention(spec: BatchSpec, num_splits: int | None) -> torch.Tensor:
 
 def _run_write(kwargs: dict) -> torch.Tensor:
     """[2, ...] the caches after the write; for huge caches only the written rows."""
-    from plait.kernels.triton_write_kv import write_kv_triton
+    from plait.kernels.cuda.write_kv import write_kv_triton
 
     inputs = build_write_case(**kwargs)
     write_kv_triton(**inputs)
@@ -100,8 +109,51 @@ def _run_write(kwargs: dict) -> torch.Tensor:
     return torch.stack([c.view(-1, *c.shape[2:])[rows] for c in (k_cache, v_cache)])
 
 
+def ops_step(spec: BatchSpec, ops, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """One attention layer of `spec`'s batch through the ops table `ops`, as the model
+    runs it: `plan`, then `rope_write_kv` (RoPE, and new seeded K/V for every query token
+    written at its slot with the table's `write_kv`), then `attention` over the written
+    cache. The inputs are built on the CPU and moved to `device`. Returns the attention
+    output and both caches after the write (on `device`)."""
+    from plait.engine.models.rope import rope_cos_sin
+    from plait.kernels.metadata import AttentionMetadata
+
+    batch = build_batch(spec)
+    bs, h_kv, dim = spec.block_size, spec.num_kv_heads, spec.head_dim
+    num_q = (batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).long()  # [S]
+    ctx = batch.context_lens.long()  # [S]
+    seq = torch.repeat_interleave(torch.arange(num_q.shape[0]), num_q)  # [T]
+    positions = ctx[seq] - num_q[seq] + (  # [T] each query token's position
+        torch.arange(seq.shape[0]) - batch.cu_seqlens_q[:-1].long()[seq])
+    slots = batch.block_tables[seq, positions // bs].long() * bs + positions % bs  # [T]
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    key = torch.randn(seq.shape[0], h_kv, dim, generator=gen).to(spec.dtype)
+    value = torch.randn(seq.shape[0], h_kv, dim, generator=gen).to(spec.dtype)
+    cos_sin = rope_cos_sin(dim, batch.max_context_len, 10000.0, None)
+    query, k_cache, v_cache, cu, ctx_lens, tables, positions, slots, key, value, cos_sin = (
+        t.to(device) for t in (batch.query, batch.k_cache, batch.v_cache, batch.cu_seqlens_q,
+                               batch.context_lens, batch.block_tables, positions, slots, key,
+                               value, cos_sin))
+    meta = AttentionMetadata(slots, cu, ctx_lens, tables, batch.max_query_len,
+                             batch.max_context_len)
+    meta = ops.plan(meta, positions)
+    q = ops.rope_write_kv(query, key, value, cos_sin, positions, k_cache, v_cache, slots)
+    out = ops.attention(q, k_cache, v_cache, meta, batch.scale)
+    return {"attention": out, "k_cache": k_cache, "v_cache": v_cache}
+
+
+def _run_ops(spec: BatchSpec) -> dict[str, torch.Tensor]:
+    from plait.kernels.ops import AttentionShape, TritonOps, select_ops
+
+    shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size)
+    ops = select_ops(torch.device("cuda"), spec.dtype, shape)  # what a CUDA engine gets
+    if not isinstance(ops, TritonOps):
+        raise TypeError(f"select_ops chose {type(ops).__name__} for CUDA, not TritonOps")
+    return ops_step(spec, ops)
+
+
 def _run_error(spec: BatchSpec, broken: str) -> torch.Tensor:
-    from plait.kernels.triton_attention import paged_attention_triton
+    from plait.kernels.cuda.attention import paged_attention_triton
 
     args = build_batch(spec).kernel_args()
     if broken == "query_dtype":
@@ -121,8 +173,9 @@ def main(out_path: str, group: str) -> None:
         raise SystemExit("run with TRITON_INTERPRET=1 and before anything imports triton")
     jobs = {name: (_run_attention, case) for name, case in ATTENTION_CASES.items()}
     jobs |= {name: (_run_write, (case,)) for name, case in WRITE_CASES.items()}
+    jobs |= {name: (_run_ops, (spec,)) for name, spec in OPS_CASES.items()}
     jobs |= {name: (_run_error, case) for name, case in ERROR_CASES.items()}
-    results: dict[str, torch.Tensor | str] = {}
+    results: dict[str, torch.Tensor | dict[str, torch.Tensor] | str] = {}
     for name, (fn, args) in jobs.items():
         if case_group(name) != group:
             continue

@@ -1,46 +1,147 @@
-"""Float32 GEMMs on CPU: each Linear's weight reordered once, at load, for a fast BLAS path.
+"""Linear layers, one module per weight format, chosen once at load (`convert_linears`).
 
-Two packings, chosen per process (`prepack_cpu_linears`, env `PLAIT_CPU_GEMM`):
+The model is built and loaded with `Linear` (torch's [out, in] layout, torch's GEMM, any
+device). On CPU the runner then converts every float32 `Linear` into the format the ops
+table asks for (`Ops.cpu_gemm`, `Ops.native`); each format's module shares the loaded
+weight Parameter (ties such as the LM head's hold) and keeps its own copy in its layout,
+rebuilt by `prepack()`:
 
-* `mkl` (the default on Intel CPUs where torch has MKL): `cblas_sgemm_pack` of the weight;
-  the product runs through `cblas_sgemm_compute` for any number of rows (the pack's row hint
-  only tunes blocking). The plain weight is kept beside it (the LM head shares it with the
-  embedding).
-* `onednn`: oneDNN's blocked layout (`mkldnn._reorder_linear_weight`); the default on
-  other CPUs (measured 1.3-2.3x faster than `F.linear` in an earlier session, on the AMD
-  EPYC VM BENCHMARKS.md's header describes) and where MKL is missing (aarch64 builds).
-
-Beside either packing, where the native kernels build (`plait.kernels.native`, not with
-`PLAIT_NATIVE=0`), each weight is also kept as column panels for the native skinny GEMM,
-which runs every product of at most `NATIVE_MAX_ROWS` rows (the decode steps): it streams
-the weights once per step with prefetching, which neither BLAS does at these shapes
-(`scripts/bench_gemm.py`, same Xeon, ms per pass over the 30 layers at 1 / 8 / 16 / 24 / 32
-rows: native 17 / 20 / 25 / 33 / 40, mkl 18 / 26 / 31 / 34 / 39).
+* `MklLinear` ("mkl", the default on Intel CPUs where torch has MKL): `cblas_sgemm_pack`
+  of the weight, the product through `cblas_sgemm_compute` for any number of rows.
+* `OneDnnLinear` ("onednn", the default elsewhere, and where MKL is missing): oneDNN's
+  blocked layout (measured 1.3-2.3x faster than `F.linear` on the AMD EPYC VM of
+  BENCHMARKS.md).
+* `PanelLinear` (the native kernels on): the weight as column panels for the native skinny
+  GEMM, which runs every product of at most `NATIVE_MAX_ROWS` rows (the decode steps; it
+  streams the weights once per step with prefetching, which neither BLAS does at these
+  shapes), and one of the BLAS formats above for larger products.
 
 Measured on the default model's 30 layers (`scripts/bench_gemm.py`, 2-core Xeon with
 AVX-512, 2 threads, three runs; ms per pass over all 120 projection weights): rows 1 / 16 /
 64 / 512: mkl 21-28 / 37-38 / 67 / 388, onednn 25-29 / 35-41 / 85-88 / 432, plain
-20-23 / 50-52 / 84-87 / 412.
+20-23 / 50-52 / 84-87 / 412; native panels at 1 / 8 / 16 / 24 / 32 rows 17 / 20 / 25 / 33 / 40
+against mkl's 18 / 26 / 31 / 34 / 39.
 """
 
 from __future__ import annotations
 
-import os
+from typing import ClassVar, Self
 
 import torch
 from torch import nn
 
-from plait.kernels import native
-
-PACKINGS = ("mkl", "onednn", "none")
+from plait.engine.config import CPU_GEMMS
+from plait.kernels.cpu import native
+from plait.kernels.cpu.build import NATIVE_MAX_ROWS
 
 # Row hint given to the MKL pack: as fast as 16 or faster at every row count from 1 to 512.
 _MKL_ROW_HINT = 128
-# oneDNN's row hint, and the row count below which unpacked weights run as W @ x^T (faster
-# than x @ W^T for skinny batches in BLAS).
+# oneDNN's row hint, and the row count below which plain weights run as W @ x^T on CPU
+# (faster than x @ W^T for skinny batches in BLAS).
 _SKINNY_ROWS = 32
-# Products of at most this many rows run on the native panels (measured fastest up to 24).
-NATIVE_MAX_ROWS = 24
+
+
+class Linear(nn.Module):
+    """y = x @ weight^T + bias, weight [out, in] in torch's layout: torch's GEMM, on any
+    device (the "none" format)."""
+
+    format: ClassVar[str] = "none"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    @classmethod
+    def adopt(cls, src: Linear) -> Self:
+        """A module of this format over `src`'s weight and bias (the same Parameters),
+        prepacked."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = src.in_features, src.out_features
+        new.weight, new.bias = src.weight, src.bias
+        new.prepack()
+        return new
+
+    def prepack(self) -> None:
+        """Rebuild this format's copy of `weight` (call again after the weight changes)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if x.device.type != "cpu" or x.shape[0] > _SKINNY_ROWS:
+            return nn.functional.linear(x, self.weight, self.bias)
+        out = torch.mm(self.weight, x.t()).t()  # a transposed view
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, format={self.format}")
+
+
+class MklLinear(Linear):
+    """The weight packed by MKL (`cblas_sgemm_pack`); float32 CPU."""
+
+    format: ClassVar[str] = "mkl"
+    packed: torch.Tensor  # [size, 1] MKL's opaque pack
+
+    def prepack(self) -> None:
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(),
+                                                               _MKL_ROW_HINT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.out_features)
+        # rows passed as the pack's batch size: always the packed kernel, never a fallback
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, x.shape[0])
+
+
+class OneDnnLinear(Linear):
+    """The weight in oneDNN's blocked layout; float32 CPU."""
+
+    format: ClassVar[str] = "onednn"
+    packed: torch.Tensor  # [out, in] in oneDNN's layout
+
+    def prepack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
+                                                              _SKINNY_ROWS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class PanelLinear(Linear):
+    """The weight as column panels for the native GEMM (`native.pack_weight`), used for at
+    most `NATIVE_MAX_ROWS` rows; `large`, a BLAS format over the same weight, for more.
+    The output is always dense (the native row-wise kernels that follow take only that)."""
+
+    format: ClassVar[str] = "panels"
+    panels: torch.Tensor  # [P, in, lanes] float32
+    large: Linear
+
+    @classmethod
+    def over(cls, src: Linear, large: type[Linear]) -> PanelLinear:
+        """Panels over `src`'s weight, with `large` (a format class) for large products."""
+        new = cls.adopt(src)
+        new.large = large.adopt(src)
+        return new
+
+    def prepack(self) -> None:
+        self.panels = native.pack_weight(self.weight.detach())
+        if "large" in self._modules:
+            self.large.prepack()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if 0 < x.shape[0] <= NATIVE_MAX_ROWS:
+            return native.gemm(x, self.panels, self.out_features, self.bias)
+        return self.large(x).contiguous()
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", large={self.large.format}"
+
+
+FORMATS: dict[str, type[Linear]] = {f.format: f for f in (Linear, MklLinear, OneDnnLinear)}
 
 
 def cpu_vendor() -> str:
@@ -56,16 +157,15 @@ def cpu_vendor() -> str:
     return ""
 
 
-def default_packing(vendor: str | None = None) -> str:
-    """`PLAIT_CPU_GEMM` if set (one of `PACKINGS`); else mkl on Intel CPUs where torch has
-    MKL (measured fastest there), onednn elsewhere (measured faster than plain BLAS on an
-    AMD EPYC, where MKL was not measured), none without oneDNN."""
-    chosen = os.environ.get("PLAIT_CPU_GEMM", "").strip().lower()
-    if chosen:
-        if chosen not in PACKINGS:
-            raise ValueError(f"PLAIT_CPU_GEMM must be one of {', '.join(PACKINGS)}, "
-                             f"not {chosen!r}")
-        return chosen
+def resolve_cpu_gemm(requested: str = "auto", vendor: str | None = None) -> str:
+    """The BLAS format for `requested` (one of `CPU_GEMMS`): itself, or for "auto" mkl on
+    Intel CPUs where torch has MKL (measured fastest there), onednn elsewhere (measured
+    faster than plain BLAS on an AMD EPYC, where MKL was not measured), none without
+    oneDNN."""
+    if requested not in CPU_GEMMS:
+        raise ValueError(f"cpu_gemm must be one of {', '.join(CPU_GEMMS)}, not {requested!r}")
+    if requested != "auto":
+        return requested
     vendor = cpu_vendor() if vendor is None else vendor
     if vendor == "GenuineIntel" and torch.backends.mkl.is_available() \
             and hasattr(torch.ops.mkl, "_mkl_linear"):
@@ -75,58 +175,20 @@ def default_packing(vendor: str | None = None) -> str:
     return "none"
 
 
-def prepack_cpu_linears(model: nn.Module, packing: str | None = None) -> str:
-    """Pack every float32 CPU Linear weight of `model` for `packing` (default:
-    `default_packing()`), and as native panels (`panel_weight`, None without the native
-    kernels or with packing "none"); returns the packing used. Call again after the weights
-    change."""
-    packing = packing or default_packing()
-    panels = packing != "none" and native.available()
-    for module in model.modules():
-        if not (isinstance(module, nn.Linear) and module.weight.device.type == "cpu"
-                and module.weight.dtype == torch.float32):
-            continue
-        weight = module.weight.detach()
-        with torch.no_grad():
-            if packing == "mkl":
-                module.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(
-                    weight, _MKL_ROW_HINT)
-            elif packing == "onednn":
-                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
-                    weight, _SKINNY_ROWS)
-            else:
-                module.packed_weight = None
-            module.panel_weight = native.pack_weight(weight) if panels else None
-    return packing
+def convert_linears(model: nn.Module, cpu_gemm: str, panels: bool) -> str:
+    """Give every float32 CPU `Linear` of `model` its CPU format, in place: `cpu_gemm` (a
+    resolved name of `FORMATS`), under native panels when `panels` (which needs the native
+    kernels). Returns a description of what was chosen. Other Linears keep torch's GEMM."""
+    fmt = FORMATS[cpu_gemm]
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is not Linear or child.weight.device.type != "cpu" \
+                    or child.weight.dtype != torch.float32:
+                continue
+            setattr(module, name, PanelLinear.over(child, fmt) if panels else fmt.adopt(child))
+    return f"native panels up to {NATIVE_MAX_ROWS} rows, then {cpu_gemm}" if panels \
+        else cpu_gemm
 
 
-def packed_linear(
-    x: torch.Tensor,  # [T, in]
-    weight: torch.Tensor,  # [out, in] plain weight
-    packed: torch.Tensor | None,  # weight packed by `prepack_cpu_linears`, or None
-    bias: torch.Tensor | None,  # [out]
-    panels: torch.Tensor | None = None,  # [P, in, lanes] `native.pack_weight(weight)`
-) -> torch.Tensor:  # [T, out], possibly a transposed view
-    """x @ weight^T + bias through the weight's packing (the CPU GEMM of every layer): the
-    native panels for at most `NATIVE_MAX_ROWS` rows, else the BLAS packing."""
-    if panels is not None and 0 < x.shape[0] <= NATIVE_MAX_ROWS and x.device.type == "cpu":
-        return native.gemm(x, panels, weight.shape[0], bias)
-    if packed is not None and x.device.type == "cpu" and x.shape[0] > 0:
-        if packed.shape == weight.shape:  # oneDNN keeps [out, in]; an MKL pack is [size, 1]
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        # rows passed as the pack's batch size: always the packed kernel, never a fallback
-        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
-    if x.device.type != "cpu" or x.shape[0] > _SKINNY_ROWS:
-        return nn.functional.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()).t()
-    return out if bias is None else out + bias
-
-
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-    """`layer(x)` through its packed weight where it has one."""
-    return packed_linear(x, layer.weight, getattr(layer, "packed_weight", None), layer.bias,
-                         getattr(layer, "panel_weight", None))
-
-
-__all__ = ["NATIVE_MAX_ROWS", "PACKINGS", "cpu_vendor", "default_packing", "linear",
-           "packed_linear", "prepack_cpu_linears"]
+__all__ = ["CPU_GEMMS", "FORMATS", "NATIVE_MAX_ROWS", "Linear", "MklLinear", "OneDnnLinear",
+           "PanelLinear", "convert_linears", "cpu_vendor", "resolve_cpu_gemm"]

@@ -22,41 +22,13 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
-class RotaryEmbedding(torch.nn.Module):
-    """Neox-style RoPE (rotate halves), as Hugging Face Llama checkpoints expect."""
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None) -> None:
-        super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        if scaling is not None:
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        # cos_sin: [max_positions, head_dim] = cos | sin halves
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], -1).float(),
-                             persistent=False)
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        q: torch.Tensor,  # [T, H, D]
-        k: torch.Tensor,  # [T, H_kv, D]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rope(self.cos_sin, positions, q, k)
-
-
-def apply_rope(
-    cos_sin: torch.Tensor,  # [max_positions, D] = cos | sin halves
-    positions: torch.Tensor,  # [T]
-    q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, H_kv, D]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k by their positions' angles (neox style: rotate halves)."""
-    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x.dtype)
+def rope_cos_sin(head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None) -> torch.Tensor:  # [max_positions, D]
+    """The neox-style RoPE table Hugging Face Llama checkpoints expect: cos | sin halves of
+    each position's angles, float32 (computed in float64). Applied by the ops table
+    (`rope_write_kv`; plait.kernels.ops.apply_rope)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is not None:
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], -1).float()

@@ -1,14 +1,14 @@
 /* Paged attention over the KV cache, read in place (see vec.h). */
+#include "plait_cpu.h"
 #include "vec.h"
 
-#define MAX_QUERIES 48  /* query vectors one task holds: rows of a chunk x heads per KV head */
+/* PLAIT_MAX_QUERIES (plait_cpu.h): query vectors one task holds: rows of a chunk x heads
+ * per KV head; PLAIT_MAX_HEAD_DIM; PLAIT_MAX_BLOCK: tokens per cache block. */
 /* Split a chunk into pieces when chunks x KV heads < PIECE_TASKS tasks per thread; a piece
  * has at least PIECE_BLOCKS blocks; at most MAX_PIECES_MERGED pieces per chunk. */
 #define PIECE_TASKS 3
 #define PIECE_BLOCKS 4
 #define MAX_PIECES_MERGED 64
-#define MAX_HEAD_DIM 256
-#define MAX_BLOCK 256   /* tokens per cache block */
 /* Each task prefetches its rows of the block this many blocks ahead into L2: the blocks
  * are scattered over the pool, so the hardware prefetcher cannot follow (16 sequences of
  * ~560 tokens: 37.6 -> 27 ms per decode step over 30 layers; what is left is the latency
@@ -25,13 +25,46 @@ typedef struct {
   vf *acc;     /* [nq, dv] */
 } state_t;
 
-/* Rescales query a's state to a new maximum `mb` (>= its current one). */
-static inline void rescale(state_t *st, long a, float mb) {
-  if (mb == st->m[a]) return;
-  const float alpha = st->m[a] == -INFINITY ? 0.0f : expf(st->m[a] - mb);
-  st->l[a] *= alpha;
-  st->m[a] = mb;
-  for (long d = 0; d < st->dv; d++) st->acc[a * st->dv + d] *= alpha;
+/* The online-softmax update, the one every path runs: a running max m and normaliser l
+ * meet n new score vectors s[j * s_stride] (floats; pre-scaled): m' = max(m, s), the
+ * weights p[j * p_stride] = e^(s_j - m') are written (p may be s), l' = l e^(m - m') +
+ * sum_j p_j; returns alpha = e^(m - m'), by which the caller scales the query's weighted sum
+ * of values before adding sum_j p_j V_j. Two layouts, `across` a compile-time constant:
+ *   across = 0: one query per lane (m, l, alpha lane by lane), one token per vector;
+ *   across = 1: one query, its tokens across the lanes (m, l broadcast over the lanes;
+ *               the max and the sum reduce over them too); pad past the tokens with -inf.
+ * alpha is exactly 1 when the max did not move (vexp(0) = 1); from m = -inf (nothing
+ * attended yet) it is e^-87 (vexp's floor), which scales an l and a weighted sum still 0.
+ * Inlined, `across` folded: it is the hot loop of decode attention. */
+static inline __attribute__((always_inline)) vf softmax_update(
+    vf *m, vf *l, const float *s, long s_stride, float *p, long p_stride, long n,
+    const int across) {
+  vf mx = *m;
+  for (long j = 0; j < n; j++) {  /* the same max either way; each the faster where used */
+    const vf sj = *(const vf *)(s + j * s_stride);
+    mx = across ? vselect(sj > mx, sj, mx) : vmax(sj, mx);
+  }
+  if (across) mx = vsplat(hmax(mx));
+  const vf alpha = vexp(*m - mx);
+  vf sum = (vf){0};
+  for (long j = 0; j < n; j++) {
+    const vf e = vexp(*(const vf *)(s + j * s_stride) - mx);
+    *(vf *)(p + j * p_stride) = e;
+    sum += e;
+  }
+  *l = *l * alpha + (across ? vsplat(hsum(sum)) : sum);
+  *m = mx;
+  return alpha;
+}
+
+/* softmax_update of query a of `st` (across = 1) over its padded scores s[0, padded). */
+static inline __attribute__((always_inline)) vf update_query(state_t *st, long a, float *s,
+                                                             long padded) {
+  vf m = vsplat(st->m[a]), l = vsplat(st->l[a]);
+  const vf alpha = softmax_update(&m, &l, s, LANES, s, LANES, padded / LANES, 1);
+  st->m[a] = m[0];
+  st->l[a] = l[0];
+  return alpha;
 }
 
 /* Where token t's rows of KV head h are in the caches (k, v; the next tokens of its block
@@ -77,10 +110,10 @@ static void attend_shared(state_t *st, const int32_t *table, long t_from, long t
                           const float *k_cache, const float *v_cache, long block_size,
                           long num_kv_heads, long h, long head_dim) {
   /* QMAX query vectors; TB tokens' partial scores: TB * QMAX accumulators in registers */
-  enum { QMAX = MAX_QUERIES / LANES, TB = LANES == 16 ? 8 : 1 };
+  enum { QMAX = PLAIT_MAX_QUERIES / LANES, TB = LANES == 16 ? 8 : 1 };
   const long stride = num_kv_heads * head_dim, dv = st->dv, nq = st->nq;
   const long qv = (nq + LANES - 1) / LANES;
-  float qt[MAX_HEAD_DIM * QMAX * LANES] __attribute__((aligned(64)));
+  float qt[PLAIT_MAX_HEAD_DIM * QMAX * LANES] __attribute__((aligned(64)));
   /* +4: the value pass reads 4 queries at a time, past nq in its last group */
   float prob[LANES][QMAX * LANES + 4] __attribute__((aligned(64)));
   float scale_by[QMAX * LANES] __attribute__((aligned(64)));
@@ -121,20 +154,10 @@ static void attend_shared(state_t *st, const int32_t *table, long t_from, long t
       for (long j = 0; j < TB && j0 + j < n; j++)
         for (int v = 0; v < QMAX; v++) sc[j0 + j][v] = part[j][v];
     }
-    for (long v = 0; v < qv; v++) {  /* online softmax, all queries at once */
-      vf mx = m[v];
-      for (long j = 0; j < n; j++) mx = vselect(sc[j][v] > mx, sc[j][v], mx);
-      const vf alpha = vexp(m[v] - mx);
-      vf sum = (vf){0};
-      for (long j = 0; j < n; j++) {
-        const vf p = vexp(sc[j][v] - mx);
-        *(vf *)&prob[j][v * LANES] = p;
-        sum += p;
-      }
-      l[v] = l[v] * alpha + sum;
-      m[v] = mx;
-      *(vf *)&scale_by[v * LANES] = alpha;
-    }
+    for (long v = 0; v < qv; v++)  /* online softmax, all queries at once */
+      *(vf *)&scale_by[v * LANES] = softmax_update(&m[v], &l[v], (const float *)&sc[0][v],
+                                                   QMAX * LANES, &prob[0][v * LANES],
+                                                   QMAX * LANES + 4, n, 0);
     for (long d = 0; d < dv; d++) {  /* acc = acc * alpha + sum_j p_j V_j, 4 queries a pass */
       for (long a0 = 0; a0 < nq; a0 += 4) {
         vf r[4];
@@ -169,7 +192,7 @@ static inline __attribute__((always_inline)) void own_block_fixed(
   const long head_dim = DV * LANES;
   /* arrays of constant size (the largest G and DV `own_block` passes): sized by G and DV
    * they would be VLAs, allocated on the stack per iteration, not kept in registers */
-  float s[OWN_GMAX][MAX_BLOCK + LANES] __attribute__((aligned(64)));
+  float s[OWN_GMAX][PLAIT_MAX_BLOCK + LANES] __attribute__((aligned(64)));
   vf qr[OWN_GMAX][OWN_DVMAX];
   for (int g = 0; g < G; g++)
     for (int d = 0; d < DV; d++) qr[g][d] = *(const vf *)(st->q + (a0 + g) * head_dim + d * LANES);
@@ -185,22 +208,10 @@ static inline __attribute__((always_inline)) void own_block_fixed(
     }
   }
   const long padded = (n + LANES - 1) / LANES * LANES;
-  float alpha[OWN_GMAX];
+  vf alpha[OWN_GMAX];
   for (int g = 0; g < G; g++) {  /* online softmax update */
-    const long a = a0 + g;
-    float mb = st->m[a];
-    for (long j = 0; j < n; j++) mb = s[g][j] > mb ? s[g][j] : mb;
-    alpha[g] = st->m[a] == -INFINITY ? 0.0f : expf(st->m[a] - mb);
-    st->m[a] = mb;
     for (long j = n; j < padded; j++) s[g][j] = -INFINITY;
-    const vf mv = (vf){0} + mb;
-    vf sum = (vf){0};
-    for (long j = 0; j < padded; j += LANES) {
-      const vf e = vexp(*(vf *)&s[g][j] - mv);
-      *(vf *)&s[g][j] = e;
-      sum += e;
-    }
-    st->l[a] = st->l[a] * alpha[g] + hsum(sum);
+    alpha[g] = update_query(st, a0 + g, s[g], padded);
   }
   vf r[OWN_GMAX][OWN_DVMAX];  /* acc = acc * alpha + sum_j p_j V_j */
   for (int g = 0; g < G; g++)
@@ -227,7 +238,7 @@ static void own_block(state_t *st, long a0, long G, const span_t *sp, long n, lo
   OWN_FIXED(1, 4) OWN_FIXED(2, 4) OWN_FIXED(3, 4) OWN_FIXED(4, 4) OWN_FIXED(1, 8) OWN_FIXED(2, 8)
 #undef OWN_FIXED
   const float *kb = sp->k, *vb = sp->v;
-  float s[MAX_QUERIES][MAX_BLOCK + LANES] __attribute__((aligned(64)));
+  float s[PLAIT_MAX_QUERIES][PLAIT_MAX_BLOCK + LANES] __attribute__((aligned(64)));
   for (long j = 0; j < n; j++) {  /* scores */
     const float *kj = kb + j * stride;
     prefetch_rows(sp, j, stride, head_dim);
@@ -240,16 +251,11 @@ static void own_block(state_t *st, long a0, long G, const span_t *sp, long n, lo
     }
   }
   const long padded = (n + LANES - 1) / LANES * LANES;
-  for (long g = 0; g < G; g++) {  /* online softmax update */
-    float mb = st->m[a0 + g];
-    for (long j = 0; j < n; j++) mb = s[g][j] > mb ? s[g][j] : mb;
-    rescale(st, a0 + g, mb);
+  for (long g = 0; g < G; g++) {  /* online softmax update; acc *= alpha */
     for (long j = n; j < padded; j++) s[g][j] = -INFINITY;
-    const vf mv = (vf){0} + mb;
-    for (long j = 0; j < padded; j += LANES) *(vf *)&s[g][j] = vexp(*(vf *)&s[g][j] - mv);
-    float sum = 0.0f;
-    for (long j = 0; j < n; j++) sum += s[g][j];
-    st->l[a0 + g] += sum;
+    const vf alpha = update_query(st, a0 + g, s[g], padded);
+    if (alpha[0] != 1.0f)  /* the max moved (vexp(0) is exactly 1) */
+      for (long d = 0; d < dv; d++) st->acc[(a0 + g) * dv + d] *= alpha;
   }
   for (long j = 0; j < n; j++) {  /* acc += p V */
     const float *vj = vb + j * stride;
@@ -311,14 +317,15 @@ int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
                            const int64_t *table_rows, const int32_t *ctx_len, float scale,
                            float *out, const int64_t *out_rows) {
   if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % LANES ||
-      head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK)
-    return -1;
+      head_dim > PLAIT_MAX_HEAD_DIM || block_size > PLAIT_MAX_BLOCK)
+    return PLAIT_ERR_SHAPES;
   const long G = num_heads / num_kv_heads;
   for (long c = 0; c < num_chunks; c++)
-    if ((chunk_start[c + 1] - chunk_start[c]) * G > MAX_QUERIES) return -1;
+    if ((chunk_start[c + 1] - chunk_start[c]) * G > PLAIT_MAX_QUERIES)
+      return PLAIT_ERR_SHAPES;
   /* pieces: chunk c's are first_piece[c] .. first_piece[c + 1] - 1 */
   long *first_piece = malloc((num_chunks + 1) * sizeof(long));
-  if (!first_piece) return -2;
+  if (!first_piece) return PLAIT_ERR_NOMEM;
   const long want = PIECE_TASKS * omp_get_max_threads();
   long split = (want + num_chunks * num_kv_heads - 1) / (num_chunks * num_kv_heads);
   split = split > MAX_PIECES_MERGED ? MAX_PIECES_MERGED : split;
@@ -331,13 +338,13 @@ int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
     first_piece[c + 1] = first_piece[c] + pieces;
   }
   const long num_pieces = first_piece[num_chunks];
-  const long part = MAX_QUERIES * (head_dim + 2);  /* a piece's m, l, acc per KV head */
+  const long part = PLAIT_MAX_QUERIES * (head_dim + 2);  /* a piece's m, l, acc per KV head */
   float *parts = NULL;
   if (num_pieces > num_chunks) {
     parts = malloc(num_pieces * num_kv_heads * part * sizeof(float));
     if (!parts) {
       free(first_piece);
-      return -2;
+      return PLAIT_ERR_NOMEM;
     }
   }
 #pragma omp parallel
@@ -352,12 +359,13 @@ int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
       const long p = piece - first_piece[c], pieces = first_piece[c + 1] - first_piece[c];
       const long shared = chunk_shared[c];
       /* a row alone and whole: one task takes all its KV heads (contiguous block reads) */
-      const int whole = rows == 1 && shared == 0 && pieces == 1 && num_heads <= MAX_QUERIES;
+      const int whole =
+          rows == 1 && shared == 0 && pieces == 1 && num_heads <= PLAIT_MAX_QUERIES;
       if (whole && h > 0) continue;
       const long h0 = whole ? 0 : h, nh = whole ? num_kv_heads : 1;
-      float qs[MAX_QUERIES * MAX_HEAD_DIM] __attribute__((aligned(64)));
-      float m[MAX_QUERIES], l[MAX_QUERIES];
-      vf acc[MAX_QUERIES * MAX_HEAD_DIM / LANES];
+      float qs[PLAIT_MAX_QUERIES * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
+      float m[PLAIT_MAX_QUERIES], l[PLAIT_MAX_QUERIES];
+      vf acc[PLAIT_MAX_QUERIES * PLAIT_MAX_HEAD_DIM / LANES];
       /* query a: row a / (nh * G), KV head h0 + a / G % nh, its head a % G of that group */
       state_t st = {rows * nh * G, head_dim / LANES, qs, m, l, acc};
       for (long a = 0; a < st.nq; a++) {
@@ -395,8 +403,8 @@ int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
       } else {  /* nh == 1 */
         float *dst = parts + task * part;  /* [m | l | acc] of this piece and head */
         memcpy(dst, m, rows * G * sizeof(float));
-        memcpy(dst + MAX_QUERIES, l, rows * G * sizeof(float));
-        memcpy(dst + 2 * MAX_QUERIES, acc, rows * G * head_dim * sizeof(float));
+        memcpy(dst + PLAIT_MAX_QUERIES, l, rows * G * sizeof(float));
+        memcpy(dst + 2 * PLAIT_MAX_QUERIES, acc, rows * G * head_dim * sizeof(float));
       }
     }
     /* merge the pieces of split chunks: e^(m_p - m) weights their sums */
@@ -416,14 +424,14 @@ int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
         for (long p = 0; p < pieces; p++) {
           const float *src = parts + ((p0 + p) * num_kv_heads + h) * part;
           w[p] = src[a] == -INFINITY ? 0.0f : expf(src[a] - mx);
-          sum += w[p] * src[MAX_QUERIES + a];
+          sum += w[p] * src[PLAIT_MAX_QUERIES + a];
         }
         const long r = a / G, g = a % G;
         float *o = out + (OUT_ROW(first + r) * num_heads + h * G + g) * head_dim;
         for (long d = 0; d < head_dim; d++) {
           float v = 0.0f;
           for (long p = 0; p < pieces; p++)
-            v += w[p] * parts[((p0 + p) * num_kv_heads + h) * part + 2 * MAX_QUERIES +
+            v += w[p] * parts[((p0 + p) * num_kv_heads + h) * part + 2 * PLAIT_MAX_QUERIES +
                               a * head_dim + d];
           o[d] = v / sum;
         }
@@ -432,5 +440,5 @@ int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
   }
   free(parts);
   free(first_piece);
-  return 0;
+  return PLAIT_OK;
 }

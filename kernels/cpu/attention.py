@@ -1,4 +1,4 @@
-"""Shared-prefix (cascade) paged attention: the plain-torch CPU backend.
+"""The CPU attention backend: shared-prefix (cascade) paged attention.
 
 The n choices of one prompt decode with block tables that start with the same block ids
 (the prompt's full blocks). Plain paged attention gathers and attends that prefix once per
@@ -16,8 +16,9 @@ every row keeps at least one suffix token. Prefill chunks are attended exactly a
 `paged_attention_reference`. The result equals `paged_attention_reference` up to float
 rounding (the merge reorders the softmax sums).
 
-On CPU, where the native kernels build (`native.py`), every row of the step is attended by
-the C kernel straight from the cache blocks, in one call, with the same grouping: the rows
+With the native kernels (`native.py`, the CPU ops table in `ops.py`), every row of the step
+is attended by the C kernel straight from the cache blocks, in one call (`plan_native`,
+`native_attention`), with the same grouping: the rows
 of a shared prefix, in chunks of up to 48 query heads, read it once, and one online softmax
 carries on over each row's own tokens, so there is no gather, no padded SDPA call and no
 merge (with unique contexts, 16 streams of ~550 tokens, the gather alone copied ~15 MB of
@@ -29,14 +30,12 @@ own few causally (`prefill_tiles`).
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 
 import torch
 
-from plait.kernels import native
+from plait.kernels.cpu import native
 from plait.kernels.reference import (
-    PlanCache,
     _attend,
     _rows,
     _SeqGroup,
@@ -67,7 +66,7 @@ class _Prefix:
 
 
 @dataclass(slots=True)
-class _NativeRows:
+class NativeRows:
     """The step's rows as `native.decode_attention` takes them, host tensors: the decode rows
     in chunks of rows sharing a prefix (a row alone otherwise), then the prefill chunks'
     positions in tiles (`prefill_tiles`)."""
@@ -94,14 +93,15 @@ def native_chunks(shared: list[tuple[list[int], int]], num_rows: int, max_rows: 
 
 
 @dataclass(slots=True)
-class _CascadePlan:
+class CascadePlan:
+    """The batch as `cascade_attention_reference` attends it (`plan_cascade`)."""
+
     decodes: _SeqGroup | None  # every decode row, keys from its prefix's end on
     prefixes: list[_Prefix]
     prefills: list[_SeqGroup]
     # decodes.mask as an additive float mask (0 / -inf), which the fused CPU kernel needs;
     # None when no row is padded (every row attends all L gathered keys)
     decode_bias: torch.Tensor | None = None  # [S_d, 1, group, L] float32
-    native: _NativeRows | None = None  # set on CPU
 
 
 def find_prefixes(
@@ -150,7 +150,7 @@ def prefill_tiles(positions: range, max_rows: int) -> list[range]:
 
 def _native_rows(decode_chunks: list[tuple[list[int], int]], decode_idx: list[int],
                  num_q: list[int], starts: list[int], ctx: list[int], block_size: int,
-                 max_rows: int, device: torch.device) -> _NativeRows:
+                 max_rows: int, device: torch.device) -> NativeRows:
     """Every row of the step as `native.decode_attention` chunks: the decode chunks, then
     each prefill chunk's tiles (`prefill_tiles`)."""
     q_rows, table_rows, ctx_lens, sizes, shared = [], [], [], [], []
@@ -171,30 +171,59 @@ def _native_rows(decode_chunks: list[tuple[list[int], int]], decode_idx: list[in
             ctx_lens += [p + 1 for p in tile]
             sizes.append(len(tile))
             shared.append(tile.start)
-    return _NativeRows(
+    return NativeRows(
         _rows(q_rows, device), torch.tensor([0, *itertools.accumulate(sizes)]),
         torch.tensor(shared, dtype=torch.int32), torch.tensor(q_rows, dtype=torch.int64),
         torch.tensor(table_rows, dtype=torch.int64), torch.tensor(ctx_lens, dtype=torch.int32))
 
 
-def _plan(
+def _decode_rows(num_q: list[int], ctx: list[int], block_tables: torch.Tensor,
+                 block_size: int, min_prefix_blocks: int,
+                 ) -> tuple[list[int], torch.Tensor, list[int], list[tuple[list[int], int]]]:
+    """(decode sequences, their host block tables [S_d, W], first suffix block of each,
+    shared groups) as `find_prefixes` gives them."""
+    decode_idx = [i for i, n in enumerate(num_q) if n == 1]
+    if not decode_idx:
+        return decode_idx, block_tables[:0].cpu(), [], []
+    tables = block_tables[torch.tensor(decode_idx, device=block_tables.device)].cpu()
+    first, shared = find_prefixes(tables, [ctx[i] for i in decode_idx], block_size,
+                                  min_prefix_blocks)
+    return decode_idx, tables, first, shared
+
+
+def plan_native(
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
     block_size: int, group: int, max_query_len: int, max_context_len: int,
-    min_prefix_blocks: int,
-) -> _CascadePlan:
+    min_prefix_blocks: int = MIN_PREFIX_BLOCKS,
+) -> NativeRows:
+    """Every row of the batch as `native_attention` takes them: the decode rows in chunks
+    of rows sharing a prefix (`find_prefixes`, `native_chunks`), then each prefill chunk's
+    tiles (`prefill_tiles`). A host sync: computed once per step (`Ops.plan`)."""
+    starts, ctx, num_q = split_batch(cu_seqlens_q, context_lens, max_query_len,
+                                     max_context_len)
+    max_rows = native.max_chunk_rows(group)
+    decode_idx, _, _, shared = _decode_rows(num_q, ctx, block_tables, block_size,
+                                            min_prefix_blocks)
+    chunks = native_chunks(shared, len(decode_idx), max_rows) if decode_idx else []
+    return _native_rows(chunks, decode_idx, num_q, starts, ctx, block_size, max_rows,
+                        block_tables.device)
+
+
+def plan_cascade(
+    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+    block_size: int, group: int, max_query_len: int, max_context_len: int,
+    min_prefix_blocks: int = MIN_PREFIX_BLOCKS,
+) -> CascadePlan:
+    """The batch as the plain-torch `cascade_attention_reference` attends it. A host sync:
+    computed once per step (`Ops.plan`)."""
     starts, ctx, num_q = split_batch(cu_seqlens_q, context_lens, max_query_len,
                                      max_context_len)
     device = block_tables.device
-    max_rows = native.max_chunk_rows(group) if device.type == "cpu" else 0
     prefills = prefill_groups(num_q, starts, ctx, block_tables, block_size, group)
-    decode_idx = [i for i, n in enumerate(num_q) if n == 1]
+    decode_idx, tables, first, shared = _decode_rows(num_q, ctx, block_tables, block_size,
+                                                     min_prefix_blocks)
     if not decode_idx:
-        native_rows = (_native_rows([], [], num_q, starts, ctx, block_size, max_rows, device)
-                       if max_rows >= 1 and prefills else None)
-        return _CascadePlan(None, [], prefills, native=native_rows)
-    tables = block_tables[torch.tensor(decode_idx, device=device)].cpu()  # [S_d, W]
-    first, shared = find_prefixes(tables, [ctx[i] for i in decode_idx], block_size,
-                                  min_prefix_blocks)
+        return CascadePlan(None, [], prefills)
     decodes = decode_group(decode_idx, starts, ctx, block_tables, block_size, group, first)
     prefixes = []
     for rows, run in shared:
@@ -207,28 +236,24 @@ def _plan(
     if prefixes and not bool(decodes.mask.all()):
         bias = torch.zeros(decodes.mask.shape, device=device).masked_fill_(
             ~decodes.mask, float("-inf"))
-    native_rows = None
-    if max_rows >= 1:
-        native_rows = _native_rows(native_chunks(shared, len(decode_idx), max_rows),
-                                   decode_idx, num_q, starts, ctx, block_size, max_rows,
-                                   device)
-    return _CascadePlan(decodes, prefixes, prefills, bias, native_rows)
+    return CascadePlan(decodes, prefixes, prefills, bias)
 
 
-_cached_plan = PlanCache(_plan)  # -> _CascadePlan
-
-
-def native_plan(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                block_tables: torch.Tensor, block_size: int, group: int, max_query_len: int,
-                max_context_len: int) -> _NativeRows | None:
-    """The step's rows as `cascade_attention_reference` gives them to
-    `native.decode_attention` (the same plan, computed once per step); None where that
-    backend would not run them natively (no native kernels, a CUDA batch, or
-    `PLAIT_CASCADE=0`, which selects the plain reference)."""
-    if os.environ.get("PLAIT_CASCADE", "1") == "0" or block_tables.device.type != "cpu":
-        return None
-    return _cached_plan(cu_seqlens_q, context_lens, block_tables, block_size, group,
-                        max_query_len, max_context_len, MIN_PREFIX_BLOCKS).native
+def native_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim] float32, heads dense
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, padding = -1
+    rows: NativeRows,  # `plan_native` of this batch
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32
+    """The batch's attention (the contract of `paged_attention_reference`) in one native
+    call, from the cache blocks in place."""
+    in_order = rows.token_rows == slice(0, query.shape[0])  # every row, in chunk order
+    return native.decode_attention(
+        query, k_cache, v_cache, block_tables.int().contiguous(), rows.chunk_start,
+        rows.chunk_shared, rows.q_rows, rows.table_rows, rows.ctx_lens, scale,
+        out_rows=None if in_order else rows.q_rows)
 
 
 def attend_with_lse(
@@ -298,16 +323,6 @@ def _prefix_kv(cache: torch.Tensor, prefix: _Prefix) -> torch.Tensor:  # [1, P, 
     return gather_blocks(cache, prefix.block_ids, 1, num_blocks * block_size)
 
 
-def _native_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the native decode kernel takes these tensors (float32 CPU, dense layouts)."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    return (query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-            and query.device.type == "cpu" and query.stride(2) == 1
-            and query.stride(1) == head_dim and k_cache.is_contiguous()
-            and v_cache.is_contiguous()
-            and native.supports_attention(query.shape[1], num_kv_heads, head_dim, block_size))
-
-
 def cascade_attention_reference(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -319,21 +334,16 @@ def cascade_attention_reference(
     max_query_len: int,
     max_context_len: int,
     min_prefix_blocks: int = MIN_PREFIX_BLOCKS,
+    plan: CascadePlan | None = None,  # `plan_cascade` of this batch; None: made here
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Same contract and result as `paged_attention_reference`; decode rows that share a
-    leading run of at least `min_prefix_blocks` blocks attend it once per group (on CPU with
-    the native kernels, every row goes through `native.decode_attention` instead)."""
+    """Same contract and result as `paged_attention_reference`, in plain torch; decode rows
+    that share a leading run of at least `min_prefix_blocks` blocks attend it once per
+    group."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = query.shape[1] // num_kv_heads
-    plan = _cached_plan(cu_seqlens_q, context_lens, block_tables, block_size, group,
-                        max_query_len, max_context_len, min_prefix_blocks)
-    if plan.native is not None and _native_fits(query, k_cache, v_cache):
-        n = plan.native
-        in_order = n.token_rows == slice(0, query.shape[0])  # every row, in chunk order
-        return native.decode_attention(
-            query, k_cache, v_cache, block_tables.int().contiguous(), n.chunk_start,
-            n.chunk_shared, n.q_rows, n.table_rows, n.ctx_lens, scale,
-            out_rows=None if in_order else n.q_rows).to(query.dtype)
+    if plan is None:
+        plan = plan_cascade(cu_seqlens_q, context_lens, block_tables, block_size, group,
+                            max_query_len, max_context_len, min_prefix_blocks)
     out = torch.empty_like(query)
     for g in plan.prefills:
         key = gather_blocks(k_cache, g.block_ids, 1, g.length)

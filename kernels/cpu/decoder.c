@@ -1,23 +1,11 @@
 /* A Llama decoder stack for the few rows of a decode step, in one call (see vec.h). */
+#include "plait_cpu.h"
 #include "vec.h"
-
-/* The pointers of one layer in `plait_decoder_stack`'s table, in this order. */
-enum {
-  L_INPUT_NORM,   /* [hidden] */
-  L_QKV,          /* panels of [(H + 2 H_kv) D, hidden] */
-  L_QKV_BIAS,     /* [(H + 2 H_kv) D], or 0: none */
-  L_O,            /* panels of [hidden, H D] */
-  L_POST_NORM,    /* [hidden] */
-  L_GATE_UP,      /* panels of [2 I, hidden] */
-  L_DOWN,         /* panels of [hidden, I] */
-  L_K_CACHE,      /* [num_blocks, block_size, H_kv, D] */
-  L_V_CACHE,
-  L_POINTERS
-};
 
 /* Every layer of a Llama decoder over `rows` tokens: what the model's eager forward does
  * through the same kernels, in the same order, without returning to Python between them
- * (the same bits as that path). For each layer l (pointers layers[l * L_POINTERS + ...]):
+ * (the same bits as that path). For each layer l (its pointers: layers[l *
+ * PLAIT_STACK_POINTERS + PLAIT_STACK_*], plait_cpu.h):
  *
  *   x, h = x + m, rms_norm(x + m)       (layer 0: h = rms_norm(x); m = the last MLP out)
  *   q|k|v = h @ Wqkv^T (+ bias); rope of q and k; k, v written at slot_mapping
@@ -26,8 +14,10 @@ enum {
  *   x, h = x + a @ Wo^T, rms_norm(...);  m = down(silu(gate) * up) of h
  *
  * and at the end x += m, out = rms_norm(x) with final_norm. x [rows, hidden] (dense) is the
- * residual stream, updated in place; out [rows, hidden]. Returns 0, -1 for shapes the
- * attention kernel cannot take, -2 if out of memory. */
+ * residual stream, updated in place; out [rows, hidden]. Returns PLAIT_OK, or the first
+ * failing kernel's code: PLAIT_ERR_SHAPES for shapes a kernel refuses (RoPE: odd D; the
+ * attention's limits), PLAIT_ERR_NOMEM when one cannot allocate (layers after it are not
+ * run; x is then partly updated). */
 int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long hidden,
                         long num_heads, long num_kv_heads, long head_dim, long inter,
                         float eps, const float *final_norm, float *x, const float *cos_sin,
@@ -43,49 +33,42 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
   long total = 0;
   for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += sizes[i];
   float *buf = malloc(sizeof(float) * (size_t)(total > 0 ? total : 1));
-  if (!buf) return -2;
+  if (!buf) return PLAIT_ERR_NOMEM;
   float *h = buf, *qkv = h + sizes[0], *att = qkv + sizes[1], *gate_up = att + sizes[2];
   float *act = gate_up + sizes[3], *m = act + sizes[4];
-  /* rc: -1 when a kernel refuses the shapes (RoPE: odd D; attention: its limits), -2 when
-   * one cannot allocate (the GEMMs' -1, the attention's -2) */
-  int rc = 0;
-  for (long l = 0; l < num_layers && rc == 0; l++) {
-    const int64_t *p = layers + l * L_POINTERS;
+  /* each kernel's return code, checked: the first that is not PLAIT_OK ends the stack */
+  int rc = PLAIT_OK;
+  for (long l = 0; l < num_layers && rc == PLAIT_OK; l++) {
+    const int64_t *p = layers + l * PLAIT_STACK_POINTERS;
 #define PTR(i) ((float *)(intptr_t)p[i])
-    plait_add_rms_norm(x, hidden, l == 0 ? NULL : m, hidden, PTR(L_INPUT_NORM), rows, hidden,
-                       eps, x, h);
-    if (plait_gemm(h, rows, hidden, PTR(L_QKV), qkv_dim, hidden, PTR(L_QKV_BIAS), qkv,
-                   qkv_dim)) {
-      rc = -2;
-      break;
-    }
+#define RUN(call) \
+  if ((rc = (call)) != PLAIT_OK) break
+    RUN(plait_add_rms_norm(x, hidden, l == 0 ? NULL : m, hidden, PTR(PLAIT_STACK_INPUT_NORM),
+                           rows, hidden, eps, x, h));
+    RUN(plait_gemm(h, rows, hidden, PTR(PLAIT_STACK_QKV_PANELS), qkv_dim, hidden,
+                   PTR(PLAIT_STACK_QKV_BIAS), qkv, qkv_dim));
     float *q = qkv, *k = qkv + q_dim, *v = k + kv_dim;
-    if (plait_rope_write_kv(q, qkv_dim, k, qkv_dim, v, qkv_dim, rows, num_heads, num_kv_heads,
-                            head_dim, cos_sin, positions, PTR(L_K_CACHE), PTR(L_V_CACHE),
-                            slot_mapping)) {
-      rc = -1;
-      break;
-    }
-    if ((rc = plait_decode_attention(q, qkv_dim, PTR(L_K_CACHE), PTR(L_V_CACHE), block_size,
-                                     num_kv_heads, num_heads, head_dim, block_tables,
-                                     table_stride, num_chunks, chunk_start, chunk_shared,
-                                     q_rows, table_rows, ctx_len, scale, att, q_rows)))
-      break;
-    if (plait_gemm(att, rows, q_dim, PTR(L_O), hidden, q_dim, NULL, m, hidden)) {
-      rc = -2;
-      break;
-    }
-    plait_add_rms_norm(x, hidden, m, hidden, PTR(L_POST_NORM), rows, hidden, eps, x, h);
-    if (plait_gemm(h, rows, hidden, PTR(L_GATE_UP), 2 * inter, hidden, NULL, gate_up,
-                   2 * inter)) {
-      rc = -2;
-      break;
-    }
-    plait_silu_mul(gate_up, 2 * inter, rows, inter, act);
-    if (plait_gemm(act, rows, inter, PTR(L_DOWN), hidden, inter, NULL, m, hidden)) rc = -2;
+    RUN(plait_rope_write_kv(q, qkv_dim, k, qkv_dim, v, qkv_dim, rows, num_heads, num_kv_heads,
+                            head_dim, cos_sin, positions, PTR(PLAIT_STACK_K_CACHE),
+                            PTR(PLAIT_STACK_V_CACHE), slot_mapping));
+    RUN(plait_decode_attention(q, qkv_dim, PTR(PLAIT_STACK_K_CACHE), PTR(PLAIT_STACK_V_CACHE),
+                               block_size, num_kv_heads, num_heads, head_dim, block_tables,
+                               table_stride, num_chunks, chunk_start, chunk_shared, q_rows,
+                               table_rows, ctx_len, scale, att, q_rows));
+    RUN(plait_gemm(att, rows, q_dim, PTR(PLAIT_STACK_O_PANELS), hidden, q_dim, NULL, m, hidden));
+    RUN(plait_add_rms_norm(x, hidden, m, hidden, PTR(PLAIT_STACK_POST_NORM), rows, hidden, eps,
+                           x, h));
+    RUN(plait_gemm(h, rows, hidden, PTR(PLAIT_STACK_GATE_UP_PANELS), 2 * inter, hidden, NULL,
+                   gate_up, 2 * inter));
+    RUN(plait_silu_mul(gate_up, 2 * inter, rows, inter, act));
+    RUN(plait_gemm(act, rows, inter, PTR(PLAIT_STACK_DOWN_PANELS), hidden, inter, NULL, m,
+                   hidden));
+#undef RUN
 #undef PTR
   }
-  if (rc == 0) plait_add_rms_norm(x, hidden, m, hidden, final_norm, rows, hidden, eps, x, out);
+  if (rc == PLAIT_OK)
+    rc = plait_add_rms_norm(x, hidden, num_layers > 0 ? m : NULL, hidden, final_norm, rows,
+                            hidden, eps, x, out);
   free(buf);
   return rc;
 }

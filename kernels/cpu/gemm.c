@@ -1,4 +1,5 @@
 /* The skinny GEMM of decode steps (see vec.h). */
+#include "plait_cpu.h"
 #include "vec.h"
 
 /* Cache lines to prefetch ahead while streaming a weight panel (measured on a 2-core
@@ -25,7 +26,7 @@ int plait_lanes(void) { return LANES; }
     vf acc[R];                                                                            \
     for (int r = 0; r < R; r++) acc[r] = (vf){0};                                         \
     _Pragma("GCC unroll 4") for (long k = 0; k < K; k++) {                                \
-      __builtin_prefetch(w + (k + PREFETCH_LINES) * LANES, 0, PREFETCH_LOCALITY);                         \
+      __builtin_prefetch(w + (k + PREFETCH_LINES) * LANES, 0, PREFETCH_LOCALITY);       \
       vf wv = *(const vf *)(w + k * LANES);                                               \
       _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) acc[r] += xt[k * R + r] * wv;  \
     }                                                                                     \
@@ -58,11 +59,12 @@ static const tile_fn TILES[RMAX + 1] = {
 };
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T + bias (NULL: none).
- * w: W packed as described above. Returns 0, or -1 if a buffer could not be allocated. */
+ * w: W packed as described above. Returns PLAIT_OK, or PLAIT_ERR_NOMEM if a buffer could
+ * not be allocated. */
 int plait_gemm(const float *x, long M, long ldx, const float *w, long N, long K,
                const float *bias, float *y, long ldy) {
   float *xt = malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
-  if (!xt) return -1;
+  if (!xt) return PLAIT_ERR_NOMEM;
   for (long m = 0; m < M; m += RMAX) {
     long R = M - m < RMAX ? M - m : RMAX;
     for (long r = 0; r < R; r++)
@@ -80,5 +82,5 @@ int plait_gemm(const float *x, long M, long ldx, const float *w, long N, long K,
     }
   }
   free(xt);
-  return 0;
+  return PLAIT_OK;
 }

@@ -21,9 +21,23 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.kernels.cpu.build import available, loaded
+from plait.kernels.cpu.build import (
+    MAX_BLOCK,
+    MAX_HEAD_DIM,
+    MAX_QUERIES,
+    STACK_POINTERS,
+    available,
+    loaded,
+)
 
 
+def _check(rc: int, kernel: str, limits: str = "") -> None:
+    """A kernel's return code (plait_cpu.h: 0 ok, -1 shapes refused, -2 out of memory) as
+    an exception."""
+    if rc == -2:
+        raise MemoryError(f"native {kernel} could not allocate its buffers")
+    if rc != 0:
+        raise ValueError(f"{kernel}: shapes beyond the kernel's limits{limits}")
 
 
 def lanes() -> int:
@@ -60,10 +74,9 @@ def gemm(
         return y
     if bias is not None:
         bias = bias.contiguous()
-    rc = lib.plait_gemm(x.data_ptr(), rows, x.stride(0), panels.data_ptr(), out_features, k,
-                        None if bias is None else bias.data_ptr(), y.data_ptr(), out_features)
-    if rc != 0:
-        raise MemoryError("native gemm could not allocate its buffer")
+    _check(lib.plait_gemm(x.data_ptr(), rows, x.stride(0), panels.data_ptr(), out_features, k,
+                          None if bias is None else bias.data_ptr(), y.data_ptr(),
+                          out_features), "gemm")
     return y
 
 
@@ -117,18 +130,10 @@ def decode_attention(
         chunk_shared.data_ptr(), q_rows.data_ptr(), table_rows.data_ptr(),
         ctx_lens.data_ptr(), scale, out.data_ptr(),
         None if out_rows is None else out_rows.data_ptr())
-    if rc == -2:
-        raise MemoryError("native decode_attention could not allocate its buffers")
-    if rc != 0:
-        raise ValueError(f"decode_attention: shapes beyond the kernel's limits (H={num_heads},"
-                         f" H_kv={num_kv_heads}, D={head_dim}, block={block_size}, or a chunk"
-                         f" of more than {max_chunk_rows(num_heads // num_kv_heads)} rows)")
+    _check(rc, "decode_attention", f" (H={num_heads}, H_kv={num_kv_heads}, D={head_dim}, "
+           f"block={block_size}, or a chunk of more than "
+           f"{max_chunk_rows(num_heads // num_kv_heads)} rows)")
     return out
-
-
-# The pointers of one layer in `decoder_stack`'s table (L_* in cpu_decoder.c), in order.
-STACK_POINTERS = ("input_norm", "qkv_panels", "qkv_bias", "o_panels", "post_norm",
-                  "gate_up_panels", "down_panels", "k_cache", "v_cache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,42 +148,52 @@ class StackShape:
     eps: float
 
 
+@dataclass(frozen=True, slots=True)
+class NativeStack:
+    """A model's decoder stack bound to its KV caches, as `decoder_stack` takes it: built
+    once at load (`LlamaForCausalLM.bind`). `tensors` keeps every tensor whose address
+    `layers` holds alive."""
+
+    layers: torch.Tensor  # [L, len(STACK_POINTERS)] int64 addresses, 0 = no bias
+    shape: StackShape
+    final_norm: torch.Tensor  # [hidden] float32
+    cos_sin: torch.Tensor  # [max_positions, D] float32 contiguous: cos | sin halves
+    block_size: int
+    scale: float
+    tensors: tuple[torch.Tensor, ...]
+
+
 def decoder_stack(
-    layers: torch.Tensor,  # [L, len(STACK_POINTERS)] int64 addresses, 0 = no bias
-    shape: StackShape,
+    stack: NativeStack,
     x: torch.Tensor,  # [T, hidden] float32 dense: the embeddings, then the residual stream
-    final_norm: torch.Tensor,  # [hidden] float32
-    cos_sin: torch.Tensor,  # [max_positions, D] float32 contiguous: cos | sin halves
     positions: torch.Tensor,  # [T] int64 contiguous
     slot_mapping: torch.Tensor,  # [T] int64 contiguous, -1 = not written
-    block_size: int,
     block_tables: torch.Tensor,  # [S, W] int32 contiguous
     chunk_start: torch.Tensor,  # [C + 1] int64, as `decode_attention` takes them
     chunk_shared: torch.Tensor,  # [C] int32
     q_rows: torch.Tensor,  # [T] int64: token row of each attention row, chunk order
     table_rows: torch.Tensor,  # [T] int64
     ctx_lens: torch.Tensor,  # [T] int32
-    scale: float,
 ) -> torch.Tensor:  # [T, hidden] float32: the final norm of the last residual stream
     """Every layer of a Llama decoder over the T tokens of a step, one token per sequence
-    (T at most `cpu_linear.NATIVE_MAX_ROWS`, every projection packed by `pack_weight`), in
-    one C call: the kernels the eager forward runs (`add_rms_norm`, `gemm`, `rope_write_kv`,
+    (T at most `NATIVE_MAX_ROWS`, every projection packed by `pack_weight`), in one C call:
+    the kernels the layer-by-layer forward runs (`add_rms_norm`, `gemm`, `rope_write_kv`,
     `decode_attention`, `silu_mul`), in its order, with no Python between them, so the same
-    bits. `layers[l]` holds layer l's tensors' `data_ptr()`s in `STACK_POINTERS` order; the
-    caller keeps them alive. x is updated in place."""
-    rows = x.shape[0]
+    bits. `stack.layers[l]` holds layer l's tensors' `data_ptr()`s in `STACK_POINTERS`
+    order. x is updated in place."""
+    rows, shape = x.shape[0], stack.shape
+    if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == shape.hidden):
+        raise ValueError(f"decoder_stack: x must be [T, {shape.hidden}] float32 contiguous")
     out = torch.empty(rows, shape.hidden, dtype=torch.float32)
     rc = loaded().plait_decoder_stack(
-        layers.shape[0], layers.data_ptr(), rows, shape.hidden, shape.num_heads,
+        stack.layers.shape[0], stack.layers.data_ptr(), rows, shape.hidden, shape.num_heads,
         shape.num_kv_heads, shape.head_dim, shape.intermediate, shape.eps,
-        final_norm.data_ptr(), x.data_ptr(), cos_sin.data_ptr(), positions.data_ptr(),
-        slot_mapping.data_ptr(), block_size, block_tables.data_ptr(), block_tables.stride(0),
-        chunk_shared.shape[0], chunk_start.data_ptr(), chunk_shared.data_ptr(),
-        q_rows.data_ptr(), table_rows.data_ptr(), ctx_lens.data_ptr(), scale, out.data_ptr())
-    if rc == -2:
-        raise MemoryError("native decoder_stack could not allocate its buffers")
-    if rc != 0:
-        raise ValueError("decoder_stack: shapes beyond the kernels' limits")
+        stack.final_norm.data_ptr(), x.data_ptr(), stack.cos_sin.data_ptr(),
+        positions.data_ptr(), slot_mapping.data_ptr(), stack.block_size,
+        block_tables.data_ptr(), block_tables.stride(0), chunk_shared.shape[0],
+        chunk_start.data_ptr(), chunk_shared.data_ptr(), q_rows.data_ptr(),
+        table_rows.data_ptr(), ctx_lens.data_ptr(), stack.scale, out.data_ptr())
+    _check(rc, "decoder_stack")
     return out
 
 
@@ -209,10 +224,11 @@ def rope_write_kv(
     positions = positions.to(torch.int64).contiguous()
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     cos_sin = cos_sin.contiguous()
-    loaded().plait_rope_write_kv(
+    _check(loaded().plait_rope_write_kv(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         q.shape[0], q.shape[1], k.shape[1], q.shape[2], cos_sin.data_ptr(),
-        positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr())
+        positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr()),
+        "rope_write_kv")
     return q
 
 
@@ -231,8 +247,9 @@ def sample_inverse_cdf(
     u = u.reshape(rows).to(torch.float32).contiguous()
     out = torch.empty(rows, dtype=torch.int64)
     scratch = torch.empty(rows, vocab, dtype=torch.float32)
-    loaded().plait_sample_inverse_cdf(logits.data_ptr(), rows, vocab, logits.stride(0),
-                                       u.data_ptr(), scratch.data_ptr(), out.data_ptr())
+    _check(loaded().plait_sample_inverse_cdf(logits.data_ptr(), rows, vocab, logits.stride(0),
+                                             u.data_ptr(), scratch.data_ptr(), out.data_ptr()),
+           "sample_inverse_cdf")
     return out
 
 
@@ -257,10 +274,10 @@ def add_rms_norm(
     weight = weight.contiguous()
     total = x if add is None else torch.empty(rows, dim, dtype=torch.float32)
     out = torch.empty(rows, dim, dtype=torch.float32)
-    loaded().plait_add_rms_norm(
+    _check(loaded().plait_add_rms_norm(
         x.data_ptr(), x.stride(0), None if add is None else add.data_ptr(),
         0 if add is None else add.stride(0), weight.data_ptr(), rows, dim, eps,
-        None if add is None else total.data_ptr(), out.data_ptr())
+        None if add is None else total.data_ptr(), out.data_ptr()), "add_rms_norm")
     return total, out
 
 
@@ -270,13 +287,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
         raise ValueError("silu_mul: gate_up must be [T, 2 I] float32 with unit stride")
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=torch.float32)
-    loaded().plait_silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, inter,
-                             out.data_ptr())
+    _check(loaded().plait_silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, inter,
+                                   out.data_ptr()), "silu_mul")
     return out
-
-
-# Query vectors one task of the kernel holds (MAX_QUERIES in cpu_attention.c).
-MAX_QUERIES = 48
 
 
 def max_chunk_rows(group: int) -> int:
@@ -292,10 +305,10 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
     if not available():
         return False
     return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_QUERIES
-            and head_dim % lanes() == 0 and head_dim <= 256 and block_size <= 256)
+            and head_dim % lanes() == 0 and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK)
 
 
-__all__ = ["MAX_QUERIES", "STACK_POINTERS", "StackShape", "add_rms_norm", "available",
-           "decode_attention", "decoder_stack", "gemm", "lanes", "max_chunk_rows",
+__all__ = ["MAX_QUERIES", "STACK_POINTERS", "NativeStack", "StackShape", "add_rms_norm",
+           "available", "decode_attention", "decoder_stack", "gemm", "lanes", "max_chunk_rows",
            "pack_weight", "rope_fits", "rope_write_kv", "rows_fit", "sample_inverse_cdf",
            "silu_mul", "supports_attention"]

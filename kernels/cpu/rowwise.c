@@ -1,4 +1,5 @@
 /* Per-row operations of a layer, and the sampler (see vec.h). */
+#include "plait_cpu.h"
 #include "vec.h"
 
 /* Rotary embedding (neox style: rotate halves) and the KV-cache write of one layer's new
@@ -8,12 +9,12 @@
  * slot -1: not written). Token t's angles are row positions[t] of cos_sin [P, D] (cos |
  * sin halves). Without FMA contraction, each element is (x1 * cos) - (x2 * sin) rounded as
  * torch's separate multiplies and subtraction round it, so the result is the same bits as
- * the plain-torch path. Returns 0, or -1 if D is odd. */
+ * the plain-torch path. Returns PLAIT_OK, or PLAIT_ERR_SHAPES if D is odd. */
 __attribute__((optimize("fp-contract=off"))) int plait_rope_write_kv(
     float *q, long q_stride, const float *k, long k_stride, const float *v, long v_stride,
     long num_tokens, long num_heads, long num_kv_heads, long head_dim, const float *cos_sin,
     const int64_t *positions, float *k_cache, float *v_cache, const int64_t *slots) {
-  if (head_dim % 2) return -1;
+  if (head_dim % 2) return PLAIT_ERR_SHAPES;
   const long half = head_dim / 2;
 #pragma omp parallel for schedule(static) if (num_tokens >= 64)
   for (long t = 0; t < num_tokens; t++) {
@@ -40,7 +41,7 @@ __attribute__((optimize("fp-contract=off"))) int plait_rope_write_kv(
     }
     memcpy(vc, v + t * v_stride, num_kv_heads * head_dim * sizeof(float));
   }
-  return 0;
+  return PLAIT_OK;
 }
 
 /* One token per row by inverse-CDF sampling: the first token whose cumulative weight
@@ -108,17 +109,18 @@ int plait_sample_inverse_cdf(const float *logits, long rows, long vocab, long st
       }
     out[r] = pick;
   }
-  return 0;
+  return PLAIT_OK;
 }
 
 /* RMS normalization of the rows of x [T, D] (row stride x_stride), after adding `add`
  * (same shape, row stride add_stride; NULL: nothing added): s = x + add is written to
  * sum_out (row stride D; NULL when add is NULL) and s * w / sqrt(mean(s^2) + eps) to out
  * (row stride D). The sum of squares runs over whole vectors, so it differs from torch's
- * in the last bits. Returns 0. */
+ * in the last bits. Returns PLAIT_OK, or PLAIT_ERR_SHAPES for a negative size. */
 int plait_add_rms_norm(const float *x, long x_stride, const float *add, long add_stride,
                        const float *w, long num_tokens, long dim, float eps, float *sum_out,
                        float *out) {
+  if (num_tokens < 0 || dim < 0) return PLAIT_ERR_SHAPES;
 #pragma omp parallel for schedule(static) if (num_tokens >= 64)
   for (long t = 0; t < num_tokens; t++) {
     const float *xr = x + t * x_stride;
@@ -137,13 +139,15 @@ int plait_add_rms_norm(const float *x, long x_stride, const float *add, long add
     float *o = out + t * dim;
     for (i = 0; i < dim; i++) o[i] = s[i] * r * w[i];
   }
-  return 0;
+  return PLAIT_OK;
 }
 
 /* out[t] = silu(g) * u for the row t of gate_up [T, 2 I] = g | u (row stride gu_stride):
- * g / (1 + exp(-g)) * u, out [T, I] dense. Returns 0. */
+ * g / (1 + exp(-g)) * u, out [T, I] dense. Returns PLAIT_OK, or PLAIT_ERR_SHAPES for a
+ * negative size. */
 int plait_silu_mul(const float *gate_up, long gu_stride, long num_tokens, long inter,
                    float *out) {
+  if (num_tokens < 0 || inter < 0) return PLAIT_ERR_SHAPES;
 #pragma omp parallel for schedule(static) if (num_tokens >= 16)
   for (long t = 0; t < num_tokens; t++) {
     const float *g = gate_up + t * gu_stride, *u = g + inter;
@@ -155,5 +159,5 @@ int plait_silu_mul(const float *gate_up, long gu_stride, long num_tokens, long i
     }
     for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
   }
-  return 0;
+  return PLAIT_OK;
 }

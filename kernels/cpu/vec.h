@@ -1,22 +1,23 @@
-/* Plait's native CPU kernels: what every source shares. float32, OpenMP across the torch
- * thread pool's threads.
+/* Plait's native CPU kernels: the vector helpers every source shares. float32, OpenMP
+ * across the torch thread pool's threads. What the library exports (and the constants Python
+ * shares) is declared once, in plait_cpu.h, which every source includes beside this file.
  *
- * Built at run time by plait/kernels/native.py with the machine's C compiler
- * (cc -O3 -march=native -fopenmp), the four sources into one library, linked against the
- * libgomp torch itself loads, so these parallel regions and torch's share one OpenMP
- * runtime and thread count:
+ * Built at run time by build.py with the machine's C compiler (cc -O3 -march=native
+ * -fopenmp -Wall -Werror), the four sources into one library, linked against the libgomp
+ * torch itself loads, so these parallel regions and torch's share one OpenMP runtime and
+ * thread count:
  *
- *   cpu_gemm.c       plait_gemm: y[M, N] = x[M, K] @ W^T (+ bias), W pre-packed in column
- *                    panels of LANES: the decode GEMM (few rows, weights streamed)
- *   cpu_attention.c  plait_decode_attention: one query token per sequence over its paged
- *                    K/V, read in place from the cache (no gather); rows sharing a prompt's
- *                    blocks read them once (cascade attention, no merge); the engine also
- *                    feeds it prefill chunks as tiles of positions
- *   cpu_rowwise.c    plait_rope_write_kv, plait_add_rms_norm, plait_silu_mul,
- *                    plait_sample_inverse_cdf: a layer's small per-row operations and the
- *                    sampler, one pass each
- *   cpu_decoder.c    plait_decoder_stack: every layer of a Llama decoder over a step's few
- *                    rows through the kernels above, in one call
+ *   gemm.c       plait_gemm: y[M, N] = x[M, K] @ W^T (+ bias), W pre-packed in column
+ *                panels of LANES: the decode GEMM (few rows, weights streamed)
+ *   attention.c  plait_decode_attention: one query token per sequence over its paged K/V,
+ *                read in place from the cache (no gather); rows sharing a prompt's blocks
+ *                read them once (cascade attention, no merge); the engine also feeds it
+ *                prefill chunks as tiles of positions
+ *   rowwise.c    plait_rope_write_kv, plait_add_rms_norm, plait_silu_mul,
+ *                plait_sample_inverse_cdf: a layer's small per-row operations and the
+ *                sampler, one pass each
+ *   decoder.c    plait_decoder_stack: every layer of a Llama decoder over a step's few rows
+ *                through the kernels above, in one call
  *
  * Vectors are GCC vector extensions of LANES floats: the widest the target has
  * (16 with AVX-512, 8 with AVX/AVX2, 4 otherwise), so one source serves every CPU.
@@ -49,6 +50,21 @@ typedef int32_t vi __attribute__((vector_size(LANES * 4), aligned(4)));
 
 static inline vf vselect(vi mask, vf a, vf b) {  /* mask ? a : b, lane by lane */
   return (vf)(((vi)a & mask) | ((vi)b & ~mask));
+}
+
+/* x in every lane: x - 0 is x for every x (-0 too), so this folds to a broadcast, where
+ * (vf){0} + x costs an add. */
+static inline vf vsplat(float x) { return x - (vf){0}; }
+
+/* a > b ? a : b, lane by lane (b where either is NaN): one instruction on x86. */
+static inline vf vmax(vf a, vf b) {
+#if LANES == 16
+  return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif LANES == 8
+  return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+  return vselect(a > b, a, b);
+#endif
 }
 
 /* e^x for x in [-87, 88] to within a few ulp (Cody-Waite reduction x = n ln2 + r, |r| <=
@@ -91,24 +107,17 @@ static inline float hsum(vf v) {
 #endif
 }
 
-/* The kernels each source exports (ctypes loads them; cpu_decoder.c calls the others). */
-int plait_gemm(const float *x, long M, long ldx, const float *w, long N, long K,
-               const float *bias, float *y, long ldy);
-int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
-                           const float *v_cache, long block_size, long num_kv_heads,
-                           long num_heads, long head_dim, const int32_t *block_tables,
-                           long table_stride, long num_chunks, const int64_t *chunk_start,
-                           const int32_t *chunk_shared, const int64_t *q_rows,
-                           const int64_t *table_rows, const int32_t *ctx_len, float scale,
-                           float *out, const int64_t *out_rows);
-int plait_rope_write_kv(float *q, long q_stride, const float *k, long k_stride, const float *v,
-                        long v_stride, long num_tokens, long num_heads, long num_kv_heads,
-                        long head_dim, const float *cos_sin, const int64_t *positions,
-                        float *k_cache, float *v_cache, const int64_t *slots);
-int plait_add_rms_norm(const float *x, long x_stride, const float *add, long add_stride,
-                       const float *w, long num_tokens, long dim, float eps, float *sum_out,
-                       float *out);
-int plait_silu_mul(const float *gate_up, long gu_stride, long num_tokens, long inter,
-                   float *out);
+/* The largest of a vector's lanes, as a tree. */
+static inline float hmax(vf v) {
+#if LANES == 16
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  float t[LANES];
+  memcpy(t, &v, sizeof t);
+  for (int w = LANES / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; i++) t[i] = t[i + w] > t[i] ? t[i + w] : t[i];
+  return t[0];
+#endif
+}
 
 #endif /* PLAIT_CPU_VEC_H */

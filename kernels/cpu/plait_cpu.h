@@ -1,0 +1,106 @@
+/* Plait's native CPU kernels: the C ABI, written once.
+ *
+ * Every function the library exports and every constant Python shares with the C is here,
+ * and only here: each source includes this header, so the compiler checks each definition
+ * against its declaration, and build.py parses this text to generate the ctypes signatures
+ * (`build._declare`) and the Python constants (`build.ABI`, `build.MAX_QUERIES`, ...).
+ *
+ * The style is strict so that a small parser reads it (build.parse_header, which refuses
+ * anything else rather than skipping it): comments, the include guard, `#include <...>`,
+ * `#define PLAIT_<NAME> <integer>`, the one `enum` of PLAIT_STACK_* names (no values), and
+ * one prototype per function, `int plait_<name>(<parameters>);`, whose parameters are
+ * `long`, `int`, `float`, a pointer to `float`, `int32_t` or `int64_t` (`const` or not),
+ * or a lone `void`. Everything is float32, row-major; strides count elements.
+ *
+ * Return codes, every function alike: PLAIT_OK, PLAIT_ERR_SHAPES when the shapes exceed the
+ * kernel's limits (nothing written), PLAIT_ERR_NOMEM when a buffer could not be allocated.
+ */
+#ifndef PLAIT_CPU_H
+#define PLAIT_CPU_H
+
+#include <stdint.h>
+
+#define PLAIT_OK 0
+#define PLAIT_ERR_SHAPES -1
+#define PLAIT_ERR_NOMEM -2
+
+/* Attention limits: query vectors one task holds (a chunk's rows x query heads per KV
+ * head), head_dim, tokens per cache block. */
+#define PLAIT_MAX_QUERIES 48
+#define PLAIT_MAX_HEAD_DIM 256
+#define PLAIT_MAX_BLOCK 256
+/* The most rows the engine sends through plait_gemm / plait_decoder_stack (a decode step's
+ * few rows; more go to BLAS). */
+#define PLAIT_NATIVE_MAX_ROWS 24
+
+/* The pointers of one layer in plait_decoder_stack's table, in this order (as int64). */
+enum plait_stack_pointer {
+  PLAIT_STACK_INPUT_NORM,     /* [hidden] */
+  PLAIT_STACK_QKV_PANELS,     /* panels of [(H + 2 H_kv) D, hidden] */
+  PLAIT_STACK_QKV_BIAS,       /* [(H + 2 H_kv) D], or 0: none */
+  PLAIT_STACK_O_PANELS,       /* panels of [hidden, H D] */
+  PLAIT_STACK_POST_NORM,      /* [hidden] */
+  PLAIT_STACK_GATE_UP_PANELS, /* panels of [2 I, hidden] */
+  PLAIT_STACK_DOWN_PANELS,    /* panels of [hidden, I] */
+  PLAIT_STACK_K_CACHE,        /* [num_blocks, block_size, H_kv, D] */
+  PLAIT_STACK_V_CACHE,        /* [num_blocks, block_size, H_kv, D] */
+  PLAIT_STACK_POINTERS
+};
+
+/* gemm.c: floats per vector of this build (16, 8 or 4), the width of a weight panel. */
+int plait_lanes(void);
+
+/* gemm.c: y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T + bias (NULL: none),
+ * W packed as panels [ceil(N / lanes), K, lanes]. PLAIT_ERR_NOMEM. */
+int plait_gemm(const float *x, long M, long ldx, const float *w, long N, long K,
+               const float *bias, float *y, long ldy);
+
+/* attention.c: one query per sequence over its paged K/V, read in place; the sequences of
+ * a chunk read their chunk_shared[c] common tokens once. Limits: PLAIT_MAX_HEAD_DIM,
+ * PLAIT_MAX_BLOCK, chunk rows x (H / H_kv) <= PLAIT_MAX_QUERIES, D a multiple of lanes
+ * (PLAIT_ERR_SHAPES). PLAIT_ERR_NOMEM. */
+int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
+                           const float *v_cache, long block_size, long num_kv_heads,
+                           long num_heads, long head_dim, const int32_t *block_tables,
+                           long table_stride, long num_chunks, const int64_t *chunk_start,
+                           const int32_t *chunk_shared, const int64_t *q_rows,
+                           const int64_t *table_rows, const int32_t *ctx_len, float scale,
+                           float *out, const int64_t *out_rows);
+
+/* rowwise.c: neox RoPE of q (in place) and k, k and v written to the caches at slots
+ * (-1: not written); the same bits as the torch path. Odd D: PLAIT_ERR_SHAPES. */
+int plait_rope_write_kv(float *q, long q_stride, const float *k, long k_stride, const float *v,
+                        long v_stride, long num_tokens, long num_heads, long num_kv_heads,
+                        long head_dim, const float *cos_sin, const int64_t *positions,
+                        float *k_cache, float *v_cache, const int64_t *slots);
+
+/* rowwise.c: sum_out = x + add (add NULL: nothing added, sum_out unused), out =
+ * rms_norm(sum) * w, row by row. Negative sizes: PLAIT_ERR_SHAPES. */
+int plait_add_rms_norm(const float *x, long x_stride, const float *add, long add_stride,
+                       const float *w, long num_tokens, long dim, float eps, float *sum_out,
+                       float *out);
+
+/* rowwise.c: out[T, I] = silu(gate) * up of gate_up [T, 2 I] = gate | up. Negative sizes:
+ * PLAIT_ERR_SHAPES. */
+int plait_silu_mul(const float *gate_up, long gu_stride, long num_tokens, long inter,
+                   float *out);
+
+/* rowwise.c: one token per row of logits [rows, vocab] by inverse-CDF sampling at u[r],
+ * weights exp(logit - max); scratch [rows, vocab] floats; out [rows]. */
+int plait_sample_inverse_cdf(const float *logits, long rows, long vocab, long stride,
+                             const float *u, float *scratch, int64_t *out);
+
+/* decoder.c: every layer of a Llama decoder over a step's rows in one call, through the
+ * kernels above in the eager forward's order; layers [num_layers, PLAIT_STACK_POINTERS]
+ * addresses; x [rows, hidden] updated in place, out = the final norm. Propagates the
+ * first failing kernel's code. */
+int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long hidden,
+                        long num_heads, long num_kv_heads, long head_dim, long inter,
+                        float eps, const float *final_norm, float *x, const float *cos_sin,
+                        const int64_t *positions, const int64_t *slot_mapping, long block_size,
+                        const int32_t *block_tables, long table_stride, long num_chunks,
+                        const int64_t *chunk_start, const int32_t *chunk_shared,
+                        const int64_t *q_rows, const int64_t *table_rows,
+                        const int32_t *ctx_len, float scale, float *out);
+
+#endif /* PLAIT_CPU_H */
