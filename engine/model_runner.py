@@ -82,7 +82,6 @@ class ModelRunner:
         self.model = self._load_model(resolved, max_pos).eval()
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(config)
         self.max_model_len = min(max_pos, self.num_blocks * self.block_size)
-        cfg = self.model_config
         # kv_cache: [layers, 2 (k|v), num_blocks, block_size, num_kv_heads, head_dim]
         shape = (cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
                  cfg.head_dim)

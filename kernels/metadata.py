@@ -1,14 +1,6 @@
-"""What a step's attention needs, built once per step by the model runner.
-
-A forward call takes a flattened variable-length batch that can mix prefills (with or
-without an already-cached prefix) and decodes:
-
-    input_ids  [T]   tokens to compute, sequence after sequence
-    positions  [T]   absolute position of each token in its sequence
-
-and one `AttentionMetadata` that every layer shares: where each token's K/V goes, what
-each sequence attends to (see `reference.py` for the cache layout), and the backend's
-`plan` for this batch, which the ops table computes once (`Ops.plan`) before the forward.
+"""What a step's attention needs, built once per step by the model runner and shared by
+every layer: where each token's K/V goes, what each sequence attends to (the cache layout:
+`reference.py`), and the backend's `plan` for this batch (`Ops.plan`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
 """The ops table: what a decoder layer computes besides its GEMMs, one implementation per
 backend, chosen once per engine (`select_ops`), as vLLM's `CustomOp` picks `forward_cpu` or
-`forward_cuda` once.
+`forward_cuda` once:
 
     TorchOps      plain torch on any device (CPU without the native kernels, other dtypes)
     CpuNativeOps  float32 CPU through the native C kernels (kernels/cpu/)
     TritonOps     CUDA: the Triton paged-attention and KV-write kernels (kernels/cuda/)
 
-Each table has `add_rms_norm`, `rope_write_kv`, `silu_mul`, `attention`, and `plan`, which
-the runner calls once per step to compute the attention backend's work list from the
-step's metadata (`AttentionMetadata.plan`; no cache, no per-layer recomputation). The GEMMs
-are the linear modules' own (`engine/models/linear.py`): the table names the format the
-runner gives them at load (`cpu_gemm`, `native`). `CpuNativeOps` also runs a whole decoder
-stack in one call for steps of at most `stack_rows` tokens (`decoder_stack`).
+`plan` is called by the runner once per step: the attention backend's work list for the
+step's batch, carried on its `AttentionMetadata`. The GEMMs are the linear modules' own
+(engine/models/linear.py); a table names the format the runner gives them at load
+(`cpu_gemm`, `native`). `CpuNativeOps` also runs a whole decoder stack in one call for a
+step of at most `stack_rows` tokens (`decoder_stack`).
 """
 
 from __future__ import annotations
@@ -94,8 +93,10 @@ class TorchOps:
         self.cpu_gemm = cpu_gemm  # the linear layers' BLAS format on CPU (linear.py)
 
     def describe(self) -> str:
-        attention = "cascade" if self.cascade else "reference"
-        return f"{self.name} ops ({attention} attention, {self.cpu_gemm} GEMMs)"
+        return f"{self.name} ops ({self.attention_name()} attention, {self.cpu_gemm} GEMMs)"
+
+    def attention_name(self) -> str:
+        return "cascade" if self.cascade else "reference"
 
     # ------------------------------------------------------------------ per step
     def plan(self, meta: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata:
@@ -185,10 +186,11 @@ class CpuNativeOps(TorchOps):
             and shape.head_dim % 2 == 0 else 0
 
     def describe(self) -> str:
-        attention = "native" if self.native_attention else \
-            "cascade" if self.cascade else "reference"
-        return f"{self.name} ops ({attention} attention, native panels then " \
+        return f"{self.name} ops ({self.attention_name()} attention, native panels then " \
             f"{self.cpu_gemm} GEMMs, whole stack up to {self.stack_rows} tokens)"
+
+    def attention_name(self) -> str:
+        return "native" if self.native_attention else super().attention_name()
 
     def plan(self, meta: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata:
         meta = super().plan(meta, positions)
@@ -203,6 +205,7 @@ class CpuNativeOps(TorchOps):
                            self.shape.block_size, self.shape.group, meta.max_query_len,
                            meta.max_context_len)
 
+    # the same contracts as TorchOps', one C pass each (kernels/cpu/rowwise.c)
     def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return native.add_rms_norm(x, add, weight, eps)
@@ -243,8 +246,8 @@ class TritonOps(TorchOps):
                  cpu_gemm: str = "none") -> None:
         super().__init__(shape, cascade=False, cpu_gemm=cpu_gemm)
 
-    def describe(self) -> str:
-        return f"{self.name} ops (Triton attention and KV write)"
+    def attention_name(self) -> str:
+        return "Triton"
 
     def _plan(self, meta: AttentionMetadata) -> object:
         return None  # the Triton launcher works from the metadata's tensors alone
@@ -265,14 +268,6 @@ class TritonOps(TorchOps):
             max_context_len=meta.max_context_len)
 
 
-def triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def select_ops(device: torch.device, dtype: torch.dtype, shape: AttentionShape, *,
                native_kernels: bool = True, cascade: bool = True,
                attention_backend: str = "auto", cpu_gemm: str = "none") -> TorchOps:
@@ -289,7 +284,7 @@ def select_ops(device: torch.device, dtype: torch.dtype, shape: AttentionShape, 
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                          f"not {attention_backend!r}")
     cascade = cascade and attention_backend == "auto"
-    if device.type == "cuda" and attention_backend == "auto" and triton_importable():
+    if device.type == "cuda" and attention_backend == "auto" and _triton_importable():
         ops: TorchOps = TritonOps(shape, cpu_gemm=cpu_gemm)
     elif device.type == "cpu" and dtype == torch.float32 and native_kernels \
             and build.available():
@@ -298,6 +293,14 @@ def select_ops(device: torch.device, dtype: torch.dtype, shape: AttentionShape, 
         ops = TorchOps(shape, cascade, cpu_gemm)
     logger.info("%s", ops.describe())
     return ops
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionShape", "CpuNativeOps", "TorchOps", "TritonOps",

@@ -172,20 +172,3 @@ def test_batch_without_shared_blocks_is_the_plain_decode_path():
     assert plan.prefixes == [] and plan.decode_bias is None
     shared = cascade_attention_reference(**batch.kernel_args(), plan=plan)
     torch.testing.assert_close(shared, paged_attention_reference(**batch.kernel_args()))
-
-
-def test_prefill_from_the_first_token_uses_the_causal_kernel(monkeypatch):
-    """On the torch path, a prefill chunk with no cached tokens before it (queries == keys)
-    goes through SDPA's own causal mask with grouped-query heads; one after cached tokens
-    keeps the explicit mask. Both equal plain paged attention and dense attention."""
-    calls = []
-    real = cascade._attend_causal
-    monkeypatch.setattr(cascade, "_attend_causal",
-                        lambda q, *a: calls.append(q.shape[1]) or real(q, *a))
-    batch = build_batch(BatchSpec(seqs=((13, 13), (1, 20), (6, 6), (5, 21)), num_heads=6,
-                                  num_kv_heads=2, head_dim=32, block_size=4, seed=5))
-    out = cascade_attention_reference(**batch.kernel_args())
-    assert calls == [13, 6]
-    torch.testing.assert_close(out, paged_attention_reference(**batch.kernel_args()),
-                               atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(out.double(), dense_attention(batch), atol=2e-6, rtol=1e-5)

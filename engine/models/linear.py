@@ -1,26 +1,17 @@
 """Linear layers, one module per weight format, chosen once at load (`convert_linears`).
 
-The model is built and loaded with `Linear` (torch's [out, in] layout, torch's GEMM, any
-device). On CPU the runner then converts every float32 `Linear` into the format the ops
-table asks for (`Ops.cpu_gemm`, `Ops.native`); each format's module shares the loaded
-weight Parameter (ties such as the LM head's hold) and keeps its own copy in its layout,
-rebuilt by `prepack()`:
+The model is built and loaded with `Linear` (torch's [out, in] layout and GEMM, any device).
+On CPU the runner then gives every float32 `Linear` the format its ops table names; each
+format's module shares the loaded weight Parameter (ties such as the LM head's hold) and
+keeps its own copy of it, rebuilt by `prepack()`:
 
-* `MklLinear` ("mkl", the default on Intel CPUs where torch has MKL): `cblas_sgemm_pack`
-  of the weight, the product through `cblas_sgemm_compute` for any number of rows.
-* `OneDnnLinear` ("onednn", the default elsewhere, and where MKL is missing): oneDNN's
-  blocked layout (measured 1.3-2.3x faster than `F.linear` on the AMD EPYC VM of
-  BENCHMARKS.md).
-* `PanelLinear` (the native kernels on): the weight as column panels for the native skinny
-  GEMM, which runs every product of at most `NATIVE_MAX_ROWS` rows (the decode steps; it
-  streams the weights once per step with prefetching, which neither BLAS does at these
-  shapes), and one of the BLAS formats above for larger products.
+* `MklLinear` ("mkl", the default on Intel CPUs with MKL): `cblas_sgemm_pack`, any rows.
+* `OneDnnLinear` ("onednn", the default elsewhere): oneDNN's blocked layout.
+* `PanelLinear` (the native kernels on): column panels for the native skinny GEMM, which
+  runs every product of at most `NATIVE_MAX_ROWS` rows (decode steps: it streams the
+  weights once, with prefetching), over one of the formats above for larger products.
 
-Measured on the default model's 30 layers (`scripts/bench_gemm.py`, 2-core Xeon with
-AVX-512, 2 threads, three runs; ms per pass over all 120 projection weights): rows 1 / 16 /
-64 / 512: mkl 21-28 / 37-38 / 67 / 388, onednn 25-29 / 35-41 / 85-88 / 432, plain
-20-23 / 50-52 / 84-87 / 412; native panels at 1 / 8 / 16 / 24 / 32 rows 17 / 20 / 25 / 33 / 40
-against mkl's 18 / 26 / 31 / 34 / 39.
+`scripts/bench_gemm.py` measures them side by side (BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -66,8 +66,9 @@ class Attention(nn.Module):
         q = self.ops.rope_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache,
                                    meta.slot_mapping)
         if prune and meta.keep is not None:
-            if meta.kept is None or meta.keep.numel() == 0:
+            if meta.keep.numel() == 0:
                 return x.new_empty(0, self.o_proj.out_features)
+            assert meta.kept is not None, "plan the step (ops.plan) before the forward"
             q, meta = q[meta.keep], meta.kept
         out = self.ops.attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(q.shape[0], -1))

@@ -287,24 +287,6 @@ def attend_with_lse(
             lse.reshape(num_seqs, num_q, num_heads))
 
 
-def _attend_causal(
-    query: torch.Tensor,  # [1, L, H, D]
-    key: torch.Tensor,  # [1, L, H_kv, D]
-    value: torch.Tensor,  # [1, L, H_kv, D]
-    mask: torch.Tensor,  # unused: the causal mask of L queries over the same L keys
-    scale: float,
-) -> torch.Tensor:  # [1, L, H, D]
-    """`reference._attend` for a prefill chunk with no cached tokens before it (its queries
-    are all its keys): SDPA's own causal mask and grouped-query heads instead of an explicit
-    mask over the stacked group. On CPU this is the torch path only (the native kernel takes
-    prefills), where it measured no faster than the mask: 512 tokens, 4.0-4.3 ms per layer
-    either way (BENCHMARKS.md)."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.transpose(1, 2).float(), key.transpose(1, 2).float(),
-        value.transpose(1, 2).float(), is_causal=True, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2).to(query.dtype)
-
-
 def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
            lse_b: torch.Tensor) -> torch.Tensor:
     """Softmax-weighted merge of two partial attentions over disjoint key sets.
@@ -349,8 +331,7 @@ def cascade_attention_reference(
         key = gather_blocks(k_cache, g.block_ids, 1, g.length)
         value = gather_blocks(v_cache, g.block_ids, 1, g.length)
         q = query[g.token_idx].view(1, g.num_q, -1, head_dim)
-        attend = _attend_causal if g.num_q == g.length else _attend
-        out[g.token_idx] = attend(q, key, value, g.mask, scale).view(-1, *query.shape[1:])
+        out[g.token_idx] = _attend(q, key, value, g.mask, scale).view(-1, *query.shape[1:])
     d = plan.decodes
     if d is None:
         return out
