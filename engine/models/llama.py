@@ -27,6 +27,9 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # 2 x [num_blocks, block_size, H_kv
 
 
 class RMSNorm(nn.Module):
+    """An RMS norm's weight and epsilon; applied, with the residual add before it, by the
+    ops table's `add_rms_norm`."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
