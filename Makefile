@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench bench-peers gpu-check clean
+.PHONY: install serve test test-ui lint bench bench-peers gpu-check clean
 
 install: $(STAMP)
 
@@ -30,6 +30,21 @@ lint: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest; status=$$?; \
+	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
+	exit $$status
+
+# The /ui playground in headless Chromium (tests/test_ui_browser.py). Installs what is
+# missing: Debian's chromium through apt-get (as root, or with sudo) and the Python
+# playwright package into the venv; Playwright drives the system Chromium, so no
+# `playwright install`. Without them the browser tests skip, so `make test` stays green;
+# here PLAIT_UI_REQUIRE=1 turns that skip into a failure.
+CHROMIUM ?= $(firstword $(wildcard /usr/bin/chromium /usr/bin/chromium-browser))
+test-ui: install
+	@if [ -z "$(CHROMIUM)" ] && [ -z "$$PLAIT_UI_CHROMIUM" ] && command -v apt-get >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" -eq 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update && $$SUDO apt-get install -y chromium; fi
+	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/pip install -e '.[ui]'
+	PLAIT_UI_REQUIRE=1 $(BIN)/python -m pytest tests/test_ui_browser.py -rs; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
 	exit $$status
 

@@ -39,8 +39,9 @@ NOT_OPTIONS = frozenset({"model", "engine", "api_keys"})
 
 @dataclass(frozen=True, slots=True)
 class Option:
-    """One `serve` option. `kind` is int, float, str, bool (a --x/--no-x pair), "list"
-    (comma-separated or a JSON array; a tuple field) or "int?" (an int or none). The
+    """One `serve` option. `kind` is int, float, str, bool (a --x/--no-x pair), "bool?" (a
+    --x/--no-x pair whose default none means auto), "list" (comma-separated or a JSON
+    array; a tuple field) or "int?" (an int or none). The
     default is the same-named field's of EngineConfig / ServerSettings; an option that is
     no field (--api-key, --api-key-file) defaults to none."""
 
@@ -116,6 +117,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--engine-process", bool,
            "run the engine core in its own child process (off: a thread of the server "
            "process)"),
+    Option("--ui", "bool?",
+           "serve the playground page at /ui (default: on when --host is 127.0.0.1, "
+           "localhost or ::1, off otherwise)"),
 )
 # Test-only and hidden from --help: lets a request's prompt trigger faults (server/faults.py).
 FAULT_INJECTION = Option("--fault-injection", bool, "test-only fault injection")
@@ -129,10 +133,12 @@ def convert(option: Option, raw: str) -> Any:
     """An environment string -> the option's value."""
     text = raw.strip()
     try:
-        if option.kind is bool:
+        if option.kind == "bool?" and text.lower() in ("", "auto", "none"):
+            return None
+        if option.kind in (bool, "bool?"):
             if text.lower() in _TRUE | _FALSE:
                 return text.lower() in _TRUE
-            raise ValueError("expected true/false")
+            raise ValueError("expected true/false" + ("/auto" if option.kind == "bool?" else ""))
         if option.kind == "list":
             return parse_list(text)
         if option.kind == "int?":
@@ -187,7 +193,7 @@ def _add(parser: argparse.ArgumentParser, option: Option, env: Mapping[str, str]
     default_text = "" if "default:" in option.help else f" (default: {shown})"
     help_text = (argparse.SUPPRESS if hidden
                  else f"{option.help}{default_text} [env: {option.env}]")
-    if option.kind is bool:
+    if option.kind in (bool, "bool?"):
         parser.add_argument(option.flag, action=argparse.BooleanOptionalAction,
                             default=default, help=help_text)
         return

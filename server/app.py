@@ -5,7 +5,7 @@
 The lifespan only *starts* loading the model (in a background thread) and returns, so the
 server socket listens while the model loads and /health answers 503 until the engine is
 ready. Middleware, outermost first: HEAD as GET, x-request-id (and the 500 envelope), CORS,
-the body size limit (413), routes.
+the body size limit (413), routes (the playground at /ui when `settings.ui_enabled`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from plait.server.middleware import (
 from plait.server.openapi import install_openapi
 from plait.server.settings import ServerSettings
 from plait.server.state import ServerState
+from plait.server.ui import ui_router
 
 logger = logging.getLogger("plait.server")
 
@@ -73,6 +74,8 @@ def create_app(settings: ServerSettings | None = None, engine: EngineClient | No
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(HeadAsGetMiddleware)
     app.include_router(misc.open_router)
+    if settings.ui_enabled:
+        app.include_router(ui_router())  # the playground: open, the page sends the key
     guarded = [Depends(require_api_key)]
     for router in (chat.router, completions.router, misc.router):
         app.include_router(router, dependencies=guarded)

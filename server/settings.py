@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from plait.engine import EngineConfig
 
 DEFAULT_MAX_REQUEST_BYTES = 10 * 1024 * 1024  # 10 MiB
+# Hosts on which the playground (/ui) is on unless --ui/--no-ui says otherwise.
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +27,8 @@ class ServerSettings:
     connection is closed after `keep_alive_timeout` seconds. `log_prompts` adds prompt text
     to the request log. `fault_injection` is test-only (see faults.py), never for production.
     `engine_process` runs the engine core in its own child process; off, it runs in a thread
-    of the server process.
+    of the server process. `ui` serves the playground at /ui (server/ui.py): None (auto)
+    means on exactly when `host` is a loopback address, see `ui_enabled`.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -46,6 +49,7 @@ class ServerSettings:
     log_prompts: bool = False
     fault_injection: bool = False
     engine_process: bool = True
+    ui: bool | None = None
 
     def __post_init__(self) -> None:
         if self.sse_ping_interval < 0:
@@ -60,3 +64,10 @@ class ServerSettings:
             raise ValueError("header_timeout and keep_alive_timeout must be > 0")
         if any(not key for key in self.api_keys):
             raise ValueError("an API key must not be empty")
+
+    @property
+    def ui_enabled(self) -> bool:
+        """Whether /ui is served: `ui` when set, else on only for a loopback `host`."""
+        if self.ui is not None:
+            return self.ui
+        return self.host in LOOPBACK_HOSTS

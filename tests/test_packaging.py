@@ -163,7 +163,8 @@ def test_imports_from_a_checkout_without_install(tmp_path, where: str) -> None:
 
 def test_wheel_holds_every_module(tmp_path) -> None:
     """The wheel (what the Dockerfile installs) has every module of every package, nested
-    ones included, exactly once, under plait/, and the native kernels' C source. Built from
+    ones included, exactly once, under plait/, the native kernels' C source and the
+    playground's static files. Built from
     a copy that keeps the symlinks, as docker's COPY does."""
     pytest.importorskip("setuptools")
     src = tmp_path / "src"
@@ -185,8 +186,11 @@ def test_wheel_holds_every_module(tmp_path) -> None:
     c_sources = sorted(p.name for p in (REPO / "kernels" / "cpu").iterdir()
                        if p.suffix in (".c", ".h"))
     assert len(c_sources) >= 5
-    assert sorted(names) == sorted([*expected, *(f"plait/kernels/cpu/{name}"
-                                                 for name in c_sources)])
+    ui_files = sorted(p.name for p in (REPO / "server" / "ui").iterdir() if p.is_file())
+    assert {"index.html", "ui.js", "ui.css"} <= set(ui_files)
+    assert sorted(names) == sorted([*expected,
+                                    *(f"plait/kernels/cpu/{name}" for name in c_sources),
+                                    *(f"plait/server/ui/{name}" for name in ui_files)])
 
 
 def test_server_imports_the_engine_only_through_its_public_module() -> None:
