@@ -23,10 +23,10 @@ from fastapi.middleware.cors import CORSMiddleware
 
 import plait
 from plait.engine import AsyncEngine, EngineClient, EngineLoadError, ProcessEngine, TokenTextTable
-from plait.server import chat, completions, faults, misc
+from plait.server import chat, completions, faults, misc, render
 from plait.server.auth import require_api_key
 from plait.server.errors import install_error_handlers
-from plait.server.metrics import ServerMetrics
+from plait.server.metrics import EngineIdentity, ServerMetrics
 from plait.server.middleware import (
     BodyLimitMiddleware,
     HeadAsGetMiddleware,
@@ -49,7 +49,8 @@ def create_app(settings: ServerSettings | None = None, engine: EngineClient | No
     is called with a one-line message if loading fails (the CLI exits then)."""
     settings = settings or ServerSettings()
     engine = engine or default_engine(settings)
-    metrics = ServerMetrics(lambda: engine.stats() if engine.ready else None)
+    metrics = ServerMetrics(lambda: engine.stats() if engine.ready else None,
+                            lambda: _identity(state))
     state = ServerState(settings, engine, metrics)
 
     @asynccontextmanager
@@ -77,10 +78,20 @@ def create_app(settings: ServerSettings | None = None, engine: EngineClient | No
     if settings.ui_enabled:
         app.include_router(ui_router())  # the playground: open, the page sends the key
     guarded = [Depends(require_api_key)]
-    for router in (chat.router, completions.router, misc.router):
+    for router in (chat.router, completions.router, render.router, misc.router):
         app.include_router(router, dependencies=guarded)
     install_openapi(app)
     return app
+
+
+def _identity(state: ServerState) -> EngineIdentity | None:
+    """The served model and KV cache shape for the `vllm:` metrics, once loaded."""
+    engine = state.engine
+    if not engine.ready:
+        return None
+    info = engine.info
+    return EngineIdentity(state.model_name, info.block_size, info.num_kv_blocks, info.dtype,
+                          engine.config.enable_prefix_caching)
 
 
 def default_engine(settings: ServerSettings) -> EngineClient:

@@ -17,6 +17,7 @@ are described in extras.py and prompts.py.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -26,7 +27,7 @@ from plait.server.extras import Extras
 from plait.server.fanout import check_num_sequences
 from plait.server.generation import ChoiceState, Generation, GenerationError, new_completion_id
 from plait.server.logprobs import chat_content
-from plait.server.params import chat_plan
+from plait.server.params import Plan, chat_plan
 from plait.server.prompts import (
     Prompt,
     chat_prompt_ids,
@@ -40,21 +41,30 @@ from plait.server.protocol import ChatCompletionRequest, reject_unsupported
 from plait.server.routing import ApiRoute
 from plait.server.serving import serve_generation
 from plait.server.sse import DONE, encode, error_event
-from plait.server.state import ReadyDep, check_model, request_id_of
+from plait.server.state import ReadyDep, ServerState, check_model, request_id_of
 from plait.server.tool_output import ChoiceStream, choice_message
 from plait.server.tools import OutputPlan, chat_output_plan, chat_template, render_messages
 
 router = APIRouter(route_class=ApiRoute)
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, request: Request,
-                                 state: ReadyDep) -> Response:
+@dataclass(frozen=True, slots=True)
+class ChatInput:
+    """A checked chat request: how it runs, how its output is read, its prompt's ids."""
+
+    plan: Plan
+    output: OutputPlan
+    token_ids: list[int]
+
+
+async def chat_input(body: ChatCompletionRequest, state: ServerState) -> ChatInput:
+    """Every check of a chat request and the token ids the engine gets for it (chat
+    template, tools, generation prompt or continued final message). Called by
+    /v1/chat/completions and /v1/chat/completions/render (render.py): one code path."""
     check_model(state, body.model)
     reject_unsupported(body)
     engine = state.engine
     plan = chat_plan(body)
-    extras = Extras.of(body)
     output = await chat_output_plan(body, chat_template(engine.tokenizer))
     plan.params.structured = output.spec
     check_params(engine, plan.params)
@@ -66,8 +76,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     token_ids = await chat_prompt_ids(engine.tokenizer, messages, flags,
                                       tools=output.template_tools)
     check_prompt(engine, token_ids, "messages")
-    gen = Generation(state, new_completion_id("chatcmpl"), [Prompt(token_ids, "")], plan,
-                     keep_output=not body.streaming, log_id=request_id_of(request))
+    return ChatInput(plan, output, token_ids)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                 state: ReadyDep) -> Response:
+    checked = await chat_input(body, state)
+    extras, output = Extras.of(body), checked.output
+    gen = Generation(state, new_completion_id("chatcmpl"), [Prompt(checked.token_ids, "")],
+                     checked.plan, keep_output=not body.streaming,
+                     log_id=request_id_of(request))
     return await serve_generation(
         request, gen, build=lambda g, choices: _response(g, choices, extras, output),
         stream=(lambda g: _stream(g, extras, output)) if body.streaming else None)

@@ -19,22 +19,23 @@ from plait.server.extras import Extras
 from plait.server.fanout import check_num_sequences
 from plait.server.generation import Generation, GenerationError, new_completion_id
 from plait.server.logprobs import CompletionLogprobs
-from plait.server.params import completion_plan
+from plait.server.params import Plan, completion_plan
 from plait.server.prompts import Prompt, check_params, completion_prompts, num_prompts
 from plait.server.protocol import CompletionRequest, reject_unsupported
 from plait.server.routing import ApiRoute
 from plait.server.serving import serve_generation
 from plait.server.sse import DONE, encode, error_event
-from plait.server.state import ReadyDep, check_model, request_id_of
+from plait.server.state import ReadyDep, ServerState, check_model, request_id_of
 from plait.server.structured_params import build_off_loop, response_format_spec
 from plait.server.tool_protocol import parse_response_format
 
 router = APIRouter(route_class=ApiRoute)
 
 
-@router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, request: Request,
-                            state: ReadyDep) -> Response:
+async def completion_input(body: CompletionRequest,
+                           state: ServerState) -> tuple[Plan, list[Prompt]]:
+    """Every check of a completion request, its plan and its prompts' token ids. Called by
+    /v1/completions and /v1/completions/render (render.py): one code path."""
     check_model(state, body.model)
     reject_unsupported(body)
     engine = state.engine
@@ -47,7 +48,13 @@ async def create_completion(body: CompletionRequest, request: Request,
     check_num_sequences(engine, state.settings.max_queued_requests,
                         num_prompts(body.prompt) * plan.num_samples,
                         "best_of" if plan.num_samples > plan.n else "n")
-    prompts = await completion_prompts(engine, body.prompt)
+    return plan, await completion_prompts(engine, body.prompt)
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request,
+                            state: ReadyDep) -> Response:
+    plan, prompts = await completion_input(body, state)
     gen = Generation(state, new_completion_id("cmpl"), prompts, plan,
                      keep_output=not body.streaming, log_id=request_id_of(request))
     echo, extras = bool(body.echo), Extras.of(body)

@@ -1,13 +1,23 @@
-"""Prometheus metrics (prefix `plait_`) in a registry owned by one app.
+"""Prometheus metrics (prefix `plait_`) in a registry owned by one app, plus the vLLM names
+that inference routers scrape (`vllm:`, see `VLLM_GAUGES`).
 
 Engine gauges and counters are read from `engine.stats()` when /metrics is scraped (the
 engine keeps the totals; nothing is double counted here). Per-request histograms and the
 success and refusal counters are observed by the HTTP layer as requests pass through it.
+
+The `vllm:` series are the model-server metrics protocol of the Gateway API Inference
+Extension's endpoint picker (llm-d-router `docs/plugin-metric-protocol.md`) and the vLLM
+production-stack router, with vLLM's names, types and labels (`vllm/v1/metrics/loggers.py`):
+labels `model_name` (the served name) and `engine` ("0": one engine core). They are the
+same engine stats as their `plait_` twins, read in the same scrape. Running and waiting
+count engine sub-requests (one per choice of n, or of best_of), as vLLM V1 counts the child
+requests of an n > 1 request: queue depth in units of engine work.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -41,12 +51,61 @@ _COUNTERS = {
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the cache."),
 }
 
+# vLLM's name -> (engine.stats() key, vLLM's help). `gpu_cache_usage_perc` and the `gpu_`
+# prefix-cache counters are vLLM's deprecated names, still read by the production-stack router.
+VLLM_GAUGES = {
+    "vllm:num_requests_running": ("num_running",
+                                  "Number of requests in model execution batches."),
+    "vllm:num_requests_waiting": ("num_waiting", "Number of requests waiting to be processed."),
+    "vllm:kv_cache_usage_perc": ("kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
+    "vllm:gpu_cache_usage_perc": ("kv_cache_usage", "KV-cache usage. 1 means 100 percent "
+                                  "usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead."),
+}
+VLLM_COUNTERS = {  # exposed with `_total` appended, as prometheus_client does for vLLM
+    "vllm:prefix_cache_queries": ("prefix_cache_queries",
+                                  "Prefix cache queries, in terms of number of queried tokens."),
+    "vllm:prefix_cache_hits": ("prefix_cache_hits",
+                               "Prefix cache hits, in terms of number of cached tokens."),
+    "vllm:gpu_prefix_cache_queries": ("prefix_cache_queries", "GPU prefix cache queries, in "
+                                      "terms of number of queried tokens. DEPRECATED: Use "
+                                      "vllm:prefix_cache_queries instead."),
+    "vllm:gpu_prefix_cache_hits": ("prefix_cache_hits", "GPU prefix cache hits, in terms of "
+                                   "number of cached tokens. DEPRECATED: Use "
+                                   "vllm:prefix_cache_hits instead."),
+}
+VLLM_LABELS = ("model_name", "engine")
+VLLM_ENGINE_INDEX = "0"  # vLLM numbers its engine cores (data parallel); Plait has one
+
+
+@dataclass(frozen=True, slots=True)
+class EngineIdentity:
+    """What the `vllm:` series say about the engine besides its stats: the served model name
+    (label `model_name`) and the KV cache's shape (`vllm:cache_config_info`). Built at scrape
+    time by the app once the engine has loaded."""
+
+    model_name: str
+    block_size: int  # tokens per KV block
+    num_gpu_blocks: int  # blocks in the pool (vLLM's name; on CPU too)
+    cache_dtype: str
+    enable_prefix_caching: bool
+
+    def cache_config_labels(self) -> dict[str, str]:
+        """Labels of `vllm:cache_config_info` (a gauge of 1): vLLM puts every CacheConfig
+        field there as a string, plus `engine`; these are the ones Plait has. The picker
+        reads `block_size` and `num_gpu_blocks` as integers."""
+        return {"block_size": str(self.block_size), "cache_dtype": self.cache_dtype,
+                "enable_prefix_caching": str(self.enable_prefix_caching),
+                "num_gpu_blocks": str(self.num_gpu_blocks), "engine": VLLM_ENGINE_INDEX}
+
 
 class EngineCollector(Collector):
-    """Exports the engine's own stats at scrape time; nothing while it is not loaded."""
+    """Exports the engine's own stats at scrape time, as `plait_` names and (with an
+    identity) as vLLM's; nothing while the engine is not loaded."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any] | None]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any] | None],
+                 identity: Callable[[], EngineIdentity | None] = lambda: None) -> None:
         self._stats = stats
+        self._identity = identity
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats() or {}
@@ -56,17 +115,43 @@ class EngineCollector(Collector):
         for key, (name, doc) in _COUNTERS.items():
             if key in stats:
                 yield CounterMetricFamily(f"plait_{name}", doc, value=float(stats[key]))
+        identity = self._identity() if stats else None
+        if identity is not None:
+            yield from _vllm_families(stats, identity)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
 
 
-class ServerMetrics:
-    """The app's registry plus the metrics the HTTP layer observes."""
+def _vllm_families(stats: dict[str, Any], identity: EngineIdentity) -> Iterator[Metric]:
+    """vLLM's series for one engine: the gauges and counters of `stats` (one scrape's
+    snapshot) labelled with the served model name, and `vllm:cache_config_info`."""
+    labels = [identity.model_name, VLLM_ENGINE_INDEX]
+    for name, (key, doc) in VLLM_GAUGES.items():
+        if key in stats:
+            family = GaugeMetricFamily(name, doc, labels=VLLM_LABELS)
+            family.add_metric(labels, float(stats[key]))
+            yield family
+    for name, (key, doc) in VLLM_COUNTERS.items():
+        if key in stats:
+            family = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
+            family.add_metric(labels, float(stats[key]))
+            yield family
+    info = identity.cache_config_labels()
+    family = GaugeMetricFamily("vllm:cache_config_info",
+                               "Information of the LLMEngine CacheConfig", labels=list(info))
+    family.add_metric(list(info.values()), 1.0)
+    yield family
 
-    def __init__(self, engine_stats: Callable[[], dict[str, Any] | None]) -> None:
+
+class ServerMetrics:
+    """The app's registry plus the metrics the HTTP layer observes. `engine_stats` and
+    `identity` are called at scrape time (None while the engine is not loaded)."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, Any] | None],
+                 identity: Callable[[], EngineIdentity | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine_stats))
+        self.registry.register(EngineCollector(engine_stats, identity))
         kw: dict[str, Any] = {"registry": self.registry}
         self.request_success = Counter(
             "plait_request_success", "Choices finished, by finish reason.", ["finish_reason"],
