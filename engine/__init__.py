@@ -26,6 +26,7 @@ _EXPORTS = {
     "VALID_DTYPES": "config",
     "CPU_GEMMS": "config",
     "ATTENTION_BACKENDS": "config",
+    "KV_EVENTS_ENCODINGS": "config",
     "LLM": "llm",
     "RequestDelta": "outputs",
     "TokenLogprob": "outputs",
@@ -52,6 +53,7 @@ __all__ = [
     "CPU_GEMMS",
     "FAKE_FRAME",
     "GRAMMAR_FAILED",
+    "KV_EVENTS_ENCODINGS",
     "LLM",
     "MAX_LOGPROBS",
     "VALID_DTYPES",
@@ -87,6 +89,7 @@ if TYPE_CHECKING:
     from plait.engine.config import (
         ATTENTION_BACKENDS,
         CPU_GEMMS,
+        KV_EVENTS_ENCODINGS,
         VALID_DTYPES,
         EngineConfig,
         RuntimeInfo,

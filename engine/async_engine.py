@@ -107,3 +107,7 @@ class AsyncEngine(EngineClient):
         except BaseException as exc:  # the loop itself died: fail everything, turn unhealthy
             logger.exception("engine loop died")
             self._die(f"engine loop died: {type(exc).__name__}")
+        finally:
+            close = getattr(self.core, "close", None)  # the KV events publisher's sockets
+            if close is not None:
+                close()

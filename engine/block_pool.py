@@ -19,6 +19,8 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from plait.engine.kv_events import KVEventLog
+
 
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: str | None) -> bytes:
     """Content hash of one full block: its tokens, everything before it, and `extra_key`."""
@@ -41,6 +43,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    published: bool = False  # its hash was announced in a KV event (full blocks only)
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
 
@@ -91,7 +94,8 @@ class BlockPool:
     `allocate`, or taken with `touch`) is given back exactly once per reference via `free`.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 record_events: bool = False) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -99,6 +103,8 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}
         self.num_queries = 0
         self.num_hits = 0
+        # KV-cache events (engine/kv_events.py): full blocks entering and leaving the cache.
+        self.events = KVEventLog() if record_events and enable_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -146,13 +152,19 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def register(self, block_id: int, block_hash: bytes) -> None:
-        """Make `block_id` findable under `block_hash` unless another block already is."""
+    def register(self, block_id: int, block_hash: bytes, parent_hash: bytes | None = None,
+                 token_ids: list[int] | None = None) -> None:
+        """Make `block_id` findable under `block_hash` unless another block already is.
+        With `token_ids` (a full block's tokens; `parent_hash` its predecessor's hash) the
+        block is announced in the KV events; a partial block is registered without them."""
         if not self.enable_caching or block_hash in self.cached:
             return
         block = self.blocks[block_id]
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.events is not None and token_ids is not None:
+            block.published = True
+            self.events.stored(block_hash, parent_hash, token_ids)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per id, tail first; blocks reaching 0 join the free queue."""
@@ -173,12 +185,19 @@ class BlockPool:
             self._drop_hash(self.blocks[block_id])
 
     def reset_cache(self) -> None:
-        """Forget every hash (the KV content stays, unreachable)."""
+        """Forget every hash (the KV content stays, unreachable): one `AllBlocksCleared`."""
         for block in list(self.cached.values()):
+            block.published = False
             self._drop_hash(block)
+        if self.events is not None:
+            self.events.cleared()
 
     def _drop_hash(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+            if block.published:
+                block.published = False
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None

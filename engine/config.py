@@ -10,6 +10,8 @@ VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # (kernels/ops.py); "auto" picks by CPU vendor / device.
 CPU_GEMMS = ("auto", "mkl", "onednn", "none")
 ATTENTION_BACKENDS = ("auto", "reference")
+# KV-cache events: vLLM's tagged-map events (vLLM >= 0.24) or tagged arrays (older).
+KV_EVENTS_ENCODINGS = ("map", "array")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,10 @@ class EngineConfig:
     reference); `attention_backend` "reference" forces the plain-torch attention on every
     device; `cpu_gemm` is the CPU linear layers' BLAS format ("auto": MKL on Intel, oneDNN
     elsewhere).
+
+    `kv_events_endpoint` (e.g. "tcp://*:5557") publishes KV-cache events as vLLM does
+    (engine/kv_events.py) under `kv_events_topic`, with a replay socket at
+    `kv_events_replay_endpoint`; `kv_events_encoding` "map" or "array" (older vLLM).
     """
 
     model: str | None = None
@@ -49,6 +55,11 @@ class EngineConfig:
     cascade: bool = True
     attention_backend: str = "auto"
     cpu_gemm: str = "auto"
+    # KV-cache events (engine/kv_events.py): off unless an endpoint is given.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_replay_endpoint: str | None = None
+    kv_events_encoding: str = "map"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -71,6 +82,11 @@ class EngineConfig:
             raise ValueError("max_shared_logits must be >= 0")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
+        if self.kv_events_encoding not in KV_EVENTS_ENCODINGS:
+            raise ValueError(f"kv_events_encoding must be one of {KV_EVENTS_ENCODINGS}, "
+                             f"got {self.kv_events_encoding!r}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

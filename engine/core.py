@@ -23,6 +23,7 @@ from plait.engine.block_pool import BlockPool
 from plait.engine.config import EngineConfig, RuntimeInfo
 from plait.engine.detokenizer import IncrementalDetokenizer
 from plait.engine.grammar import GrammarCompiler, GrammarError
+from plait.engine.kv_events import KVEventPublisher
 from plait.engine.model_loader import ResolvedModel, load_tokenizer, resolve_model
 from plait.engine.model_runner import ModelRunner
 from plait.engine.outputs import RequestDelta, TokenLogprob
@@ -74,7 +75,15 @@ class EngineCore:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(resolved.path)
         eos = eos_token_ids(resolved, self.tokenizer)
         self.runner = runner_factory(config, resolved, eos_token_ids=eos)
-        self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching)
+        self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching,
+                              record_events=config.kv_events_endpoint is not None)
+        self.kv_events: KVEventPublisher | None = None
+        if config.kv_events_endpoint is not None and self.pool.events is None:
+            logger.warning("--kv-events-endpoint ignored: prefix caching is off")
+        elif config.kv_events_endpoint is not None:
+            self.kv_events = KVEventPublisher(
+                config.kv_events_endpoint, config.kv_events_topic,
+                config.kv_events_replay_endpoint, config.block_size, config.kv_events_encoding)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.runner.max_model_len,
                                    config.max_shared_logits,
@@ -137,8 +146,25 @@ class EngineCore:
         try:
             run = self.runner.execute(out)
         except Exception as exc:  # fail this step's requests, keep the engine alive
-            return admitted + self._fail_step(out, exc)
-        return admitted + self._update(out, run)
+            deltas = admitted + self._fail_step(out, exc)
+        else:
+            deltas = admitted + self._update(out, run)
+        if self.kv_events is not None:  # this step's blocks in and out of the cache
+            self.kv_events.publish(self.pool.events.take())  # type: ignore[union-attr]
+        return deltas
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (one `AllBlocksCleared` event) and the kept prompts."""
+        self.pool.reset_cache()
+        self.scheduler.share.clear_kept()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.pool.events.take())  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        """Flush and close the KV events publisher (the rest needs no closing)."""
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+            self.kv_events = None
 
     def _admit_compiled(self) -> list[RequestDelta]:
         """Move the requests whose grammar compiled into the scheduler (in arrival order,

@@ -254,6 +254,8 @@ def run_engine_process(conn: Connection, start_frame: bytes) -> None:
         logger.exception("engine loop died")
         _send_quietly(conn, FatalEvent(f"engine loop died: {type(exc).__name__}"))
         sys.exit(1)
+    finally:
+        core.close()  # flush the KV events still queued, close their sockets
 
 
 def _receive(conn: Connection, block: bool) -> Command | None:

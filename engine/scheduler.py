@@ -364,7 +364,12 @@ class Scheduler:
         if last_full > first_full:
             self._extend_hashes(req, last_full)
             for idx in range(first_full, last_full):
-                self._register(req.block_ids[idx], req.block_hashes[idx])
+                if self.pool.events is None:
+                    self._register(req.block_ids[idx], req.block_hashes[idx])
+                else:  # KV events announce a full block with its parent and tokens
+                    self._register(req.block_ids[idx], req.block_hashes[idx],
+                                   req.block_hashes[idx - 1] if idx else None,
+                                   req.token_ids(idx * bs, (idx + 1) * bs))
         # An owner's partial last prompt block is registered too: a kept prompt names it
         # (so it is copied before any write; pointless when no prompt is ever kept).
         entry = req.share_entry
@@ -379,8 +384,9 @@ class Scheduler:
             self._register(req.block_ids[-1], req.partial_block_hash)
         return True
 
-    def _register(self, block_id: int, block_hash: bytes) -> None:
-        self.pool.register(block_id, block_hash)
+    def _register(self, block_id: int, block_hash: bytes, parent_hash: bytes | None = None,
+                  token_ids: list[int] | None = None) -> None:
+        self.pool.register(block_id, block_hash, parent_hash, token_ids)
         self._record.registered_block_ids.append(block_id)
 
     def _extend_hashes(self, req: Request, num_blocks: int) -> None:

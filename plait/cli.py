@@ -21,7 +21,13 @@ from typing import Any
 import plait
 from plait.bench.cli import add_parser as add_bench_parser
 from plait.bench.cli import run as run_bench
-from plait.engine import ATTENTION_BACKENDS, CPU_GEMMS, VALID_DTYPES, EngineConfig
+from plait.engine import (
+    ATTENTION_BACKENDS,
+    CPU_GEMMS,
+    KV_EVENTS_ENCODINGS,
+    VALID_DTYPES,
+    EngineConfig,
+)
 from plait.server.settings import ServerSettings  # a plain dataclass: no HTTP stack
 
 ENV_PREFIX = "PLAIT_"
@@ -98,6 +104,16 @@ OPTIONS: tuple[Option, ...] = (
            ATTENTION_BACKENDS),
     Option("--cpu-gemm", str,
            "the CPU GEMMs' weight packing (auto: mkl on Intel, onednn elsewhere)", CPU_GEMMS),
+    Option("--kv-events-endpoint", str,
+           "publish KV-cache events as vLLM does on this ZeroMQ PUB endpoint, e.g. "
+           "tcp://*:5557 (default: none, off)"),
+    Option("--kv-events-topic", str, "topic frame of the KV-cache event messages"),
+    Option("--kv-events-replay-endpoint", str,
+           "ZeroMQ ROUTER endpoint answering replay requests for missed KV-event batches "
+           "(default: none)"),
+    Option("--kv-events-encoding", str,
+           "KV events as tagged maps (vLLM >= 0.24) or tagged arrays (older vLLM consumers)",
+           KV_EVENTS_ENCODINGS),
     Option("--max-queued-requests", int,
            "sub-requests admitted beyond the --max-num-seqs running slots; past it a new "
            "request gets 503 + Retry-After"),
