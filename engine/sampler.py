@@ -3,7 +3,8 @@
 One call samples one token for every row of a `[num_rows, vocab]` logits tensor. The
 pipeline (same order as vLLM):
 
-    logits ─► logit_bias ─► min_tokens ─► repetition / presence / frequency penalties
+    logits ─► logit_bias ─► allowed_token_ids ─► min_tokens
+           ─► repetition / presence / frequency penalties
            ─► (logprobs are read here)
            ─► greedy rows: argmax
            ─► random rows: / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► draw
@@ -77,6 +78,20 @@ def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]
         logits[row].index_add_(0, token_ids, values)
 
 
+def apply_allowed_token_ids(logits: torch.Tensor, allowed: list[list[int] | None]) -> None:
+    """Set every logit of row i outside `allowed[i]` (when given) to -inf, in place (vLLM's
+    `allowed_token_ids`). Ids outside the vocabulary are ignored (the HTTP layer rejects
+    them)."""
+    vocab_size = logits.shape[1]
+    for row, ids in enumerate(allowed):
+        if not ids:
+            continue
+        keep = to_device([t for t in ids if 0 <= t < vocab_size], logits.device)
+        mask = torch.ones(vocab_size, dtype=torch.bool, device=logits.device)
+        mask[keep] = False
+        logits[row].masked_fill_(mask, float("-inf"))
+
+
 def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     """Set the stop tokens of rows still below `min_tokens` to -inf, in place.
 
@@ -145,15 +160,18 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     """
     out = logits.float()
     needs_bias = any(p.logit_bias for p in meta.params)
+    needs_allowed = any(p.allowed_token_ids for p in meta.params)
     needs_min = any(len(out_ids) < p.min_tokens
                     for p, out_ids in zip(meta.params, meta.output_token_ids, strict=True))
     pen_rows = [i for i, p in enumerate(meta.params) if _needs_penalties(p)]
-    if not (needs_bias or needs_min or pen_rows):
+    if not (needs_bias or needs_allowed or needs_min or pen_rows):
         return out
     if out.data_ptr() == logits.data_ptr():
         out = out.clone()
     if needs_bias:
         apply_logit_bias(out, [p.logit_bias for p in meta.params])
+    if needs_allowed:
+        apply_allowed_token_ids(out, [p.allowed_token_ids for p in meta.params])
     if needs_min:
         apply_min_tokens(out, meta)
     if pen_rows:

@@ -43,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # sample only these (vLLM); None: any
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -91,6 +92,9 @@ class SamplingParams:
         for ok, param, message in checks:
             if not ok:
                 raise InvalidParamError(param, message)
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidParamError("allowed_token_ids",
+                                    "allowed_token_ids must contain at least one token id")
         if self.logit_bias:
             for token_id, bias in self.logit_bias.items():
                 if not -100.0 <= bias <= 100.0:

@@ -78,7 +78,9 @@ def validate_params(info: RuntimeInfo, params: SamplingParams) -> None:
             f"{_show(params.top_k)} instead.", "integer_above_max_value")
     # logit_bias keys are reported without a code, as OpenAI reports its own key errors.
     for name, ids, code in (("logit_bias", params.logit_bias or {}, None),
-                            ("stop_token_ids", params.stop_token_ids, "invalid_value")):
+                            ("stop_token_ids", params.stop_token_ids, "invalid_value"),
+                            ("allowed_token_ids", params.allowed_token_ids or [],
+                             "invalid_value")):
         bad = _outside(ids, vocab)
         if bad is not None:
             raise InvalidParamError(name, f"Invalid '{name}': token id {_show(bad)} is "

@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from plait.server.extras import Extras
+from plait.server.extras import Extras, truncated
 from plait.server.fanout import check_num_sequences
 from plait.server.generation import ChoiceState, Generation, GenerationError, new_completion_id
 from plait.server.logprobs import chat_content
@@ -75,6 +75,7 @@ async def chat_input(body: ChatCompletionRequest, state: ServerState) -> ChatInp
     check_text_size(engine, engine.tokenizer, message_chars(messages), "messages")
     token_ids = await chat_prompt_ids(engine.tokenizer, messages, flags,
                                       tools=output.template_tools)
+    token_ids = truncated(body, token_ids, engine.info.max_model_len)
     check_prompt(engine, token_ids, "messages")
     return ChatInput(plan, output, token_ids)
 

@@ -8,6 +8,7 @@ of the returned text (vLLM's convention; OpenAI counts from the start of the pro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,7 +16,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from plait.engine import TokenLogprob
-from plait.server.extras import Extras
+from plait.server.errors import bad_request
+from plait.server.extras import Extras, truncated
 from plait.server.fanout import check_num_sequences
 from plait.server.generation import Generation, GenerationError, new_completion_id
 from plait.server.logprobs import CompletionLogprobs
@@ -26,7 +28,11 @@ from plait.server.routing import ApiRoute
 from plait.server.serving import serve_generation
 from plait.server.sse import DONE, encode, error_event
 from plait.server.state import ReadyDep, ServerState, check_model, request_id_of
-from plait.server.structured_params import build_off_loop, response_format_spec
+from plait.server.structured_params import (
+    build_off_loop,
+    response_format_spec,
+    structured_outputs_spec,
+)
 from plait.server.tool_protocol import parse_response_format
 
 router = APIRouter(route_class=ApiRoute)
@@ -40,15 +46,23 @@ async def completion_input(body: CompletionRequest,
     reject_unsupported(body)
     engine = state.engine
     plan = completion_plan(body)
+    if body.response_format is not None and body.structured_outputs is not None:
+        raise bad_request("Invalid 'structured_outputs': it cannot be combined with "
+                          "'response_format'.", "structured_outputs", "invalid_value")
     if body.response_format is not None:
         plan.params.structured = await build_off_loop(
             lambda: response_format_spec(parse_response_format(body.response_format)),
             param="response_format")
+    elif body.structured_outputs is not None:
+        plan.params.structured = await build_off_loop(
+            structured_outputs_spec, body.structured_outputs, param="structured_outputs")
     check_params(engine, plan.params)
     check_num_sequences(engine, state.settings.max_queued_requests,
                         num_prompts(body.prompt) * plan.num_samples,
                         "best_of" if plan.num_samples > plan.n else "n")
-    return plan, await completion_prompts(engine, body.prompt)
+    truncate = (None if body.truncate_prompt_tokens is None else
+                functools.partial(truncated, body, max_model_len=engine.info.max_model_len))
+    return plan, await completion_prompts(engine, body.prompt, truncate)
 
 
 @router.post("/v1/completions")

@@ -101,3 +101,23 @@ def prompt_logprobs_json(table: TokenTextTable, entries: list[TokenLogprob | Non
 def _logprob(table: TokenTextTable, token_id: int, value: float,
              rank: int | None) -> dict[str, Any]:
     return {"logprob": finite(value), "rank": rank, "decoded_token": table.text(token_id)}
+
+
+def truncated(request: SamplingRequest, token_ids: list[int], max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens=k` (-1: the model's context length) and
+    `truncation_side` ("left", the default: keep the last k prompt tokens; "right": the
+    first k). Prompts of k tokens or fewer are unchanged; k above the context is a 400."""
+    k = request.truncate_prompt_tokens
+    if k is None:
+        return token_ids
+    if k == -1:
+        k = max_model_len
+    if k > max_model_len:
+        raise bad_request(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                          f"({max_model_len}). Please request a smaller truncation size.",
+                          "truncate_prompt_tokens", "invalid_value")
+    if len(token_ids) <= k:
+        return token_ids
+    if request.truncation_side == "right":
+        return token_ids[:k]
+    return token_ids[len(token_ids) - k:]

@@ -1,13 +1,15 @@
 """Operational and utility routes.
 
 Open (no API key): GET /health, GET /metrics, GET /version.
-Guarded: GET /v1/models, GET /v1/models/{model}, POST /tokenize, POST /detokenize.
+Guarded: GET /v1/models, GET /v1/models/{model}, POST /tokenize, POST /detokenize,
+GET /tokenizer_info.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter
@@ -21,7 +23,12 @@ from plait.server.prompts import chat_prompt_ids, template_flags
 from plait.server.protocol import DetokenizeRequest, TokenizeRequest, reject_unsupported
 from plait.server.routing import ApiRoute
 from plait.server.state import ReadyDep, StateDep, check_model, get_ready_state
-from plait.server.tools import chat_template, conversation_plan, render_messages
+from plait.server.tools import (
+    chat_output_plan,
+    chat_template,
+    conversation_plan,
+    render_messages,
+)
 
 open_router = APIRouter()
 router = APIRouter(route_class=ApiRoute)
@@ -79,10 +86,15 @@ async def tokenize(body: TokenizeRequest, state: ReadyDep) -> Response:
         reject_unsupported(body)
         flags = template_flags(body.messages, body.add_generation_prompt,
                                body.continue_final_message)
-        messages = render_messages(body.messages, conversation_plan(chat_template(tokenizer)))
-        tokens = await chat_prompt_ids(tokenizer, messages, flags)
+        template = chat_template(tokenizer)
+        # With tools, the prompt chat completions builds for them (tool_choice "auto").
+        output = (conversation_plan(template) if body.tools is None else
+                  await chat_output_plan(_ToolsOnly(body.tools), template))  # type: ignore[arg-type]
+        messages = render_messages(body.messages, output)
+        tokens = await chat_prompt_ids(tokenizer, messages, flags,
+                                       tools=output.template_tools)
     else:
-        for name in ("add_generation_prompt", "continue_final_message"):
+        for name in ("add_generation_prompt", "continue_final_message", "tools"):
             if getattr(body, name) is not None:
                 raise bad_request(f"'{name}' applies to 'messages' only, not to 'prompt'.",
                                   name, "invalid_value")
@@ -97,6 +109,49 @@ async def tokenize(body: TokenizeRequest, state: ReadyDep) -> Response:
     # Rendered off the loop too: a 10 MB prompt is millions of token ids.
     rendered = await offload(_render_json, result, size=len(tokens))
     return Response(rendered, media_type="application/json")
+
+
+@dataclass(frozen=True, slots=True)
+class _ToolsOnly:
+    """The chat-request fields `chat_output_plan` reads, for /tokenize's `tools`."""
+
+    tools: list[dict[str, Any]]
+    tool_choice: None = None
+    parallel_tool_calls: None = None
+    response_format: None = None
+    structured_outputs: None = None
+
+
+@router.get("/tokenizer_info", response_model=dict[str, Any])
+async def tokenizer_info(state: ReadyDep) -> dict[str, Any]:
+    """vLLM's /tokenizer_info: the tokenizer's init kwargs (its tokenizer_config.json as
+    loaded) minus file paths, special tokens as their text, `tokenizer_class` the loaded
+    class's name, and the chat template."""
+    tokenizer = state.engine.tokenizer
+    config = dict(getattr(tokenizer, "init_kwargs", None) or {})
+    for key in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):
+        config.pop(key, None)
+    info: dict[str, Any] = _json_safe(config)
+    info["tokenizer_class"] = type(tokenizer).__name__
+    template = chat_template(tokenizer)
+    if template:
+        info["chat_template"] = template
+    return info
+
+
+def _json_safe(value: Any) -> Any:
+    """AddedToken -> its text; containers recursively; anything else not JSON -> str."""
+    if hasattr(value, "content") and isinstance(value.content, str):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    return str(value)
 
 
 def _render_json(content: Any) -> bytes:

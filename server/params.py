@@ -101,6 +101,7 @@ def build_params(request: SamplingRequest, *, max_tokens: int | None,
             repetition_penalty=(1.0 if request.repetition_penalty is None
                                 else request.repetition_penalty),
             logit_bias=parse_logit_bias(request.logit_bias),
+            allowed_token_ids=request.allowed_token_ids,
             seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens or 0,
             stop=stop, stop_token_ids=stop_token_ids,
             ignore_eos=bool(request.ignore_eos),

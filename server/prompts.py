@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from plait.server.errors import bad_request, echo
 from plait.server.offload import offload
 
 logger = logging.getLogger("plait.server")
+Truncate = Callable[[list[int]], list[int]]  # a prompt's ids -> the ids the engine gets
 _PROMPT_FORMS = "a string, an array of strings, an array of tokens, or an array of token arrays"
 
 
@@ -143,33 +145,38 @@ def num_prompts(prompt: str | list[Any]) -> int:
     return 1
 
 
-async def completion_prompts(engine: EngineClient, prompt: str | list[Any]) -> list[Prompt]:
+async def completion_prompts(engine: EngineClient, prompt: str | list[Any],
+                             truncate: Truncate | None = None) -> list[Prompt]:
     """The prompt forms of /v1/completions, each as token ids (+ text for echo), checked
-    against the context before the expensive work; large inputs off the event loop."""
+    against the context before the expensive work; large inputs off the event loop.
+    `truncate` (vLLM's truncate_prompt_tokens) cuts each prompt's ids before the checks;
+    a cut prompt's text is its ids decoded."""
     if isinstance(prompt, str) or num_prompts(prompt) == 1:
         size = len(prompt)  # characters, or tokens of one token array
     else:  # at most the admission window's number of prompts (checked before)
         size = sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)
-    return await offload(_completion_prompts, engine, prompt, size=size)
+    return await offload(_completion_prompts, engine, prompt, truncate, size=size)
 
 
-def _completion_prompts(engine: EngineClient, prompt: str | list[Any]) -> list[Prompt]:
+def _completion_prompts(engine: EngineClient, prompt: str | list[Any],
+                        truncate: Truncate | None) -> list[Prompt]:
     tokenizer = engine.tokenizer
     if isinstance(prompt, str):
-        return [_text_prompt(engine, prompt)]
+        return [_text_prompt(engine, prompt, truncate)]
     if not prompt:
         raise bad_request(f"Invalid 'prompt': empty array. Expected {_PROMPT_FORMS}.",
                           "prompt", "empty_array")
     if all(isinstance(p, str) for p in prompt):
         for text in prompt:  # every size check before any tokenizing
             check_text_size(engine, tokenizer, len(text), "prompt")
-        return [_text_prompt(engine, p) for p in prompt]
+        return [_text_prompt(engine, p, truncate) for p in prompt]
     if all(_is_token(t) for t in prompt):
-        return [_token_prompt(engine, prompt)]
+        return [_token_prompt(engine, _cut(prompt, truncate))]
     if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
-        for token_ids in prompt:  # every check before any decoding
+        cut = [_cut(p, truncate) for p in prompt]
+        for token_ids in cut:  # every check before any decoding
             check_prompt(engine, token_ids, "prompt")
-        return [_token_prompt(engine, p, checked=True) for p in prompt]
+        return [_token_prompt(engine, p, checked=True) for p in cut]
     raise bad_request(f"Invalid type for 'prompt': expected {_PROMPT_FORMS}.", "prompt",
                       "invalid_type")
 
@@ -178,11 +185,18 @@ def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _text_prompt(engine: EngineClient, text: str) -> Prompt:
+def _cut(token_ids: list[int], truncate: Truncate | None) -> list[int]:
+    return token_ids if truncate is None else truncate(token_ids)
+
+
+def _text_prompt(engine: EngineClient, text: str, truncate: Truncate | None = None) -> Prompt:
     check_text_size(engine, engine.tokenizer, len(text), "prompt")
     token_ids = engine.tokenizer.encode(text)
-    check_prompt(engine, token_ids, "prompt")
-    return Prompt(token_ids, text)
+    cut = _cut(token_ids, truncate)
+    check_prompt(engine, cut, "prompt")
+    if len(cut) != len(token_ids):
+        text = engine.tokenizer.decode(cut)
+    return Prompt(cut, text)
 
 
 def _token_prompt(engine: EngineClient, token_ids: list[int], checked: bool = False) -> Prompt:

@@ -21,6 +21,7 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit; see README of the server package
 MAX_STOP_CHARS = 4096  # per stop string: the detokenizer holds back up to this much text
 MAX_STOP_TOKEN_IDS = 1024
 MAX_PROMPT_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # above any vocabulary Plait serves
 
 
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -80,6 +81,11 @@ class SamplingRequest(StrictModel):
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)  # extras.py
     return_token_ids: bool | None = None
+    # vLLM extras (extras.py): prompt truncation, a token whitelist, vLLM's grammar field.
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
+    truncation_side: Literal["left", "right"] | None = None
+    allowed_token_ids: Annotated[list[int], Field(max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def num_choices(self) -> int:
@@ -155,6 +161,7 @@ class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template, as chat's
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None

@@ -206,3 +206,59 @@ def auto_spec(tools: list[Tool], parallel: bool,
     else:
         lark = f"start: TEXT | calls\nTEXT: {_TEXT_TERMINAL}\ncalls: %json {calls}\n"
     return check_spec(StructuredSpec("lark", lark), "tools")
+
+
+# vLLM's `structured_outputs` request field: exactly one constraint key, plus options that
+# only tune vLLM's own backends (accepted only where they change nothing here).
+_SO_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_SO_PARAM = "structured_outputs"
+
+
+def structured_outputs_spec(value: dict[str, Any] | None) -> StructuredSpec | None:
+    """The constraint of vLLM's `structured_outputs` ({"json": schema | str} / {"regex": str}
+    / {"choice": [str, ...]} / {"grammar": EBNF or Lark} / {"json_object": true}), checked
+    like `response_format`; 400s name `structured_outputs.<key>`."""
+    if value is None:
+        return None
+    unknown = sorted(set(value) - set(_SO_KINDS))
+    if unknown:
+        name = f"{_SO_PARAM}.{unknown[0]}"  # as a nested unknown field (errors.py)
+        raise bad_request(f"Unrecognized argument supplied: '{name}'.", name)
+    given = [k for k in _SO_KINDS if value.get(k) is not None and value.get(k) is not False]
+    if len(given) != 1:
+        raise bad_request(f"Invalid '{_SO_PARAM}': exactly one of {', '.join(_SO_KINDS)} "
+                          f"must be set, got {len(given)}.", _SO_PARAM, "invalid_value")
+    kind = given[0]
+    item, param = value[kind], f"{_SO_PARAM}.{kind}"
+    if kind == "json":
+        if isinstance(item, str):
+            try:
+                item = json.loads(item)
+            except ValueError:
+                item = None
+        if not isinstance(item, dict):
+            raise bad_request(f"Invalid '{param}': expected a JSON schema (an object or its "
+                              "JSON text).", param, "invalid_value")
+        return checked_spec(item, param)
+    if kind == "json_object":
+        if item is not True:
+            raise bad_request(f"Invalid '{param}': expected true.", param, "invalid_type")
+        return checked_spec({"type": "object"}, param)
+    if kind == "choice":
+        if not (isinstance(item, list) and item and all(isinstance(c, str) for c in item)):
+            raise bad_request(f"Invalid '{param}': expected a non-empty array of strings.",
+                              param, "invalid_value")
+        return check_spec(StructuredSpec("choice", json.dumps(item)), param)
+    if not isinstance(item, str) or not item.strip():
+        raise bad_request(f"Invalid '{param}': expected a non-empty string.", param,
+                          "invalid_type")
+    if kind == "regex":
+        return check_spec(StructuredSpec("regex", item), param)
+    from llguidance.gbnf_to_lark import any_to_lark  # vLLM's grammars are GBNF (xgrammar)
+
+    try:
+        lark = any_to_lark(item)
+    except Exception as exc:  # the converter raises its own errors and plain ones
+        raise bad_request(f"Invalid '{param}': the grammar cannot be parsed: "
+                          f"{_first_line(str(exc))}", param, "invalid_value") from None
+    return check_spec(StructuredSpec("lark", lark), param)

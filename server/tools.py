@@ -34,6 +34,7 @@ from plait.server.structured_params import (
     named_spec,
     required_spec,
     response_format_spec,
+    structured_outputs_spec,
 )
 from plait.server.tool_parsers import PARSERS, ToolParser, detect_parser
 from plait.server.tool_protocol import (
@@ -71,9 +72,10 @@ class OutputPlan:
 
 async def chat_output_plan(body: ChatCompletionRequest, template: str | None) -> OutputPlan:
     """`plan_output`, off the event loop when the request has schemas to check."""
-    if body.tools is None and body.response_format is None:
+    if body.tools is None and body.response_format is None and body.structured_outputs is None:
         return plan_output(body, template)
-    param = "tools" if body.tools is not None else "response_format"
+    param = ("tools" if body.tools is not None else "response_format"
+             if body.response_format is not None else "structured_outputs")
     return await build_off_loop(plan_output, body, template, param=param)
 
 
@@ -82,6 +84,12 @@ def plan_output(body: ChatCompletionRequest, template: str | None) -> OutputPlan
     answer = response_format_spec(parse_response_format(body.response_format))
     tools = parse_tools(body.tools)
     choice = parse_tool_choice(body.tool_choice, tools)
+    if body.structured_outputs is not None:  # vLLM's grammar field: alone, or with no tool
+        if answer is not None or (tools and choice != "none"):
+            raise bad_request("Invalid 'structured_outputs': it cannot be combined with "
+                              "'response_format' or tools.", "structured_outputs",
+                              "invalid_value")
+        answer = structured_outputs_spec(body.structured_outputs)
     parser = detect_parser(template)
     native = parser is not None
     template_tools = [t.model_dump(exclude_none=True) for t in tools] if native else None
