@@ -16,7 +16,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from plait.engine import TokenLogprob
-from plait.server.errors import bad_request
 from plait.server.extras import Extras, truncated
 from plait.server.fanout import check_num_sequences
 from plait.server.generation import Generation, GenerationError, new_completion_id
@@ -28,12 +27,7 @@ from plait.server.routing import ApiRoute
 from plait.server.serving import serve_generation
 from plait.server.sse import DONE, encode, error_event
 from plait.server.state import ReadyDep, ServerState, check_model, request_id_of
-from plait.server.structured_params import (
-    build_off_loop,
-    response_format_spec,
-    structured_outputs_spec,
-)
-from plait.server.tool_protocol import parse_response_format
+from plait.server.structured_params import answer_spec, build_off_loop
 
 router = APIRouter(route_class=ApiRoute)
 
@@ -46,16 +40,11 @@ async def completion_input(body: CompletionRequest,
     reject_unsupported(body)
     engine = state.engine
     plan = completion_plan(body)
-    if body.response_format is not None and body.structured_outputs is not None:
-        raise bad_request("Invalid 'structured_outputs': it cannot be combined with "
-                          "'response_format'.", "structured_outputs", "invalid_value")
-    if body.response_format is not None:
+    if body.response_format is not None or body.structured_outputs is not None:
         plan.params.structured = await build_off_loop(
-            lambda: response_format_spec(parse_response_format(body.response_format)),
-            param="response_format")
-    elif body.structured_outputs is not None:
-        plan.params.structured = await build_off_loop(
-            structured_outputs_spec, body.structured_outputs, param="structured_outputs")
+            answer_spec, body.response_format, body.structured_outputs,
+            param="response_format" if body.structured_outputs is None
+            else "structured_outputs")
     check_params(engine, plan.params)
     check_num_sequences(engine, state.settings.max_queued_requests,
                         num_prompts(body.prompt) * plan.num_samples,

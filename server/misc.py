@@ -8,7 +8,6 @@ GET /tokenizer_info.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import plait
 from plait.server.errors import APIError, bad_request, echo
-from plait.server.offload import offload
+from plait.server.offload import json_response, offload
 from plait.server.prompts import chat_prompt_ids, template_flags
 from plait.server.protocol import DetokenizeRequest, TokenizeRequest, reject_unsupported
 from plait.server.routing import ApiRoute
@@ -106,9 +105,7 @@ async def tokenize(body: TokenizeRequest, state: ReadyDep) -> Response:
     if body.return_token_strs:
         result["token_strs"] = await offload(tokenizer.convert_ids_to_tokens, tokens,
                                              size=len(tokens))
-    # Rendered off the loop too: a 10 MB prompt is millions of token ids.
-    rendered = await offload(_render_json, result, size=len(tokens))
-    return Response(rendered, media_type="application/json")
+    return await json_response(result, size=len(tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,10 +149,6 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, float):
         return value if value == value and abs(value) != float("inf") else None
     return str(value)
-
-
-def _render_json(content: Any) -> bytes:
-    return json.dumps(content, separators=(",", ":")).encode()
 
 
 @router.post("/detokenize")

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from fastapi.responses import Response
 
 T = TypeVar("T")
 
@@ -93,3 +96,14 @@ async def offload(fn: Callable[..., T], *args: Any, size: int) -> T:
     if size <= INLINE_MAX_SIZE:
         return fn(*args)
     return await POOL.run(fn, *args)
+
+
+async def json_response(content: Any, size: int) -> Response:
+    """`content` as a compact JSON response, encoded off the event loop when `size` (its
+    number of token ids, say) is large: a 10 MB prompt is millions of ids."""
+    return Response(await offload(_compact_json, content, size=size),
+                    media_type="application/json")
+
+
+def _compact_json(content: Any) -> bytes:
+    return json.dumps(content, separators=(",", ":")).encode()

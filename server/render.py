@@ -19,7 +19,6 @@ text-only models.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter
@@ -28,7 +27,7 @@ from fastapi.responses import Response
 from plait.server.chat import chat_input
 from plait.server.completions import completion_input
 from plait.server.generation import new_completion_id
-from plait.server.offload import offload
+from plait.server.offload import json_response
 from plait.server.protocol import ChatCompletionRequest, CompletionRequest
 from plait.server.routing import ApiRoute
 from plait.server.state import ReadyDep
@@ -41,8 +40,8 @@ async def render_chat_completion(body: ChatCompletionRequest, state: ReadyDep) -
     """The chat request's prompt token ids (template, tools, `add_generation_prompt`,
     `continue_final_message` applied as /v1/chat/completions applies them)."""
     checked = await chat_input(body, state)
-    return await _json(_rendered("chatcmpl", state.model_name, checked.token_ids),
-                       len(checked.token_ids))
+    return await json_response(_rendered("chatcmpl", state.model_name, checked.token_ids),
+                               size=len(checked.token_ids))
 
 
 @router.post("/v1/completions/render", response_model=list[dict[str, Any]])
@@ -50,19 +49,9 @@ async def render_completion(body: CompletionRequest, state: ReadyDep) -> Respons
     """One object per prompt of the completion request, in order."""
     _, prompts = await completion_input(body, state)
     rendered = [_rendered("cmpl", state.model_name, p.token_ids) for p in prompts]
-    return await _json(rendered, sum(len(p.token_ids) for p in prompts))
+    return await json_response(rendered, size=sum(len(p.token_ids) for p in prompts))
 
 
 def _rendered(prefix: str, model: str, token_ids: list[int]) -> dict[str, Any]:
     return {"request_id": new_completion_id(prefix), "model": model,
             "token_ids": list(token_ids), "features": None}
-
-
-async def _json(content: Any, num_tokens: int) -> Response:
-    """`content` as compact JSON, encoded off the event loop for long prompts."""
-    encoded = await offload(_encode, content, size=num_tokens)
-    return Response(encoded, media_type="application/json")
-
-
-def _encode(content: Any) -> bytes:
-    return json.dumps(content, separators=(",", ":")).encode()

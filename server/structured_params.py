@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 from plait.engine import StructuredSpec, structured_error
 from plait.server.errors import bad_request
 from plait.server.offload import INLINE_MAX_SIZE, offload
-from plait.server.tool_protocol import ResponseFormat, Tool
+from plait.server.tool_protocol import ResponseFormat, Tool, parse_response_format
 
 T = TypeVar("T")
 
@@ -206,6 +206,19 @@ def auto_spec(tools: list[Tool], parallel: bool,
     else:
         lark = f"start: TEXT | calls\nTEXT: {_TEXT_TERMINAL}\ncalls: %json {calls}\n"
     return check_spec(StructuredSpec("lark", lark), "tools")
+
+
+def answer_spec(response_format: dict[str, Any] | None,
+                structured_outputs: dict[str, Any] | None) -> StructuredSpec | None:
+    """The answer's constraint, from `response_format` or from vLLM's `structured_outputs`
+    (at most one of the two: both is a 400 naming `structured_outputs`); chat and
+    completions alike."""
+    if structured_outputs is None:
+        return response_format_spec(parse_response_format(response_format))
+    if response_format is not None:
+        raise bad_request("Invalid 'structured_outputs': it cannot be combined with "
+                          "'response_format'.", "structured_outputs", "invalid_value")
+    return structured_outputs_spec(structured_outputs)
 
 
 # vLLM's `structured_outputs` request field: exactly one constraint key, plus options that

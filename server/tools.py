@@ -28,19 +28,17 @@ from plait.server.errors import bad_request
 from plait.server.prompts import text_part
 from plait.server.protocol import ChatCompletionRequest, ChatMessage
 from plait.server.structured_params import (
+    answer_spec,
     auto_spec,
     build_off_loop,
     check_tool_schemas,
     named_spec,
     required_spec,
-    response_format_spec,
-    structured_outputs_spec,
 )
 from plait.server.tool_parsers import PARSERS, ToolParser, detect_parser
 from plait.server.tool_protocol import (
     Tool,
     parse_message_tool_calls,
-    parse_response_format,
     parse_tool_choice,
     parse_tools,
 )
@@ -81,15 +79,12 @@ async def chat_output_plan(body: ChatCompletionRequest, template: str | None) ->
 
 def plan_output(body: ChatCompletionRequest, template: str | None) -> OutputPlan:
     """The request's `OutputPlan`; 400s name the offending parameter."""
-    answer = response_format_spec(parse_response_format(body.response_format))
     tools = parse_tools(body.tools)
     choice = parse_tool_choice(body.tool_choice, tools)
-    if body.structured_outputs is not None:  # vLLM's grammar field: alone, or with no tool
-        if answer is not None or (tools and choice != "none"):
-            raise bad_request("Invalid 'structured_outputs': it cannot be combined with "
-                              "'response_format' or tools.", "structured_outputs",
-                              "invalid_value")
-        answer = structured_outputs_spec(body.structured_outputs)
+    if body.structured_outputs is not None and tools and choice != "none":
+        raise bad_request("Invalid 'structured_outputs': it cannot be combined with tools.",
+                          "structured_outputs", "invalid_value")
+    answer = answer_spec(body.response_format, body.structured_outputs)
     parser = detect_parser(template)
     native = parser is not None
     template_tools = [t.model_dump(exclude_none=True) for t in tools] if native else None
