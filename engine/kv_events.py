@@ -41,10 +41,11 @@ from typing import Any
 
 import msgspec
 
+from plait.engine.config import KV_EVENTS_ENCODINGS as ENCODINGS
+
 logger = logging.getLogger("plait.engine.kv_events")
 
 MEDIUM = "GPU"
-ENCODINGS = ("map", "array")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
