@@ -30,7 +30,10 @@ exactly its tokens; `--no-extras` leaves them out for a server that rejects them
 Per workload: wall time, output tokens (from usage) and tokens/s, time to first token and
 inter-token latency p50/p99 over all choices (a token = a chunk with non-empty text for that
 choice), and the delta of Plait's `plait_prompt_tokens_computed_total` from /metrics where
-the server exports it.
+the server exports it. After the workloads, before the server is stopped, its resident
+memory: the VmRSS of every process in its process group (the API server, an engine child,
+vLLM's EngineCore and workers), summed; memory-mapped weight files count as far as they are
+resident.
 """
 
 from __future__ import annotations
@@ -165,6 +168,24 @@ def stop(process: subprocess.Popen) -> None:
             continue
 
 
+def group_rss_bytes(pgid: int) -> int:
+    """Summed VmRSS of every live process in process group `pgid` (0 if none is readable)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # the command name (field 2) may hold spaces: the fields after it are after ")"
+            fields = stat.read_text().rpartition(")")[2].split()
+            if int(fields[2]) != pgid:  # state, ppid, pgrp
+                continue
+            status = (stat.parent / "status").read_text()
+        except (OSError, ValueError, IndexError):
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def wait_ready(process: subprocess.Popen, url: str, timeout: float) -> str:
     """Poll until the server is ready; returns the model name. Raises RuntimeError."""
     deadline = time.monotonic() + timeout
@@ -198,7 +219,8 @@ def run_server(name: str, command: str, args) -> dict[str, Any]:
     port = free_port()
     log = Path(tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".log")[1])
     entry: dict[str, Any] = {"name": name, "command": command, "log": str(log), "error": None,
-                             "model": None, "startup_s": None, "workloads": {}}
+                             "model": None, "startup_s": None, "workloads": {},
+                             "rss_bytes": None}
     began = time.monotonic()
     try:
         process = start(command, port, log)
@@ -212,6 +234,7 @@ def run_server(name: str, command: str, args) -> dict[str, Any]:
               file=sys.stderr)
         entry["workloads"] = asyncio.run(
             bench_server(f"http://127.0.0.1:{port}", entry["model"], args))
+        entry["rss_bytes"] = group_rss_bytes(process.pid)
     except RuntimeError as exc:
         tail = log.read_text(errors="replace")[-1500:]
         entry["error"] = str(exc)
@@ -245,6 +268,9 @@ def table(servers: list[dict[str, Any]]) -> str:
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += [f"{server['name']}: resident memory after the run "
+              f"{server['rss_bytes'] / 1e9:.2f} GB" for server in servers
+              if server.get("rss_bytes")]
     return "\n".join(lines) + "\n(latencies in ms; tokens = output/expected)"
 
 

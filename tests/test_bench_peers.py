@@ -55,3 +55,28 @@ def test_bench_peers_reports_exact_token_counts(tmp_path, tiny_path) -> None:
         assert w["prompt_tokens_computed"] == prompt_tokens
     for row in ("plait   W3", "plait   W5", "128/128", "8/8"):
         assert row in result.stdout, result.stdout
+    # resident memory of the server's process group, taken before it was stopped: a Python
+    # server holding torch is hundreds of MB; the failed one has none
+    assert plait["rss_bytes"] > 100e6 and broken["rss_bytes"] is None
+    assert "plait: resident memory after the run" in result.stdout
+
+
+def test_group_rss_counts_every_process_of_the_group() -> None:
+    """A group of two processes, each holding ~100 MB: the sum is counted, not one of them."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from bench_peers import group_rss_bytes
+
+    hold = "import time; b = bytearray(100 * 2**20); b[::4096] = b'x' * len(b[::4096]); " \
+           "print('ready', flush=True); time.sleep(60)"
+    parent = subprocess.Popen(
+        ["sh", "-c", f'{shlex.quote(sys.executable)} -c "{hold}" & '
+                     f'{shlex.quote(sys.executable)} -c "{hold}"; wait'],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        assert parent.stdout.readline().strip() == "ready"
+        assert group_rss_bytes(parent.pid) > 200 * 2**20
+        assert group_rss_bytes(2**22 + 12345) == 0  # no such group
+    finally:
+        os.killpg(parent.pid, 9)
+        parent.wait()
