@@ -118,6 +118,11 @@ OPTIONS: tuple[Option, ...] = (
            "sub-requests admitted beyond the --max-num-seqs running slots; past it a new "
            "request gets 503 + Retry-After"),
     Option("--max-request-bytes", int, "largest request body in bytes; a larger one gets 413"),
+    Option("--responses-store-size", int,
+           "most /v1/responses responses kept in memory for previous_response_id and GET "
+           "(the oldest is dropped first; 0: keep none)"),
+    Option("--responses-ttl", float,
+           "seconds a stored /v1/responses response is kept (then a 404)"),
     Option("--drain-timeout", float, "seconds to finish in-flight requests after SIGTERM"),
     Option("--sse-ping-interval", float, "idle seconds between `: ping` SSE comments"),
     Option("--header-timeout", float,

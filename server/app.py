@@ -33,6 +33,8 @@ from plait.server.middleware import (
     RequestIdMiddleware,
 )
 from plait.server.openapi import install_openapi
+from plait.server.responses import route as responses_route
+from plait.server.responses.store import ResponseStore
 from plait.server.settings import ServerSettings
 from plait.server.state import ServerState
 from plait.server.ui import ui_router
@@ -66,6 +68,7 @@ def create_app(settings: ServerSettings | None = None, engine: EngineClient | No
 
     app = FastAPI(title="Plait", version=plait.__version__, lifespan=lifespan)
     app.state.plait = state
+    app.state.responses = ResponseStore(settings.responses_store_size, settings.responses_ttl)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
@@ -78,7 +81,8 @@ def create_app(settings: ServerSettings | None = None, engine: EngineClient | No
     if settings.ui_enabled:
         app.include_router(ui_router())  # the playground: open, the page sends the key
     guarded = [Depends(require_api_key)]
-    for router in (chat.router, completions.router, render.router, misc.router):
+    for router in (chat.router, completions.router, render.router, responses_route.router,
+                   misc.router):
         app.include_router(router, dependencies=guarded)
     install_openapi(app)
     return app

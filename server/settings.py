@@ -29,6 +29,8 @@ class ServerSettings:
     `engine_process` runs the engine core in its own child process; off, it runs in a thread
     of the server process. `ui` serves the playground at /ui (server/ui.py): None (auto)
     means on exactly when `host` is a loopback address, see `ui_enabled`.
+    `/v1/responses` keeps at most `responses_store_size` responses (0: none), each for
+    `responses_ttl` seconds, in this process's memory (server/responses/store.py).
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -50,6 +52,8 @@ class ServerSettings:
     fault_injection: bool = False
     engine_process: bool = True
     ui: bool | None = None
+    responses_store_size: int = 1000
+    responses_ttl: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.sse_ping_interval < 0:
@@ -62,6 +66,8 @@ class ServerSettings:
             raise ValueError("drain_timeout must be >= 0")
         if self.header_timeout <= 0 or self.keep_alive_timeout <= 0:
             raise ValueError("header_timeout and keep_alive_timeout must be > 0")
+        if self.responses_store_size < 0 or self.responses_ttl <= 0:
+            raise ValueError("responses_store_size must be >= 0 and responses_ttl > 0")
         if any(not key for key in self.api_keys):
             raise ValueError("an API key must not be empty")
 
