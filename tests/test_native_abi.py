@@ -58,7 +58,7 @@ def _source_exports() -> set[str]:
 def test_header_declares_every_function_the_sources_define() -> None:
     expected = {"plait_lanes", "plait_gemm", "plait_decode_attention", "plait_rope_write_kv",
                 "plait_add_rms_norm", "plait_silu_mul", "plait_sample_inverse_cdf",
-                "plait_decoder_stack"}
+                "plait_decoder_stack", "plait_qgemm", "plait_dequantize"}
     assert set(ABI.functions) == expected
     assert _source_exports() == expected
 
@@ -94,6 +94,7 @@ def test_library_exports_exactly_the_declared_functions_with_generated_signature
     assert len(lib.plait_decode_attention.argtypes) == 19
     assert len(lib.plait_decoder_stack.argtypes) == 25
     assert lib.plait_lanes.argtypes == []
+    assert len(lib.plait_qgemm.argtypes) == 8 and len(lib.plait_dequantize.argtypes) == 5
     assert ABI.functions["plait_silu_mul"] == (
         "int", ("const float *", "long", "long", "long", "float *"))
 
@@ -108,6 +109,8 @@ _GOOD = HEADER_TEXT
     _GOOD.replace("long inter,", "double inter,"),
     _GOOD.replace("long inter,", "long,"),  # a parameter without a name
     _GOOD.replace("int64_t *out);", "char *out);"),  # pointer to another type
+    _GOOD.replace("const int64_t *desc, long K,", "const void *desc, long K,"),
+    _GOOD.replace("const int64_t *desc, long K,", "const uint8_t *desc, long K,"),
     _GOOD.replace("int plait_lanes(void);", "int plait_lanes(void)"),  # missing ';'
     _GOOD.replace("int plait_lanes(void);", "int plait_lanes(void); int helper(long x);"),
     _GOOD.replace("int plait_lanes(void);",
@@ -135,6 +138,7 @@ def test_parser_reads_a_minimal_header() -> None:
 enum e { PLAIT_STACK_X, PLAIT_STACK_Y_Z, PLAIT_STACK_POINTERS };
 int plait_f(const float *a, long n, float s, int32_t *b,
             int k);  /* two lines */
+int plait_h(const uint16_t *a, uint16_t *b);
 void plait_g(void);
 #endif
 """)
@@ -142,6 +146,7 @@ void plait_g(void);
     assert abi.stack_pointers == ("x", "y_z")
     assert abi.functions == {"plait_f": ("int", ("const float *", "long", "float", "int32_t *",
                                                  "int")),
+                             "plait_h": ("int", ("const uint16_t *", "uint16_t *")),
                              "plait_g": ("void", ())}
 
 
@@ -157,11 +162,22 @@ def test_python_constants_are_the_headers() -> None:
     assert (constants["PLAIT_OK"], constants["PLAIT_ERR_SHAPES"],
             constants["PLAIT_ERR_NOMEM"]) == (0, -1, -2)
     assert native.STACK_POINTERS == build.STACK_POINTERS == ABI.stack_pointers == (
-        "input_norm", "qkv_panels", "qkv_bias", "o_panels", "post_norm", "gate_up_panels",
-        "down_panels", "k_cache", "v_cache")
+        "input_norm", "qkv_weight", "qkv_bias", "o_weight", "post_norm", "gate_up_weight",
+        "down_weight", "k_cache", "v_cache")
     # the enum as the C compiler numbers it: the header text, in order
     enum = re.findall(r"^\s*PLAIT_STACK_(\w+)", HEADER_TEXT, flags=re.M)
     assert tuple(n.lower() for n in enum) == (*native.STACK_POINTERS, "pointers")
+
+
+def test_ggml_type_ids_are_ggufs() -> None:
+    """The descriptor's type ids in the header are gguf-py's (quant.py's), F32 aside (it
+    means plait_gemm's panels, native.F32_PANELS)."""
+    from plait.kernels.cpu import quant
+
+    header = {name.removeprefix("PLAIT_GGML_"): value
+              for name, value in ABI.constants.items() if name.startswith("PLAIT_GGML_")}
+    assert header.pop("F32") == native.F32_PANELS == 0
+    assert header == {quant.type_name(t): t for t in quant.KEPT_TYPES}
 
 
 def test_supports_attention_uses_the_header_limits() -> None:

@@ -193,12 +193,13 @@ class LlamaForCausalLM(nn.Module):
                     or any(lin.bias is not None for lin in linears[1:]) \
                     or (bias is not None and not dense(bias)):
                 return None
-            named = {"input_norm": norms[0], "qkv_panels": panels[0], "qkv_bias": bias,
-                     "o_panels": panels[1], "post_norm": norms[1], "gate_up_panels": panels[2],
-                     "down_panels": panels[3], "k_cache": k, "v_cache": v}
+            descs = [native.panels_desc(lin.panels, lin.out_features) for lin in linears]
+            named = {"input_norm": norms[0], "qkv_weight": descs[0], "qkv_bias": bias,
+                     "o_weight": descs[1], "post_norm": norms[1], "gate_up_weight": descs[2],
+                     "down_weight": descs[3], "k_cache": k, "v_cache": v}
             rows.append([0 if named[n] is None else named[n].data_ptr()
                          for n in native.STACK_POINTERS])
-            tensors += [t for t in named.values() if t is not None]
+            tensors += [*panels, *(t for t in named.values() if t is not None)]
         if not dense(self.norm.weight) or not dense(self.cos_sin):
             return None
         shape = native.StackShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,

@@ -42,7 +42,8 @@ logger = logging.getLogger("plait.kernels")
 _HERE = Path(__file__).parent
 # The C sources, built together into one library; the ABI header (parsed here) and the
 # vector helpers they include. The cache key hashes all of them.
-SOURCES = tuple(_HERE / name for name in ("gemm.c", "attention.c", "rowwise.c", "decoder.c"))
+SOURCES = tuple(_HERE / name for name in ("gemm.c", "qgemm.c", "attention.c", "rowwise.c",
+                                             "decoder.c"))
 HEADER = _HERE / "plait_cpu.h"
 HEADERS = (HEADER, _HERE / "vec.h")
 # -Wall -Werror: a warning fails the build; -Wmissing-prototypes: so does a non-static
@@ -71,7 +72,7 @@ class Abi:
 # pass data_ptr() addresses, or None for NULL).
 _SCALARS = {"long": ctypes.c_long, "int": ctypes.c_int, "float": ctypes.c_float}
 _RETURNS = {**_SCALARS, "void": None}
-_POINTEES = ("float", "int32_t", "int64_t")
+_POINTEES = ("float", "int32_t", "int64_t", "uint16_t")
 _PARAM = re.compile(r"(?:(?P<const>const)\s+)?(?P<base>\w+)\s*(?P<ptr>\*)?\s*(?P<name>\w+)")
 _PROTOTYPE = re.compile(r"(?P<ret>\w+)\s+(?P<name>plait_\w+)\s*\((?P<params>[^()]*)\)")
 _ENUM = re.compile(r"enum\s+\w+\s*\{(?P<body>[^{}]*)\}")

@@ -2,9 +2,20 @@
 #include "plait_cpu.h"
 #include "vec.h"
 
+/* y[rows, n] = x @ W^T (+ bias) through plait_qgemm, W the descriptor at `desc`, which must
+ * hold n rows (PLAIT_ERR_SHAPES otherwise: the table does not fit the shapes). */
+static int linear(const float *x, long rows, long k, const int64_t *desc, long n,
+                  const float *bias, float *y) {
+  long total = 0;
+  for (int64_t i = 0; desc && i < desc[0] && i < PLAIT_MAX_PARTS; i++) total += desc[3 + 3 * i];
+  if (total != n) return PLAIT_ERR_SHAPES;
+  return plait_qgemm(x, rows, k, desc, k, bias, y, n);
+}
+
 /* Every layer of a Llama decoder over `rows` tokens: what the model's eager forward does
  * through the same kernels, in the same order, without returning to Python between them
- * (the same bits as that path). For each layer l (its pointers: layers[l *
+ * (the same bits as that path; the projections through plait_qgemm, which sends float32
+ * panels to plait_gemm). For each layer l (its pointers: layers[l *
  * PLAIT_STACK_POINTERS + PLAIT_STACK_*], plait_cpu.h):
  *
  *   x, h = x + m, rms_norm(x + m)       (layer 0: h = rms_norm(x); m = the last MLP out)
@@ -16,7 +27,7 @@
  * and at the end x += m, out = rms_norm(x) with final_norm. x [rows, hidden] (dense) is the
  * residual stream, updated in place; out [rows, hidden]. Returns PLAIT_OK, or the first
  * failing kernel's code: PLAIT_ERR_SHAPES for shapes a kernel refuses (RoPE: odd D; the
- * attention's limits), PLAIT_ERR_NOMEM when one cannot allocate (layers after it are not
+ * attention's limits; a weight descriptor of other rows, or one plait_qgemm refuses), PLAIT_ERR_NOMEM when one cannot allocate (layers after it are not
  * run; x is then partly updated). */
 int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long hidden,
                         long num_heads, long num_kv_heads, long head_dim, long inter,
@@ -41,12 +52,13 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
   for (long l = 0; l < num_layers && rc == PLAIT_OK; l++) {
     const int64_t *p = layers + l * PLAIT_STACK_POINTERS;
 #define PTR(i) ((float *)(intptr_t)p[i])
+#define DESC(i) ((const int64_t *)(intptr_t)p[i])
 #define RUN(call) \
   if ((rc = (call)) != PLAIT_OK) break
     RUN(plait_add_rms_norm(x, hidden, l == 0 ? NULL : m, hidden, PTR(PLAIT_STACK_INPUT_NORM),
                            rows, hidden, eps, x, h));
-    RUN(plait_gemm(h, rows, hidden, PTR(PLAIT_STACK_QKV_PANELS), qkv_dim, hidden,
-                   PTR(PLAIT_STACK_QKV_BIAS), qkv, qkv_dim));
+    RUN(linear(h, rows, hidden, DESC(PLAIT_STACK_QKV_WEIGHT), qkv_dim,
+               PTR(PLAIT_STACK_QKV_BIAS), qkv));
     float *q = qkv, *k = qkv + q_dim, *v = k + kv_dim;
     RUN(plait_rope_write_kv(q, qkv_dim, k, qkv_dim, v, qkv_dim, rows, num_heads, num_kv_heads,
                             head_dim, cos_sin, positions, PTR(PLAIT_STACK_K_CACHE),
@@ -55,16 +67,15 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
                                block_size, num_kv_heads, num_heads, head_dim, block_tables,
                                table_stride, num_chunks, chunk_start, chunk_shared, q_rows,
                                table_rows, ctx_len, scale, att, q_rows));
-    RUN(plait_gemm(att, rows, q_dim, PTR(PLAIT_STACK_O_PANELS), hidden, q_dim, NULL, m, hidden));
+    RUN(linear(att, rows, q_dim, DESC(PLAIT_STACK_O_WEIGHT), hidden, NULL, m));
     RUN(plait_add_rms_norm(x, hidden, m, hidden, PTR(PLAIT_STACK_POST_NORM), rows, hidden, eps,
                            x, h));
-    RUN(plait_gemm(h, rows, hidden, PTR(PLAIT_STACK_GATE_UP_PANELS), 2 * inter, hidden, NULL,
-                   gate_up, 2 * inter));
+    RUN(linear(h, rows, hidden, DESC(PLAIT_STACK_GATE_UP_WEIGHT), 2 * inter, NULL, gate_up));
     RUN(plait_silu_mul(gate_up, 2 * inter, rows, inter, act));
-    RUN(plait_gemm(act, rows, inter, PTR(PLAIT_STACK_DOWN_PANELS), hidden, inter, NULL, m,
-                   hidden));
+    RUN(linear(act, rows, inter, DESC(PLAIT_STACK_DOWN_WEIGHT), hidden, NULL, m));
 #undef RUN
 #undef PTR
+#undef DESC
   }
   if (rc == PLAIT_OK)
     rc = plait_add_rms_norm(x, hidden, num_layers > 0 ? m : NULL, hidden, final_norm, rows,

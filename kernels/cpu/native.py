@@ -3,6 +3,9 @@
 
 * `gemm(x, panels, out_features, bias)`: x @ W^T for a few rows, W packed by
   `pack_weight`; streams the weights once (the decode step's GEMMs).
+* `qgemm(x, weight, bias)`: x @ W^T for W kept in its GGUF block format (`quant.QuantWeight`),
+  each block dequantized on the fly; `dequantize(weight, rows)`: rows of such a W in float32
+  (the embedding lookup, large-M prefill through BLAS, the tests).
 * `decode_attention(...)`: one query per sequence over its paged K/V, read in place; rows
   that share a prompt's blocks read them once (the CPU attention backend also feeds it
   prefill positions, in tiles).
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from plait.kernels.cpu.build import (
+    ABI,
     MAX_BLOCK,
     MAX_HEAD_DIM,
     MAX_QUERIES,
@@ -29,6 +33,10 @@ from plait.kernels.cpu.build import (
     available,
     loaded,
 )
+from plait.kernels.cpu.quant import QuantWeight
+
+# plait_cpu.h's type of a descriptor part holding float32 panels from `pack_weight`.
+F32_PANELS = ABI.constants["PLAIT_GGML_F32"]
 
 
 def _check(rc: int, kernel: str, limits: str = "") -> None:
@@ -78,6 +86,65 @@ def gemm(
                           None if bias is None else bias.data_ptr(), y.data_ptr(),
                           out_features), "gemm")
     return y
+
+
+def panels_desc(panels: torch.Tensor, out_features: int) -> torch.Tensor:  # int64 [4]
+    """The one-part descriptor of a weight packed by `pack_weight` ([P, K, lanes]), so that
+    `qgemm` and the decoder stack take it like a quantized weight (plait_qgemm sends it to
+    plait_gemm: the same bits as `gemm`). `panels` must outlive the descriptor's use."""
+    if panels.dtype != torch.float32 or not panels.is_contiguous() \
+            or panels.shape[0] * panels.shape[2] < out_features:
+        raise ValueError(f"panels_desc: {tuple(panels.shape)} {panels.dtype} are not packed "
+                         f"panels of {out_features} rows")
+    return torch.tensor([1, panels.data_ptr(), F32_PANELS, out_features], dtype=torch.int64)
+
+
+def qgemm(
+    x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
+    weight: QuantWeight,  # W [N, K] in GGML blocks
+    bias: torch.Tensor | None = None,  # [N] float32
+) -> torch.Tensor:  # [M, N] float32
+    """x @ W^T + bias, each of W's blocks dequantized in registers (float32 activations and
+    accumulation; no activation quantization). Any M; fastest for a decode step's few rows
+    (W streams once in its compact form)."""
+    lib = loaded()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    if k != weight.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"qgemm: x {tuple(x.shape)} {x.dtype} does not fit W "
+                         f"[{weight.out_features}, {weight.in_features}] {weight.describe()}")
+    y = torch.empty(rows, weight.out_features, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+        if bias.shape != (weight.out_features,):
+            raise ValueError(f"qgemm: bias {tuple(bias.shape)}, W has {weight.out_features} rows")
+    if rows == 0:
+        return y
+    _check(lib.plait_qgemm(x.data_ptr(), rows, x.stride(0), weight.desc.data_ptr(), k,
+                           None if bias is None else bias.data_ptr(), y.data_ptr(),
+                           weight.out_features), "qgemm", f" ({weight.describe()})")
+    return y
+
+
+def dequantize(
+    weight: QuantWeight,  # W [N, K] in GGML blocks
+    rows: torch.Tensor | None = None,  # [R] integer row ids in [0, N); None: all N rows
+) -> torch.Tensor:  # [R, K] float32 (R = N without rows)
+    """Rows of W in float32, the same bits as `quant.dequantize_reference` (the embedding
+    lookup takes token ids as rows)."""
+    lib = loaded()
+    if rows is not None:
+        rows = rows.reshape(-1).to(torch.int64).contiguous()
+    num_rows = weight.out_features if rows is None else rows.shape[0]
+    out = torch.empty(num_rows, weight.in_features, dtype=torch.float32)
+    if num_rows == 0:
+        return out
+    _check(lib.plait_dequantize(weight.desc.data_ptr(), weight.in_features,
+                                None if rows is None else rows.data_ptr(), num_rows,
+                                out.data_ptr()),
+           "dequantize", f" ({weight.describe()}, rows in [0, {weight.out_features}))")
+    return out
 
 
 def decode_attention(
@@ -154,7 +221,8 @@ class NativeStack:
     once at load (`LlamaForCausalLM.bind`). `tensors` keeps every tensor whose address
     `layers` holds alive."""
 
-    layers: torch.Tensor  # [L, len(STACK_POINTERS)] int64 addresses, 0 = no bias
+    layers: torch.Tensor  # [L, len(STACK_POINTERS)] int64 addresses, 0 = no bias; the
+    # projections' are those of int64 descriptors (`QuantWeight.desc`, `panels_desc`)
     shape: StackShape
     final_norm: torch.Tensor  # [hidden] float32
     cos_sin: torch.Tensor  # [max_positions, D] float32 contiguous: cos | sin halves
@@ -176,8 +244,9 @@ def decoder_stack(
     ctx_lens: torch.Tensor,  # [T] int32
 ) -> torch.Tensor:  # [T, hidden] float32: the final norm of the last residual stream
     """Every layer of a Llama decoder over the T tokens of a step, one token per sequence
-    (T at most `NATIVE_MAX_ROWS`, every projection packed by `pack_weight`), in one C call:
-    the kernels the layer-by-layer forward runs (`add_rms_norm`, `gemm`, `rope_write_kv`,
+    (T at most `NATIVE_MAX_ROWS`; every projection a `qgemm` descriptor: a `QuantWeight`'s
+    `desc`, or `panels_desc` of weights packed by `pack_weight`), in one C call:
+    the kernels the layer-by-layer forward runs (`add_rms_norm`, `gemm`/`qgemm`, `rope_write_kv`,
     `decode_attention`, `silu_mul`), in its order, with no Python between them, so the same
     bits. `stack.layers[l]` holds layer l's tensors' `data_ptr()`s in `STACK_POINTERS`
     order. x is updated in place."""
@@ -309,6 +378,6 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
 
 
 __all__ = ["MAX_QUERIES", "STACK_POINTERS", "NativeStack", "StackShape", "add_rms_norm",
-           "available", "decode_attention", "decoder_stack", "gemm", "lanes", "max_chunk_rows",
-           "pack_weight", "rope_fits", "rope_write_kv", "rows_fit", "sample_inverse_cdf",
-           "silu_mul", "supports_attention"]
+           "available", "decode_attention", "decoder_stack", "dequantize", "gemm", "lanes",
+           "max_chunk_rows", "pack_weight", "panels_desc", "qgemm", "rope_fits",
+           "rope_write_kv", "rows_fit", "sample_inverse_cdf", "silu_mul", "supports_attention"]

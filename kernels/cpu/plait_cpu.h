@@ -9,8 +9,9 @@
  * anything else rather than skipping it): comments, the include guard, `#include <...>`,
  * `#define PLAIT_<NAME> <integer>`, the one `enum` of PLAIT_STACK_* names (no values), and
  * one prototype per function, `int plait_<name>(<parameters>);`, whose parameters are
- * `long`, `int`, `float`, a pointer to `float`, `int32_t` or `int64_t` (`const` or not),
- * or a lone `void`. Everything is float32, row-major; strides count elements.
+ * `long`, `int`, `float`, a pointer to `float`, `int32_t`, `int64_t` or `uint16_t`
+ * (`const` or not), or a lone `void`. Activations are float32, row-major; strides count
+ * elements.
  *
  * Return codes, every function alike: PLAIT_OK, PLAIT_ERR_SHAPES when the shapes exceed the
  * kernel's limits (nothing written), PLAIT_ERR_NOMEM when a buffer could not be allocated.
@@ -33,15 +34,32 @@
  * few rows; more go to BLAS). */
 #define PLAIT_NATIVE_MAX_ROWS 24
 
+/* GGML type ids (gguf.GGMLQuantizationType) of a weight part in a descriptor (below) that
+ * plait_qgemm / plait_dequantize read. PLAIT_GGML_F32 is not GGML's row-major float32: it
+ * means float32 panels as plait_gemm packs them ([ceil(N / lanes), K, lanes]), a weight's
+ * only part, so a float32 weight goes through the same call (to plait_gemm itself). */
+#define PLAIT_GGML_F32 0
+#define PLAIT_GGML_F16 1
+#define PLAIT_GGML_Q4_0 2
+#define PLAIT_GGML_Q4_1 3
+#define PLAIT_GGML_Q5_0 6
+#define PLAIT_GGML_Q8_0 8
+#define PLAIT_GGML_Q4_K 12
+#define PLAIT_GGML_Q5_K 13
+#define PLAIT_GGML_Q6_K 14
+#define PLAIT_GGML_BF16 30
+/* The most parts one weight descriptor holds. */
+#define PLAIT_MAX_PARTS 16
+
 /* The pointers of one layer in plait_decoder_stack's table, in this order (as int64). */
 enum plait_stack_pointer {
   PLAIT_STACK_INPUT_NORM,     /* [hidden] */
-  PLAIT_STACK_QKV_PANELS,     /* panels of [(H + 2 H_kv) D, hidden] */
+  PLAIT_STACK_QKV_WEIGHT,     /* descriptor of [(H + 2 H_kv) D, hidden] (plait_qgemm) */
   PLAIT_STACK_QKV_BIAS,       /* [(H + 2 H_kv) D], or 0: none */
-  PLAIT_STACK_O_PANELS,       /* panels of [hidden, H D] */
+  PLAIT_STACK_O_WEIGHT,       /* descriptor of [hidden, H D] */
   PLAIT_STACK_POST_NORM,      /* [hidden] */
-  PLAIT_STACK_GATE_UP_PANELS, /* panels of [2 I, hidden] */
-  PLAIT_STACK_DOWN_PANELS,    /* panels of [hidden, I] */
+  PLAIT_STACK_GATE_UP_WEIGHT, /* descriptor of [2 I, hidden] */
+  PLAIT_STACK_DOWN_WEIGHT,    /* descriptor of [hidden, I] */
   PLAIT_STACK_K_CACHE,        /* [num_blocks, block_size, H_kv, D] */
   PLAIT_STACK_V_CACHE,        /* [num_blocks, block_size, H_kv, D] */
   PLAIT_STACK_POINTERS
@@ -54,6 +72,22 @@ int plait_lanes(void);
  * W packed as panels [ceil(N / lanes), K, lanes]. PLAIT_ERR_NOMEM. */
 int plait_gemm(const float *x, long M, long ldx, const float *w, long N, long K,
                const float *bias, float *y, long ldy);
+
+/* qgemm.c: y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T + bias (NULL: none),
+ * W [N, K] given by the int64 descriptor desc = [num_parts, (address, PLAIT_GGML_* type,
+ * rows) per part], its parts stacked along N (N = the sum of their rows), each part's rows
+ * dense in their GGML block format. float32 activations and accumulation, each block
+ * dequantized on the fly; any M. A type it does not read, K not a whole number of the
+ * type's blocks, F32 panels beside other parts, more than PLAIT_MAX_PARTS parts:
+ * PLAIT_ERR_SHAPES. PLAIT_ERR_NOMEM. */
+int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
+                const float *bias, float *y, long ldy);
+
+/* qgemm.c: out[num_rows, K] = rows[i] of the descriptor's W (rows NULL: all N rows in order,
+ * num_rows = N) in float32, the same bits as gguf-py's dequantizer. A row outside [0, N) or
+ * a descriptor plait_qgemm refuses: PLAIT_ERR_SHAPES (nothing written). */
+int plait_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_rows,
+                     float *out);
 
 /* attention.c: one query per sequence over its paged K/V, read in place; the sequences of
  * a chunk read their chunk_shared[c] common tokens once. Limits: PLAIT_MAX_HEAD_DIM,
@@ -92,7 +126,8 @@ int plait_sample_inverse_cdf(const float *logits, long rows, long vocab, long st
 
 /* decoder.c: every layer of a Llama decoder over a step's rows in one call, through the
  * kernels above in the eager forward's order; layers [num_layers, PLAIT_STACK_POINTERS]
- * addresses; x [rows, hidden] updated in place, out = the final norm. Propagates the
+ * addresses (the four projections as plait_qgemm descriptors whose rows must match the
+ * shapes, else PLAIT_ERR_SHAPES); x [rows, hidden] updated in place, out = the final norm. Propagates the
  * first failing kernel's code. */
 int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long hidden,
                         long num_heads, long num_kv_heads, long head_dim, long inter,

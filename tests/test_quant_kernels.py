@@ -1,0 +1,236 @@
+"""The native kernels that compute from GGUF blocks (kernels/cpu/qgemm.c): `native.dequantize`
+against gguf-py's dequantizer (`quant.dequantize_reference`) bit for bit, `native.qgemm`
+against a float64 matmul of that reference, for every type kept native, on random valid
+blocks and on the default model file's own tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import quantize
+
+from plait.engine.model_loader import default_gguf_path
+from plait.kernels.cpu import build, native, quant
+from plait.kernels.cpu.quant import QuantPart, QuantWeight
+
+pytestmark = pytest.mark.skipif(not build.available(), reason="native kernels unavailable")
+
+SHAPES = build.ABI.constants["PLAIT_ERR_SHAPES"]
+K = 512  # two super-blocks of 256, sixteen blocks of 32
+# Byte offsets of each block type's fp16 fields (scale d, min m / dmin): random bytes there
+# would be inf / nan, so they get finite random values.
+FP16_FIELDS = {quant.Q4_0: (0,), quant.Q4_1: (0, 2), quant.Q5_0: (0,), quant.Q8_0: (0,),
+               quant.Q4_K: (0, 2), quant.Q5_K: (0, 2), quant.Q6_K: (208,)}
+# The types gguf-py can quantize (the others' blocks are random bytes only).
+QUANTIZABLE = (quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q8_0, quant.BF16)
+ALL_TYPES = sorted(quant.KEPT_TYPES)
+
+
+def _random_part(ggml_type: int, rows: int, k: int, rng: np.random.Generator,
+                 quantized: bool = False) -> QuantPart:
+    """`rows` rows of valid blocks: gguf-py's quantization of normal floats (`quantized`),
+    else random bytes (every bit pattern of the quants) with finite random fp16 scales."""
+    if ggml_type == quant.F16:
+        raw = rng.standard_normal((rows, k)).astype(np.float16).view(np.uint8)
+    elif ggml_type == quant.BF16 or quantized:
+        raw = quantize(rng.standard_normal((rows, k)).astype(np.float32),
+                       GGMLQuantizationType(ggml_type))
+    else:
+        per_block, nbytes = quant.block_shape(ggml_type)
+        raw = rng.integers(0, 256, size=(rows, k // per_block, nbytes), dtype=np.uint8)
+        for at in FP16_FIELDS[ggml_type]:
+            scale = rng.uniform(-0.05, 0.05, size=(rows, k // per_block, 1)).astype(np.float16)
+            raw[..., at:at + 2] = scale.view(np.uint8)
+    data = torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, -1))
+    return QuantPart(data, ggml_type, rows)
+
+
+def _weight(types: tuple[int, ...], rows: tuple[int, ...], k: int = K,
+            seed: int = 0) -> QuantWeight:
+    rng = np.random.default_rng(seed)
+    return QuantWeight.build([_random_part(t, n, k, rng) for t, n in zip(types, rows,
+                                                                          strict=True)], k)
+
+
+def _assert_gemm_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> None:
+    """y against x @ w^T + bias in float64, each element within 1e-5 of its magnitude
+    sum(|x| |w|) (float32 accumulation over K = 512 in any order stays far inside)."""
+    want = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    if bias is not None:
+        want += bias.double()
+        scale += bias.double().abs()
+    assert ((y.double() - want).abs() <= 1e-5 * scale + 1e-30).all()
+
+
+# --- dequantize: gguf-py's bits ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=quant.type_name)
+def test_dequantize_is_the_reference_bit_for_bit(ggml_type: int) -> None:
+    weight = _weight((ggml_type,), (37,))
+    ref = quant.dequantize_reference(weight)
+    assert torch.isfinite(ref).all()
+    assert torch.equal(native.dequantize(weight), ref)
+    rows = torch.tensor([36, 0, 5, 5, 17])
+    assert torch.equal(native.dequantize(weight, rows), ref[rows])
+
+
+@pytest.mark.parametrize("ggml_type", QUANTIZABLE, ids=quant.type_name)
+def test_dequantize_of_gguf_quantized_floats(ggml_type: int) -> None:
+    rng = np.random.default_rng(1)
+    weight = QuantWeight.build([_random_part(ggml_type, 9, K, rng, quantized=True)], K)
+    assert torch.equal(native.dequantize(weight), quant.dequantize_reference(weight))
+
+
+def test_dequantize_rows_across_parts() -> None:
+    weight = _weight((quant.Q5_0, quant.Q5_0, quant.Q8_0), (8, 8, 4))
+    ref = quant.dequantize_reference(weight)
+    rows = torch.tensor([19, 0, 8, 7, 16, 15])  # each part's edges
+    assert torch.equal(native.dequantize(weight, rows), ref[rows])
+
+
+# --- qgemm: x @ W^T ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 24, 40])
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=quant.type_name)
+def test_qgemm_matches_a_float64_matmul(ggml_type: int, rows: int) -> None:
+    weight = _weight((ggml_type,), (45,))
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    _assert_gemm_close(native.qgemm(x, weight), x, quant.dequantize_reference(weight))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_qgemm_of_several_parts_with_bias(rows: int) -> None:
+    """q|k in Q5_0, v in Q8_0: Qwen2.5's Q4_K_M fused projection."""
+    weight = _weight((quant.Q5_0, quant.Q5_0, quant.Q8_0), (64, 16, 16))
+    gen = torch.Generator().manual_seed(2)
+    x, bias = torch.randn(rows, K, generator=gen), torch.randn(96, generator=gen)
+    _assert_gemm_close(native.qgemm(x, weight, bias), x, quant.dequantize_reference(weight),
+                       bias)
+
+
+def test_qgemm_of_every_type_in_one_weight() -> None:
+    types = tuple(ALL_TYPES)
+    weight = _weight(types, tuple(range(3, 3 + len(types))))
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(3))
+    _assert_gemm_close(native.qgemm(x, weight), x, quant.dequantize_reference(weight))
+
+
+def test_qgemm_reads_and_writes_strided_rows() -> None:
+    """ldx, ldy: x rows inside a wider buffer, y rows written into a wider one, the rest of
+    it untouched."""
+    weight = _weight((quant.Q4_1,), (33,))
+    gen = torch.Generator().manual_seed(4)
+    wide_x = torch.randn(20, K + 40, generator=gen)
+    x = wide_x[:, 8:8 + K]
+    y = torch.full((20, 50), 7.0)
+    rc = build.loaded().plait_qgemm(x.data_ptr(), 20, wide_x.stride(0), weight.desc.data_ptr(),
+                                    K, None, y[:, 3:].data_ptr(), y.stride(0))
+    assert rc == 0
+    _assert_gemm_close(y[:, 3:36], x, quant.dequantize_reference(weight))
+    assert (y[:, :3] == 7).all() and (y[:, 36:] == 7).all()
+    assert torch.equal(native.qgemm(x, weight), y[:, 3:36])
+
+
+def test_f16_and_bf16_rows_of_any_length() -> None:
+    """Block size 1: K need not be a multiple of the vector width."""
+    for ggml_type in (quant.F16, quant.BF16):
+        weight = _weight((ggml_type,), (11,), k=37)
+        ref = quant.dequantize_reference(weight)
+        assert torch.equal(native.dequantize(weight), ref)
+        x = torch.randn(3, 37, generator=torch.Generator().manual_seed(5))
+        _assert_gemm_close(native.qgemm(x, weight), x, ref)
+
+
+def test_f32_panels_descriptor_is_plait_gemm_bit_for_bit() -> None:
+    """The one-part F32 descriptor (what the decoder stack gets for a float32 model)."""
+    gen = torch.Generator().manual_seed(6)
+    w, x, bias = torch.randn(37, 72, generator=gen), torch.randn(5, 72, generator=gen), \
+        torch.randn(37, generator=gen)
+    panels = native.pack_weight(w)
+    desc = native.panels_desc(panels, 37)
+    y = torch.empty(5, 37)
+    lib = build.loaded()
+    assert lib.plait_qgemm(x.data_ptr(), 5, 72, desc.data_ptr(), 72, bias.data_ptr(),
+                           y.data_ptr(), 37) == 0
+    assert torch.equal(y, native.gemm(x, panels, 37, bias))
+    out = torch.empty(37, 72)
+    assert lib.plait_dequantize(desc.data_ptr(), 72, None, 37, out.data_ptr()) == 0
+    assert torch.equal(out, w)
+
+
+# --- refusals ------------------------------------------------------------------------------
+
+
+def _desc(*parts: tuple[int, int, int]) -> torch.Tensor:
+    return torch.tensor([len(parts), *(v for p in parts for v in p)], dtype=torch.int64)
+
+
+def test_descriptors_the_kernels_cannot_read_are_refused() -> None:
+    lib = build.loaded()
+    weight = _weight((quant.Q4_1,), (4,))
+    addr = weight.parts[0].data.data_ptr()
+    x, y = torch.zeros(2, K), torch.full((2, 4), 3.0)
+    bad = [
+        (_desc((addr, int(GGMLQuantizationType.Q2_K), 4)), K),  # a type not kept native
+        (_desc((addr, 99, 4)), K),
+        (weight.desc, K - 16),  # K not a whole number of blocks
+        (_desc((addr, quant.Q4_1, 4), (addr, 0, 4)), K),  # F32 panels beside another part
+        (_desc((addr, quant.Q4_1, -1)), K),
+        (torch.tensor([0], dtype=torch.int64), K),  # no part
+    ]
+    for desc, k in bad:
+        assert lib.plait_qgemm(x.data_ptr(), 2, K, desc.data_ptr(), k, None, y.data_ptr(),
+                               4) == SHAPES
+        out = torch.full((4, K), 3.0)
+        assert lib.plait_dequantize(desc.data_ptr(), k, None, 4, out.data_ptr()) == SHAPES
+        assert (out == 3).all() and (y == 3).all()  # nothing written
+    out = torch.full((1, K), 3.0)
+    for row in (4, -1):
+        rows = torch.tensor([row])
+        assert lib.plait_dequantize(weight.desc.data_ptr(), K, rows.data_ptr(), 1,
+                                    out.data_ptr()) == SHAPES
+    assert (out == 3).all()
+    with pytest.raises(ValueError, match="dequantize"):
+        native.dequantize(weight, torch.tensor([4]))
+    with pytest.raises(ValueError, match="qgemm"):
+        native.qgemm(torch.zeros(2, K - 32), weight)
+
+
+# --- the default model file's tensors ------------------------------------------------------
+
+
+def _file_weight(reader: GGUFReader, name: str, num_rows: int | None = None) -> QuantWeight:
+    tensor = next(t for t in reader.tensors if t.name == name)
+    k, n = (int(v) for v in tensor.shape)
+    data = np.asarray(tensor.data).reshape(n, -1)[:num_rows]
+    part = QuantPart(torch.from_numpy(np.array(data)), int(tensor.tensor_type),
+                     data.shape[0])
+    return QuantWeight.build([part], k)
+
+
+def test_the_default_models_q4_1_and_q8_0_tensors() -> None:
+    path = default_gguf_path()
+    if path is None or not Path(path).is_file():
+        pytest.skip("the default GGUF file is not installed")
+    reader = GGUFReader(path)
+    gen = torch.Generator().manual_seed(7)
+    for name, num_rows, ggml_type in (("blk.0.ffn_down.weight", None, quant.Q4_1),
+                                      ("blk.3.attn_q.weight", None, quant.Q4_1),
+                                      ("token_embd.weight", 2048, quant.Q8_0)):
+        weight = _file_weight(reader, name, num_rows)
+        assert weight.parts[0].ggml_type == ggml_type
+        ref = quant.dequantize_reference(weight)
+        assert torch.equal(native.dequantize(weight), ref), name
+        token_ids = torch.tensor([1, weight.out_features - 1, 17, 1])
+        assert torch.equal(native.dequantize(weight, token_ids), ref[token_ids])
+        for rows in (1, 16, 40):
+            x = torch.randn(rows, weight.in_features, generator=gen)
+            _assert_gemm_close(native.qgemm(x, weight), x, ref)
