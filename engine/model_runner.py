@@ -9,10 +9,12 @@ input_batch.py) and the sampler. It knows nothing of queues or policy: `execute`
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from plait.engine.config import EngineConfig
+from plait.engine.gguf_weights import load_gguf_weights
 from plait.engine.grammar import GrammarCompiler
 from plait.engine.host_memory import (
     keep_freed_memory_mapped,
@@ -21,8 +23,8 @@ from plait.engine.host_memory import (
 )
 from plait.engine.input_batch import CachedRequestState, InputBatch
 from plait.engine.model_config import ModelConfig
-from plait.engine.model_loader import ResolvedModel
-from plait.engine.models.linear import convert_linears, resolve_cpu_gemm
+from plait.engine.model_loader import ResolvedModel, ensure_float32_weights
+from plait.engine.models.linear import convert_linears, resolve_cpu_gemm, weight_bytes
 from plait.engine.models.llama import LlamaForCausalLM
 from plait.engine.outputs import TokenLogprob
 from plait.engine.sampler import Sampler, SamplingMetadata
@@ -79,7 +81,8 @@ class ModelRunner:
             cpu_gemm=resolve_cpu_gemm(config.cpu_gemm) if self.device.type == "cpu"
             else "none")
         max_pos = config.max_model_len or resolved.config.max_position_embeddings
-        self.model = self._load_model(resolved, max_pos).eval()
+        # weight_bytes: what the weights hold in memory (kept format + float32 tensors)
+        self.model, self.weight_bytes = self._load_model(config, resolved, max_pos)
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(config)
         self.max_model_len = min(max_pos, self.num_blocks * self.block_size)
         # kv_cache: [layers, 2 (k|v), num_blocks, block_size, num_kv_heads, head_dim]
@@ -101,15 +104,26 @@ class ModelRunner:
         self.kept_logits = torch.zeros(config.max_shared_logits, cfg.vocab_size,
                                        dtype=torch.float32, device=self.device)
 
-    def _load_model(self, resolved: ResolvedModel, max_pos: int) -> LlamaForCausalLM:
+    def _load_model(self, config: EngineConfig, resolved: ResolvedModel,
+                    max_pos: int) -> tuple[LlamaForCausalLM, int]:
+        """The model in eval mode, its weights kept in the file's format where
+        `config.weights` allows it (float32 CPU), and the bytes its weights hold."""
         with torch.device(self.device):
             model = LlamaForCausalLM(resolved.config, max_pos, self.ops)
-        load_weights(model, resolved.path)
+        keep = config.weights == "auto" and self.device.type == "cpu" \
+            and self.dtype == torch.float32
+        if keep and resolved.gguf is not None:
+            load_gguf_weights(model, resolved.gguf, _DTYPES[config.compute_dtype])
+        else:
+            load_weights(model, ensure_float32_weights(resolved))
         model = model.to(self.dtype)
         if self.device.type == "cpu":
             chosen = convert_linears(model, self.ops.cpu_gemm, panels=self.ops.native)
             logger.info("CPU GEMMs: %s", chosen)
-        return model
+        kept, dense = weight_bytes(model)
+        logger.info("weights: %.1f MiB (%.1f MiB kept in the file's format, %.1f MiB "
+                    "float)", (kept + dense) / 2**20, kept / 2**20, dense / 2**20)
+        return model.eval(), kept + dense
 
     def _block_bytes(self) -> int:
         cfg = self.model_config
@@ -123,6 +137,12 @@ class ModelRunner:
             budget = total * config.gpu_memory_utilization - (total - free) - reserve
         else:
             budget = config.kv_cache_memory_gb * (1 << 30)
+            # the weights and the cache share host memory: never plan past it
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if self.weight_bytes + budget > host:
+                budget = host - self.weight_bytes - (1 << 30)
+                logger.warning("KV cache cut to %.2f GiB: the weights take %.2f of %.2f GiB",
+                               budget / 2**30, self.weight_bytes / 2**30, host / 2**30)
         num = int(budget // self._block_bytes())
         if num < 2:
             raise ValueError("not enough memory for the KV cache; lower the model size or "

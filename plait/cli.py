@@ -28,6 +28,7 @@ from plait.engine import (
     VALID_DTYPES,
     EngineConfig,
 )
+from plait.engine.config import COMPUTE_DTYPES, WEIGHT_FORMATS
 from plait.server.settings import ServerSettings  # a plain dataclass: no HTTP stack
 
 ENV_PREFIX = "PLAIT_"
@@ -104,6 +105,12 @@ OPTIONS: tuple[Option, ...] = (
            ATTENTION_BACKENDS),
     Option("--cpu-gemm", str,
            "the CPU GEMMs' weight packing (auto: mkl on Intel, onednn elsewhere)", CPU_GEMMS),
+    Option("--weights", str,
+           "auto: keep a GGUF's quantized blocks (a checkpoint's bf16) as they are on CPU, "
+           "memory about the file's size; float32: dequantize at load", WEIGHT_FORMATS),
+    Option("--compute-dtype", str,
+           "kept weights' GEMMs over more than a decode step's rows (prefills): float32, or "
+           "bfloat16 activations x weights with float32 accumulation", COMPUTE_DTYPES),
     Option("--kv-events-endpoint", str,
            "publish KV-cache events as vLLM does on this ZeroMQ PUB endpoint, e.g. "
            "tcp://*:5557 (default: none, off)"),

@@ -12,6 +12,10 @@ keeps its own copy of it, rebuilt by `prepack()`:
   weights once, with prefetching), over one of the formats above for larger products.
 
 `scripts/bench_gemm.py` measures them side by side (BENCHMARKS.md).
+
+Weights kept in their file's format (engine/gguf_weights.py) load straight into
+`QuantLinear` ("gguf": a `QuantWeight` of GGML blocks or raw bf16) and `QuantEmbedding`;
+`convert_linears` leaves them as they are.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import torch
 from torch import nn
 
 from plait.engine.config import CPU_GEMMS
+from plait.engine.models.quant_ops import dequantize, dequantize_bf16, qgemm
 from plait.kernels.cpu import native
 from plait.kernels.cpu.build import NATIVE_MAX_ROWS
+from plait.kernels.cpu.quant import QuantWeight
 
 # Row hint given to the MKL pack: as fast as 16 or faster at every row count from 1 to 512.
 _MKL_ROW_HINT = 128
@@ -132,6 +138,79 @@ class PanelLinear(Linear):
         return super().extra_repr() + f", large={self.large.format}"
 
 
+class QuantLinear(Linear):
+    """y = x @ W^T + bias with W a `QuantWeight` held as the file stores it (float32 CPU
+    activations): `qgemm` for at most `NATIVE_MAX_ROWS` rows (decode steps read the blocks
+    once); for more rows (prefills) W is dequantized into a scratch of `compute_dtype` and
+    multiplied by torch (bf16: bf16 x bf16 with float32 accumulation, output rounded to
+    bf16). No float32 copy of W is kept. A tied LM head shares its embedding's weight."""
+
+    format: ClassVar[str] = "gguf"
+    qweight: QuantWeight
+
+    def __init__(self, qweight: QuantWeight, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype = torch.float32) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = qweight.in_features, qweight.out_features
+        self.qweight, self.compute_dtype = qweight, compute_dtype
+        self.weight = None  # no float copy: `qweight` is the weight
+        self.scratch: dict = {}  # quant_ops' reference fallback only (no native kernel)
+        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(),
+                                                           requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out]
+        rows = x.shape[0]
+        if rows == 0:
+            return x.new_empty(0, self.out_features)
+        if rows <= NATIVE_MAX_ROWS:
+            return qgemm(x, self.qweight, self.bias, self.scratch)
+        if self.compute_dtype == torch.bfloat16:
+            w = dequantize_bf16(self.qweight, self.scratch)  # [out, in] bf16 scratch
+            out = torch.mm(x.to(torch.bfloat16), w.t()).float()
+        else:
+            out = torch.mm(x, dequantize(self.qweight, None, self.scratch).t())
+        return out if self.bias is None else out.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", types={self.qweight.describe()}, " \
+            f"compute={str(self.compute_dtype).removeprefix('torch.')}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings kept as a one-part `QuantWeight` [vocab, hidden]: a lookup
+    dequantizes just the requested rows."""
+
+    def __init__(self, qweight: QuantWeight) -> None:
+        super().__init__()
+        self.qweight = qweight
+        self.num_embeddings, self.embedding_dim = qweight.out_features, qweight.in_features
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] f32
+        return dequantize(self.qweight, token_ids.to(torch.int64).contiguous())
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, types={self.qweight.describe()}"
+
+
+def weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(kept, dense): the bytes of `model`'s weights kept in their file's format (each
+    `QuantWeight` once), and of its float tensors: parameters plus each format's own packed
+    copies (panels, MKL/oneDNN packs). Buffers (RoPE tables) are not weights."""
+    kept: dict[int, int] = {}
+    dense: dict[int, int] = {}
+    for module in model.modules():
+        qweight = getattr(module, "qweight", None)
+        if isinstance(qweight, QuantWeight):
+            kept[id(qweight)] = qweight.nbytes
+        for name in ("panels", "packed"):
+            copy = module.__dict__.get(name)
+            if isinstance(copy, torch.Tensor):
+                dense[id(copy)] = copy.numel() * copy.element_size()
+    for param in model.parameters():
+        dense[id(param)] = param.numel() * param.element_size()
+    return sum(kept.values()), sum(dense.values())
+
+
 FORMATS: dict[str, type[Linear]] = {f.format: f for f in (Linear, MklLinear, OneDnnLinear)}
 
 
@@ -182,4 +261,5 @@ def convert_linears(model: nn.Module, cpu_gemm: str, panels: bool) -> str:
 
 
 __all__ = ["CPU_GEMMS", "FORMATS", "NATIVE_MAX_ROWS", "Linear", "MklLinear", "OneDnnLinear",
-           "PanelLinear", "convert_linears", "cpu_vendor", "resolve_cpu_gemm"]
+           "PanelLinear", "QuantEmbedding", "QuantLinear", "convert_linears", "cpu_vendor",
+           "resolve_cpu_gemm", "weight_bytes"]

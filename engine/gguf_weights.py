@@ -1,0 +1,188 @@
+"""Load a GGUF file's tensors straight into Plait's model, each kept in the file's format.
+
+The file is memory-mapped (`gguf.GGUFReader`) and each tensor's bytes copied once into a
+`QuantPart`; a type the native kernels do not take (`KEPT_TYPES`) is dequantized at load,
+with a log line. GGUF names map onto Plait's fused modules:
+
+    token_embd                      -> embed_tokens (QuantEmbedding)
+    blk.N.attn_q | attn_k | attn_v  -> layers.N.self_attn.qkv_proj, three parts in that order
+                                       (their types may differ), biases concatenated
+    blk.N.attn_output               -> layers.N.self_attn.o_proj
+    blk.N.ffn_gate | ffn_up         -> layers.N.mlp.gate_up_proj, two parts
+    blk.N.ffn_down                  -> layers.N.mlp.down_proj
+    output (absent: tied)           -> lm_head (a tied head shares token_embd's QuantWeight)
+    *_norm, biases                  -> float32 parameters
+
+llama.cpp's converter permutes the rows of attn_q / attn_k in "llama" files (the interleaved
+RoPE layout GGML computes in); Plait rotates halves as Hugging Face does, so the rows are
+put back, per head, as transformers' GGUF loader does (`_reverse_permute_weights`):
+
+    file row  h * 2d + 2i + j   ->   row  h * 2d + j * d + i      (d = head_dim / 2, j < 2)
+
+GGML rows are independent, so this reorders row bytes. qwen2 files are not permuted.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+from torch import nn
+
+from plait.engine.model_config import ModelLoadError
+from plait.engine.models.linear import Linear, QuantEmbedding, QuantLinear
+from plait.engine.models.llama import LlamaForCausalLM
+from plait.kernels.cpu.quant import (
+    KEPT_TYPES,
+    QuantPart,
+    QuantWeight,
+    dequantize_reference,
+    type_name,
+)
+
+logger = logging.getLogger("plait.engine")
+
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# GGUF tensors Plait does not read: llama3's RoPE factors (computed from the config).
+_IGNORED = ("rope_freqs.weight",)
+Piece = QuantPart | torch.Tensor  # a kept part, or rows dequantized to float32 [rows, K]
+
+
+def load_gguf_weights(model: LlamaForCausalLM, path: Path,
+                      compute_dtype: torch.dtype = torch.float32) -> None:
+    """Replace `model`'s embedding, linear layers and norms with the file's tensors:
+    `QuantLinear` / `QuantEmbedding` where every piece is a kept type, float32 modules
+    otherwise. Raises `ModelLoadError` for a missing or misshapen tensor."""
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+    tensors = {t.name: t for t in reader.tensors}
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    loader = _Loader(tensors, model, arch == "llama", compute_dtype, path)
+    loader.load()
+    unused = sorted(set(tensors) - loader.used - set(_IGNORED))
+    if unused:
+        logger.warning("%s: tensors not loaded: %s", path.name, ", ".join(unused))
+
+
+class _Loader:
+    """One pass over a model's modules, reading each from the file's tensors by name."""
+
+    def __init__(self, tensors: dict, model: LlamaForCausalLM, permuted: bool,
+                 compute_dtype: torch.dtype, path: Path) -> None:
+        self.tensors, self.model, self.permuted = tensors, model, permuted
+        self.compute_dtype, self.path = compute_dtype, path
+        self.used: set[str] = set()
+
+    def load(self) -> None:
+        cfg, model = self.model.config, self.model
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            heads = (cfg.num_heads, cfg.num_kv_heads, None)
+            names = [f"blk.{i}.attn_{p}" for p in "qkv"]
+            attn.qkv_proj = self.linear(names, heads, bias=cfg.attention_bias)
+            attn.o_proj = self.linear([f"blk.{i}.attn_output"])
+            mlp.gate_up_proj = self.linear([f"blk.{i}.ffn_gate", f"blk.{i}.ffn_up"])
+            mlp.down_proj = self.linear([f"blk.{i}.ffn_down"])
+            self.norm(layer.input_layernorm.weight, f"blk.{i}.attn_norm.weight")
+            self.norm(layer.post_attention_layernorm.weight, f"blk.{i}.ffn_norm.weight")
+        self.norm(model.norm.weight, "output_norm.weight")
+        model.embed_tokens = self.embedding("token_embd.weight")
+        if "output.weight" in self.tensors:
+            model.lm_head = self.linear(["output"])
+        elif isinstance(model.embed_tokens, QuantEmbedding):
+            model.lm_head = QuantLinear(model.embed_tokens.qweight,
+                                        compute_dtype=self.compute_dtype)
+        else:  # a float32 embedding: the head shares its Parameter
+            model.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            model.lm_head.weight = model.embed_tokens.weight
+
+    def linear(self, names: list[str], heads: tuple | None = None,
+               bias: bool = False) -> Linear:
+        """The fused projection of tensors `names` (+ ".weight"), rows of part i un-permuted
+        over heads[i] heads where the file is permuted."""
+        heads = heads or (None,) * len(names)
+        pieces = [self.piece(f"{n}.weight", h) for n, h in zip(names, heads, strict=True)]
+        in_features = self.tensors[f"{names[0]}.weight"].shape[0]
+        bias_t = torch.cat([self.dense(f"{n}.bias", h)
+                            for n, h in zip(names, heads, strict=True)]) if bias else None
+        if all(isinstance(p, QuantPart) for p in pieces):
+            weight = QuantWeight.build(pieces, int(in_features))
+            return QuantLinear(weight, bias_t, self.compute_dtype)
+        dense = [p if isinstance(p, torch.Tensor)
+                 else dequantize_reference(QuantWeight.build([p], int(in_features)))
+                 for p in pieces]
+        return _dense_linear(torch.cat(dense), bias_t)
+
+    def embedding(self, name: str) -> nn.Module:
+        piece = self.piece(name)
+        if isinstance(piece, QuantPart):
+            in_features = int(self.tensors[name].shape[0])
+            return QuantEmbedding(QuantWeight.build([piece], in_features))
+        embedding = nn.Embedding(*piece.shape)
+        with torch.no_grad():
+            embedding.weight.copy_(piece)
+        return embedding
+
+    def norm(self, param: nn.Parameter, name: str) -> None:
+        values = self.dense(name)
+        if values.shape != param.shape:
+            raise ModelLoadError(f"{self.path.name}: {name} has shape {tuple(values.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(values)
+
+    def tensor(self, name: str):
+        if name not in self.tensors:
+            raise ModelLoadError(f"{self.path.name} lacks tensor {name!r}")
+        self.used.add(name)
+        return self.tensors[name]
+
+    def piece(self, name: str, heads: int | None = None) -> Piece:
+        """Tensor `name` as a kept `QuantPart`, or dequantized to float32 [rows, K]."""
+        t = self.tensor(name)
+        ggml_type, in_features = int(t.tensor_type), int(t.shape[0])
+        rows = int(np.prod(t.shape[1:]))
+        order = _unpermute(rows, heads) if self.permuted and heads else None
+        if ggml_type in KEPT_TYPES:
+            data = torch.from_numpy(np.array(t.data).view(np.uint8).reshape(rows, -1))
+            data = data if order is None else data[order].contiguous()
+            return QuantPart(data, ggml_type, rows)
+        logger.info("%s: %s is %s, dequantized to float32 at load", self.path.name, name,
+                    type_name(ggml_type))
+        return self.dense(name, heads).reshape(rows, in_features)
+
+    def dense(self, name: str, heads: int | None = None) -> torch.Tensor:
+        """Tensor `name` dequantized to float32 in its torch shape (rows un-permuted)."""
+        t = self.tensor(name)
+        values = gguf_dequantize(np.asarray(t.data), GGMLQuantizationType(int(t.tensor_type)))
+        values = torch.from_numpy(np.array(values, dtype=np.float32))
+        if self.permuted and heads:
+            values = values[_unpermute(values.shape[0], heads)].contiguous()
+        return values
+
+
+def _unpermute(rows: int, heads: int) -> torch.Tensor:  # [rows] int64: file row per row
+    """The file row holding each Hugging Face row of a permuted q or k (module docstring)."""
+    if rows % (2 * heads):
+        raise ModelLoadError(f"cannot un-permute {rows} rows over {heads} heads")
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def _dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    """A float32 `Linear` over `weight` [out, in] (convert_linears gives it its format)."""
+    linear = Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
+
+
+__all__ = ["load_gguf_weights"]

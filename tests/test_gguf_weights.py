@@ -1,0 +1,225 @@
+"""The default GGUF served in its own format (`--weights auto`): what is kept, its memory, its
+numerics against gguf-py's dequantizer, the q/k un-permutation, and greedy parity with
+transformers on the same file; `--weights float32` as before; the options' checks."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from model_helpers import load_model
+
+from plait import LLM, SamplingParams
+from plait.cli import build_parser, engine_config
+from plait.engine import model_loader
+from plait.engine.config import EngineConfig
+from plait.engine.core import eos_token_ids
+from plait.engine.model_loader import default_gguf_path, resolve_model
+from plait.engine.model_runner import ModelRunner
+from plait.engine.models.linear import NATIVE_MAX_ROWS, QuantEmbedding, QuantLinear
+from plait.kernels.cpu.quant import dequantize_reference, type_name
+
+PROMPTS = ["The capital of France is",
+           "def fibonacci(n):\n    if n < 2:\n        return n\n",
+           "Once upon a time, in a land far, far away, there lived a dragon who"]
+NUM_TOKENS = 24
+# name in Plait -> the GGUF tensors of layer N it holds, in part order
+FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
+         "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+
+
+def _cache_without_weights(cache: Path, converted: Path) -> None:
+    """A cache entry as the kept mode writes it: the converted directory's config and
+    tokenizer files, no model.safetensors."""
+    target = cache / converted.name
+    target.mkdir(parents=True)
+    for file in converted.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, target / file.name)
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory, default_model):
+    """A runner in the default mode over a cache without float32 safetensors."""
+    cache = tmp_path_factory.mktemp("cache")
+    _cache_without_weights(cache, default_model.path)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PLAIT_CACHE", str(cache))
+        resolved = resolve_model(None, float32_weights=False)
+        runner = ModelRunner(EngineConfig(num_kv_blocks=16), resolved)
+    assert not list(cache.glob("*/*.safetensors"))
+    return runner
+
+
+def test_kept_mode_asks_for_no_float32_weights(tmp_path, monkeypatch, default_model) -> None:
+    """A GGUF's first resolve writes config + tokenizer only; float32 weights are added to
+    the entry when a float32 engine asks for them."""
+    calls = []
+
+    def convert(gguf, out_dir, float32_weights=True):
+        calls.append(float32_weights)
+        _cache_without_weights(tmp_path / "staged", default_model.path)
+        for file in (tmp_path / "staged" / default_model.path.name).iterdir():
+            shutil.move(file, out_dir / file.name)
+
+    def write_float32(gguf, out_dir, hf_config=None):
+        calls.append("float32")
+        (out_dir / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setenv("PLAIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_loader, "convert_gguf", convert)
+    monkeypatch.setattr(model_loader, "_write_float32", write_float32)
+    resolved = resolve_model(None, float32_weights=False)
+    assert calls == [False] and resolved.gguf == default_gguf_path()
+    assert not (resolved.path / "model.safetensors").exists()
+    assert resolve_model(None, float32_weights=False).path == resolved.path
+    assert model_loader.ensure_float32_weights(resolved) == resolved.path
+    assert calls == [False, "float32"] and (resolved.path / "model.safetensors").exists()
+
+
+@pytest.fixture(scope="module")
+def file_types() -> dict[str, str]:
+    reader = gguf.GGUFReader(default_gguf_path())
+    return {t.name.removesuffix(".weight"): type_name(int(t.tensor_type))
+            for t in reader.tensors}
+
+
+def test_kept_linears_hold_the_files_types_in_its_size(kept, file_types) -> None:
+    model = kept.model
+    for i, layer in enumerate(model.layers):
+        for name, sources in FUSED.items():
+            linear = layer.get_submodule(name)
+            assert isinstance(linear, QuantLinear), (i, name)
+            assert linear.qweight.describe() == "+".join(file_types[f"blk.{i}.{s}"]
+                                                         for s in sources)
+    assert isinstance(model.embed_tokens, QuantEmbedding)
+    assert model.embed_tokens.qweight.describe() == file_types["token_embd"] == "Q8_0"
+    assert model.lm_head.qweight is model.embed_tokens.qweight  # tied: one copy
+    size = default_gguf_path().stat().st_size
+    assert kept.weight_bytes <= 1.1 * size, (kept.weight_bytes, size)
+
+
+@pytest.mark.parametrize("rows", [1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 9])
+def test_quant_linear_equals_x_times_dequantized_weight(kept, rows) -> None:
+    """Every format of the first and last layer, and the tied head, at decode and prefill
+    row counts: x @ dequantize_reference(W)^T (float64) within float32 summation noise."""
+    gen = torch.Generator().manual_seed(rows)
+    model = kept.model
+    linears = [layer.get_submodule(n) for layer in (model.layers[0], model.layers[-1])
+               for n in FUSED] + [model.lm_head]
+    for linear in linears:
+        x = torch.randn(rows, linear.in_features, generator=gen)
+        ref = x.double() @ dequantize_reference(linear.qweight).double().t()
+        out = linear(x)
+        assert out.dtype == torch.float32 and out.is_contiguous()
+        torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
+
+
+def test_bf16_compute_of_large_products(kept) -> None:
+    """compute_dtype bfloat16: a prefill-sized product as bf16 x bf16 (the kept weight's
+    bf16 rounding, the output's), within bf16 error of the float product."""
+    src = kept.model.layers[0].mlp.gate_up_proj
+    linear = QuantLinear(src.qweight, compute_dtype=torch.bfloat16)
+    x = torch.randn(NATIVE_MAX_ROWS + 40, linear.in_features,
+                    generator=torch.Generator().manual_seed(1))
+    ref = x @ dequantize_reference(src.qweight).t()
+    out = linear(x)
+    assert out.dtype == torch.float32
+    assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
+    torch.testing.assert_close(linear(x[:3]), src(x[:3]))  # decode rows stay float32
+
+
+def test_embedding_rows_equal_the_reference(kept) -> None:
+    ids = torch.tensor([0, 1, 2, 17, 49151])
+    qweight = kept.model.embed_tokens.qweight
+    assert torch.equal(kept.model.embed_tokens(ids), dequantize_reference(qweight)[ids])
+
+
+def test_q_k_unpermuted_as_transformers(kept, default_model) -> None:
+    """llama.cpp permuted attn_q/attn_k's rows; the kept blocks, dequantized, equal the
+    float32 weights transformers converted from the same file, bit for bit."""
+    dense = load_model(default_model.path, convert=False)
+    for i in (0, len(dense.layers) - 1):
+        for name in FUSED:
+            qweight = kept.model.layers[i].get_submodule(name).qweight
+            weight = dense.layers[i].get_submodule(name).weight.detach()
+            assert torch.equal(dequantize_reference(qweight), weight), (i, name)
+    assert torch.equal(dequantize_reference(kept.model.lm_head.qweight),
+                       dense.lm_head.weight.detach())
+
+
+def transformers_on_gguf(path: Path):
+    """transformers' model on a GGUF file, dequantized to float32 by its own GGUF loader
+    (what `from_pretrained(gguf_file=...)` runs, without its accelerate requirement); for a
+    directory, the model.safetensors that `convert_gguf` wrote with that same loader."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    loaded = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
+    missing, unexpected = model.load_state_dict(loaded["tensors"], strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+def greedy_reference(path: Path, prompts: list[list[int]], eos: list[int],
+                     num_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt alone (the model at `path`: a .gguf or
+    its converted directory), EOS suppressed."""
+    hf = transformers_on_gguf(path)
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=num_tokens, do_sample=False,
+                              suppress_tokens=eos,
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            outs.append(out[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(default_model, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, transformers' greedy ids) on the default GGUF, as transformers' GGUF
+    loader converted it (`test_q_k_unpermuted_as_transformers`: the kept blocks dequantize
+    to exactly these weights)."""
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    eos = list(eos_token_ids(default_model, tokenizer))
+    return prompts, greedy_reference(default_model.path, prompts, eos, NUM_TOKENS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["auto", "float32"])
+def test_greedy_tokens_equal_transformers_on_the_gguf(hf_greedy, weights) -> None:
+    prompts, expected = hf_greedy
+    llm = LLM(weights=weights, num_kv_blocks=64, block_size=16)
+    linear = llm.engine.runner.model.layers[0].mlp.down_proj
+    assert isinstance(linear, QuantLinear) == (weights == "auto")
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_float32_mode_dequantizes_every_weight(default_model) -> None:
+    runner = ModelRunner(EngineConfig(weights="float32", num_kv_blocks=16), default_model)
+    assert not any(isinstance(m, QuantLinear | QuantEmbedding) for m in runner.model.modules())
+    assert runner.weight_bytes > 3 * default_gguf_path().stat().st_size
+
+
+def test_bad_option_values_are_rejected() -> None:
+    with pytest.raises(ValueError, match=r"weights must be one of \('auto', 'float32'\)"):
+        EngineConfig(weights="int4")
+    with pytest.raises(ValueError, match=r"compute_dtype must be one of .*'bfloat16'"):
+        EngineConfig(compute_dtype="fp8")
+    with pytest.raises(SystemExit):
+        build_parser({}).parse_args(["serve", "--weights", "int4"])
+    args = build_parser({"PLAIT_WEIGHTS": "float32", "PLAIT_COMPUTE_DTYPE": "bfloat16"}) \
+        .parse_args(["serve"])
+    config = engine_config(args)
+    assert (config.weights, config.compute_dtype) == ("float32", "bfloat16")
