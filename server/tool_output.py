@@ -11,6 +11,11 @@ Non-streaming: `choice_message`. Streaming: one `ChoiceStream` per choice index:
                      and, at the end, each parsed call is one delta
                      {"tool_calls":[{"index":k,"id":..,"type":..,"function":{name, arguments}}]}
                      (malformed calls: the buffered text goes out as content instead)
+    bare call JSON   tool_choice auto (plan.bare): while the answer so far could still be
+                     a whole-answer call without markers (it starts with "{", "[" or a
+                     ``` fence: BareCalls.possible) nothing is sent; once it cannot, the
+                     held text goes out and the above applies; at the end, the calls as
+                     above, or the held text as content. Other text is never held.
 
 A choice whose calls were parsed and which stopped naturally ends with finish_reason
 "tool_calls"; a length cut stays "length". Logprobs of held-back text go out with the next
@@ -38,14 +43,20 @@ def _call_dict(call: ParsedCall) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def parse_output(plan: OutputPlan, text: str) -> ParsedOutput:
-    """Content and calls of a finished choice's text under `plan`."""
+def parse_output(plan: OutputPlan, text: str, finish_reason: str | None) -> ParsedOutput:
+    """Content and calls of a finished choice's text under `plan`. Bare call JSON
+    (plan.bare) is tried last, and only on an answer that ended naturally ("stop"): one cut
+    by length is not known to be whole."""
     if plan.mode == "named":
         assert plan.named is not None
         return ParsedOutput(None, [ParsedCall(plan.named, text)])
     if plan.parser is None:
         return ParsedOutput(text, [])
-    return plan.parser.parse(text, plan.tool_names)
+    parsed = plan.parser.parse(text, plan.tool_names)
+    if parsed.calls or plan.bare is None or finish_reason != "stop":
+        return parsed
+    calls = plan.bare.parse(text)
+    return ParsedOutput(None, calls) if calls else parsed
 
 
 def _finish(parsed: ParsedOutput, finish_reason: str | None) -> str | None:
@@ -55,7 +66,7 @@ def _finish(parsed: ParsedOutput, finish_reason: str | None) -> str | None:
 def choice_message(plan: OutputPlan, text: str,
                    finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
     """The `message` of a finished choice and its finish_reason."""
-    parsed = parse_output(plan, text)
+    parsed = parse_output(plan, text, finish_reason)
     if not parsed.calls:
         return {"role": "assistant", "content": text, "refusal": None}, finish_reason
     return ({"role": "assistant", "content": parsed.content, "refusal": None,
@@ -73,6 +84,7 @@ class ChoiceStream:
         self._calls = plan.forced and plan.mode == "calls"  # buffering a call
         self._named_id: str | None = None
         self._held: list[TokenLogprob] = []
+        self._bare = plan.bare is not None  # holding: the answer may be bare call JSON
 
     def role_delta(self) -> dict[str, Any]:
         """The first delta of the choice; content stays null until text is known to be
@@ -89,6 +101,11 @@ class ChoiceStream:
             return self._named(text) if text else []
         if self._calls:
             return []
+        if self._bare:
+            assert self.plan.bare is not None
+            if self.plan.bare.possible(self._text):
+                return []
+            self._bare = False
         return self._content(self._sendable())
 
     def finish(self, finish_reason: str | None) -> tuple[list[Delta], str | None]:
@@ -97,8 +114,9 @@ class ChoiceStream:
             return [], finish_reason
         if self.plan.mode == "named":
             deltas = self._named("") if self._named_id is None or self._held else []
-            return deltas, _finish(parse_output(self.plan, self._text), finish_reason)
-        parsed = parse_output(self.plan, self._text)
+            return deltas, _finish(parse_output(self.plan, self._text, finish_reason),
+                                   finish_reason)
+        parsed = parse_output(self.plan, self._text, finish_reason)
         if not parsed.calls:
             return self._content(len(self._text)), finish_reason
         deltas = self._content(len(parsed.content or ""))

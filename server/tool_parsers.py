@@ -12,6 +12,10 @@ instead (tools.py).
                   <|python_tag|>, several separated by ";" (Llama 3.1+)     "ipython" in it
     json          {"name":..,"arguments":{..}} or an array of them          (the fallback)
 
+Whatever the parser, with tool_choice "auto" an answer that is nothing but call JSON without
+the family's markers (what small models often write) is a call too: `BareCalls`, tried
+after the parser found none.
+
 To add a family: write a `ToolParser` (a `parse` function, plus the text that starts a call
 in `markers`, used when streaming to hold text back), register it in `PARSERS`, and add its
 detection rule to `detect_parser`. A test in tests/test_server_tools.py per parser.
@@ -21,9 +25,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from plait.server.json_check import is_valid
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +143,97 @@ def parse_llama3_json(text: str, names: frozenset[str]) -> ParsedOutput:
         while pos < len(body) and body[pos] in " \t\r\n;":
             pos += 1
     return ParsedOutput(None, calls)
+
+
+# ------------------------------------------------------------------ bare JSON (any family)
+_FENCE_OPEN = re.compile(r"```(?:json)?[ \t]*\n?", re.IGNORECASE)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+
+
+@dataclass(frozen=True, slots=True)
+class BareCalls:
+    """tool_choice "auto": a whole answer that is call JSON written without the model's
+    markers. The answer, stripped, optionally inside one ```json (or ```) fence, must be
+
+        {"name": <declared tool>, "arguments": <object, or a JSON string of one>}
+
+    ("parameters" for "arguments": Llama 3.1's documented format; no other key) or a
+    non-empty array of such objects (one only when parallel_tool_calls is false), and each
+    call's arguments must validate against its tool's `parameters` schema (json_check).
+    Anything else stays content, unchanged. `schemas`: tool name -> parameters schema."""
+
+    schemas: Mapping[str, Any]
+    parallel: bool
+
+    def parse(self, text: str) -> list[ParsedCall] | None:
+        """The calls when the whole of `text` is bare call JSON, else None."""
+        body, fenced = _unfence(text.strip())
+        if fenced and not body.endswith("```"):
+            return None
+        body = body.removesuffix("```").strip() if fenced else body
+        if not body.startswith(("{", "[")):
+            return None
+        try:
+            return self._calls(_DECODER.decode(body))
+        except ValueError:
+            return None
+
+    def possible(self, text: str) -> bool:
+        """Could `text`, the answer so far, still grow into bare call JSON? False as soon as
+        it cannot: its first characters are not `{`, `[` or a fence, or its JSON value is
+        complete and is not calls, or is followed by more than a closing fence. (Broken JSON
+        is only found out at the end.)"""
+        head = text.lstrip()
+        if head.startswith("`") and "```json".startswith(head.lower()):
+            return True  # the opening fence, so far
+        body, fenced = _unfence(head)
+        if not body:
+            return True
+        if not body.startswith(("{", "[")):
+            return False
+        inner = body[1:].lstrip()
+        if inner and inner[0] not in ('"' if body[0] == "{" else "{"):
+            return False  # "{x", "[1": not a call's start
+        try:
+            value, end = _DECODER.raw_decode(body)
+        except ValueError:
+            return True  # not complete yet
+        rest = body[end:].strip()
+        return self._calls(value) is not None and (
+            "```".startswith(rest) if fenced else not rest)
+
+    def _calls(self, value: Any) -> list[ParsedCall] | None:
+        items = value if isinstance(value, list) else [value]
+        if not items or (len(items) > 1 and not self.parallel):
+            return None
+        calls = [self._call(item) for item in items]
+        return None if any(c is None for c in calls) else [c for c in calls if c is not None]
+
+    def _call(self, obj: Any) -> ParsedCall | None:
+        name = obj.get("name") if isinstance(obj, dict) and len(obj) == 2 else None
+        if not isinstance(name, str) or name not in self.schemas:
+            return None
+        args = obj.get("arguments", obj.get("parameters"))
+        if isinstance(args, str):
+            try:
+                args = _DECODER.decode(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict) or not is_valid(args, self.schemas[name]):
+            return None
+        return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _unfence(text: str) -> tuple[str, bool]:
+    """(what follows an opening ```json / ``` fence, True), or (text, False) without one."""
+    match = _FENCE_OPEN.match(text) if text.startswith("```") else None
+    return (text[match.end():].lstrip(), True) if match else (text, False)
 
 
 PARSERS: dict[str, ToolParser] = {

@@ -9,6 +9,7 @@ how the output is read back (tool_output.py).
     "auto", template the model's own format, unconstrained the family's parser
       renders tools    (tool_parsers.detect_parser)
     "auto", other    Lark: plain text | calls_schema      "json" parser
+    "auto", either   (as above)                           + bare call JSON (BareCalls)
 
 Templates that render tools (Hermes/Qwen, Llama 3.1+: `tools` in the template) get the
 tools, assistant `tool_calls` (arguments as a dict) and `tool` messages as Hugging Face
@@ -35,7 +36,7 @@ from plait.server.structured_params import (
     named_spec,
     required_spec,
 )
-from plait.server.tool_parsers import PARSERS, ToolParser, detect_parser
+from plait.server.tool_parsers import PARSERS, BareCalls, ToolParser, detect_parser
 from plait.server.tool_protocol import (
     Tool,
     parse_message_tool_calls,
@@ -55,7 +56,8 @@ class OutputPlan:
     or "parser" (`parser` splits content from calls). `native`: the chat template renders
     tools itself; `template_tools` go to it. `system_text` (non-native only) describes the
     tools and the call format. `forced`: the grammar makes every finished output a call
-    (tool_choice required or named)."""
+    (tool_choice required or named). `bare` (tool_choice auto only): reads a whole answer
+    that is call JSON without the parser's markers as calls, when the parser found none."""
 
     mode: OutputMode
     spec: StructuredSpec | None
@@ -66,6 +68,7 @@ class OutputPlan:
     template_tools: list[dict[str, Any]] | None = None
     system_text: str | None = None
     forced: bool = False  # required / named: every finished output is a call
+    bare: BareCalls | None = None
 
 
 async def chat_output_plan(body: ChatCompletionRequest, template: str | None) -> OutputPlan:
@@ -97,9 +100,10 @@ def plan_output(body: ChatCompletionRequest, template: str | None) -> OutputPlan
         raise bad_request("Invalid 'response_format': it cannot be combined with "
                           "tool_choice \"required\" or a named function.", "response_format",
                           "invalid_value")
+    bare = BareCalls({t.function.name: t.function.parameters_schema for t in tools}, parallel)
     if native and choice == "auto" and answer is None:
         return OutputPlan("parser", None, names, parser=parser, native=True,
-                          template_tools=template_tools)
+                          template_tools=template_tools, bare=bare)
     shared: dict[str, Any] = {
         "native": native, "template_tools": template_tools,
         "system_text": None if native else _system_text(tools, choice, parallel)}
@@ -110,7 +114,7 @@ def plan_output(body: ChatCompletionRequest, template: str | None) -> OutputPlan
         return OutputPlan("named", named_spec(tools, choice), names, named=choice,
                           forced=True, **shared)
     return OutputPlan("calls", auto_spec(tools, parallel, answer), names,
-                      parser=PARSERS["json"], **shared)
+                      parser=PARSERS["json"], bare=bare, **shared)
 
 
 def _system_text(tools: list[Tool], choice: str, parallel: bool) -> str:
