@@ -66,9 +66,36 @@ static inline float load_f16(const uint8_t *p) {
   return f16_to_f32(h);
 }
 
-static inline vi load_u8(const uint8_t *p) { return __builtin_convertvector(*(const u8v *)p, vi); }
+/* LANES bytes widened to int32 lanes: one vpmovzx / vpmovsx (GCC 12 lowers the generic
+ * __builtin_convertvector of bytes through several narrower steps). */
+static inline vi load_u8(const uint8_t *p) {
+#if LANES == 16
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif LANES == 8
+  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+  return __builtin_convertvector(*(const u8v *)p, vi);
+#endif
+}
+
 static inline vi load_i8(const uint8_t *p) {
+#if LANES == 16
+  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif LANES == 8
+  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
   return __builtin_convertvector(*(const i8v *)p, vi);
+#endif
+}
+
+static inline vi load_u16(const uint8_t *p) {
+#if LANES == 16
+  return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+#elif LANES == 8
+  return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+  return __builtin_convertvector(*(const u16v *)p, vi);
+#endif
 }
 static inline vf to_f(vi q) { return __builtin_convertvector(q, vf); }
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
@@ -99,17 +126,17 @@ static inline vi nibbles(const uint8_t *qs, int first) {  /* weights first..firs
   return first < 16 ? q & 15 : q >> 4;
 }
 
-static void deq_q4_0(const uint8_t *b, float *dst) {  /* d, qs[16]: (q - 8) d */
+static inline __attribute__((always_inline)) void deq_q4_0(const uint8_t *b, float *dst) {  /* d, qs[16]: (q - 8) d */
   vf d = vsplat(load_f16(b));
   for (int j = 0; j < 32; j += LANES) store(dst + j, d * to_f(nibbles(b + 2, j) - 8));
 }
 
-static void deq_q4_1(const uint8_t *b, float *dst) {  /* d, m, qs[16]: q d + m */
+static inline __attribute__((always_inline)) void deq_q4_1(const uint8_t *b, float *dst) {  /* d, m, qs[16]: q d + m */
   vf d = vsplat(load_f16(b)), m = vsplat(load_f16(b + 2));
   for (int j = 0; j < 32; j += LANES) store(dst + j, mul_add_2r(d, to_f(nibbles(b + 4, j)), m));
 }
 
-static void deq_q5_0(const uint8_t *b, float *dst) {  /* d, qh (bit j: weight j), qs[16] */
+static inline __attribute__((always_inline)) void deq_q5_0(const uint8_t *b, float *dst) {  /* d, qh (bit j: weight j), qs[16] */
   vf d = vsplat(load_f16(b));
   uint32_t qh;
   memcpy(&qh, b + 2, sizeof qh);
@@ -120,7 +147,7 @@ static void deq_q5_0(const uint8_t *b, float *dst) {  /* d, qh (bit j: weight j)
   }
 }
 
-static void deq_q8_0(const uint8_t *b, float *dst) {  /* d, int8 qs[32]: q d */
+static inline __attribute__((always_inline)) void deq_q8_0(const uint8_t *b, float *dst) {  /* d, int8 qs[32]: q d */
   vf d = vsplat(load_f16(b));
   for (int j = 0; j < 32; j += LANES) store(dst + j, to_f(load_i8(b + 2 + j)) * d);
 }
@@ -138,7 +165,7 @@ static inline void scale_min_k4(const uint8_t *q, int s, float *sc, float *mn) {
 
 /* Q4_K: d, dmin, scales[12], qs[128]; 8 sub-blocks of 32, sub-block s in the low (even s)
  * or high nibbles of qs[32 (s / 2) ..]: q (d sc_s) - dmin m_s. */
-static void deq_q4_k(const uint8_t *b, float *dst) {
+static inline __attribute__((always_inline)) void deq_q4_k(const uint8_t *b, float *dst) {
   float d = load_f16(b), dmin = load_f16(b + 2), sc, mn;
   for (int s = 0; s < 8; s++) {
     scale_min_k4(b + 4, s, &sc, &mn);
@@ -153,7 +180,7 @@ static void deq_q4_k(const uint8_t *b, float *dst) {
 
 /* Q5_K: d, dmin, scales[12], qh[32] (bit s of qh[l]: the fifth bit of weight l of
  * sub-block s), qs[128] as Q4_K's. */
-static void deq_q5_k(const uint8_t *b, float *dst) {
+static inline __attribute__((always_inline)) void deq_q5_k(const uint8_t *b, float *dst) {
   float d = load_f16(b), dmin = load_f16(b + 2), sc, mn;
   for (int s = 0; s < 8; s++) {
     scale_min_k4(b + 4, s, &sc, &mn);
@@ -170,7 +197,7 @@ static void deq_q5_k(const uint8_t *b, float *dst) {
 /* Q6_K: ql[128], qh[64], int8 scales[16], d. Two halves of 128; in half h, weight w =
  * 32 g + l takes its low 4 bits from ql[64 h + w % 64] (low nibble when w < 64) and its high
  * 2 from qh[32 h + l] >> 2 g; scale 8 h + w / 16: (d sc) (q - 32). */
-static void deq_q6_k(const uint8_t *b, float *dst) {
+static inline __attribute__((always_inline)) void deq_q6_k(const uint8_t *b, float *dst) {
   float d = load_f16(b + 208);
   const int8_t *scales = (const int8_t *)(b + 192);
   for (int h = 0; h < 2; h++) {
@@ -199,7 +226,7 @@ static void deq_f16_row(const uint8_t *src, long K, float *dst) {
 static void deq_bf16_row(const uint8_t *src, long K, float *dst) {  /* the high 16 bits */
   long k = 0;
   for (; k + LANES <= K; k += LANES) {
-    vi bits = __builtin_convertvector(*(const u16v *)(src + 2 * k), vi) << 16;
+    vi bits = load_u16(src + 2 * k) << 16;
     store(dst + k, (vf)bits);
   }
   for (; k < K; k++) {
@@ -208,37 +235,40 @@ static void deq_bf16_row(const uint8_t *src, long K, float *dst) {  /* the high 
   }
 }
 
-typedef void (*block_fn)(const uint8_t *, float *);
-
 /* Weights per block and bytes per block of a type this file reads; 0 for any other. */
-static void type_shape(int type, long *per_block, long *bytes, block_fn *fn) {
-  *fn = NULL;
+static void type_shape(int type, long *per_block, long *bytes) {
   switch (type) {
     case PLAIT_GGML_F16: case PLAIT_GGML_BF16: *per_block = 1; *bytes = 2; return;
-    case PLAIT_GGML_Q4_0: *per_block = 32; *bytes = 18; *fn = deq_q4_0; return;
-    case PLAIT_GGML_Q4_1: *per_block = 32; *bytes = 20; *fn = deq_q4_1; return;
-    case PLAIT_GGML_Q5_0: *per_block = 32; *bytes = 22; *fn = deq_q5_0; return;
-    case PLAIT_GGML_Q8_0: *per_block = 32; *bytes = 34; *fn = deq_q8_0; return;
-    case PLAIT_GGML_Q4_K: *per_block = 256; *bytes = 144; *fn = deq_q4_k; return;
-    case PLAIT_GGML_Q5_K: *per_block = 256; *bytes = 176; *fn = deq_q5_k; return;
-    case PLAIT_GGML_Q6_K: *per_block = 256; *bytes = 210; *fn = deq_q6_k; return;
+    case PLAIT_GGML_Q4_0: *per_block = 32; *bytes = 18; return;
+    case PLAIT_GGML_Q4_1: *per_block = 32; *bytes = 20; return;
+    case PLAIT_GGML_Q5_0: *per_block = 32; *bytes = 22; return;
+    case PLAIT_GGML_Q8_0: *per_block = 32; *bytes = 34; return;
+    case PLAIT_GGML_Q4_K: *per_block = 256; *bytes = 144; return;
+    case PLAIT_GGML_Q5_K: *per_block = 256; *bytes = 176; return;
+    case PLAIT_GGML_Q6_K: *per_block = 256; *bytes = 210; return;
     default: *per_block = 0; *bytes = 0; return;
   }
 }
 
-/* Row `row` of part p (K weights) into dst [K] float32. */
+/* Row `row` of part p (K weights) into dst [K] float32: a loop per type, so that each
+ * block's code is inlined into it. */
 static void dequant_row(const part_t *p, long row, long K, float *dst) {
   const uint8_t *src = p->data + row * p->row_bytes;
-  long per_block, bytes;
-  block_fn fn;
-  type_shape(p->type, &per_block, &bytes, &fn);
-  if (fn) {
-    for (long b = 0; b < K / per_block; b++) fn(src + b * bytes, dst + b * per_block);
-  } else if (p->type == PLAIT_GGML_F16) {
-    deq_f16_row(src, K, dst);
-  } else {
-    deq_bf16_row(src, K, dst);
+#define BLOCKS(fn, per_block, bytes) \
+  for (long b = 0; b < K / (per_block); b++) fn(src + b * (bytes), dst + b * (per_block)); \
+  return;
+  switch (p->type) {
+    case PLAIT_GGML_Q4_0: BLOCKS(deq_q4_0, 32, 18)
+    case PLAIT_GGML_Q4_1: BLOCKS(deq_q4_1, 32, 20)
+    case PLAIT_GGML_Q5_0: BLOCKS(deq_q5_0, 32, 22)
+    case PLAIT_GGML_Q8_0: BLOCKS(deq_q8_0, 32, 34)
+    case PLAIT_GGML_Q4_K: BLOCKS(deq_q4_k, 256, 144)
+    case PLAIT_GGML_Q5_K: BLOCKS(deq_q5_k, 256, 176)
+    case PLAIT_GGML_Q6_K: BLOCKS(deq_q6_k, 256, 210)
+    case PLAIT_GGML_F16: deq_f16_row(src, K, dst); return;
+    default: deq_bf16_row(src, K, dst); return;
   }
+#undef BLOCKS
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -259,8 +289,7 @@ static int read_desc(const int64_t *desc, long K, part_t *parts, int *num_parts,
     p->rows = desc[3 + 3 * i];
     p->first = *N;
     long per_block, bytes;
-    block_fn fn;
-    type_shape(p->type, &per_block, &bytes, &fn);
+    type_shape(p->type, &per_block, &bytes);
     if (p->type == PLAIT_GGML_F32 && *num_parts == 1) {
       per_block = 1;
       bytes = 4;
@@ -285,7 +314,7 @@ static void unpack_panel_row(const float *panels, long n, long K, float *dst) {
 }
 
 /* ------------------------------------------------------------------------------------ */
-/* GEMM                                                                                  */
+/* Dot products with dequantized rows                                                    */
 /* ------------------------------------------------------------------------------------ */
 
 /* y[r * ldy] = x[r] . w + b for the R rows of a tile (R a constant once inlined: the
@@ -325,16 +354,105 @@ static void dot_rows(int R, const float *x, long ldx, const float *w, long K, fl
   }
 }
 
+/* ------------------------------------------------------------------------------------ */
+/* Fused rows: a decode step's few x rows against Q8_0 / Q4_1 blocks in registers        */
+/*                                                                                       */
+/* Per block of 32 and row r, t = sum_j x_j q_j as a vector (the quants converted to     */
+/* float, never scaled), then acc_r += d t: one FMA by the scale per block instead of a  */
+/* multiply per weight. Q4_1's min m adds m sum_j x_j, from the x block sums xsum.       */
+/* ------------------------------------------------------------------------------------ */
+
+#define FUSED_ROWS 8
+
+static inline __attribute__((always_inline)) vf dot_block(const float *x, const vf *q) {
+  vf t = *(const vf *)x * q[0];
+  for (int j = 1; j < 32 / LANES; j++) t += *(const vf *)(x + j * LANES) * q[j];
+  return t;
+}
+
+static inline __attribute__((always_inline)) void fused_tile(
+    int R, int type, const float *x, long ldx, const uint8_t *w, long nb, const float *xsum,
+    long xs_stride, float *y, long ldy, float bias) {
+  vf acc[FUSED_ROWS], q[32 / LANES];
+  float macc[FUSED_ROWS];
+  for (int r = 0; r < R; r++) acc[r] = (vf){0}, macc[r] = 0.0f;
+  for (long b = 0; b < nb; b++) {
+    const float *xb = x + b * 32;
+    if (type == PLAIT_GGML_Q8_0) {
+      const uint8_t *blk = w + b * 34;
+      vf d = vsplat(load_f16(blk));
+      for (int j = 0; j < 32 / LANES; j++) q[j] = to_f(load_i8(blk + 2 + j * LANES));
+      _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
+        acc[r] += d * dot_block(xb + r * ldx, q);
+    } else { /* Q4_1 */
+      const uint8_t *blk = w + b * 20;
+      vf d = vsplat(load_f16(blk));
+      float m = load_f16(blk + 2);
+      for (int j = 0; j < 32 / LANES; j++) q[j] = to_f(nibbles(blk + 4, j * LANES));
+      _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+        acc[r] += d * dot_block(xb + r * ldx, q);
+        macc[r] += m * xsum[r * xs_stride + b];
+      }
+    }
+  }
+  for (int r = 0; r < R; r++) y[r * ldy] = hsum(acc[r]) + macc[r] + bias;
+}
+
+/* y[m * ldy] = x[m] . row + bias for every m < M, when the row's type has a fused kernel;
+ * returns 0 (nothing done) for the other types. */
+static int fused_row(int type, const float *x, long M, long ldx, const uint8_t *row, long K,
+                     const float *xsum, float *y, long ldy, float bias) {
+  if (type != PLAIT_GGML_Q8_0 && type != PLAIT_GGML_Q4_1) return 0;
+  long nb = K / 32;
+  for (long m = 0; m < M; m += FUSED_ROWS) {
+    int R = (int)(M - m < FUSED_ROWS ? M - m : FUSED_ROWS);
+    const float *xm = x + m * ldx, *xs = xsum + m * nb;
+    float *ym = y + m * ldy;
+#define CASE(n)                                                                            \
+  case n:                                                                                  \
+    if (type == PLAIT_GGML_Q8_0)                                                           \
+      fused_tile(n, PLAIT_GGML_Q8_0, xm, ldx, row, nb, xs, nb, ym, ldy, bias);            \
+    else                                                                                   \
+      fused_tile(n, PLAIT_GGML_Q4_1, xm, ldx, row, nb, xs, nb, ym, ldy, bias);            \
+    break;
+    switch (R) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
+#undef CASE
+  }
+  return 1;
+}
+
+/* xsum[m, b] = the sum of x[m]'s block b of 32 (Q4_1's min term). */
+static void block_sums(const float *x, long M, long ldx, long K, float *xsum) {
+  long nb = K / 32;
+  for (long m = 0; m < M; m++)
+    for (long b = 0; b < nb; b++) {
+      vf t = *(const vf *)(x + m * ldx + 32 * b);
+      for (int j = 1; j < 32 / LANES; j++) t += *(const vf *)(x + m * ldx + 32 * b + j * LANES);
+      xsum[m * nb + b] = hsum(t);
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* GEMM                                                                                  */
+/* ------------------------------------------------------------------------------------ */
+
 /* y[M, N] = x[M, K] @ W^T + bias for W of quantized parts (see the top of the file). Each
- * thread owns chunks of `rows` weight rows: it dequantizes them into buf [rows, K], then
- * takes every tile of x against them. */
+ * thread owns chunks of `rows` weight rows. A chunk of one row of a fused type (xsum given:
+ * M <= PLAIT_NATIVE_MAX_ROWS) runs fused_row; the others are dequantized into buf [rows, K],
+ * then every tile of x is taken against them. */
 static void qgemm_rows(const float *x, long M, long ldx, const part_t *parts, int num_parts,
-                       long N, long K, long rows, const float *bias, float *y, long ldy,
-                       float *buf) {
+                       long N, long K, long rows, const float *xsum, const float *bias,
+                       float *y, long ldy, float *buf) {
   long chunks = (N + rows - 1) / rows;
 #pragma omp for schedule(static)
   for (long c = 0; c < chunks; c++) {
     long n0 = c * rows, nr = N - n0 < rows ? N - n0 : rows;
+    if (xsum && nr == 1) {
+      const part_t *p = part_of(parts, num_parts, n0);
+      if (fused_row(p->type, x, M, ldx, p->data + (n0 - p->first) * p->row_bytes, K, xsum,
+                    y + n0, ldy, bias ? bias[n0] : 0.0f))
+        continue;
+    }
     for (long i = 0; i < nr; i++) {
       const part_t *p = part_of(parts, num_parts, n0 + i);
       dequant_row(p, n0 + i - p->first, K, buf + i * K);
@@ -358,7 +476,12 @@ int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
   if (parts[0].type == PLAIT_GGML_F32)
     return plait_gemm(x, M, ldx, (const float *)parts[0].data, N, K, bias, y, ldy);
   if (M == 0 || N == 0) return PLAIT_OK;
-  long rows = M <= RMAX ? 1 : ROWS_PER_CHUNK;
+  /* few rows: one weight row per chunk, fused where the type has it (K % 32 == 0 then) */
+  int few = M <= PLAIT_NATIVE_MAX_ROWS && K % 32 == 0;
+  long rows = few ? 1 : ROWS_PER_CHUNK;
+  float *xsum = few ? malloc(sizeof(float) * (size_t)(M * (K / 32))) : NULL;
+  if (few && !xsum) return PLAIT_ERR_NOMEM;
+  if (xsum) block_sums(x, M, ldx, K, xsum);
 #pragma omp parallel
   {
     float *buf = malloc(sizeof(float) * (size_t)(rows * K));
@@ -367,9 +490,11 @@ int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
       rc = PLAIT_ERR_NOMEM;
     }
 #pragma omp barrier
-    if (rc == PLAIT_OK) qgemm_rows(x, M, ldx, parts, num_parts, N, K, rows, bias, y, ldy, buf);
+    if (rc == PLAIT_OK)
+      qgemm_rows(x, M, ldx, parts, num_parts, N, K, rows, xsum, bias, y, ldy, buf);
     free(buf);
   }
+  free(xsum);
   return rc;
 }
 
