@@ -1,4 +1,5 @@
-/* GEMM and dequantization straight from a GGUF file's GGML blocks (see vec.h, quant.py).
+/* GEMM and dequantization straight from a GGUF file's GGML blocks (see vec.h, quant.h,
+ * quant.py).
  *
  * A weight W [N, K] is the parts of an int64 descriptor (plait_cpu.h), each `rows` rows in
  * one GGML type; a GGML row is K / QK blocks, independent of the other rows:
@@ -8,26 +9,24 @@
  *   part 0 rows 0 .. rows_0-1        | blk | blk | ... |   (row_bytes = K / QK * block bytes)
  *   part 1 rows rows_0 .. +rows_1-1  | blk | blk | ... |
  *
- * plait_qgemm dequantizes a weight row (or a few, when x has many rows) into a float32
- * buffer that stays in L1, then takes its dot products with a tile of x rows, R <= RMAX
- * accumulator vectors in registers: the weights stream once from memory in their compact
- * form, the activations stay float32 (no activation quantization). The type PLAIT_GGML_F32
- * means float32 panels as plait_gemm packs them and goes to plait_gemm itself (the same
- * bits as calling it).
+ * plait_qgemm, for a decode step's few x rows: each weight row's 32-weight groups are
+ * decoded into registers (quant.h) and multiplied into R <= FUSED_ROWS accumulators, one per
+ * x row: the weights stream once from memory in their compact form, the activations stay
+ * float32 (no activation quantization). For many x rows: a chunk of weight rows is decoded
+ * into a float32 buffer once, then every tile of RMAX x rows is taken against it. The type
+ * PLAIT_GGML_F32 means float32 panels as plait_gemm packs them and goes to plait_gemm
+ * itself (the same bits as calling it).
  *
- * Each block is dequantized with gguf-py's float32 operations in gguf-py's order (the
- * tests' reference, quant.dequantize_reference), so plait_dequantize matches it bit for bit.
+ * plait_dequantize stores the same decoders' vectors: gguf-py's dequantizer, bit for bit.
  */
 #include "plait_cpu.h"
-#include "vec.h"
+#include "quant.h"
 
-/* Weight rows dequantized together when x has more rows than a tile: each row's floats are
- * then read once per tile of x from L2, not dequantized again. */
+/* Weight rows decoded together when x has more rows than the fused tiles take: each row's
+ * floats are then read once per tile of x from L2, not decoded again. */
 #define ROWS_PER_CHUNK 32
-
-typedef uint8_t u8v __attribute__((vector_size(LANES), aligned(1)));
-typedef int8_t i8v __attribute__((vector_size(LANES), aligned(1)));
-typedef uint16_t u16v __attribute__((vector_size(2 * LANES), aligned(2)));
+/* The most x rows one fused pass over a weight row serves (accumulators in registers). */
+#define FUSED_ROWS 8
 
 typedef struct {
   const uint8_t *data;
@@ -36,180 +35,8 @@ typedef struct {
 } part_t;
 
 /* ------------------------------------------------------------------------------------ */
-/* Scalars and vectors                                                                   */
+/* Rows -> float32                                                                       */
 /* ------------------------------------------------------------------------------------ */
-
-static inline float f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | man << 13;  /* inf, nan */
-  } else if (exp) {
-    bits = sign | (exp + 112) << 23 | man << 13;
-  } else if (man) {  /* subnormal: normalize */
-    int shift = __builtin_clz(man) - 21;
-    bits = sign | (uint32_t)(113 - shift) << 23 | ((man << shift) & 0x3ff) << 13;
-  } else {
-    bits = sign;
-  }
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-#endif
-}
-
-static inline float load_f16(const uint8_t *p) {
-  uint16_t h;
-  memcpy(&h, p, sizeof h);
-  return f16_to_f32(h);
-}
-
-/* LANES bytes widened to int32 lanes: one vpmovzx / vpmovsx (GCC 12 lowers the generic
- * __builtin_convertvector of bytes through several narrower steps). */
-static inline vi load_u8(const uint8_t *p) {
-#if LANES == 16
-  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif LANES == 8
-  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-#else
-  return __builtin_convertvector(*(const u8v *)p, vi);
-#endif
-}
-
-static inline vi load_i8(const uint8_t *p) {
-#if LANES == 16
-  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif LANES == 8
-  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
-#else
-  return __builtin_convertvector(*(const i8v *)p, vi);
-#endif
-}
-
-static inline vi load_u16(const uint8_t *p) {
-#if LANES == 16
-  return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-#elif LANES == 8
-  return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-#else
-  return __builtin_convertvector(*(const u16v *)p, vi);
-#endif
-}
-static inline vf to_f(vi q) { return __builtin_convertvector(q, vf); }
-static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-static inline vi iota(void) {
-  vi v;
-  for (int i = 0; i < LANES; i++) v[i] = i;
-  return v;
-}
-
-/* a * b + c rounded twice, as numpy computes it: the empty asm hides the product from the
- * compiler, which would otherwise fuse it into one FMA (one rounding, other bits). */
-static inline vf mul_add_2r(vf a, vf b, vf c) {
-  vf p = a * b;
-  __asm__("" : "+v"(p));
-  return p + c;
-}
-
-/* ------------------------------------------------------------------------------------ */
-/* Blocks -> float32                                                                     */
-/*                                                                                       */
-/* The 32-weight types store weight j < 16 in the low nibble of qs[j], weight 16 + j in  */
-/* its high nibble; a chunk of LANES weights c*LANES.. reads qs[(c*LANES) % 16 ..].      */
-/* ------------------------------------------------------------------------------------ */
-
-static inline vi nibbles(const uint8_t *qs, int first) {  /* weights first..first+LANES-1 */
-  vi q = load_u8(qs + first % 16);
-  return first < 16 ? q & 15 : q >> 4;
-}
-
-static inline __attribute__((always_inline)) void deq_q4_0(const uint8_t *b, float *dst) {  /* d, qs[16]: (q - 8) d */
-  vf d = vsplat(load_f16(b));
-  for (int j = 0; j < 32; j += LANES) store(dst + j, d * to_f(nibbles(b + 2, j) - 8));
-}
-
-static inline __attribute__((always_inline)) void deq_q4_1(const uint8_t *b, float *dst) {  /* d, m, qs[16]: q d + m */
-  vf d = vsplat(load_f16(b)), m = vsplat(load_f16(b + 2));
-  for (int j = 0; j < 32; j += LANES) store(dst + j, mul_add_2r(d, to_f(nibbles(b + 4, j)), m));
-}
-
-static inline __attribute__((always_inline)) void deq_q5_0(const uint8_t *b, float *dst) {  /* d, qh (bit j: weight j), qs[16] */
-  vf d = vsplat(load_f16(b));
-  uint32_t qh;
-  memcpy(&qh, b + 2, sizeof qh);
-  vi high = (vi){0} + (int32_t)qh;
-  for (int j = 0; j < 32; j += LANES) {
-    vi hb = (high >> (iota() + j)) & 1;
-    store(dst + j, d * to_f((nibbles(b + 6, j) | hb << 4) - 16));
-  }
-}
-
-static inline __attribute__((always_inline)) void deq_q8_0(const uint8_t *b, float *dst) {  /* d, int8 qs[32]: q d */
-  vf d = vsplat(load_f16(b));
-  for (int j = 0; j < 32; j += LANES) store(dst + j, to_f(load_i8(b + 2 + j)) * d);
-}
-
-/* The 6-bit scale and min of sub-block s of a Q4_K / Q5_K block's 12 scale bytes. */
-static inline void scale_min_k4(const uint8_t *q, int s, float *sc, float *mn) {
-  if (s < 4) {
-    *sc = (float)(q[s] & 63);
-    *mn = (float)(q[s + 4] & 63);
-  } else {
-    *sc = (float)((q[s + 4] & 0xf) | (q[s - 4] >> 6) << 4);
-    *mn = (float)((q[s + 4] >> 4) | (q[s] >> 6) << 4);
-  }
-}
-
-/* Q4_K: d, dmin, scales[12], qs[128]; 8 sub-blocks of 32, sub-block s in the low (even s)
- * or high nibbles of qs[32 (s / 2) ..]: q (d sc_s) - dmin m_s. */
-static inline __attribute__((always_inline)) void deq_q4_k(const uint8_t *b, float *dst) {
-  float d = load_f16(b), dmin = load_f16(b + 2), sc, mn;
-  for (int s = 0; s < 8; s++) {
-    scale_min_k4(b + 4, s, &sc, &mn);
-    vf ds = vsplat(d * sc), dm = vsplat(-(dmin * mn));
-    const uint8_t *qs = b + 16 + 32 * (s / 2);
-    for (int j = 0; j < 32; j += LANES) {
-      vi q = load_u8(qs + j);
-      store(dst + 32 * s + j, mul_add_2r(ds, to_f(s & 1 ? q >> 4 : q & 15), dm));
-    }
-  }
-}
-
-/* Q5_K: d, dmin, scales[12], qh[32] (bit s of qh[l]: the fifth bit of weight l of
- * sub-block s), qs[128] as Q4_K's. */
-static inline __attribute__((always_inline)) void deq_q5_k(const uint8_t *b, float *dst) {
-  float d = load_f16(b), dmin = load_f16(b + 2), sc, mn;
-  for (int s = 0; s < 8; s++) {
-    scale_min_k4(b + 4, s, &sc, &mn);
-    vf ds = vsplat(d * sc), dm = vsplat(-(dmin * mn));
-    const uint8_t *qs = b + 48 + 32 * (s / 2);
-    for (int j = 0; j < 32; j += LANES) {
-      vi q = load_u8(qs + j), hb = (load_u8(b + 16 + j) >> s) & 1;
-      q = (s & 1 ? q >> 4 : q & 15) | hb << 4;
-      store(dst + 32 * s + j, mul_add_2r(ds, to_f(q), dm));
-    }
-  }
-}
-
-/* Q6_K: ql[128], qh[64], int8 scales[16], d. Two halves of 128; in half h, weight w =
- * 32 g + l takes its low 4 bits from ql[64 h + w % 64] (low nibble when w < 64) and its high
- * 2 from qh[32 h + l] >> 2 g; scale 8 h + w / 16: (d sc) (q - 32). */
-static inline __attribute__((always_inline)) void deq_q6_k(const uint8_t *b, float *dst) {
-  float d = load_f16(b + 208);
-  const int8_t *scales = (const int8_t *)(b + 192);
-  for (int h = 0; h < 2; h++) {
-    for (int w = 0; w < 128; w += LANES) {
-      int g = w / 32, l = w % 32;
-      vi lo = load_u8(b + 64 * h + w % 64), hi = (load_u8(b + 128 + 32 * h + l) >> 2 * g) & 3;
-      vi q = (w < 64 ? lo & 15 : lo >> 4) | hi << 4;
-      vf ds = vsplat(d * (float)scales[8 * h + w / 16]);
-      store(dst + 128 * h + w, ds * to_f(q - 32));
-    }
-  }
-}
 
 static void deq_f16_row(const uint8_t *src, long K, float *dst) {
   long k = 0;
@@ -227,11 +54,37 @@ static void deq_bf16_row(const uint8_t *src, long K, float *dst) {  /* the high 
   long k = 0;
   for (; k + LANES <= K; k += LANES) {
     vi bits = load_u16(src + 2 * k) << 16;
-    store(dst + k, (vf)bits);
+    memcpy(dst + k, &bits, sizeof bits);
   }
   for (; k < K; k++) {
     uint32_t bits = (uint32_t)(src[2 * k] | src[2 * k + 1] << 8) << 16;
     memcpy(dst + k, &bits, sizeof bits);
+  }
+}
+
+/* Row `row` of part p (K weights) into dst [K] float32: a loop per type, so that each
+ * group's decoder is inlined into it; F16 / BF16 rows of K % 32 != 0 element by element. */
+static void dequant_row(const part_t *p, long row, long K, float *dst) {
+  const uint8_t *src = p->data + row * p->row_bytes;
+  if (K % 32) {
+    if (p->type == PLAIT_GGML_F16)
+      deq_f16_row(src, K, dst);
+    else
+      deq_bf16_row(src, K, dst);
+    return;
+  }
+  vf w[32 / LANES];
+  switch (p->type) {
+#define ROWS(type)                                                   \
+  case type:                                                         \
+    for (long g = 0; g < K / 32; g++) {                              \
+      decode_group(type, src, g, w);                                 \
+      for (int j = 0; j < 32 / LANES; j++) store(dst + 32 * g + j * LANES, w[j]); \
+    }                                                                \
+    return;
+    FOR_EACH_TYPE(ROWS)
+#undef ROWS
+    default: return;
   }
 }
 
@@ -248,27 +101,6 @@ static void type_shape(int type, long *per_block, long *bytes) {
     case PLAIT_GGML_Q6_K: *per_block = 256; *bytes = 210; return;
     default: *per_block = 0; *bytes = 0; return;
   }
-}
-
-/* Row `row` of part p (K weights) into dst [K] float32: a loop per type, so that each
- * block's code is inlined into it. */
-static void dequant_row(const part_t *p, long row, long K, float *dst) {
-  const uint8_t *src = p->data + row * p->row_bytes;
-#define BLOCKS(fn, per_block, bytes) \
-  for (long b = 0; b < K / (per_block); b++) fn(src + b * (bytes), dst + b * (per_block)); \
-  return;
-  switch (p->type) {
-    case PLAIT_GGML_Q4_0: BLOCKS(deq_q4_0, 32, 18)
-    case PLAIT_GGML_Q4_1: BLOCKS(deq_q4_1, 32, 20)
-    case PLAIT_GGML_Q5_0: BLOCKS(deq_q5_0, 32, 22)
-    case PLAIT_GGML_Q8_0: BLOCKS(deq_q8_0, 32, 34)
-    case PLAIT_GGML_Q4_K: BLOCKS(deq_q4_k, 256, 144)
-    case PLAIT_GGML_Q5_K: BLOCKS(deq_q5_k, 256, 176)
-    case PLAIT_GGML_Q6_K: BLOCKS(deq_q6_k, 256, 210)
-    case PLAIT_GGML_F16: deq_f16_row(src, K, dst); return;
-    default: deq_bf16_row(src, K, dst); return;
-  }
-#undef BLOCKS
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -319,9 +151,8 @@ static void unpack_panel_row(const float *panels, long n, long K, float *dst) {
 
 /* y[r * ldy] = x[r] . w + b for the R rows of a tile (R a constant once inlined: the
  * accumulators live in registers). */
-static inline __attribute__((always_inline)) void dot_tile(int R, const float *x, long ldx,
-                                                           const float *w, long K, float *y,
-                                                           long ldy, float b) {
+ALWAYS_INLINE void dot_tile(int R, const float *x, long ldx, const float *w, long K, float *y,
+                            long ldy, float b) {
   vf acc[RMAX];
   for (int r = 0; r < R; r++) acc[r] = (vf){0};
   long k = 0;
@@ -355,81 +186,71 @@ static void dot_rows(int R, const float *x, long ldx, const float *w, long K, fl
 }
 
 /* ------------------------------------------------------------------------------------ */
-/* Fused rows: a decode step's few x rows against Q8_0 / Q4_1 blocks in registers        */
-/*                                                                                       */
-/* Per block of 32 and row r, t = sum_j x_j q_j as a vector (the quants converted to     */
-/* float, never scaled), then acc_r += d t: one FMA by the scale per block instead of a  */
-/* multiply per weight. Q4_1's min m adds m sum_j x_j, from the x block sums xsum.       */
+/* Fused rows: a decode step's few x rows against a weight row decoded in registers      */
 /* ------------------------------------------------------------------------------------ */
 
-#define FUSED_ROWS 8
-
-static inline __attribute__((always_inline)) vf dot_block(const float *x, const vf *q) {
-  vf t = *(const vf *)x * q[0];
-  for (int j = 1; j < 32 / LANES; j++) t += *(const vf *)(x + j * LANES) * q[j];
-  return t;
+/* y[r * ldy] = x[r] . row + bias for the R (constant once inlined) rows of a tile: per group
+ * of 32 weights, decoded once, one FMA per vector and x row. */
+ALWAYS_INLINE void fused_tile(int R, int type, const float *x, long ldx, const uint8_t *row,
+                              long K, float *y, long ldy, float bias) {
+  vf acc[FUSED_ROWS], w[32 / LANES];
+  for (int r = 0; r < R; r++) acc[r] = (vf){0};
+  for (long g = 0; g < K / 32; g++) {
+    decode_group(type, row, g, w);
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
+      for (int j = 0; j < 32 / LANES; j++)
+        acc[r] += *(const vf *)(x + r * ldx + 32 * g + j * LANES) * w[j];
+  }
+  for (int r = 0; r < R; r++) y[r * ldy] = hsum(acc[r]) + bias;
 }
 
-static inline __attribute__((always_inline)) void fused_tile(
-    int R, int type, const float *x, long ldx, const uint8_t *w, long nb, const float *xsum,
-    long xs_stride, float *y, long ldy, float bias) {
-  vf acc[FUSED_ROWS], q[32 / LANES];
-  float macc[FUSED_ROWS];
-  for (int r = 0; r < R; r++) acc[r] = (vf){0}, macc[r] = 0.0f;
-  for (long b = 0; b < nb; b++) {
-    const float *xb = x + b * 32;
-    if (type == PLAIT_GGML_Q8_0) {
-      const uint8_t *blk = w + b * 34;
-      vf d = vsplat(load_f16(blk));
-      for (int j = 0; j < 32 / LANES; j++) q[j] = to_f(load_i8(blk + 2 + j * LANES));
-      _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
-        acc[r] += d * dot_block(xb + r * ldx, q);
-    } else { /* Q4_1 */
-      const uint8_t *blk = w + b * 20;
-      vf d = vsplat(load_f16(blk));
-      float m = load_f16(blk + 2);
-      for (int j = 0; j < 32 / LANES; j++) q[j] = to_f(nibbles(blk + 4, j * LANES));
-      _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
-        acc[r] += d * dot_block(xb + r * ldx, q);
-        macc[r] += m * xsum[r * xs_stride + b];
-      }
+/* y = x . row + bias for one x row and a 32-weight block type, factored (quants_32):
+ * sum_g d_g (x_g . q_g) + m_g xsum_g, xsum_g the sum of x's group g. */
+ALWAYS_INLINE float factored_dot(int type, const float *x, const uint8_t *row, long K,
+                                 const float *xsum) {
+  vf acc = (vf){0}, q[32 / LANES];
+  float macc = 0.0f, m;
+  for (long g = 0; g < K / 32; g++) {
+    float d = quants_32(type, row, g, q, &m);
+    vf t = *(const vf *)(x + 32 * g) * q[0];
+    for (int j = 1; j < 32 / LANES; j++) t += *(const vf *)(x + 32 * g + j * LANES) * q[j];
+    acc += vsplat(d) * t;
+    if (type == PLAIT_GGML_Q4_1) macc += m * xsum[g];
+  }
+  return hsum(acc) + macc;
+}
+
+/* y[m * ldy] = x[m] . row + bias for every m < M (K % 32 == 0), tiles of FUSED_ROWS; one x
+ * row of a 32-weight block type factored (xsum [K / 32]: that row's group sums). */
+static void fused_row(int type, const float *x, long M, long ldx, const uint8_t *row, long K,
+                      const float *xsum, float *y, long ldy, float bias) {
+  if (M == 1) {
+    switch (type) {
+#define ONE(t) \
+  case t: *y = factored_dot(t, x, row, K, xsum) + bias; return;
+      ONE(PLAIT_GGML_Q4_0) ONE(PLAIT_GGML_Q4_1) ONE(PLAIT_GGML_Q5_0) ONE(PLAIT_GGML_Q8_0)
+#undef ONE
+      default: break;
     }
   }
-  for (int r = 0; r < R; r++) y[r * ldy] = hsum(acc[r]) + macc[r] + bias;
-}
-
-/* y[m * ldy] = x[m] . row + bias for every m < M, when the row's type has a fused kernel;
- * returns 0 (nothing done) for the other types. */
-static int fused_row(int type, const float *x, long M, long ldx, const uint8_t *row, long K,
-                     const float *xsum, float *y, long ldy, float bias) {
-  if (type != PLAIT_GGML_Q8_0 && type != PLAIT_GGML_Q4_1) return 0;
-  long nb = K / 32;
   for (long m = 0; m < M; m += FUSED_ROWS) {
     int R = (int)(M - m < FUSED_ROWS ? M - m : FUSED_ROWS);
-    const float *xm = x + m * ldx, *xs = xsum + m * nb;
+    const float *xm = x + m * ldx;
     float *ym = y + m * ldy;
-#define CASE(n)                                                                            \
-  case n:                                                                                  \
-    if (type == PLAIT_GGML_Q8_0)                                                           \
-      fused_tile(n, PLAIT_GGML_Q8_0, xm, ldx, row, nb, xs, nb, ym, ldy, bias);            \
-    else                                                                                   \
-      fused_tile(n, PLAIT_GGML_Q4_1, xm, ldx, row, nb, xs, nb, ym, ldy, bias);            \
+    switch (type) {
+#define TILE(n, t) \
+  case n: fused_tile(n, t, xm, ldx, row, K, ym, ldy, bias); break;
+#define TYPE(t)                                                                   \
+  case t:                                                                         \
+    switch (R) { TILE(1, t) TILE(2, t) TILE(3, t) TILE(4, t) TILE(5, t) TILE(6, t) \
+                 TILE(7, t) TILE(8, t) }                                           \
     break;
-    switch (R) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
-#undef CASE
-  }
-  return 1;
-}
-
-/* xsum[m, b] = the sum of x[m]'s block b of 32 (Q4_1's min term). */
-static void block_sums(const float *x, long M, long ldx, long K, float *xsum) {
-  long nb = K / 32;
-  for (long m = 0; m < M; m++)
-    for (long b = 0; b < nb; b++) {
-      vf t = *(const vf *)(x + m * ldx + 32 * b);
-      for (int j = 1; j < 32 / LANES; j++) t += *(const vf *)(x + m * ldx + 32 * b + j * LANES);
-      xsum[m * nb + b] = hsum(t);
+      FOR_EACH_TYPE(TYPE)
+#undef TYPE
+#undef TILE
+      default: break;
     }
+  }
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -437,21 +258,21 @@ static void block_sums(const float *x, long M, long ldx, long K, float *xsum) {
 /* ------------------------------------------------------------------------------------ */
 
 /* y[M, N] = x[M, K] @ W^T + bias for W of quantized parts (see the top of the file). Each
- * thread owns chunks of `rows` weight rows. A chunk of one row of a fused type (xsum given:
- * M <= PLAIT_NATIVE_MAX_ROWS) runs fused_row; the others are dequantized into buf [rows, K],
- * then every tile of x is taken against them. */
+ * thread owns chunks of `rows` weight rows: one row (fused: M <= PLAIT_NATIVE_MAX_ROWS and
+ * K % 32 == 0) through fused_row, else `rows` rows decoded into buf [rows, K], then every
+ * tile of x taken against them. */
 static void qgemm_rows(const float *x, long M, long ldx, const part_t *parts, int num_parts,
-                       long N, long K, long rows, const float *xsum, const float *bias,
-                       float *y, long ldy, float *buf) {
+                       long N, long K, long rows, int fused, const float *xsum,
+                       const float *bias, float *y, long ldy, float *buf) {
   long chunks = (N + rows - 1) / rows;
 #pragma omp for schedule(static)
   for (long c = 0; c < chunks; c++) {
     long n0 = c * rows, nr = N - n0 < rows ? N - n0 : rows;
-    if (xsum && nr == 1) {
+    if (fused) {
       const part_t *p = part_of(parts, num_parts, n0);
-      if (fused_row(p->type, x, M, ldx, p->data + (n0 - p->first) * p->row_bytes, K, xsum,
-                    y + n0, ldy, bias ? bias[n0] : 0.0f))
-        continue;
+      fused_row(p->type, x, M, ldx, p->data + (n0 - p->first) * p->row_bytes, K, xsum,
+                y + n0, ldy, bias ? bias[n0] : 0.0f);
+      continue;
     }
     for (long i = 0; i < nr; i++) {
       const part_t *p = part_of(parts, num_parts, n0 + i);
@@ -476,25 +297,27 @@ int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
   if (parts[0].type == PLAIT_GGML_F32)
     return plait_gemm(x, M, ldx, (const float *)parts[0].data, N, K, bias, y, ldy);
   if (M == 0 || N == 0) return PLAIT_OK;
-  /* few rows: one weight row per chunk, fused where the type has it (K % 32 == 0 then) */
-  int few = M <= PLAIT_NATIVE_MAX_ROWS && K % 32 == 0;
-  long rows = few ? 1 : ROWS_PER_CHUNK;
-  float *xsum = few ? malloc(sizeof(float) * (size_t)(M * (K / 32))) : NULL;
-  if (few && !xsum) return PLAIT_ERR_NOMEM;
-  if (xsum) block_sums(x, M, ldx, K, xsum);
+  int fused = M <= PLAIT_NATIVE_MAX_ROWS && K % 32 == 0;
+  long rows = fused ? 1 : ROWS_PER_CHUNK;
+  /* one x row: its group sums for Q4_1's min (a few hundred floats on the stack) */
+  float xsum[M == 1 && fused ? K / 32 : 1];
+  for (long g = 0; M == 1 && fused && g < K / 32; g++) {
+    vf t = *(const vf *)(x + 32 * g);
+    for (int j = 1; j < 32 / LANES; j++) t += *(const vf *)(x + 32 * g + j * LANES);
+    xsum[g] = hsum(t);
+  }
 #pragma omp parallel
   {
-    float *buf = malloc(sizeof(float) * (size_t)(rows * K));
-    if (!buf) {
+    float *buf = fused ? NULL : malloc(sizeof(float) * (size_t)(rows * K));
+    if (!fused && !buf) {
 #pragma omp atomic write
       rc = PLAIT_ERR_NOMEM;
     }
 #pragma omp barrier
     if (rc == PLAIT_OK)
-      qgemm_rows(x, M, ldx, parts, num_parts, N, K, rows, xsum, bias, y, ldy, buf);
+      qgemm_rows(x, M, ldx, parts, num_parts, N, K, rows, fused, xsum, bias, y, ldy, buf);
     free(buf);
   }
-  free(xsum);
   return rc;
 }
 
