@@ -6,16 +6,20 @@ wherever that loop would not be native."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from engine_helpers import prompt
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 from model_helpers import PagedHarness, load_model
 from tiny_model import make_tiny_model
 
 from plait.engine.models.linear import NATIVE_MAX_ROWS
 from plait.engine.models.llama import LlamaForCausalLM
-from plait.kernels.cpu import build
+from plait.kernels.cpu import build, quant
+from plait.kernels.cpu.native import STACK_POINTERS
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="native kernels unavailable")
 
@@ -117,3 +121,47 @@ def test_not_planned_where_the_loop_is_not_all_native(tmp_path, default_model) -
     # the native kernels off: the torch ops table, which runs no whole stack
     torch_ops = _model(tmp_path / "torch", default_model, "llama", native=False)
     assert torch_ops.ops.name == "torch" and torch_ops.ops.stack_rows == 0
+
+
+def test_quantized_descriptors_through_the_stack(tmp_path, default_model) -> None:
+    """decoder.c with Q8_0 / Q4_1 / Q5_0 weight descriptors (plait_qgemm) against the same
+    stack over float32 panels of those weights' exact dequantization: the same numbers up
+    to float32 summation order, in the hidden states and in the K/V written."""
+    model = _model(tmp_path, default_model, "qwen2")  # q|k|v with a bias
+    types = (quant.Q8_0, quant.Q4_1, quant.Q5_0, quant.Q8_0)  # qkv, o, gate_up, down
+    weights = []
+    for layer in model.layers:
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                   layer.mlp.down_proj)
+        for lin, ggml_type in zip(linears, types, strict=True):
+            blocks = quantize(lin.weight.detach().numpy(), GGMLQuantizationType(ggml_type))
+            part = quant.QuantPart(torch.from_numpy(blocks), ggml_type, lin.out_features)
+            weight = quant.QuantWeight.build([part], lin.in_features)
+            with torch.no_grad():  # the float weights become exactly the quantized ones
+                lin.weight.copy_(quant.dequantize_reference(weight))
+            lin.prepack()
+            weights.append(weight)
+    harness = _prefilled(model)
+    seqs = _sequences()
+    ids, positions, meta = harness.step([(t, len(t) - 1, table) for t, table in seqs])
+    kv_float, kv_quant = copy.deepcopy(harness.kv), copy.deepcopy(harness.kv)
+    floats = harness.forward(model, ids, positions, meta, kv_float)
+    model.bind(kv_quant)
+    stack = model.stack
+    assert stack is not None
+    layers = stack.layers.clone()
+    columns = [STACK_POINTERS.index(n) for n in ("qkv_weight", "o_weight", "gate_up_weight",
+                                                 "down_weight")]
+    for i, weight in enumerate(weights):
+        layers[i // 4, columns[i % 4]] = weight.desc.data_ptr()
+    model.stack = dataclasses.replace(stack, layers=layers, tensors=(*stack.tensors, *(
+        t for w in weights for t in (w.desc, *(p.data for p in w.parts)))))
+    planned = model.ops.plan(meta, positions)
+    assert planned.whole_stack
+    with torch.inference_mode():
+        quantized = model(ids, positions, planned)
+    assert torch.allclose(quantized, floats, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(quantized, floats)  # the blocks were read: another summation order
+    for (k, v), (k_ref, v_ref) in zip(kv_quant, kv_float, strict=True):
+        assert torch.allclose(k, k_ref, rtol=1e-4, atol=1e-4)
+        assert torch.allclose(v, v_ref, rtol=1e-4, atol=1e-4)
