@@ -4,22 +4,26 @@ transformers on the same file; `--weights float32` as before; the options' check
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
 import gguf
 import pytest
 import torch
-from model_helpers import load_model
+from model_helpers import PagedHarness, cpu_ops, load_model
 
 from plait import LLM, SamplingParams
 from plait.cli import build_parser, engine_config
 from plait.engine import model_loader
 from plait.engine.config import EngineConfig
 from plait.engine.core import eos_token_ids
+from plait.engine.gguf_weights import load_gguf_weights
 from plait.engine.model_loader import default_gguf_path, resolve_model
 from plait.engine.model_runner import ModelRunner
 from plait.engine.models.linear import NATIVE_MAX_ROWS, QuantEmbedding, QuantLinear
+from plait.engine.models.llama import LlamaForCausalLM
+from plait.kernels.cpu import build
 from plait.kernels.cpu.quant import dequantize_reference, type_name
 
 PROMPTS = ["The capital of France is",
@@ -223,3 +227,24 @@ def test_bad_option_values_are_rejected() -> None:
         .parse_args(["serve"])
     config = engine_config(args)
     assert (config.weights, config.compute_dtype) == ("float32", "bfloat16")
+
+
+def test_kept_decode_runs_the_native_stack_as_the_layer_loop(default_model, tokenizer) -> None:
+    """A decode step of the kept model: the whole-stack native call (its projections read
+    as `QuantWeight` descriptors) gives the layer loop's hidden states and caches."""
+    if not build.available():
+        pytest.skip("no native kernels here")
+    model = LlamaForCausalLM(default_model.config, 512, cpu_ops(default_model.config, 4))
+    load_gguf_weights(model, default_gguf_path())
+    harness = PagedHarness(model.config, num_blocks=32, block_size=4)
+    seqs = [(tokenizer.encode(p), [4 * i + b for b in range(8)]) for i, p in enumerate(PROMPTS)]
+    harness.run(model, [(ids[:-1], 0, table) for ids, table in seqs])
+    ids, positions, meta = harness.step([(ids, len(ids) - 1, table) for ids, table in seqs])
+    kv_stack, kv_loop = copy.deepcopy(harness.kv), copy.deepcopy(harness.kv)
+    stacked = harness.forward(model, ids, positions, meta, kv_stack)
+    assert model.stack is not None and meta.whole_stack
+    looped = harness.forward(model, ids, positions, meta, kv_loop, whole_stack=False)
+    torch.testing.assert_close(stacked, looped, atol=1e-5, rtol=1e-5)
+    for (k, v), (k_ref, v_ref) in zip(kv_stack, kv_loop, strict=True):
+        torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=0)

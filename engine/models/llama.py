@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from plait.engine.model_config import ModelConfig
-from plait.engine.models.linear import Linear, PanelLinear
+from plait.engine.models import quant_ops
+from plait.engine.models.linear import Linear, PanelLinear, QuantLinear
 from plait.engine.models.rope import rope_cos_sin
 from plait.kernels import AttentionMetadata, TorchOps
 from plait.kernels.cpu import native
@@ -173,7 +174,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _native_stack(self) -> native.NativeStack | None:
         """The layers' addresses for `native.decoder_stack`, or None when a layer does not
-        fit it (every projection in native panels, no bias but q|k|v's, float32 dense)."""
+        fit it (every projection in native panels or kept in a format the native kernels
+        take, no bias but q|k|v's, float32 dense)."""
         cfg = self.config
 
         def dense(t: torch.Tensor | None) -> bool:
@@ -184,22 +186,23 @@ class LlamaForCausalLM(nn.Module):
         for layer, (k, v) in zip(self.layers, self.kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(lin, PanelLinear) for lin in linears):
+            weights = [_stack_weight(lin) for lin in linears]
+            if any(w is None for w in weights):
                 return None
-            panels = [lin.panels for lin in linears]
             bias = attn.qkv_proj.bias
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if not all(dense(t) for t in (*panels, *norms, k, v)) \
+            if not all(dense(t) for t in (*norms, k, v)) \
                     or any(lin.bias is not None for lin in linears[1:]) \
                     or (bias is not None and not dense(bias)):
                 return None
-            descs = [native.panels_desc(lin.panels, lin.out_features) for lin in linears]
+            descs = [w[0] for w in weights]  # type: ignore[index]
             named = {"input_norm": norms[0], "qkv_weight": descs[0], "qkv_bias": bias,
                      "o_weight": descs[1], "post_norm": norms[1], "gate_up_weight": descs[2],
                      "down_weight": descs[3], "k_cache": k, "v_cache": v}
             rows.append([0 if named[n] is None else named[n].data_ptr()
                          for n in native.STACK_POINTERS])
-            tensors += [*panels, *(t for t in named.values() if t is not None)]
+            tensors += [t for w in weights for t in w[1]]  # type: ignore[union-attr]
+            tensors += [t for t in named.values() if t is not None]
         if not dense(self.norm.weight) or not dense(self.cos_sin):
             return None
         shape = native.StackShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
@@ -208,3 +211,13 @@ class LlamaForCausalLM(nn.Module):
             torch.tensor(rows, dtype=torch.int64), shape, self.norm.weight.detach(),
             self.cos_sin, self.kv_caches[0][0].shape[1], self.layers[0].self_attn.scale,
             tuple(tensors))
+
+
+def _stack_weight(linear: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """A projection's weight descriptor for the native stack and the tensors it points
+    into, or None when the stack cannot take it."""
+    if isinstance(linear, PanelLinear) and linear.panels.is_contiguous():
+        return native.panels_desc(linear.panels, linear.out_features), [linear.panels]
+    if isinstance(linear, QuantLinear) and quant_ops.runs_native(linear.qweight):
+        return linear.qweight.desc, [part.data for part in linear.qweight.parts]
+    return None

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from plait.kernels.cpu import native
-from plait.kernels.cpu.quant import KEPT_TYPES, QuantWeight, dequantize_reference, type_name
+from plait.kernels.cpu.quant import KEPT_TYPES, QuantWeight, dequantize_reference
 
 logger = logging.getLogger("plait.engine")
 
@@ -32,7 +32,8 @@ def native_types() -> frozenset[int]:
     return frozenset(getattr(native, "QUANT_TYPES", KEPT_TYPES))
 
 
-def _native(weight: QuantWeight) -> bool:
+def runs_native(weight: QuantWeight) -> bool:
+    """Whether the native kernels take every part of `weight`."""
     types = native_types()
     return all(p.ggml_type in types for p in weight.parts)
 
@@ -55,7 +56,7 @@ def qgemm(x: torch.Tensor, weight: QuantWeight,  # x: [M, K] float32
           bias: torch.Tensor | None, cache: dict | None = None,
           ) -> torch.Tensor:  # [M, N] float32 dense
     """x @ W^T + bias."""
-    if _native(weight):
+    if runs_native(weight):
         return native.qgemm(x, weight, bias)
     out = torch.mm(x, _dense(weight, cache).t())
     return out if bias is None else out.add_(bias)
@@ -64,7 +65,7 @@ def qgemm(x: torch.Tensor, weight: QuantWeight,  # x: [M, K] float32
 def dequantize(weight: QuantWeight, rows: torch.Tensor | None = None,  # rows: [R] int64
                cache: dict | None = None) -> torch.Tensor:
     """W's rows `rows` (all rows when None) in float32: [R, K]."""
-    if _native(weight):
+    if runs_native(weight):
         return native.dequantize(weight, rows)
     if rows is None:
         return _dense(weight, cache)
@@ -80,9 +81,9 @@ def dequantize(weight: QuantWeight, rows: torch.Tensor | None = None,  # rows: [
 def dequantize_bf16(weight: QuantWeight,
                     cache: dict | None = None) -> torch.Tensor:  # [N, K] bfloat16
     """W in bfloat16 (the native kernel's own when there is one)."""
-    if _native(weight) and hasattr(native, "dequantize_bf16"):
+    if runs_native(weight) and hasattr(native, "dequantize_bf16"):
         return native.dequantize_bf16(weight)
     return dequantize(weight, None, cache).to(torch.bfloat16)
 
 
-__all__ = ["dequantize", "dequantize_bf16", "native_types", "qgemm", "type_name"]
+__all__ = ["dequantize", "dequantize_bf16", "native_types", "qgemm", "runs_native"]
