@@ -112,10 +112,11 @@ class ModelRunner:
             model = LlamaForCausalLM(resolved.config, max_pos, self.ops)
         keep = config.weights == "auto" and self.device.type == "cpu" \
             and self.dtype == torch.float32
+        compute_dtype = _DTYPES[config.compute_dtype]
         if keep and resolved.gguf is not None:
-            load_gguf_weights(model, resolved.gguf, _DTYPES[config.compute_dtype])
+            load_gguf_weights(model, resolved.gguf, compute_dtype)
         else:
-            load_weights(model, ensure_float32_weights(resolved))
+            load_weights(model, ensure_float32_weights(resolved), keep, compute_dtype)
         model = model.to(self.dtype)
         if self.device.type == "cpu":
             chosen = convert_linears(model, self.ops.cpu_gemm, panels=self.ops.native)

@@ -1,4 +1,10 @@
-"""Load Hugging Face safetensors weights into Plait's fused Llama modules."""
+"""Load Hugging Face safetensors weights into Plait's fused Llama modules.
+
+With `keep`, a projection or embedding whose tensors the checkpoint stores in bf16 (or f16)
+stays so: a one-part BF16 (F16) `QuantWeight` of the raw bytes (lossless; the native
+kernels widen it), in a `QuantLinear` / `QuantEmbedding`. Everything else, and every weight
+without `keep`, is copied into the model's float parameters.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,12 @@ import torch
 from safetensors import safe_open
 
 from plait.engine.model_config import ModelLoadError
+from plait.engine.models.linear import Linear, QuantEmbedding, QuantLinear
 from plait.engine.models.llama import LlamaForCausalLM
+from plait.kernels.cpu.quant import BF16, F16, QuantPart, QuantWeight
+
+# checkpoint dtypes kept as they are with `keep`: their GGML type
+_KEPT_DTYPES = {torch.bfloat16: BF16, torch.float16: F16}
 
 # HF name fragments that Plait stores fused: target -> (sources in concatenation order)
 _FUSED = {
@@ -34,9 +45,14 @@ def _plait_name(hf_name: str) -> str:
     return hf_name.removeprefix("model.")
 
 
-def load_weights(model: LlamaForCausalLM, path: Path) -> None:
-    """Copy every parameter from the checkpoint; a missing one is a `ModelLoadError`."""
+def load_weights(model: LlamaForCausalLM, path: Path, keep: bool = False,
+                 compute_dtype: torch.dtype = torch.float32) -> None:
+    """Copy every parameter from the checkpoint (with `keep`, bf16/f16 projections and
+    embeddings kept as they are: the module docstring); a missing one is a
+    `ModelLoadError`."""
     hf = {_plait_name(k): v for k, v in _read_all(path).items()}
+    if keep:
+        _keep_half(model, hf, compute_dtype)
     params = dict(model.named_parameters())
     for name, param in params.items():
         tensor = _lookup(hf, name)
@@ -59,3 +75,34 @@ def _lookup(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
                 return None
             return torch.cat(parts, dim=0)  # type: ignore[arg-type]
     return hf.get(name)
+
+
+def _keep_half(model: LlamaForCausalLM, hf: dict[str, torch.Tensor],
+               compute_dtype: torch.dtype) -> None:
+    """Swap each Linear / the embedding whose checkpoint tensor is bf16 or f16 for its kept
+    module over the raw bytes; the LM head of a tied model shares the embedding's."""
+    embedding = hf.get("embed_tokens.weight")
+    if embedding is not None and embedding.dtype in _KEPT_DTYPES:
+        model.embed_tokens = QuantEmbedding(_half_weight(embedding))
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is not Linear:
+                continue
+            full = next(n for n, m in model.named_modules() if m is child)
+            weight = _lookup(hf, f"{full}.weight")
+            if full == "lm_head" and weight is None and \
+                    isinstance(model.embed_tokens, QuantEmbedding):
+                setattr(module, name, QuantLinear(model.embed_tokens.qweight,
+                                                  compute_dtype=compute_dtype))
+            elif weight is not None and weight.dtype in _KEPT_DTYPES:
+                bias = _lookup(hf, f"{full}.bias") if child.bias is not None else None
+                if child.bias is not None and bias is None:
+                    raise ModelLoadError(f"checkpoint lacks weight {full + '.bias'!r}")
+                setattr(module, name, QuantLinear(_half_weight(weight), bias, compute_dtype))
+
+
+def _half_weight(tensor: torch.Tensor) -> QuantWeight:  # tensor: [N, K] bf16 or f16
+    """A one-part QuantWeight over the tensor's bytes (a GGML bf16/f16 row is K halves)."""
+    data = tensor.contiguous().view(torch.uint8)  # [N, 2 K]
+    return QuantWeight.build([QuantPart(data, _KEPT_DTYPES[tensor.dtype], tensor.shape[0])],
+                             tensor.shape[1])

@@ -12,6 +12,7 @@ import gguf
 import pytest
 import torch
 from model_helpers import PagedHarness, cpu_ops, load_model
+from tiny_model import make_tiny_model
 
 from plait import LLM, SamplingParams
 from plait.cli import build_parser, engine_config
@@ -19,10 +20,18 @@ from plait.engine import model_loader
 from plait.engine.config import EngineConfig
 from plait.engine.core import eos_token_ids
 from plait.engine.gguf_weights import load_gguf_weights
+from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import default_gguf_path, resolve_model
 from plait.engine.model_runner import ModelRunner
-from plait.engine.models.linear import NATIVE_MAX_ROWS, QuantEmbedding, QuantLinear
+from plait.engine.models.linear import (
+    NATIVE_MAX_ROWS,
+    QuantEmbedding,
+    QuantLinear,
+    convert_linears,
+    weight_bytes,
+)
 from plait.engine.models.llama import LlamaForCausalLM
+from plait.engine.weights import load_weights
 from plait.kernels.cpu import build
 from plait.kernels.cpu.quant import dequantize_reference, type_name
 
@@ -248,3 +257,31 @@ def test_kept_decode_runs_the_native_stack_as_the_layer_loop(default_model, toke
     for (k, v), (k_ref, v_ref) in zip(kv_stack, kv_loop, strict=True):
         torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=0)
         torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # tied head; untied + q|k|v bias
+def test_bf16_checkpoint_kept_as_bf16(tmp_path, default_model, model_type) -> None:
+    """A bf16 safetensors checkpoint keeps its projections and embedding as raw bf16 (half
+    the float32 bytes) and computes what the float32 upcast computes."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_model(tmp_path / "f32", default_model.path, model_type)
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file({n: t.to(torch.bfloat16) for n, t in tensors.items()},
+              str(path / "model.safetensors"))
+    cfg = ModelConfig.from_dir(path)
+    kept = LlamaForCausalLM(cfg, 512, cpu_ops(cfg, 4))
+    load_weights(kept, path, keep=True)
+    dense = load_model(path, 512)
+    linears = [m for m in kept.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 4 * cfg.num_layers + 1
+    assert {m.qweight.describe() for m in linears} == {"BF16"}
+    assert isinstance(kept.embed_tokens, QuantEmbedding)
+    assert (kept.lm_head.qweight is kept.embed_tokens.qweight) == cfg.tie_word_embeddings
+    assert sum(weight_bytes(kept)) < 0.55 * sum(p.numel() * 4 for p in dense.parameters())
+    ids = list(range(100, 100 + NATIVE_MAX_ROWS + 11))
+    table = list(range(16))
+    for model in (kept, dense):
+        convert_linears(model, model.ops.cpu_gemm, panels=model.ops.native)
+    got, want = (PagedHarness(cfg, 32).run(m, [(ids, 0, table)])[0] for m in (kept, dense))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
