@@ -88,6 +88,36 @@ def test_dequantize_of_gguf_quantized_floats(ggml_type: int) -> None:
     assert torch.equal(native.dequantize(weight), quant.dequantize_reference(weight))
 
 
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=quant.type_name)
+def test_dequantize_to_bfloat16_rounds_the_float32_rows(ggml_type: int) -> None:
+    weight = _weight((ggml_type,), (13,))
+    ref = quant.dequantize_reference(weight).to(torch.bfloat16)
+    got = native.dequantize(weight, dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16),
+                                                       ref.view(torch.int16))
+    rows = torch.tensor([12, 0, 3])
+    assert torch.equal(native.dequantize(weight, rows, torch.bfloat16).view(torch.int16),
+                       ref[rows].view(torch.int16))
+
+
+def test_bfloat16_rounding_ties_and_nan() -> None:
+    """Round to nearest even on exact ties, and a NaN stays a NaN (F16 rows hold any bits)."""
+    # 1 + 2^-8 and 1 + 3 2^-8: ties between bfloat16 neighbours (to 1 and 1 + 2^-6, the
+    # even ones); 1 + 5 2^-10, 1 + 3 2^-10: above, below a half; nan, -inf, the least
+    # subnormal, -0
+    halves = np.array([[0x3C04, 0x3C0C, 0x3C05, 0x3C03, 0x7E00, 0xFC00, 0x0001, 0x8000]],
+                      dtype=np.uint16)
+    part = QuantPart(torch.from_numpy(halves.view(np.uint8).copy()), quant.F16, 1)
+    weight = QuantWeight.build([part], 8)
+    ref = quant.dequantize_reference(weight)
+    got = native.dequantize(weight, dtype=torch.bfloat16)
+    assert torch.isnan(got[0, 4]) and torch.isnan(ref[0, 4])
+    assert got[0, :2].tolist() == [1.0, 1.015625]
+    keep = [0, 1, 2, 3, 5, 6, 7]
+    assert torch.equal(got[:, keep].view(torch.int16),
+                       ref[:, keep].to(torch.bfloat16).view(torch.int16))
+
+
 def test_dequantize_rows_across_parts() -> None:
     weight = _weight((quant.Q5_0, quant.Q5_0, quant.Q8_0), (8, 8, 4))
     ref = quant.dequantize_reference(weight)

@@ -130,19 +130,23 @@ def qgemm(
 def dequantize(
     weight: QuantWeight,  # W [N, K] in GGML blocks
     rows: torch.Tensor | None = None,  # [R] integer row ids in [0, N); None: all N rows
-) -> torch.Tensor:  # [R, K] float32 (R = N without rows)
+    dtype: torch.dtype = torch.float32,  # or torch.bfloat16
+) -> torch.Tensor:  # [R, K] (R = N without rows)
     """Rows of W in float32, the same bits as `quant.dequantize_reference` (the embedding
-    lookup takes token ids as rows)."""
+    lookup takes token ids as rows); in bfloat16, those values rounded to nearest even (the
+    bits of `.to(torch.bfloat16)` of the float32 rows)."""
     lib = loaded()
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dequantize: dtype {dtype} (float32 or bfloat16)")
     if rows is not None:
         rows = rows.reshape(-1).to(torch.int64).contiguous()
     num_rows = weight.out_features if rows is None else rows.shape[0]
-    out = torch.empty(num_rows, weight.in_features, dtype=torch.float32)
+    out = torch.empty(num_rows, weight.in_features, dtype=dtype)
     if num_rows == 0:
         return out
-    _check(lib.plait_dequantize(weight.desc.data_ptr(), weight.in_features,
-                                None if rows is None else rows.data_ptr(), num_rows,
-                                out.data_ptr()),
+    kernel = lib.plait_dequantize if dtype == torch.float32 else lib.plait_dequantize_bf16
+    _check(kernel(weight.desc.data_ptr(), weight.in_features,
+                  None if rows is None else rows.data_ptr(), num_rows, out.data_ptr()),
            "dequantize", f" ({weight.describe()}, rows in [0, {weight.out_features}))")
     return out
 
@@ -377,7 +381,8 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
             and head_dim % lanes() == 0 and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK)
 
 
-__all__ = ["MAX_QUERIES", "STACK_POINTERS", "NativeStack", "StackShape", "add_rms_norm",
-           "available", "decode_attention", "decoder_stack", "dequantize", "gemm", "lanes",
-           "max_chunk_rows", "pack_weight", "panels_desc", "qgemm", "rope_fits",
-           "rope_write_kv", "rows_fit", "sample_inverse_cdf", "silu_mul", "supports_attention"]
+__all__ = ["F32_PANELS", "MAX_QUERIES", "STACK_POINTERS", "NativeStack", "StackShape",
+           "add_rms_norm", "available", "decode_attention", "decoder_stack", "dequantize",
+           "gemm", "lanes", "max_chunk_rows", "pack_weight", "panels_desc", "qgemm",
+           "rope_fits", "rope_write_kv", "rows_fit", "sample_inverse_cdf", "silu_mul",
+           "supports_attention"]

@@ -89,6 +89,11 @@ int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
 int plait_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_rows,
                      float *out);
 
+/* qgemm.c: plait_dequantize's values as bfloat16 bits (rounded to nearest even, as torch's
+ * .to(torch.bfloat16)), out[num_rows, K]. PLAIT_ERR_NOMEM. */
+int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long num_rows,
+                          uint16_t *out);
+
 /* attention.c: one query per sequence over its paged K/V, read in place; the sequences of
  * a chunk read their chunk_shared[c] common tokens once. Limits: PLAIT_MAX_HEAD_DIM,
  * PLAIT_MAX_BLOCK, chunk rows x (H / H_kv) <= PLAIT_MAX_QUERIES, D a multiple of lanes

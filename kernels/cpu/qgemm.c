@@ -325,24 +325,71 @@ int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
 /* Dequantization                                                                        */
 /* ------------------------------------------------------------------------------------ */
 
-int plait_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_rows,
-                     float *out) {
-  part_t parts[PLAIT_MAX_PARTS];
-  int num_parts;
+/* desc's parts, or PLAIT_ERR_SHAPES for a descriptor or a row plait_dequantize refuses. */
+static int read_rows(const int64_t *desc, long K, const int64_t *rows, long num_rows,
+                     part_t *parts, int *num_parts) {
   long N;
-  if (read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK || num_rows < 0 ||
+  if (read_desc(desc, K, parts, num_parts, &N) != PLAIT_OK || num_rows < 0 ||
       (!rows && num_rows != N))
     return PLAIT_ERR_SHAPES;
   for (long i = 0; rows && i < num_rows; i++)
     if (rows[i] < 0 || rows[i] >= N) return PLAIT_ERR_SHAPES;
-#pragma omp parallel for schedule(static) if (num_rows * K > 65536)
-  for (long i = 0; i < num_rows; i++) {
-    long n = rows ? rows[i] : i;
-    const part_t *p = part_of(parts, num_parts, n);
-    if (p->type == PLAIT_GGML_F32)
-      unpack_panel_row((const float *)p->data, n, K, out + i * K);
-    else
-      dequant_row(p, n - p->first, K, out + i * K);
-  }
   return PLAIT_OK;
+}
+
+static void row_to_f32(const part_t *parts, int num_parts, long n, long K, float *dst) {
+  const part_t *p = part_of(parts, num_parts, n);
+  if (p->type == PLAIT_GGML_F32)
+    unpack_panel_row((const float *)p->data, n, K, dst);
+  else
+    dequant_row(p, n - p->first, K, dst);
+}
+
+int plait_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_rows,
+                     float *out) {
+  part_t parts[PLAIT_MAX_PARTS];
+  int num_parts;
+  if (read_rows(desc, K, rows, num_rows, parts, &num_parts) != PLAIT_OK)
+    return PLAIT_ERR_SHAPES;
+#pragma omp parallel for schedule(static) if (num_rows * K > 65536)
+  for (long i = 0; i < num_rows; i++)
+    row_to_f32(parts, num_parts, rows ? rows[i] : i, K, out + i * K);
+  return PLAIT_OK;
+}
+
+/* float32 -> bfloat16, rounded to nearest even (torch's .to(torch.bfloat16)); a NaN stays a
+ * quiet NaN. */
+static void to_bf16(const float *src, long K, uint16_t *dst) {
+  for (long k = 0; k < K; k++) {
+    uint32_t b;
+    memcpy(&b, src + k, sizeof b);
+    dst[k] = (b & 0x7fffffff) > 0x7f800000 ? (uint16_t)(b >> 16 | 0x40)
+                                            : (uint16_t)((b + 0x7fff + (b >> 16 & 1)) >> 16);
+  }
+}
+
+int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long num_rows,
+                          uint16_t *out) {
+  part_t parts[PLAIT_MAX_PARTS];
+  int num_parts, rc = PLAIT_OK;
+  if (read_rows(desc, K, rows, num_rows, parts, &num_parts) != PLAIT_OK)
+    return PLAIT_ERR_SHAPES;
+#pragma omp parallel if (num_rows * K > 65536)
+  {
+    float *buf = malloc(sizeof(float) * (size_t)K);
+    if (!buf) {
+#pragma omp atomic write
+      rc = PLAIT_ERR_NOMEM;
+    }
+#pragma omp barrier
+    if (rc == PLAIT_OK) {
+#pragma omp for schedule(static)
+      for (long i = 0; i < num_rows; i++) {
+        row_to_f32(parts, num_parts, rows ? rows[i] : i, K, buf);
+        to_bf16(buf, K, out + i * K);
+      }
+    }
+    free(buf);
+  }
+  return rc;
 }
