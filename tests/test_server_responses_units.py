@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from responses_helpers import check_stream, parse_events
 from server_harness import InProcessServer, ScriptedCore, scripted_engine, wait_for
 
@@ -148,6 +150,13 @@ def _error(reply: httpx.Response, status: int) -> dict:
     ({"include": ["file_search_call.results"]}, "include.[0]"),
     ({"n": 2, "tools": [{"type": "function", "name": "f"}]}, "n"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.[0].type"),
+    ({"input": [{"type": ["message"]}]}, "input.[0].type"),
+    ({"input": [{"role": "user", "content": [["x"]]}]}, "input.[0].content.[0].type"),
+    ({"input": [{"role": "user", "content": "x", "extra": 1}]}, "input.[0].extra"),
+    ({"input": [{"role": "user", "content": None}]}, "input.[0].content"),
+    ({"input": []}, "input"),
+    ({"text": {"format": {"type": "text"}, "verbosity": "high"}}, "text.verbosity"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input.[0].content.[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input.[0].role"),
@@ -232,3 +241,26 @@ def test_engine_failure_mid_stream_is_an_error_event_then_failed(scripted) -> No
     assert [i["status"] for i in final["output"]] == ["incomplete"]
     assert final["output"][0]["content"][0]["text"] == " one two"
     assert "response.output_item.done" not in kinds
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=6),
+                     lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.sampled_from(["type", "role", "content", "text",
+                                                         "name", "call_id", "arguments",
+                                                         "output", "format", "schema"]),
+                                       inner, max_size=4), max_leaves=12)
+_fields = st.sampled_from(["input", "instructions", "tools", "tool_choice", "text", "include",
+                           "previous_response_id", "n", "store", "metadata", "top_logprobs",
+                           "max_output_tokens", "reasoning", "truncation"])
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(_fields, _json, max_size=4))
+def test_hostile_bodies_get_an_answer_or_an_envelope(scripted, body: dict) -> None:
+    """Never a 5xx: whatever the JSON, a response or a 4xx envelope."""
+    _, http = scripted
+    reply = _create(http, **{"max_output_tokens": 2, **body})
+    assert reply.status_code < 500, (body, reply.text)
+    if reply.status_code >= 400:
+        _error(reply, reply.status_code)

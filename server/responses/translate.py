@@ -76,7 +76,7 @@ def _message(role: str, content: list[Item], item_id: str | None = None) -> Item
 
 def _checked_item(item: dict[str, Any], i: int) -> Item:
     kind = item.get("type", "message")
-    if kind not in _ITEM_KEYS:
+    if not isinstance(kind, str) or kind not in _ITEM_KEYS:
         raise bad_request(f"Plait does not support input items of type {echo(kind)}: only "
                           "message, function_call and function_call_output items.",
                           f"input.[{i}].type", "unsupported_parameter")
