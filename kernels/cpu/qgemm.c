@@ -9,24 +9,23 @@
  *   part 0 rows 0 .. rows_0-1        | blk | blk | ... |   (row_bytes = K / QK * block bytes)
  *   part 1 rows rows_0 .. +rows_1-1  | blk | blk | ... |
  *
- * plait_qgemm, for a decode step's few x rows: each weight row's 32-weight groups are
- * decoded into registers (quant.h) and multiplied into R <= FUSED_ROWS accumulators, one per
- * x row: the weights stream once from memory in their compact form, the activations stay
- * float32 (no activation quantization). For many x rows: a chunk of weight rows is decoded
- * into a float32 buffer once, then every tile of RMAX x rows is taken against it. The type
- * PLAIT_GGML_F32 means float32 panels as plait_gemm packs them and goes to plait_gemm
- * itself (the same bits as calling it).
+ * plait_qgemm: each weight row's 32-weight groups are decoded into registers (quant.h) and
+ * multiplied into R <= FUSED_ROWS accumulators, one per x row of a tile: for a decode step's
+ * few rows the weights stream once from memory in their compact form; the activations stay
+ * float32 (no activation quantization). More rows than a tile: chunks of weight rows meet
+ * each tile in turn (read again from L2, decoded again). The type PLAIT_GGML_F32 means
+ * float32 panels as plait_gemm packs them and goes to plait_gemm itself (its bits).
  *
  * plait_dequantize stores the same decoders' vectors: gguf-py's dequantizer, bit for bit.
  */
 #include "plait_cpu.h"
 #include "quant.h"
 
-/* Weight rows decoded together when x has more rows than the fused tiles take: each row's
- * floats are then read once per tile of x from L2, not decoded again. */
+/* Weight rows per chunk when x has more rows than a tile (see qgemm_rows). */
 #define ROWS_PER_CHUNK 32
-/* The most x rows one fused pass over a weight row serves (accumulators in registers). */
-#define FUSED_ROWS 8
+/* The most x rows one fused pass over a weight row serves: accumulators in registers, and
+ * 12 rows of K = 576 (27 KiB) still in L1 (16 rows measured 1.5x slower per row). */
+#define FUSED_ROWS (RMAX < 12 ? RMAX : 12)
 
 typedef struct {
   const uint8_t *data;
@@ -197,7 +196,7 @@ ALWAYS_INLINE void fused_tile(int R, int type, const float *x, long ldx, const u
   for (int r = 0; r < R; r++) acc[r] = (vf){0};
   for (long g = 0; g < K / 32; g++) {
     decode_group(type, row, g, w);
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
       for (int j = 0; j < 32 / LANES; j++)
         acc[r] += *(const vf *)(x + r * ldx + 32 * g + j * LANES) * w[j];
   }
@@ -220,11 +219,12 @@ ALWAYS_INLINE float factored_dot(int type, const float *x, const uint8_t *row, l
   return hsum(acc) + macc;
 }
 
-/* y[m * ldy] = x[m] . row + bias for every m < M (K % 32 == 0), tiles of FUSED_ROWS; one x
- * row of a 32-weight block type factored (xsum [K / 32]: that row's group sums). */
-static void fused_row(int type, const float *x, long M, long ldx, const uint8_t *row, long K,
+/* y[r * ldy] = x[r] . row + bias for the R <= FUSED_ROWS rows of a tile (K % 32 == 0); a
+ * single x row of a 32-weight block type factored when its group sums are given (xsum
+ * [K / 32], else NULL). */
+static void fused_row(int type, const float *x, int R, long ldx, const uint8_t *row, long K,
                       const float *xsum, float *y, long ldy, float bias) {
-  if (M == 1) {
+  if (xsum) {
     switch (type) {
 #define ONE(t) \
   case t: *y = factored_dot(t, x, row, K, xsum) + bias; return;
@@ -233,23 +233,24 @@ static void fused_row(int type, const float *x, long M, long ldx, const uint8_t 
       default: break;
     }
   }
-  for (long m = 0; m < M; m += FUSED_ROWS) {
-    int R = (int)(M - m < FUSED_ROWS ? M - m : FUSED_ROWS);
-    const float *xm = x + m * ldx;
-    float *ym = y + m * ldy;
-    switch (type) {
+#if RMAX > 8
+#define MORE_TILES(t) TILE(9, t) TILE(10, t) TILE(11, t) TILE(12, t)
+#else
+#define MORE_TILES(t)
+#endif
+  switch (type) {
 #define TILE(n, t) \
-  case n: fused_tile(n, t, xm, ldx, row, K, ym, ldy, bias); break;
+  case n: fused_tile(n, t, x, ldx, row, K, y, ldy, bias); break;
 #define TYPE(t)                                                                   \
   case t:                                                                         \
     switch (R) { TILE(1, t) TILE(2, t) TILE(3, t) TILE(4, t) TILE(5, t) TILE(6, t) \
-                 TILE(7, t) TILE(8, t) }                                           \
+                 TILE(7, t) TILE(8, t) MORE_TILES(t) }                             \
     break;
-      FOR_EACH_TYPE(TYPE)
+    FOR_EACH_TYPE(TYPE)
 #undef TYPE
 #undef TILE
-      default: break;
-    }
+#undef MORE_TILES
+    default: break;
   }
 }
 
@@ -258,31 +259,37 @@ static void fused_row(int type, const float *x, long M, long ldx, const uint8_t 
 /* ------------------------------------------------------------------------------------ */
 
 /* y[M, N] = x[M, K] @ W^T + bias for W of quantized parts (see the top of the file). Each
- * thread owns chunks of `rows` weight rows: one row (fused: M <= PLAIT_NATIVE_MAX_ROWS and
- * K % 32 == 0) through fused_row, else `rows` rows decoded into buf [rows, K], then every
- * tile of x taken against them. */
+ * thread owns chunks of `rows` weight rows. Fused (K % 32 == 0, any M): for each tile of
+ * FUSED_ROWS x rows, every row of the chunk through fused_row, so the tile stays in L1 while
+ * the chunk's compact rows are read again from L2 (x's rows in the outer loop would stream
+ * all of x from L2 for every weight row: 1.5x slower at 16 rows). Else (F16 / BF16 rows of
+ * K % 32 != 0) the chunk's rows are decoded into buf [rows, K], then every tile of x taken
+ * against them. */
 static void qgemm_rows(const float *x, long M, long ldx, const part_t *parts, int num_parts,
                        long N, long K, long rows, int fused, const float *xsum,
                        const float *bias, float *y, long ldy, float *buf) {
   long chunks = (N + rows - 1) / rows;
+  int tile = fused ? FUSED_ROWS : RMAX;
 #pragma omp for schedule(static)
   for (long c = 0; c < chunks; c++) {
     long n0 = c * rows, nr = N - n0 < rows ? N - n0 : rows;
-    if (fused) {
-      const part_t *p = part_of(parts, num_parts, n0);
-      fused_row(p->type, x, M, ldx, p->data + (n0 - p->first) * p->row_bytes, K, xsum,
-                y + n0, ldy, bias ? bias[n0] : 0.0f);
-      continue;
-    }
-    for (long i = 0; i < nr; i++) {
+    for (long i = 0; !fused && i < nr; i++) {
       const part_t *p = part_of(parts, num_parts, n0 + i);
       dequant_row(p, n0 + i - p->first, K, buf + i * K);
     }
-    for (long m = 0; m < M; m += RMAX) {
-      int R = (int)(M - m < RMAX ? M - m : RMAX);
-      for (long i = 0; i < nr; i++)
-        dot_rows(R, x + m * ldx, ldx, buf + i * K, K, y + m * ldy + n0 + i, ldy,
-                 bias ? bias[n0 + i] : 0.0f);
+    for (long m = 0; m < M; m += tile) {
+      int R = (int)(M - m < tile ? M - m : tile);
+      for (long i = 0; i < nr; i++) {
+        long n = n0 + i;
+        float b = bias ? bias[n] : 0.0f, *yt = y + m * ldy + n;
+        if (fused) {
+          const part_t *p = part_of(parts, num_parts, n);
+          fused_row(p->type, x + m * ldx, R, ldx, p->data + (n - p->first) * p->row_bytes, K,
+                    xsum, yt, ldy, b);
+        } else {
+          dot_rows(R, x + m * ldx, ldx, buf + i * K, K, yt, ldy, b);
+        }
+      }
     }
   }
 }
@@ -297,8 +304,8 @@ int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
   if (parts[0].type == PLAIT_GGML_F32)
     return plait_gemm(x, M, ldx, (const float *)parts[0].data, N, K, bias, y, ldy);
   if (M == 0 || N == 0) return PLAIT_OK;
-  int fused = M <= PLAIT_NATIVE_MAX_ROWS && K % 32 == 0;
-  long rows = fused ? 1 : ROWS_PER_CHUNK;
+  int fused = K % 32 == 0;
+  long rows = fused && M <= FUSED_ROWS ? 1 : ROWS_PER_CHUNK;
   /* one x row: its group sums for Q4_1's min (a few hundred floats on the stack) */
   float xsum[M == 1 && fused ? K / 32 : 1];
   for (long g = 0; M == 1 && fused && g < K / 32; g++) {
@@ -315,7 +322,8 @@ int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
     }
 #pragma omp barrier
     if (rc == PLAIT_OK)
-      qgemm_rows(x, M, ldx, parts, num_parts, N, K, rows, fused, xsum, bias, y, ldy, buf);
+      qgemm_rows(x, M, ldx, parts, num_parts, N, K, rows, fused, M == 1 && fused ? xsum : NULL,
+                 bias, y, ldy, buf);
     free(buf);
   }
   return rc;
