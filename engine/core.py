@@ -93,7 +93,8 @@ class EngineCore:
             device=str(self.runner.device), dtype=str(self.runner.dtype).removeprefix("torch."),
             num_kv_blocks=self.runner.num_blocks, max_model_len=self.runner.max_model_len,
             vocab_size=resolved.config.vocab_size, eos_token_ids=eos,
-            model_name=resolved.name, block_size=config.block_size)
+            model_name=resolved.name, block_size=config.block_size,
+            weight_bytes=getattr(self.runner, "weight_bytes", 0))
         self.requests: dict[str, Request] = {}
         # Structured requests whose grammar is still being compiled (not yet scheduled).
         self.grammars = GrammarCompiler(self.tokenizer, eos_ids=eos)
@@ -348,4 +349,5 @@ class EngineCore:
             "shared_prompts_kept": len(self.scheduler.share.kept),
             "failed_steps": self.counters.failed_steps,
             "last_error": self.last_error,
+            "model_weight_bytes": self.info.weight_bytes,
         }
