@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import logging
 import math
+import mmap
 from typing import Any
 
 import torch
@@ -70,23 +71,28 @@ def _madvise_huge(address: int, length: int) -> bool:
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """`torch.zeros(shape, dtype=dtype)` on the CPU, starting on a 2 MiB boundary, with Linux
-    asked to back it with transparent huge pages before it is first touched (the setting
-    `madvise`, the usual default, gives them only to memory that asks). The decode attention
-    reads K/V blocks scattered over the pool, a TLB miss per 4 KiB page otherwise: 16
-    streams x 576 tokens, attention per step 24.6-31.3 -> 21.3-23.2 ms (BENCHMARKS.md).
-    Where the advice is refused, the same zeros on ordinary pages. A view of a buffer up to
-    2 MiB longer."""
+    """`torch.zeros(shape, dtype=dtype)` on the CPU, starting on a 2 MiB boundary, in a
+    private anonymous mapping of its own, with Linux asked to back it with transparent huge
+    pages before it is first touched (the setting `madvise`, the usual default, gives them
+    only to memory that asks). The decode attention reads K/V blocks scattered over the
+    pool, a TLB miss per 4 KiB page otherwise: 16 streams x 576 tokens, attention per step
+    24.6-31.3 -> 21.3-23.2 ms (BENCHMARKS.md). Where the advice is refused, ordinary pages.
+
+    The kernel hands out an anonymous mapping zeroed, so nothing writes it here: a page of
+    the cache becomes resident when K/V is first written to it, and the process's resident
+    memory grows with the blocks the engine has used, not with the pool's size. A view of a
+    mapping up to 2 MiB longer; the tensor keeps the mapping alive."""
     elem = torch.empty((), dtype=dtype).element_size()
-    numel = math.prod(shape)
-    buf = torch.empty(numel + HUGE_PAGE // elem, dtype=dtype)  # a fresh, untouched mapping
-    start = -(-buf.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    offset = (start - buf.data_ptr()) // elem
-    out = buf[offset:offset + numel].view(shape)
-    length = numel * elem // HUGE_PAGE * HUGE_PAGE
+    nbytes = math.prod(shape) * elem
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the mapping
+    start = -(-raw.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    offset = start - raw.data_ptr()
+    out = raw[offset:offset + nbytes].view(dtype).view(shape)
+    length = nbytes // HUGE_PAGE * HUGE_PAGE
     if length and not _madvise_huge(start, length):
         logger.info("transparent huge pages refused for the KV cache; ordinary pages")
-    return out.zero_()
+    return out
 
 
 def warm_sampler(sampler: Sampler, vocab_size: int, max_rows: int) -> int:

@@ -107,3 +107,27 @@ def test_zeros_on_huge_pages_asks_for_them_before_the_first_touch(monkeypatch) -
     monkeypatch.setattr(host_memory, "_madvise_huge", lambda address, length: False)
     small = host_memory.zeros_on_huge_pages((5, 7), torch.bfloat16)
     assert small.shape == (5, 7) and small.dtype == torch.bfloat16 and not small.any()
+
+
+def test_the_kv_cache_is_resident_only_where_written(tmp_path) -> None:
+    """1 GiB of cache costs nothing resident until written; writing 64 MiB of it makes
+    about that much resident (the engine's cache grows with the blocks it uses)."""
+    code = """
+import resource, torch
+from plait.engine.host_memory import zeros_on_huge_pages
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+before = rss_mib()
+kv = zeros_on_huge_pages((256, 1024, 1024), torch.float32)  # 1 GiB
+allocated = rss_mib()
+assert float(kv[255, 1023, 1023]) == 0.0
+kv[:16] = 1.0  # 64 MiB written
+written = rss_mib()
+print(round(allocated - before), round(written - before))
+"""
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    allocated, written = map(int, result.stdout.split())
+    assert allocated < 16  # MiB: the mapping is not touched
+    assert 60 <= written <= 80
