@@ -41,6 +41,8 @@ _GAUGES = {
     "kv_blocks_held_by_requests": ("kv_blocks_held_by_requests",
                                    "KV cache blocks referenced by live requests (0 at rest)."),
     "kv_blocks_total": ("kv_blocks_total", "KV cache blocks in the pool."),
+    "model_weight_bytes": ("model_weight_bytes", "Bytes the model's weights hold in memory "
+                           "(kept in the file's format, plus float copies)."),
 }
 _COUNTERS = {
     "prompt_tokens_computed": ("prompt_tokens_computed", "Prompt tokens run through the model."),

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_harness import MODEL, RemoteServer, shared_server, wait_for
 
 from plait.engine.config import EngineConfig
+from plait.engine.model_loader import default_gguf_path
 from plait.server.metrics import EngineIdentity, ServerMetrics
 
 LABELS = {"model_name": MODEL, "engine": "0"}
@@ -68,6 +69,14 @@ def test_protocol_names_types_and_labels(server: RemoteServer) -> None:
     for name in ("plait_num_requests_running", "plait_kv_cache_usage_perc",
                  "plait_prefix_cache_hits"):  # Plait's own names are still there
         assert name in families
+
+
+def test_weight_bytes_are_the_files_size(server: RemoteServer) -> None:
+    """The default model's weights stay in its GGUF's blocks (Q4_1, a Q8_0 embedding shared
+    by the head): what the gauge reports is the file's tensors, not a float32 inflation."""
+    weights = value(scrape(server), "plait_model_weight_bytes")
+    size = default_gguf_path().stat().st_size
+    assert 0.9 * size < weights <= 1.1 * size, (weights, size)
 
 
 def test_running_counts_sub_requests_and_everything_rests_at_zero(server) -> None:
