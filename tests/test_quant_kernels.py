@@ -217,6 +217,7 @@ def test_descriptors_the_kernels_cannot_read_are_refused() -> None:
         (_desc((addr, quant.Q4_1, 4), (addr, 0, 4)), K),  # F32 panels beside another part
         (_desc((addr, quant.Q4_1, -1)), K),
         (torch.tensor([0], dtype=torch.int64), K),  # no part
+        (_desc((0, quant.Q4_1, 4)), K),  # rows at address 0
     ]
     for desc, k in bad:
         assert lib.plait_qgemm(x.data_ptr(), 2, K, desc.data_ptr(), k, None, y.data_ptr(),

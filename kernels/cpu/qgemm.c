@@ -108,7 +108,8 @@ static void type_shape(int type, long *per_block, long *bytes) {
 
 /* desc's parts into parts[], their total rows into *N; PLAIT_ERR_SHAPES for a descriptor
  * this file cannot read with K (a type it does not know, K not a whole number of blocks,
- * F32 panels beside other parts, more than PLAIT_MAX_PARTS parts, negative rows). */
+ * F32 panels beside other parts, more than PLAIT_MAX_PARTS parts, negative rows, rows at
+ * address 0). */
 static int read_desc(const int64_t *desc, long K, part_t *parts, int *num_parts, long *N) {
   if (!desc || desc[0] < 1 || desc[0] > PLAIT_MAX_PARTS || K <= 0) return PLAIT_ERR_SHAPES;
   *num_parts = (int)desc[0];
@@ -125,7 +126,8 @@ static int read_desc(const int64_t *desc, long K, part_t *parts, int *num_parts,
       per_block = 1;
       bytes = 4;
     }
-    if (p->rows < 0 || per_block == 0 || K % per_block) return PLAIT_ERR_SHAPES;
+    if (p->rows < 0 || (p->rows > 0 && !p->data) || per_block == 0 || K % per_block)
+      return PLAIT_ERR_SHAPES;
     p->row_bytes = K / per_block * bytes;
     *N += p->rows;
   }
