@@ -113,6 +113,9 @@ class ModelRunner:
         keep = config.weights == "auto" and self.device.type == "cpu" \
             and self.dtype == torch.float32
         compute_dtype = _DTYPES[config.compute_dtype]
+        if config.weights == "auto" and not keep:
+            logger.info("weights: dequantized to %s (the file's format is kept only on a "
+                        "float32 CPU engine)", str(self.dtype).removeprefix("torch."))
         if keep and resolved.gguf is not None:
             load_gguf_weights(model, resolved.gguf, compute_dtype)
         else:

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from model_helpers import PagedHarness, cpu_ops, load_model
@@ -25,6 +26,7 @@ from plait.engine.model_loader import default_gguf_path, resolve_model
 from plait.engine.model_runner import ModelRunner
 from plait.engine.models.linear import (
     NATIVE_MAX_ROWS,
+    Linear,
     QuantEmbedding,
     QuantLinear,
     convert_linears,
@@ -288,4 +290,86 @@ def test_bf16_checkpoint_kept_as_bf16(tmp_path, default_model, model_type) -> No
     for model in (kept, dense):
         convert_linears(model, model.ops.cpu_gemm, panels=model.ops.native)
     got, want = (PagedHarness(cfg, 32).run(m, [(ids, 0, table)])[0] for m in (kept, dense))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+# A tiny model written as llama.cpp writes a GGUF: per-tensor types that mix kept parts
+# (Q8_0, Q4_0, Q5_0, Q4_1, F16, BF16) with ones dequantized at load (Q5_1, F32).
+TINY_TYPES = {"attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q5_1", "attn_output": "Q5_0",
+              "ffn_gate": "F16", "ffn_up": "BF16", "ffn_down": "F32", "token_embd": "Q4_1",
+              "output": "Q8_0"}
+HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def _gguf_name(hf_name: str) -> str:
+    name = hf_name.removeprefix("model.")
+    for top, gguf_name in (("embed_tokens.", "token_embd."), ("norm.", "output_norm."),
+                           ("lm_head.", "output.")):
+        if name.startswith(top):
+            return gguf_name + name.removeprefix(top)
+    _, i, rest = name.split(".", 2)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{i}.{HF_TO_GGUF[module]}.{kind}"
+
+
+def _write_tiny_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
+    """`hf_dir`'s tensors as a GGUF (q/k rows permuted as llama.cpp does for llama), and
+    beside it an HF directory of the same tensors as the GGUF's types round them."""
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import quantize
+    from safetensors.torch import load_file, save_file
+
+    cfg = ModelConfig.from_dir(hf_dir)
+    writer = gguf.GGUFWriter(str(out), arch)
+    rounded = {}
+    for hf_name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        name = _gguf_name(hf_name)
+        values = tensor.float().numpy()
+        heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(name.split(".")[-2])
+        if arch == "llama" and heads:  # llama.cpp's convert_hf_to_gguf permute
+            values = values.reshape(heads, 2, -1, *values.shape[1:]).swapaxes(1, 2) \
+                .reshape(values.shape)
+        kind = TINY_TYPES.get(name.split(".")[-2], "F32") if values.ndim == 2 else "F32"
+        qtype = gguf.GGMLQuantizationType[kind]
+        raw = values if kind == "F32" else quantize(values, qtype)
+        writer.add_tensor(name, raw, raw_dtype=None if kind == "F32" else qtype)
+        back = torch.from_numpy(np.asarray(gguf_dequantize(raw, qtype), dtype=np.float32))
+        rounded[hf_name] = back.reshape(tensor.shape) if not (arch == "llama" and heads) \
+            else back.reshape(heads, -1, 2, *tensor.shape[1:]).transpose(1, 2) \
+            .reshape(tensor.shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ref_dir = out.parent / "rounded"
+    shutil.copytree(hf_dir, ref_dir)
+    save_file({n: t.contiguous() for n, t in rounded.items()}, str(ref_dir / "model.safetensors"))
+    return ref_dir
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_tiny_gguf_of_mixed_types(tmp_path, default_model, model_type) -> None:
+    """Kept parts beside parts dequantized at load (a fused projection with one is a float32
+    module), q/k un-permuted for llama only: the logits of the float32 model holding the
+    same rounded weights."""
+    hf_dir = make_tiny_model(tmp_path / "hf", default_model.path, model_type)
+    ref_dir = _write_tiny_gguf(hf_dir, tmp_path / "tiny.gguf", model_type)
+    cfg = ModelConfig.from_dir(hf_dir)
+    model = LlamaForCausalLM(cfg, 512, cpu_ops(cfg, 4))
+    load_gguf_weights(model, tmp_path / "tiny.gguf")
+    layer = model.layers[0]
+    assert type(layer.self_attn.qkv_proj) is Linear  # v is Q5_1: not kept
+    assert layer.self_attn.o_proj.qweight.describe() == "Q5_0"
+    assert layer.mlp.gate_up_proj.qweight.describe() == "F16+BF16"
+    assert type(layer.mlp.down_proj) is Linear  # F32
+    assert model.embed_tokens.qweight.describe() == "Q4_1"
+    assert (model.lm_head.qweight is model.embed_tokens.qweight) == cfg.tie_word_embeddings
+    convert_linears(model, model.ops.cpu_gemm, panels=model.ops.native)
+    reference = load_model(ref_dir, 512)
+    ids = list(range(200, 200 + NATIVE_MAX_ROWS + 5))
+    got, want = (PagedHarness(cfg, 32).run(m, [(ids, 0, list(range(16)))])[0]
+                 for m in (model, reference))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

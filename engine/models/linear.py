@@ -250,14 +250,22 @@ def convert_linears(model: nn.Module, cpu_gemm: str, panels: bool) -> str:
     resolved name of `FORMATS`), under native panels when `panels` (which needs the native
     kernels). Returns a description of what was chosen. Other Linears keep torch's GEMM."""
     fmt = FORMATS[cpu_gemm]
+    converted, kept = 0, set()
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
+            if isinstance(child, QuantLinear):
+                kept.add(child.qweight.describe())
             if type(child) is not Linear or child.weight.device.type != "cpu" \
                     or child.weight.dtype != torch.float32:
                 continue
             setattr(module, name, PanelLinear.over(child, fmt) if panels else fmt.adopt(child))
-    return f"native panels up to {NATIVE_MAX_ROWS} rows, then {cpu_gemm}" if panels \
+            converted += 1
+    chosen = f"native panels up to {NATIVE_MAX_ROWS} rows, then {cpu_gemm}" if panels \
         else cpu_gemm
+    if kept:
+        chosen = f"{chosen} ({converted} float32 linears); kept {', '.join(sorted(kept))}: " \
+            f"qgemm up to {NATIVE_MAX_ROWS} rows, then dequantized per product"
+    return chosen
 
 
 __all__ = ["CPU_GEMMS", "FORMATS", "NATIVE_MAX_ROWS", "Linear", "MklLinear", "OneDnnLinear",
