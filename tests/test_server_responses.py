@@ -109,6 +109,7 @@ def test_stream_helper_and_raw_events(server: RemoteServer) -> None:
     assert final.usage.output_tokens == created.usage.output_tokens
     raw = raw_stream(server, input="Say hello.", max_output_tokens=60, **GREEDY)
     assert raw["output"][0]["content"][0]["text"] == created.output_text
+    assert client.responses.retrieve(final.id).output_text == final.output_text  # stored
 
 
 def test_max_output_tokens_gives_incomplete(server: RemoteServer) -> None:
@@ -187,6 +188,14 @@ def test_function_call_round_trip(server: RemoteServer) -> None:
 
 
 def test_named_tool_choice_streams_arguments(server: RemoteServer) -> None:
+    client = server.openai()
+    with client.responses.stream(model=MODEL, input="Weather in Oslo?", tools=[WEATHER],
+                                 tool_choice={"type": "function", "name": "get_weather"},
+                                 max_output_tokens=40, **GREEDY) as stream:
+        deltas = "".join(e.delta for e in stream
+                         if e.type == "response.function_call_arguments.delta")
+        helper = stream.get_final_response()
+    assert helper.output[0].type == "function_call" and helper.output[0].arguments == deltas
     final = raw_stream(server, input="Weather in Oslo?", tools=[WEATHER],
                        tool_choice={"type": "function", "name": "get_weather"},
                        max_output_tokens=40, **GREEDY)
@@ -268,6 +277,11 @@ def test_n3_message_items_one_prompt(server: RemoteServer) -> None:
     assert response.usage.input_tokens == chat.usage.prompt_tokens  # the prompt once
     final = raw_stream(server, input="Name an animal.", n=3, seed=7, **kwargs)
     assert [i["content"][0]["text"] for i in final["output"]] == texts
+    with client.responses.stream(model=MODEL, input="Name an animal.",
+                                 extra_body={"n": 3, "seed": 7}, **kwargs) as stream:
+        kinds = [event.type for event in stream]  # the SDK's helper accepts n items
+    assert kinds.count("response.output_item.added") == 3
+    assert kinds[-1] == f"response.{response.status}"
 
 
 def test_logprobs_included(server: RemoteServer) -> None:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from responses_helpers import check_stream, parse_events
 from server_harness import InProcessServer, ScriptedCore, scripted_engine, wait_for
 
+from plait.cli import build_parser, server_settings
 from plait.engine.model_loader import load_tokenizer
 from plait.server.app import create_app
 from plait.server.responses.store import ResponseStore
@@ -70,6 +71,16 @@ def test_store_of_size_zero_keeps_nothing() -> None:
         ResponseStore(-1, ttl=60)
     with pytest.raises(ValueError):
         ResponseStore(1, ttl=0)
+
+
+def test_store_options_reach_the_settings() -> None:
+    parser = build_parser({"PLAIT_RESPONSES_TTL": "90"})
+    settings = server_settings(parser.parse_args(["serve", "--responses-store-size", "5"]))
+    assert (settings.responses_store_size, settings.responses_ttl) == (5, 90.0)
+    assert (ServerSettings().responses_store_size, ServerSettings().responses_ttl) == (1000,
+                                                                                      3600.0)
+    with pytest.raises(ValueError):
+        ServerSettings(responses_ttl=0)
 
 
 # ------------------------------------------------------------------ translation
