@@ -196,6 +196,16 @@ def test_named_tool_choice_streams_arguments(server: RemoteServer) -> None:
                          if e.type == "response.function_call_arguments.delta")
         helper = stream.get_final_response()
     assert helper.output[0].type == "function_call" and helper.output[0].arguments == deltas
+    result = {"type": "function_call_output", "call_id": helper.output[0].call_id,
+              "output": "-3 C, snow"}
+    chained = client.responses.create(model=MODEL, previous_response_id=helper.id,
+                                      input=[result], max_output_tokens=20, **GREEDY)
+    explicit = client.responses.create(
+        model=MODEL, input=[{"role": "user", "content": "Weather in Oslo?"},
+                            helper.output[0].model_dump(exclude_none=True), result],
+        max_output_tokens=20, **GREEDY)  # a streamed call is stored like a created one
+    assert chained.usage.input_tokens == explicit.usage.input_tokens
+    assert chained.output_text == explicit.output_text
     final = raw_stream(server, input="Weather in Oslo?", tools=[WEATHER],
                        tool_choice={"type": "function", "name": "get_weather"},
                        max_output_tokens=40, **GREEDY)
