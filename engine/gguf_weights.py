@@ -1,6 +1,6 @@
 """Load a GGUF file's tensors straight into Plait's model, each kept in the file's format.
 
-The file is memory-mapped (`gguf.GGUFReader`) and each tensor's bytes copied once into a
+The file is memory-mapped (`gguf_file.read_gguf`) and each tensor's bytes copied once into a
 `QuantPart`; a type the native kernels do not take (`KEPT_TYPES`) is dequantized at load,
 with a log line. GGUF names map onto Plait's fused modules:
 
@@ -30,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
+from plait.engine.gguf_file import read_gguf
 from plait.engine.model_config import ModelLoadError
 from plait.engine.models.linear import Linear, QuantEmbedding, QuantLinear
 from plait.engine.models.llama import LlamaForCausalLM
@@ -59,12 +60,11 @@ def load_gguf_weights(model: LlamaForCausalLM, path: Path,
     `QuantLinear` / `QuantEmbedding` where every piece is a kept type, float32 modules
     otherwise. Raises `ModelLoadError` for a missing or misshapen tensor."""
     try:
-        reader = GGUFReader(path, "r")
+        file = read_gguf(path)
     except Exception as exc:
         raise ModelLoadError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
-    tensors = {t.name: t for t in reader.tensors}
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    loader = _Loader(tensors, model, arch == "llama", compute_dtype, path)
+    tensors = file.tensors
+    loader = _Loader(tensors, model, file.architecture == "llama", compute_dtype, path)
     loader.load()
     unused = sorted(set(tensors) - loader.used - set(_IGNORED))
     if unused:

@@ -20,6 +20,7 @@ from plait.cli import build_parser, engine_config
 from plait.engine import model_loader
 from plait.engine.config import EngineConfig
 from plait.engine.core import eos_token_ids
+from plait.engine.gguf_file import read_gguf
 from plait.engine.gguf_weights import load_gguf_weights
 from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import default_gguf_path, resolve_model
@@ -373,3 +374,20 @@ def test_tiny_gguf_of_mixed_types(tmp_path, default_model, model_type) -> None:
     got, want = (PagedHarness(cfg, 32).run(m, [(ids, 0, list(range(16)))])[0]
                  for m in (model, reference))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_tensor_directory_equals_gguf_py(tmp_path, default_model) -> None:
+    """read_gguf (header skipped by type, no metadata parsed) finds gguf-py's tensors: the
+    same names, types, shapes and bytes."""
+    hf_dir = make_tiny_model(tmp_path / "hf", default_model.path, "qwen2")
+    _write_tiny_gguf(hf_dir, tmp_path / "tiny.gguf", "qwen2")
+    for path in (default_gguf_path(), tmp_path / "tiny.gguf"):
+        ours = read_gguf(path)
+        reader = gguf.GGUFReader(path)
+        assert ours.architecture == ("llama" if path == default_gguf_path() else "qwen2")
+        assert list(ours.tensors) == [t.name for t in reader.tensors]
+        for t in reader.tensors:
+            mine = ours.tensors[t.name]
+            assert (mine.tensor_type, mine.shape) == (t.tensor_type, tuple(map(int, t.shape)))
+            assert np.array_equal(mine.data.reshape(-1), np.asarray(t.data).view(np.uint8)
+                                  .reshape(-1))
