@@ -33,10 +33,12 @@ from plait.kernels.cpu.build import (
     available,
     loaded,
 )
-from plait.kernels.cpu.quant import QuantWeight
+from plait.kernels.cpu.quant import KEPT_TYPES, QuantWeight
 
 # plait_cpu.h's type of a descriptor part holding float32 panels from `pack_weight`.
 F32_PANELS = ABI.constants["PLAIT_GGML_F32"]
+# The GGML types `qgemm` and `dequantize` read: every type quant.py keeps.
+QUANT_TYPES: frozenset[int] = KEPT_TYPES
 
 
 def _check(rc: int, kernel: str, limits: str = "") -> None:
@@ -149,6 +151,14 @@ def dequantize(
                   None if rows is None else rows.data_ptr(), num_rows, out.data_ptr()),
            "dequantize", f" ({weight.describe()}, rows in [0, {weight.out_features}))")
     return out
+
+
+def dequantize_bf16(
+    weight: QuantWeight,
+    rows: torch.Tensor | None = None,  # [R] integer row ids in [0, N); None: all N rows
+) -> torch.Tensor:  # [R, K] bfloat16
+    """`dequantize(weight, rows, torch.bfloat16)`."""
+    return dequantize(weight, rows, torch.bfloat16)
 
 
 def decode_attention(
@@ -381,8 +391,8 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
             and head_dim % lanes() == 0 and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK)
 
 
-__all__ = ["F32_PANELS", "MAX_QUERIES", "STACK_POINTERS", "NativeStack", "StackShape",
-           "add_rms_norm", "available", "decode_attention", "decoder_stack", "dequantize",
-           "gemm", "lanes", "max_chunk_rows", "pack_weight", "panels_desc", "qgemm",
-           "rope_fits", "rope_write_kv", "rows_fit", "sample_inverse_cdf", "silu_mul",
-           "supports_attention"]
+__all__ = ["F32_PANELS", "MAX_QUERIES", "QUANT_TYPES", "STACK_POINTERS", "NativeStack",
+           "StackShape", "add_rms_norm", "available", "decode_attention", "decoder_stack",
+           "dequantize", "dequantize_bf16", "gemm", "lanes", "max_chunk_rows", "pack_weight",
+           "panels_desc", "qgemm", "rope_fits", "rope_write_kv", "rows_fit",
+           "sample_inverse_cdf", "silu_mul", "supports_attention"]
