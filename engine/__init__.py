@@ -27,6 +27,8 @@ _EXPORTS = {
     "CPU_GEMMS": "config",
     "ATTENTION_BACKENDS": "config",
     "KV_EVENTS_ENCODINGS": "config",
+    "WEIGHT_FORMATS": "config",
+    "COMPUTE_DTYPES": "config",
     "LLM": "llm",
     "RequestDelta": "outputs",
     "TokenLogprob": "outputs",
@@ -50,6 +52,7 @@ _EXPORTS = {
 }
 __all__ = [
     "ATTENTION_BACKENDS",
+    "COMPUTE_DTYPES",
     "CPU_GEMMS",
     "FAKE_FRAME",
     "GRAMMAR_FAILED",
@@ -57,6 +60,7 @@ __all__ = [
     "LLM",
     "MAX_LOGPROBS",
     "VALID_DTYPES",
+    "WEIGHT_FORMATS",
     "AsyncEngine",
     "CompletionOutput",
     "EngineClient",
@@ -88,9 +92,11 @@ if TYPE_CHECKING:
     from plait.engine.client import EngineClient, EngineDeadError, EngineLoadError, RequestStream
     from plait.engine.config import (
         ATTENTION_BACKENDS,
+        COMPUTE_DTYPES,
         CPU_GEMMS,
         KV_EVENTS_ENCODINGS,
         VALID_DTYPES,
+        WEIGHT_FORMATS,
         EngineConfig,
         RuntimeInfo,
     )

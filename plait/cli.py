@@ -23,12 +23,13 @@ from plait.bench.cli import add_parser as add_bench_parser
 from plait.bench.cli import run as run_bench
 from plait.engine import (
     ATTENTION_BACKENDS,
+    COMPUTE_DTYPES,
     CPU_GEMMS,
     KV_EVENTS_ENCODINGS,
     VALID_DTYPES,
+    WEIGHT_FORMATS,
     EngineConfig,
 )
-from plait.engine.config import COMPUTE_DTYPES, WEIGHT_FORMATS
 from plait.server.settings import ServerSettings  # a plain dataclass: no HTTP stack
 
 ENV_PREFIX = "PLAIT_"
