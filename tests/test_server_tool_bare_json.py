@@ -23,7 +23,7 @@ from server_harness import (
     shared_server,
     wait_for,
 )
-from test_server_tool_units import HERMES_TEMPLATE, expected, reassemble, split
+from tool_helpers import HERMES_TEMPLATE, expected, reassemble, split
 
 from plait.engine.model_loader import load_tokenizer
 from plait.engine.outputs import RequestDelta

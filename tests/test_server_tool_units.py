@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from tool_helpers import HERMES_TEMPLATE, expected, reassemble, split
 
 from plait.engine.structured import grammar_text
 from plait.server.errors import APIError
 from plait.server.protocol import ChatCompletionRequest, ChatMessage
 from plait.server.structured_params import auto_spec, close_objects, named_spec, required_spec
-from plait.server.tool_output import ChoiceStream, choice_message
+from plait.server.tool_output import ChoiceStream
 from plait.server.tool_parsers import (
     PARSERS,
     ParsedCall,
@@ -22,7 +23,7 @@ from plait.server.tool_parsers import (
     parse_llama3_json,
 )
 from plait.server.tool_protocol import parse_tools
-from plait.server.tools import OutputPlan, plan_output, render_messages
+from plait.server.tools import plan_output, render_messages
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -32,12 +33,6 @@ WEATHER = {"type": "function", "function": {
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
 NAMES = frozenset({"get_weather", "add"})
-HERMES_TEMPLATE = (
-    "{% if tools %}{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>\n"
-    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
-    "\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}")
 
 
 # ------------------------------------------------------------------ parsers
@@ -171,34 +166,6 @@ def test_render_for_a_tool_template_passes_dict_arguments(tokenizer) -> None:
 
 
 # ------------------------------------------------------------------ streaming == whole
-def reassemble(plan: OutputPlan, pieces: list[str], finish: str) -> tuple[dict, str]:
-    """Feed `pieces`, then accumulate the deltas the way the openai SDK does."""
-    stream = ChoiceStream(plan)
-    deltas = [stream.feed(p, []) for p in pieces]
-    rest, reason = stream.finish(finish)
-    message: dict = {"content": stream.role_delta()["content"], "tool_calls": []}
-    for delta, _ in [d for batch in deltas for d in batch] + rest:
-        if "content" in delta:
-            message["content"] = (message["content"] or "") + delta["content"]
-        for call in delta.get("tool_calls", []):
-            if call["index"] == len(message["tool_calls"]):
-                message["tool_calls"].append({"id": call["id"], "name": call["function"]["name"],
-                                              "arguments": ""})
-            message["tool_calls"][call["index"]]["arguments"] += call["function"]["arguments"]
-    return message, reason
-
-
-def expected(plan: OutputPlan, text: str, finish: str) -> tuple[dict, str]:
-    message, reason = choice_message(plan, text, finish)
-    calls = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-             for c in message.get("tool_calls", [])]
-    return {"content": message["content"], "tool_calls": calls}, reason
-
-
-def split(text: str, size: int) -> list[str]:
-    return [text[i:i + size] for i in range(0, len(text), size)]
-
-
 @pytest.mark.parametrize(("template", "choice", "text"), [
     (None, "auto", '{"name":"add","arguments":{"a":7}}'),
     (None, "auto", "  Just text {with braces}"),
