@@ -3,7 +3,7 @@
  * shares) is declared once, in plait_cpu.h, which every source includes beside this file.
  *
  * Built at run time by build.py with the machine's C compiler (cc -O3 -march=native
- * -fopenmp -Wall -Werror), the four sources into one library, linked against the libgomp
+ * -fopenmp -Wall -Werror), the five sources into one library, linked against the libgomp
  * torch itself loads, so these parallel regions and torch's share one OpenMP runtime and
  * thread count:
  *
@@ -16,6 +16,9 @@
  *   rowwise.c    plait_rope_write_kv, plait_add_rms_norm, plait_silu_mul,
  *                plait_sample_inverse_cdf: a layer's small per-row operations and the
  *                sampler, one pass each
+ *   qgemm.c      plait_qgemm, plait_dequantize(_bf16): weights kept in a GGUF file's GGML
+ *                blocks (quant.h decodes a 32-weight group into vectors), dequantized in
+ *                registers against float32 activations; float32 panels go to plait_gemm
  *   decoder.c    plait_decoder_stack: every layer of a Llama decoder over a step's few rows
  *                through the kernels above, in one call
  *
