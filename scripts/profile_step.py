@@ -8,7 +8,8 @@ The native CPU kernels (ctypes calls the profiler cannot see) are wrapped in
 `plait.kernels.cpu.native` are replaced before the engine starts (the ops table, the linear
 layers and the sampler call them through the module, so they reach the wrappers).
 
-    python scripts/profile_step.py [--n 16] [--tokens 32] [--unique]
+    python scripts/profile_step.py [--n 16] [--tokens 32] [--unique] [--model FILE.gguf]
+        [--weights auto|float32] [--compute-dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from plait.kernels.cpu import native
 
 def _label_native_kernels() -> None:
     """Make the native kernels' calls visible to torch.profiler."""
-    for name in ("gemm", "decode_attention", "rope_write_kv", "sample_inverse_cdf",
-                 "add_rms_norm", "silu_mul", "decoder_stack"):
+    for name in ("gemm", "qgemm", "dequantize", "decode_attention", "rope_write_kv",
+                 "sample_inverse_cdf", "add_rms_norm", "silu_mul", "decoder_stack"):
         kernel = getattr(native, name)
 
         def labelled(*args, _kernel=kernel, _label=f"plait::native_{name}", **kwargs):
@@ -43,9 +44,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--unique", action="store_true")
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--weights", default="auto", help="auto (the file's format) or float32")
+    parser.add_argument("--compute-dtype", default="float32")
     args = parser.parse_args()
     _label_native_kernels()
-    llm = LLM()
+    llm = LLM(args.model, weights=args.weights, compute_dtype=args.compute_dtype)
     if args.unique:
         _profile_unique(llm, args)
         return
