@@ -86,16 +86,18 @@ class _Loader:
             attn, mlp = layer.self_attn, layer.mlp
             heads = (cfg.num_heads, cfg.num_kv_heads, None)
             names = [f"blk.{i}.attn_{p}" for p in "qkv"]
-            attn.qkv_proj = self.linear(names, heads, bias=cfg.attention_bias)
-            attn.o_proj = self.linear([f"blk.{i}.attn_output"])
-            mlp.gate_up_proj = self.linear([f"blk.{i}.ffn_gate", f"blk.{i}.ffn_up"])
-            mlp.down_proj = self.linear([f"blk.{i}.ffn_down"])
+            attn.qkv_proj = self.linear(attn.qkv_proj, names, heads)
+            attn.o_proj = self.linear(attn.o_proj, [f"blk.{i}.attn_output"])
+            mlp.gate_up_proj = self.linear(mlp.gate_up_proj,
+                                           [f"blk.{i}.ffn_gate", f"blk.{i}.ffn_up"])
+            mlp.down_proj = self.linear(mlp.down_proj, [f"blk.{i}.ffn_down"])
             self.norm(layer.input_layernorm.weight, f"blk.{i}.attn_norm.weight")
             self.norm(layer.post_attention_layernorm.weight, f"blk.{i}.ffn_norm.weight")
         self.norm(model.norm.weight, "output_norm.weight")
-        model.embed_tokens = self.embedding("token_embd.weight")
+        model.embed_tokens = self.embedding("token_embd.weight", cfg.vocab_size,
+                                            cfg.hidden_size)
         if "output.weight" in self.tensors:
-            model.lm_head = self.linear(["output"])
+            model.lm_head = self.linear(model.lm_head, ["output"])
         elif isinstance(model.embed_tokens, QuantEmbedding):
             model.lm_head = QuantLinear(model.embed_tokens.qweight,
                                         compute_dtype=self.compute_dtype)
@@ -103,24 +105,33 @@ class _Loader:
             model.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
             model.lm_head.weight = model.embed_tokens.weight
 
-    def linear(self, names: list[str], heads: tuple | None = None,
-               bias: bool = False) -> Linear:
-        """The fused projection of tensors `names` (+ ".weight"), rows of part i un-permuted
-        over heads[i] heads where the file is permuted."""
+    def linear(self, empty: Linear, names: list[str], heads: tuple | None = None) -> Linear:
+        """The projection `empty` (the model's placeholder, for its shape and bias) fused
+        from tensors `names` (+ ".weight"), rows of part i un-permuted over heads[i] heads
+        where the file is permuted."""
         heads = heads or (None,) * len(names)
         pieces = [self.piece(f"{n}.weight", h) for n, h in zip(names, heads, strict=True)]
-        in_features = self.tensors[f"{names[0]}.weight"].shape[0]
-        bias_t = torch.cat([self.dense(f"{n}.bias", h)
-                            for n, h in zip(names, heads, strict=True)]) if bias else None
+        in_features = int(self.tensors[f"{names[0]}.weight"].shape[0])
+        rows = sum(p.rows if isinstance(p, QuantPart) else p.shape[0] for p in pieces)
+        if (rows, in_features) != (empty.out_features, empty.in_features):
+            raise ModelLoadError(f"{self.path.name}: {'|'.join(names)} is [{rows}, "
+                                 f"{in_features}], expected [{empty.out_features}, "
+                                 f"{empty.in_features}]")
+        bias_t = None if empty.bias is None else torch.cat(
+            [self.dense(f"{n}.bias", h) for n, h in zip(names, heads, strict=True)])
         if all(isinstance(p, QuantPart) for p in pieces):
-            weight = QuantWeight.build(pieces, int(in_features))
+            weight = QuantWeight.build(pieces, in_features)
             return QuantLinear(weight, bias_t, self.compute_dtype)
         dense = [p if isinstance(p, torch.Tensor)
-                 else dequantize_reference(QuantWeight.build([p], int(in_features)))
+                 else dequantize_reference(QuantWeight.build([p], in_features))
                  for p in pieces]
         return _dense_linear(torch.cat(dense), bias_t)
 
-    def embedding(self, name: str) -> nn.Module:
+    def embedding(self, name: str, vocab_size: int, hidden_size: int) -> nn.Module:
+        shape = tuple(self.tensor(name).shape)
+        if shape != (hidden_size, vocab_size):  # GGUF order: [K, rows]
+            raise ModelLoadError(f"{self.path.name}: {name} is {list(reversed(shape))}, "
+                                 f"expected [{vocab_size}, {hidden_size}]")
         piece = self.piece(name)
         if isinstance(piece, QuantPart):
             in_features = int(self.tensors[name].shape[0])

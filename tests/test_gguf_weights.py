@@ -5,6 +5,7 @@ transformers on the same file; `--weights float32` as before; the options' check
 from __future__ import annotations
 
 import copy
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from plait.engine.config import EngineConfig
 from plait.engine.core import eos_token_ids
 from plait.engine.gguf_file import read_gguf
 from plait.engine.gguf_weights import load_gguf_weights
-from plait.engine.model_config import ModelConfig
+from plait.engine.model_config import ModelConfig, ModelLoadError
 from plait.engine.model_loader import default_gguf_path, resolve_model
 from plait.engine.model_runner import ModelRunner
 from plait.engine.models.linear import (
@@ -391,3 +392,15 @@ def test_tensor_directory_equals_gguf_py(tmp_path, default_model) -> None:
             assert (mine.tensor_type, mine.shape) == (t.tensor_type, tuple(map(int, t.shape)))
             assert np.array_equal(mine.data.reshape(-1), np.asarray(t.data).view(np.uint8)
                                   .reshape(-1))
+
+
+def test_a_gguf_of_other_shapes_is_one_clear_error(tmp_path, default_model) -> None:
+    """The file's tensors do not fit the config's model: a ModelLoadError naming them."""
+    hf_dir = make_tiny_model(tmp_path / "hf", default_model.path, "llama")
+    _write_tiny_gguf(hf_dir, tmp_path / "tiny.gguf", "llama")
+    cfg = ModelConfig.from_dir(hf_dir)
+    wider = dataclasses.replace(cfg, intermediate_size=2 * cfg.intermediate_size)
+    model = LlamaForCausalLM(wider, 512, cpu_ops(wider, 4))
+    with pytest.raises(ModelLoadError, match=r"tiny.gguf: blk.0.ffn_gate\|blk.0.ffn_up is "
+                                             r"\[256, 64\], expected \[512, 64\]"):
+        load_gguf_weights(model, tmp_path / "tiny.gguf")
