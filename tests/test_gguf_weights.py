@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import shutil
 from pathlib import Path
 
@@ -404,3 +405,14 @@ def test_a_gguf_of_other_shapes_is_one_clear_error(tmp_path, default_model) -> N
     with pytest.raises(ModelLoadError, match=r"tiny.gguf: blk.0.ffn_gate\|blk.0.ffn_up is "
                                              r"\[256, 64\], expected \[512, 64\]"):
         load_gguf_weights(model, tmp_path / "tiny.gguf")
+
+
+def test_cpu_kv_budget_leaves_room_for_the_weights(kept, caplog) -> None:
+    """A KV budget past host memory is cut to what the weights leave (minus 1 GiB)."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    block = kept._block_bytes()
+    assert kept._blocks_from_memory(EngineConfig(kv_cache_memory_gb=1.0)) == (1 << 30) // block
+    with caplog.at_level("WARNING", logger="plait.engine"):
+        num = kept._blocks_from_memory(EngineConfig(kv_cache_memory_gb=host / 2**30))
+    assert num == (host - kept.weight_bytes - (1 << 30)) // block
+    assert "KV cache cut to" in caplog.text
