@@ -110,12 +110,14 @@ class ModelRunner:
         `config.weights` allows it (float32 CPU), and the bytes its weights hold."""
         with torch.device(self.device):
             model = LlamaForCausalLM(resolved.config, max_pos, self.ops)
+        # kept weights compute through the native kernels: without them, float32 weights
         keep = config.weights == "auto" and self.device.type == "cpu" \
-            and self.dtype == torch.float32
+            and self.dtype == torch.float32 and self.ops.native
         compute_dtype = _DTYPES[config.compute_dtype]
         if config.weights == "auto" and not keep:
             logger.info("weights: dequantized to %s (the file's format is kept only on a "
-                        "float32 CPU engine)", str(self.dtype).removeprefix("torch."))
+                        "float32 CPU engine with the native kernels)",
+                        str(self.dtype).removeprefix("torch."))
         if keep and resolved.gguf is not None:
             load_gguf_weights(model, resolved.gguf, compute_dtype)
         else:

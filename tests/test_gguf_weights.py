@@ -228,8 +228,12 @@ def test_greedy_tokens_equal_transformers_on_the_gguf(hf_greedy, weights) -> Non
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_float32_mode_dequantizes_every_weight(default_model) -> None:
-    runner = ModelRunner(EngineConfig(weights="float32", num_kv_blocks=16), default_model)
+@pytest.mark.parametrize("options", [{"weights": "float32"}, {"native": False}],
+                         ids=["float32", "no-native-kernels"])
+def test_float32_weights(default_model, options) -> None:
+    """--weights float32, or auto without the native kernels (nothing else computes from
+    the kept blocks): every weight dequantized at load."""
+    runner = ModelRunner(EngineConfig(num_kv_blocks=16, **options), default_model)
     assert not any(isinstance(m, QuantLinear | QuantEmbedding) for m in runner.model.modules())
     assert runner.weight_bytes > 3 * default_gguf_path().stat().st_size
 
