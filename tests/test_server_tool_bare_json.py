@@ -13,6 +13,7 @@ import time
 import httpx
 import jsonschema
 import pytest
+from responses_helpers import check_stream, parse_events
 from server_harness import (
     MODEL,
     InProcessServer,
@@ -384,3 +385,25 @@ def test_default_model_call_with_string_arguments(server: RemoteServer, tokenize
             finish = choice.finish_reason or finish
     assert (calls, content, finish) == ([(call.function.name, call.function.arguments)], None,
                                         "tool_calls")
+
+
+def test_responses_route_reads_a_bare_call_too(hermes_tokenizer) -> None:
+    """/v1/responses runs chat's tool-output stage: a fenced bare call is a function_call
+    item, whole and streamed, and its text never goes out as output_text."""
+    core = TextCore(hermes_tokenizer, [f"```json\n{CALL}\n```"])
+    body = {"model": "scripted-model", "input": "Paris?", "store": False,
+            "tools": [{"type": "function", **WEATHER["function"]}]}
+    app = create_app(ServerSettings(), engine=scripted_engine(core))
+    with InProcessServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        assert wait_for(lambda: http.get("/health").status_code == 200, 30)
+        whole = http.post("/v1/responses", json=body)
+        streamed = http.post("/v1/responses", json={**body, "stream": True})
+    assert whole.status_code == 200 and streamed.status_code == 200, whole.text
+    events = parse_events(streamed.content)
+    final = check_stream(events)
+    for response in (whole.json(), final):
+        assert response["status"] == "completed"
+        [item] = response["output"]
+        assert (item["type"], item["name"], json.loads(item["arguments"]), item["status"]) \
+            == ("function_call", "get_weather", {"city": "Paris"}, "completed")
+    assert not [e for e in events if e["type"].startswith("response.output_text")]
