@@ -265,7 +265,11 @@ def test_stats_count_what_was_done(tiny_path) -> None:
         "shared_prompts_kept": 2,
         "failed_steps": 0,
         "last_error": None,
+        # the tiny model's float32 weights (a checkpoint, nothing kept) and their packs
+        "model_weight_bytes": llm.engine.runner.weight_bytes,
     }
+    assert stats["model_weight_bytes"] > sum(
+        p.numel() * 4 for p in llm.engine.runner.model.parameters())
     assert_pool_clean(llm)
     # The kept prompts still serve a repeat without computing anything.
     llm.generate([jobs[0][1]], SamplingParams(temperature=0, max_tokens=1))
