@@ -36,9 +36,10 @@ from plait.engine.models.linear import (
     weight_bytes,
 )
 from plait.engine.models.llama import LlamaForCausalLM
+from plait.engine.models.quant_ops import matmul_dequantized
 from plait.engine.weights import load_weights
 from plait.kernels.cpu import build
-from plait.kernels.cpu.quant import dequantize_reference, type_name
+from plait.kernels.cpu.quant import QuantWeight, dequantize_reference, type_name
 
 PROMPTS = ["The capital of France is",
            "def fibonacci(n):\n    if n < 2:\n        return n\n",
@@ -148,6 +149,35 @@ def test_bf16_compute_of_large_products(kept) -> None:
     assert out.dtype == torch.float32
     assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
     torch.testing.assert_close(linear(x[:3]), src(x[:3]))  # decode rows stay float32
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_large_products_in_row_chunks(kept, compute_dtype) -> None:
+    """The prefill path in row chunks that cut across parts (a 100-row scratch over q|k|v|o
+    stacked as one multi-part weight), with a bias: x @ dequantize_reference(W)^T + bias, as
+    whole (float32: summation noise; bf16: bf16 error)."""
+    layer = kept.model.layers[0].self_attn
+    qweight = QuantWeight.build(layer.qkv_proj.qweight.parts + layer.o_proj.qweight.parts,
+                                layer.o_proj.in_features)
+    assert len(qweight.parts) >= 2
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(NATIVE_MAX_ROWS + 40, qweight.in_features, generator=gen)
+    bias = torch.randn(qweight.out_features, generator=gen)
+    ref = x.double() @ dequantize_reference(qweight).double().t() + bias.double()
+    cache: dict = {}
+    chunk_bytes = 100 * qweight.in_features * compute_dtype.itemsize
+    out = matmul_dequantized(x, qweight, bias, compute_dtype, cache, scratch_bytes=chunk_bytes)
+    chunks = cache["chunks", 100]
+    assert [end - start for start, end, _ in chunks][:-1] == [100] * (len(chunks) - 1)
+    assert any(len(part.parts) == 2 for _, _, part in chunks)  # a chunk spans two parts
+    assert out.dtype == torch.float32 and out.is_contiguous()
+    assert out.shape == (x.shape[0], qweight.out_features)
+    if compute_dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
+    else:
+        assert (out.double() - ref).abs().max() <= 0.02 * ref.abs().max()
+    whole = matmul_dequantized(x, qweight, bias, compute_dtype)  # one chunk: the same numbers
+    torch.testing.assert_close(out, whole, atol=1e-4, rtol=1e-5)
 
 
 def test_embedding_rows_equal_the_reference(kept) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from plait.engine.config import CPU_GEMMS
-from plait.engine.models.quant_ops import dequantize, dequantize_bf16, qgemm
+from plait.engine.models.quant_ops import dequantize, matmul_dequantized, qgemm
 from plait.kernels.cpu import native
 from plait.kernels.cpu.build import NATIVE_MAX_ROWS
 from plait.kernels.cpu.quant import QuantWeight
@@ -141,9 +141,10 @@ class PanelLinear(Linear):
 class QuantLinear(Linear):
     """y = x @ W^T + bias with W a `QuantWeight` held as the file stores it (float32 CPU
     activations): `qgemm` for at most `NATIVE_MAX_ROWS` rows (decode steps read the blocks
-    once); for more rows (prefills) W is dequantized into a scratch of `compute_dtype` and
-    multiplied by torch (bf16: bf16 x bf16 with float32 accumulation, output rounded to
-    bf16). No float32 copy of W is kept. A tied LM head shares its embedding's weight."""
+    once); for more rows (prefills) `quant_ops.matmul_dequantized`: W dequantized into a
+    process-wide scratch of `compute_dtype` (in row chunks past its cap) and multiplied by
+    oneDNN (bf16: bf16 x bf16 with float32 accumulation, output rounded to bf16). No float32
+    copy of W is kept. A tied LM head shares its embedding's weight."""
 
     format: ClassVar[str] = "gguf"
     qweight: QuantWeight
@@ -154,7 +155,7 @@ class QuantLinear(Linear):
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
         self.qweight, self.compute_dtype = qweight, compute_dtype
         self.weight = None  # no float copy: `qweight` is the weight
-        self.scratch: dict = {}  # quant_ops' reference fallback only (no native kernel)
+        self.scratch: dict = {}  # quant_ops: row chunks; the reference fallback's copy
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(),
                                                            requires_grad=False)
 
@@ -164,12 +165,7 @@ class QuantLinear(Linear):
             return x.new_empty(0, self.out_features)
         if rows <= NATIVE_MAX_ROWS:
             return qgemm(x, self.qweight, self.bias, self.scratch)
-        if self.compute_dtype == torch.bfloat16:
-            w = dequantize_bf16(self.qweight, self.scratch)  # [out, in] bf16 scratch
-            out = torch.mm(x.to(torch.bfloat16), w.t()).float()
-        else:
-            out = torch.mm(x, dequantize(self.qweight, None, self.scratch).t())
-        return out if self.bias is None else out.add_(self.bias)
+        return matmul_dequantized(x, self.qweight, self.bias, self.compute_dtype, self.scratch)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", types={self.qweight.describe()}, " \

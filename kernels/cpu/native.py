@@ -133,17 +133,24 @@ def dequantize(
     weight: QuantWeight,  # W [N, K] in GGML blocks
     rows: torch.Tensor | None = None,  # [R] integer row ids in [0, N); None: all N rows
     dtype: torch.dtype = torch.float32,  # or torch.bfloat16
-) -> torch.Tensor:  # [R, K] (R = N without rows)
+    out: torch.Tensor | None = None,  # [R, K] of dtype, contiguous: written in place
+) -> torch.Tensor:  # [R, K] (R = N without rows): `out` when given
     """Rows of W in float32, the same bits as `quant.dequantize_reference` (the embedding
     lookup takes token ids as rows); in bfloat16, those values rounded to nearest even (the
-    bits of `.to(torch.bfloat16)` of the float32 rows)."""
+    bits of `.to(torch.bfloat16)` of the float32 rows). With `out` (a caller's reusable
+    scratch) no tensor is allocated."""
     lib = loaded()
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dequantize: dtype {dtype} (float32 or bfloat16)")
     if rows is not None:
         rows = rows.reshape(-1).to(torch.int64).contiguous()
     num_rows = weight.out_features if rows is None else rows.shape[0]
-    out = torch.empty(num_rows, weight.in_features, dtype=dtype)
+    if out is None:
+        out = torch.empty(num_rows, weight.in_features, dtype=dtype)
+    elif out.shape != (num_rows, weight.in_features) or out.dtype != dtype \
+            or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"dequantize: out {tuple(out.shape)} {out.dtype} is not a contiguous "
+                         f"CPU [{num_rows}, {weight.in_features}] {dtype}")
     if num_rows == 0:
         return out
     kernel = lib.plait_dequantize if dtype == torch.float32 else lib.plait_dequantize_bf16
@@ -156,9 +163,10 @@ def dequantize(
 def dequantize_bf16(
     weight: QuantWeight,
     rows: torch.Tensor | None = None,  # [R] integer row ids in [0, N); None: all N rows
+    out: torch.Tensor | None = None,  # [R, K] bfloat16 contiguous: written in place
 ) -> torch.Tensor:  # [R, K] bfloat16
-    """`dequantize(weight, rows, torch.bfloat16)`."""
-    return dequantize(weight, rows, torch.bfloat16)
+    """`dequantize(weight, rows, torch.bfloat16, out)`."""
+    return dequantize(weight, rows, torch.bfloat16, out)
 
 
 def decode_attention(
