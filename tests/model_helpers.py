@@ -86,3 +86,36 @@ class PagedHarness:
             max_query_len=max(b - a for a, b in itertools.pairwise(cu)),
             max_context_len=max(ctx))
         return torch.tensor(ids), torch.tensor(pos), meta
+
+
+def transformers_on_gguf(path: Path):
+    """transformers' model on a GGUF file, dequantized to float32 by its own GGUF loader
+    (what `from_pretrained(gguf_file=...)` runs, without its accelerate requirement); for a
+    directory, the model.safetensors that `convert_gguf` wrote with that same loader."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    loaded = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
+    missing, unexpected = model.load_state_dict(loaded["tensors"], strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+def greedy_reference(path: Path, prompts: list[list[int]], eos: list[int],
+                     num_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt alone (the model at `path`: a .gguf or
+    its converted directory), EOS suppressed."""
+    hf = transformers_on_gguf(path)
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=num_tokens, do_sample=False,
+                              suppress_tokens=eos,
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            outs.append(out[0, len(ids):].tolist())
+    return outs
