@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from plait.engine.config import CPU_GEMMS
-from plait.engine.models.quant_ops import dequantize, matmul_dequantized, qgemm
+from plait.engine.models.quant_ops import check_native, matmul_dequantized
 from plait.kernels.cpu import native
 from plait.kernels.cpu.build import NATIVE_MAX_ROWS
 from plait.kernels.cpu.quant import QuantWeight
@@ -152,10 +152,11 @@ class QuantLinear(Linear):
     def __init__(self, qweight: QuantWeight, bias: torch.Tensor | None = None,
                  compute_dtype: torch.dtype = torch.float32) -> None:
         nn.Module.__init__(self)
+        check_native(qweight)
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
         self.qweight, self.compute_dtype = qweight, compute_dtype
         self.weight = None  # no float copy: `qweight` is the weight
-        self.scratch: dict = {}  # quant_ops: row chunks; the reference fallback's copy
+        self.scratch: dict = {}  # quant_ops.matmul_dequantized's row chunks
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(),
                                                            requires_grad=False)
 
@@ -164,7 +165,7 @@ class QuantLinear(Linear):
         if rows == 0:
             return x.new_empty(0, self.out_features)
         if rows <= NATIVE_MAX_ROWS:
-            return qgemm(x, self.qweight, self.bias, self.scratch)
+            return native.qgemm(x, self.qweight, self.bias)
         return matmul_dequantized(x, self.qweight, self.bias, self.compute_dtype, self.scratch)
 
     def extra_repr(self) -> str:
@@ -178,11 +179,12 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, qweight: QuantWeight) -> None:
         super().__init__()
+        check_native(qweight)
         self.qweight = qweight
         self.num_embeddings, self.embedding_dim = qweight.out_features, qweight.in_features
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] f32
-        return dequantize(self.qweight, token_ids.to(torch.int64).contiguous())
+        return native.dequantize(self.qweight, token_ids.to(torch.int64).contiguous())
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, types={self.qweight.describe()}"

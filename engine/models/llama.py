@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from plait.engine.model_config import ModelConfig
-from plait.engine.models import quant_ops
 from plait.engine.models.linear import Linear, PanelLinear, QuantLinear
 from plait.engine.models.rope import rope_cos_sin
 from plait.kernels import AttentionMetadata, TorchOps
@@ -218,6 +217,6 @@ def _stack_weight(linear: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]] 
     into, or None when the stack cannot take it."""
     if isinstance(linear, PanelLinear) and linear.panels.is_contiguous():
         return native.panels_desc(linear.panels, linear.out_features), [linear.panels]
-    if isinstance(linear, QuantLinear) and quant_ops.runs_native(linear.qweight):
+    if isinstance(linear, QuantLinear):  # its parts are native types (check_native)
         return linear.qweight.desc, [part.data for part in linear.qweight.parts]
     return None

@@ -1,11 +1,6 @@
-"""The quantized kernels `QuantLinear` and `QuantEmbedding` call: the native C kernels
-(`native.qgemm`, `native.dequantize`, `native.dequantize_bf16`, kernels/cpu/native.py) for
-the GGML types they take, else gguf-py's reference dequantizer (`dequantize_reference`).
-
-The reference path is slow, so a weight dequantized whole through it is cached in the
-caller's `cache` dict (a float32 copy owned by the module: the memory the kept format saves
-is then spent again, logged once per weight type); it exists so that every type loads and
-runs while its native kernel is missing.
+"""The prefill product of a `QuantLinear` (engine/models/linear.py), whose weights are kept
+only where the native kernels take every part (the runner keeps them only with the native
+kernels on; `QuantLinear` checks its parts' types).
 
 `matmul_dequantized` is a prefill's product (more rows than `qgemm` is fastest for): W is
 dequantized into one process-wide scratch, reused by every weight, never a fresh tensor
@@ -19,20 +14,12 @@ mapping on each call), and multiplied by oneDNN. A weight larger than the scratc
 
 from __future__ import annotations
 
-import logging
 import threading
 
-import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize
 
 from plait.kernels.cpu import native
-from plait.kernels.cpu.quant import KEPT_TYPES, QuantPart, QuantWeight, dequantize_reference
-
-logger = logging.getLogger("plait.engine")
-
-_WARNED: set[str] = set()
+from plait.kernels.cpu.quant import QuantPart, QuantWeight
 
 # The scratch's cap: Qwen2.5-0.5B's gate_up (9728 x 896 float32, 35 MB) fits whole; an LM
 # head (vocab x hidden) goes in chunks of about this size.
@@ -59,65 +46,13 @@ class _Scratch:
 _SCRATCH = _Scratch()
 
 
-def native_types() -> frozenset[int]:
-    """The GGML types the native quantized kernels take here (empty without them)."""
-    if not hasattr(native, "qgemm") or not native.available():
-        return frozenset()
-    return frozenset(getattr(native, "QUANT_TYPES", KEPT_TYPES))
-
-
-def runs_native(weight: QuantWeight) -> bool:
-    """Whether the native kernels take every part of `weight`."""
-    types = native_types()
-    return all(p.ggml_type in types for p in weight.parts)
-
-
-def _dense(weight: QuantWeight, cache: dict | None) -> torch.Tensor:  # [N, K] float32
-    dense = None if cache is None else cache.get("dense")
-    if dense is None:
-        kind = weight.describe()
-        if kind not in _WARNED:
-            _WARNED.add(kind)
-            logger.warning("no native kernel for %s weights: dequantized once by the "
-                           "reference (a float32 copy)", kind)
-        dense = dequantize_reference(weight)
-        if cache is not None:
-            cache["dense"] = dense
-    return dense
-
-
-def qgemm(x: torch.Tensor, weight: QuantWeight,  # x: [M, K] float32
-          bias: torch.Tensor | None, cache: dict | None = None,
-          ) -> torch.Tensor:  # [M, N] float32 dense
-    """x @ W^T + bias."""
-    if runs_native(weight):
-        return native.qgemm(x, weight, bias)
-    out = torch.mm(x, _dense(weight, cache).t())
-    return out if bias is None else out.add_(bias)
-
-
-def dequantize(weight: QuantWeight, rows: torch.Tensor | None = None,  # rows: [R] int64
-               cache: dict | None = None) -> torch.Tensor:
-    """W's rows `rows` (all rows when None) in float32: [R, K]."""
-    if runs_native(weight):
-        return native.dequantize(weight, rows)
-    if rows is None:
-        return _dense(weight, cache)
-    if len(weight.parts) != 1:
-        return _dense(weight, cache)[rows]
-    part = weight.parts[0]
-    raw = part.data[rows].numpy()  # rows are independent: dequantize just these
-    values = gguf_dequantize(raw, GGMLQuantizationType(part.ggml_type))
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)) \
-        .reshape(rows.shape[0], weight.in_features)
-
-
-def dequantize_bf16(weight: QuantWeight,
-                    cache: dict | None = None) -> torch.Tensor:  # [N, K] bfloat16
-    """W in bfloat16 (the native kernel's own when there is one)."""
-    if runs_native(weight) and hasattr(native, "dequantize_bf16"):
-        return native.dequantize_bf16(weight)
-    return dequantize(weight, None, cache).to(torch.bfloat16)
+def check_native(weight: QuantWeight) -> None:
+    """Raise unless the native kernels are here and take every part of `weight` (what a
+    kept weight computes through: there is no other path)."""
+    missing = sorted({p.ggml_type for p in weight.parts} - native.QUANT_TYPES)
+    if not native.available() or missing:
+        raise RuntimeError(f"weights kept as {weight.describe()} need the native CPU kernels "
+                           "for every part type; load with weights='float32' instead")
 
 
 def row_chunks(weight: QuantWeight, chunk_rows: int,
@@ -159,10 +94,7 @@ def matmul_dequantized(x: torch.Tensor, weight: QuantWeight,  # x: [M, K] float3
     """x @ W^T + bias with W dequantized to `compute_dtype` (bf16: x rounded to bf16, float32
     accumulation, the product rounded to bf16) into the shared scratch, in row chunks of at
     most `scratch_bytes` (see the module docstring). `cache`: the caller's, for the chunks'
-    descriptors and the reference fallback."""
-    if not runs_native(weight):
-        w = dequantize(weight, None, cache).to(compute_dtype)
-        return _dense_product(x.to(compute_dtype), w, bias).float()
+    descriptors."""
     x = x.to(compute_dtype).contiguous()
     num_out, k = weight.out_features, weight.in_features
     chunk_rows = max(1, min(num_out, scratch_bytes // (k * compute_dtype.itemsize)))
@@ -184,5 +116,4 @@ def matmul_dequantized(x: torch.Tensor, weight: QuantWeight,  # x: [M, K] float3
             scratch.lock.release()
 
 
-__all__ = ["SCRATCH_BYTES", "dequantize", "dequantize_bf16", "matmul_dequantized",
-           "native_types", "qgemm", "row_chunks", "runs_native"]
+__all__ = ["SCRATCH_BYTES", "check_native", "matmul_dequantized", "row_chunks"]
