@@ -11,6 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers: tiny_model, server_harness
 
+from server_harness import RemoteServer, shared_server
 from tiny_model import make_tiny_model
 
 from plait._paths import drop_checkout_root
@@ -45,3 +46,18 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def server() -> RemoteServer:
+    """The session's real `plait serve` on the default model (server_harness.shared_server),
+    for the modules that test against it; a module that needs another server defines its
+    own `server` fixture, which overrides this one."""
+    return shared_server()
+
+
+@pytest.fixture(scope="module")
+def http(server: RemoteServer):
+    """An HTTP client for `server`, with its API key."""
+    with server.http() as client:
+        yield client

@@ -9,9 +9,8 @@ import re
 import uuid
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import MODEL, RemoteServer, shared_server, wait_for
+from server_harness import MODEL, RemoteServer, wait_for
 
 from plait.engine.config import EngineConfig
 from plait.engine.model_loader import default_gguf_path
@@ -24,11 +23,6 @@ GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cac
           "vllm:gpu_cache_usage_perc")
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
             "vllm:gpu_prefix_cache_queries", "vllm:gpu_prefix_cache_hits")
-
-
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
 
 
 def scrape(server: RemoteServer) -> dict[str, tuple[str, list]]:

@@ -12,7 +12,6 @@ import time
 import uuid
 
 import httpx
-import pytest
 from server_harness import (
     MODEL,
     InProcessServer,
@@ -20,17 +19,11 @@ from server_harness import (
     ScriptedCore,
     parse_sse,
     scripted_engine,
-    shared_server,
     wait_for,
 )
 
 from plait.server.app import create_app
 from plait.server.settings import ServerSettings
-
-
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
 
 
 def _send_without_reading(port: int, path: str, body: dict,

@@ -15,21 +15,15 @@ from itertools import product
 from typing import Any
 
 import httpx
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
-from server_harness import MODEL, RemoteServer, shared_server
+from server_harness import MODEL, RemoteServer
 
 OPERATIONS = {"/v1/chat/completions": 45, "/v1/completions": 45, "/tokenize": 25,
               "/detokenize": 25}  # examples per mode (valid and invalid): ~280 in all
 VOCAB_SIZE = 49152  # the default model's
 CAPS = {"max_completion_tokens": 3, "n": 2, "best_of": 2, "min_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
 
 
 def _tighten(document: dict[str, Any]) -> dict[str, Any]:

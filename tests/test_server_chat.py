@@ -5,12 +5,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from server_harness import MODEL, RemoteServer, parse_sse, shared_server
-
-
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
+from server_harness import MODEL, RemoteServer, parse_sse
 
 
 def user(text: str) -> list[dict[str, str]]:

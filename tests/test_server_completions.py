@@ -5,14 +5,9 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from server_harness import MODEL, RemoteServer, parse_sse, shared_server
+from server_harness import MODEL, RemoteServer, parse_sse
 
 GREEDY = {"model": MODEL, "temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
 
 
 def tokens_of(server: RemoteServer, text: str) -> list[int]:

@@ -7,22 +7,11 @@ import json
 import httpx
 import openai
 import pytest
-from server_harness import MODEL, RemoteServer, shared_server
+from server_harness import MODEL, RemoteServer
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
-
-
-@pytest.fixture(scope="module")
-def http(server: RemoteServer):
-    with server.http() as client:
-        yield client
 
 
 def envelope(response: httpx.Response, status: int) -> dict:

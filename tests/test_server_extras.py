@@ -8,14 +8,9 @@ import uuid
 from typing import Any
 
 import pytest
-from server_harness import MODEL, RemoteServer, error_of, parse_sse, shared_server
+from server_harness import MODEL, RemoteServer, error_of, parse_sse
 
 GREEDY = {"model": MODEL, "temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
 
 
 def post(server: RemoteServer, path: str, body: dict[str, Any]):

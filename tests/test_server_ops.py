@@ -8,14 +8,9 @@ import uuid
 
 import httpx
 import pytest
-from server_harness import MODEL, RemoteServer, shared_server, wait_for
+from server_harness import MODEL, RemoteServer, wait_for
 
 import plait
-
-
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
 
 
 def test_models_version_tokenize_detokenize(server: RemoteServer) -> None:

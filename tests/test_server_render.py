@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_harness import MODEL, RemoteServer, error_of, shared_server
+from server_harness import MODEL, RemoteServer, error_of
 
 SYSTEM = [{"role": "system", "content": "You answer in one word."},
           {"role": "user", "content": "What colour is the sky?"}]
@@ -24,17 +24,6 @@ TOOL_CONVERSATION = [
     {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
 CONTINUE = [{"role": "user", "content": "Write a haiku about rain."},
             {"role": "assistant", "content": "Soft rain on the roof"}]
-
-
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
-
-
-@pytest.fixture(scope="module")
-def http(server: RemoteServer):
-    with server.http() as client:
-        yield client
 
 
 def rendered_chat(http: httpx.Client, body: dict[str, Any]) -> list[int]:

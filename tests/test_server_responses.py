@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 from responses_helpers import check_stream, parse_events
-from server_harness import MODEL, RemoteServer, shared_server
+from server_harness import MODEL, RemoteServer
 
 WEATHER = {"type": "function", "name": "get_weather",
            "description": "Get the current weather in a city.",
@@ -22,11 +22,6 @@ WEATHER = {"type": "function", "name": "get_weather",
                "city": {"type": "string", "minLength": 1, "maxLength": 16}},
                "required": ["city"]}}
 GREEDY = {"temperature": 0.0}
-
-
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
 
 
 def raw_stream(server: RemoteServer, **body) -> dict:

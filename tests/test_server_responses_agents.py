@@ -7,14 +7,9 @@ final result (`stop_on_first_tool`)."""
 from __future__ import annotations
 
 import pytest
-from server_harness import MODEL, RemoteServer, shared_server
+from server_harness import MODEL, RemoteServer
 
 agents = pytest.importorskip("agents")
-
-
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
 
 
 async def test_agent_with_a_function_tool(server: RemoteServer) -> None:

@@ -9,12 +9,7 @@ import json
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
-from server_harness import MODEL, RemoteServer, error_of, parse_sse, shared_server
-
-
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
+from server_harness import MODEL, RemoteServer, error_of, parse_sse
 
 
 def user(text: str) -> list[dict[str, str]]:

@@ -21,7 +21,6 @@ from server_harness import (
     ScriptedCore,
     parse_sse,
     scripted_engine,
-    shared_server,
     wait_for,
 )
 from tool_helpers import HERMES_TEMPLATE, expected, reassemble, split
@@ -351,10 +350,6 @@ def test_chat_route_leaves_a_call_cut_by_max_tokens_as_content(hermes_tokenizer)
 
 
 # ------------------------------------------------------------------ the real default model
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
-
 
 def test_default_model_call_with_string_arguments(server: RemoteServer, tokenizer) -> None:
     """With response_format, tool_choice auto is "the answer's schema | calls" (an array of

@@ -10,7 +10,7 @@ import json
 
 import jsonschema
 import pytest
-from server_harness import MODEL, RemoteServer, error_of, shared_server
+from server_harness import MODEL, RemoteServer, error_of
 
 from plait.server.prompts import chat_token_ids
 from plait.server.protocol import ChatCompletionRequest
@@ -30,11 +30,6 @@ TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
 
 
 def assert_valid_calls(message, num_calls: int | None = None) -> list:

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 import pytest
-from server_harness import MODEL, RemoteServer, error_of, shared_server
+from server_harness import MODEL, RemoteServer, error_of
 
 GREEDY = {"model": MODEL, "temperature": 0, "ignore_eos": True}
 TOOLS = [{"type": "function", "function": {
@@ -20,17 +20,6 @@ TOOLS = [{"type": "function", "function": {
 MESSAGES = [{"role": "system", "content": "You answer briefly."},
             {"role": "user", "content": "What is the weather in Paris today?"}]
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest"
-
-
-@pytest.fixture(scope="module")
-def server() -> RemoteServer:
-    return shared_server()
-
-
-@pytest.fixture(scope="module")
-def http(server: RemoteServer):
-    with server.http() as client:
-        yield client
 
 
 def ok(http, path: str, body: dict[str, Any]) -> dict[str, Any]:
