@@ -6,7 +6,7 @@ Stream of one request (n=2), one choice per chunk, same id/created on every chun
     {"index":1,"delta":{"role":"assistant","content":""}}
     {"index":1,"delta":{"content":"Hi"}} ...                  interleaved in arrival order
     {"index":0,"delta":{},"finish_reason":"stop"}             exactly one per index
-    (tool calls and response_format: tools.py, tool_output.py)
+    (tool calls and response_format: constrained/output_plan.py, output_reader.py)
     {"choices":[],"usage":{...}}                              with include_usage only
     [DONE]
 
@@ -23,6 +23,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from plait.server.constrained.output_plan import (
+    OutputPlan,
+    chat_output_plan,
+    chat_template,
+    render_messages,
+)
+from plait.server.constrained.output_reader import ChoiceStream, choice_message
 from plait.server.extras import Extras, truncated
 from plait.server.fanout import check_num_sequences
 from plait.server.generation import ChoiceState, Generation, GenerationError, new_completion_id
@@ -42,8 +49,6 @@ from plait.server.routing import ApiRoute
 from plait.server.serving import serve_generation
 from plait.server.sse import DONE, encode, error_event
 from plait.server.state import ReadyDep, ServerState, check_model, request_id_of
-from plait.server.tool_output import ChoiceStream, choice_message
-from plait.server.tools import OutputPlan, chat_output_plan, chat_template, render_messages
 
 router = APIRouter(route_class=ApiRoute)
 
@@ -123,8 +128,9 @@ async def _stream(gen: Generation, extras: Extras,
                   output: OutputPlan) -> AsyncIterator[bytes]:
     """The stream of the module docstring; with the extras (extras.py), each role chunk
     carries "prompt_token_ids", each other choice chunk "token_ids" and "usage". Tool
-    calls are turned into deltas by `ChoiceStream` (tool_output.py); a step's token ids ride
-    on the first chunk it produced (on an empty delta when it produced none)."""
+    calls are turned into deltas by `ChoiceStream` (constrained/output_reader.py); a step's
+    token ids ride on the first chunk it produced (on an empty delta when it produced
+    none)."""
     base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
             "model": gen.state.model_name}
     num_prompt = len(gen.prompts[0].token_ids)

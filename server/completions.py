@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from plait.engine import TokenLogprob
+from plait.server.constrained.grammars import answer_spec, build_off_loop
 from plait.server.extras import Extras, truncated
 from plait.server.fanout import check_num_sequences
 from plait.server.generation import Generation, GenerationError, new_completion_id
@@ -27,7 +28,6 @@ from plait.server.routing import ApiRoute
 from plait.server.serving import serve_generation
 from plait.server.sse import DONE, encode, error_event
 from plait.server.state import ReadyDep, ServerState, check_model, request_id_of
-from plait.server.structured_params import answer_spec, build_off_loop
 
 router = APIRouter(route_class=ApiRoute)
 

@@ -16,18 +16,18 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import plait
+from plait.server.constrained.output_plan import (
+    chat_output_plan,
+    chat_template,
+    conversation_plan,
+    render_messages,
+)
 from plait.server.errors import APIError, bad_request, echo
 from plait.server.offload import json_response, offload
 from plait.server.prompts import chat_prompt_ids, template_flags
 from plait.server.protocol import DetokenizeRequest, TokenizeRequest, reject_unsupported
 from plait.server.routing import ApiRoute
 from plait.server.state import ReadyDep, StateDep, check_model, get_ready_state
-from plait.server.tools import (
-    chat_output_plan,
-    chat_template,
-    conversation_plan,
-    render_messages,
-)
 
 open_router = APIRouter()
 router = APIRouter(route_class=ApiRoute)

@@ -44,7 +44,7 @@ class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    # Checked in tool_protocol.py / tools.py (exact OpenAI shapes, precise errors).
+    # Checked in constrained/request_fields.py, output_plan.py (exact shapes, precise errors).
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     # Assistant-message fields of features Plait lacks; the SDK round-trips them as null.
@@ -125,7 +125,7 @@ class ChatCompletionRequest(SamplingRequest):
     # Identifiers that do not change the output.
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # Structured output and tools: JSON here, validated in tool_protocol.py.
+    # Structured output and tools: JSON here, validated in constrained/request_fields.py.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -28,12 +28,12 @@ from tool_helpers import HERMES_TEMPLATE, expected, reassemble, split
 from plait.engine.model_loader import load_tokenizer
 from plait.engine.outputs import RequestDelta
 from plait.server.app import create_app
-from plait.server.json_check import is_valid
+from plait.server.constrained.call_parsers import BareCalls, ParsedCall
+from plait.server.constrained.output_plan import plan_output
+from plait.server.constrained.output_reader import ChoiceStream, choice_message
+from plait.server.constrained.schema_check import is_valid
 from plait.server.protocol import ChatCompletionRequest
 from plait.server.settings import ServerSettings
-from plait.server.tool_output import ChoiceStream, choice_message
-from plait.server.tool_parsers import BareCalls, ParsedCall
-from plait.server.tools import plan_output
 
 PARAMS = {"type": "object", "properties": {
     "city": {"type": "string", "minLength": 1}, "unit": {"$ref": "#/$defs/Unit"}},

@@ -9,11 +9,7 @@ import pytest
 from tool_helpers import HERMES_TEMPLATE, expected, reassemble, split
 
 from plait.engine.structured import grammar_text
-from plait.server.errors import APIError
-from plait.server.protocol import ChatCompletionRequest, ChatMessage
-from plait.server.structured_params import auto_spec, close_objects, named_spec, required_spec
-from plait.server.tool_output import ChoiceStream
-from plait.server.tool_parsers import (
+from plait.server.constrained.call_parsers import (
     PARSERS,
     ParsedCall,
     ParsedOutput,
@@ -22,8 +18,12 @@ from plait.server.tool_parsers import (
     parse_json,
     parse_llama3_json,
 )
-from plait.server.tool_protocol import parse_tools
-from plait.server.tools import plan_output, render_messages
+from plait.server.constrained.grammars import auto_spec, close_objects, named_spec, required_spec
+from plait.server.constrained.output_plan import plan_output, render_messages
+from plait.server.constrained.output_reader import ChoiceStream
+from plait.server.constrained.request_fields import parse_tools
+from plait.server.errors import APIError
+from plait.server.protocol import ChatCompletionRequest, ChatMessage
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

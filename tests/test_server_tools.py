@@ -12,9 +12,9 @@ import jsonschema
 import pytest
 from server_harness import MODEL, RemoteServer, error_of
 
+from plait.server.constrained.output_plan import plan_output, render_messages
 from plait.server.prompts import chat_token_ids
 from plait.server.protocol import ChatCompletionRequest
-from plait.server.tools import plan_output, render_messages
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",

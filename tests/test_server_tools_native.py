@@ -12,9 +12,9 @@ import pytest
 from server_harness import MODEL, RemoteServer, start_server
 from tiny_model import make_tiny_model
 
+from plait.server.constrained.call_parsers import PARSERS
+from plait.server.constrained.output_plan import plan_output, render_messages
 from plait.server.protocol import ChatCompletionRequest
-from plait.server.tool_parsers import PARSERS
-from plait.server.tools import plan_output, render_messages
 
 # A Qwen-2.5-like template, reduced: tools in the system turn, calls as <tool_call> JSON,
 # results as a user turn of <tool_response>s.

@@ -4,8 +4,8 @@ with the whole message (`choice_message`)."""
 
 from __future__ import annotations
 
-from plait.server.tool_output import ChoiceStream, choice_message
-from plait.server.tools import OutputPlan
+from plait.server.constrained.output_plan import OutputPlan
+from plait.server.constrained.output_reader import ChoiceStream, choice_message
 
 HERMES_TEMPLATE = (
     "{% if tools %}{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"

@@ -3,7 +3,7 @@
     protocol.py    the request body (strict: unknown fields are 400s naming them)
     translate.py   input items, instructions, tools, text.format -> a ChatCompletionRequest
     objects.py     finished choices -> output items, usage, the response object
-    stream.py      chat deltas (tool_output.ChoiceStream) -> Responses SSE events
+    stream.py      chat deltas (output_reader.ChoiceStream) -> Responses SSE events
     store.py       the bounded in-memory store behind previous_response_id and GET/DELETE
     route.py       the routes
 

@@ -1,6 +1,6 @@
 """The Responses objects: output items from a finished choice, usage, the response itself.
 
-    choice text --tool_output.choice_message--> content + tool_calls
+    choice text --output_reader.choice_message--> content + tool_calls
         content (or no calls)   {"type": "message", "id": "msg_..", "role": "assistant",
                                  "status", "content": [{"type": "output_text", "text",
                                  "annotations": [], "logprobs": [...]}]}
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.engine import TokenLogprob
+from plait.server.constrained.output_plan import OutputPlan
+from plait.server.constrained.output_reader import choice_message
 from plait.server.generation import ChoiceState, Generation
 from plait.server.logprobs import chat_content
 from plait.server.responses.protocol import ResponsesRequest
 from plait.server.responses.store import ResponseStore
 from plait.server.responses.translate import Item, new_item_id
-from plait.server.tool_output import choice_message
-from plait.server.tools import OutputPlan
 
 DEFAULT_TEXT = {"format": {"type": "text"}, "verbosity": "medium"}
 

@@ -1,4 +1,4 @@
-"""`stream: true`: chat deltas (tool_output.ChoiceStream, as chat streams them) -> the
+"""`stream: true`: chat deltas (output_reader.ChoiceStream, as chat streams them) -> the
 Responses events, each framed `event: <type>\\ndata: <json>\\n\\n`:
 
     response.created, response.in_progress                 status in_progress, no output
@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from plait.engine import TokenLogprob
+from plait.server.constrained.output_reader import ChoiceStream
 from plait.server.generation import Generation, GenerationError
 from plait.server.responses.objects import (
     ResponseContext,
@@ -33,7 +34,6 @@ from plait.server.responses.objects import (
     text_part,
 )
 from plait.server.responses.translate import Item
-from plait.server.tool_output import ChoiceStream
 
 
 class EventLog:

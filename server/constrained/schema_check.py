@@ -1,5 +1,5 @@
 """Does a JSON value validate against a JSON schema? A small checker for the schemas tools
-declare as `parameters`, used to accept a bare JSON tool call (tool_parsers.BareCalls).
+declare as `parameters`, used to accept a bare JSON tool call (call_parsers.BareCalls).
 
 jsonschema is only a test dependency, so the server carries this subset of draft 2020-12
 (the keywords llguidance compiles, which every tool schema passed at check_tool_schemas):

@@ -3,7 +3,7 @@
 A parser is used for `tool_choice: "auto"` when the model's chat template renders `tools`
 itself (the model was trained on a tool-call format); `detect_parser` picks it from the
 template's source. Models without a tool format get the "json" parser and a grammar
-instead (tools.py).
+instead (output_plan.py).
 
     name          output format                                          detected by
     hermes        text <tool_call>{"name":..,"arguments":{..}}</tool_call>  "<tool_call>" in the
@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from plait.server.json_check import is_valid
+from plait.server.constrained.schema_check import is_valid
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +165,7 @@ class BareCalls:
 
     ("parameters" for "arguments": Llama 3.1's documented format; no other key) or a
     non-empty array of such objects (one only when parallel_tool_calls is false), and each
-    call's arguments must validate against its tool's `parameters` schema (json_check).
+    call's arguments must validate against its tool's `parameters` schema (schema_check.py).
     Anything else stays content, unchanged. `schemas`: tool name -> parameters schema."""
 
     schemas: Mapping[str, Any]
@@ -246,7 +246,7 @@ PARSERS: dict[str, ToolParser] = {
 
 def detect_parser(template: str | None) -> ToolParser | None:
     """The parser of the model family whose chat template is `template`, or None when the
-    template does not render tools (then tools.py renders them and uses a grammar)."""
+    template does not render tools (then output_plan.py renders them and uses a grammar)."""
     if not template or "tools" not in template:
         return None
     if "<tool_call>" in template:

@@ -13,7 +13,7 @@ Every schema the server hands the engine is made compact and closed:
   every output still validates against the schema the client sent; a schema that closing
   would make unsatisfiable is used as sent.
 
-Tool grammars (tools.py decides which one a request gets):
+Tool grammars (output_plan.py decides which one a request gets):
 
     call(t)      {"name": <t's name>, "arguments": <t's parameters schema>}
     calls        anyOf call(t) over the tools; with parallel calls: an array of 1+ of them
@@ -34,9 +34,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from plait.engine import StructuredSpec, structured_error
+from plait.server.constrained.request_fields import ResponseFormat, Tool, parse_response_format
 from plait.server.errors import bad_request
 from plait.server.offload import INLINE_MAX_SIZE, offload
-from plait.server.tool_protocol import ResponseFormat, Tool, parse_response_format
 
 T = TypeVar("T")
 

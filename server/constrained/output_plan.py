@@ -1,13 +1,13 @@
 """How a chat request with `tools` / `tool_choice` / `response_format` runs: the output
 constraint, how the conversation (tool calls and tool results included) is rendered, and
-how the output is read back (tool_output.py).
+how the output is read back (output_reader.py).
 
     tool_choice      constraint (grammar)                 output read as
     none / no tools  response_format's, or none           content
     "required"       calls_schema (a call, or an array)   "json" parser -> tool_calls
     named function   the function's parameters schema     the arguments of one call
     "auto", template the model's own format, unconstrained the family's parser
-      renders tools    (tool_parsers.detect_parser)
+      renders tools    (call_parsers.detect_parser)
     "auto", other    Lark: plain text | calls_schema      "json" parser
     "auto", either   (as above)                           + bare call JSON (BareCalls)
 
@@ -25,10 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from plait.engine import StructuredSpec
-from plait.server.errors import bad_request
-from plait.server.prompts import text_part
-from plait.server.protocol import ChatCompletionRequest, ChatMessage
-from plait.server.structured_params import (
+from plait.server.constrained.call_parsers import PARSERS, BareCalls, ToolParser, detect_parser
+from plait.server.constrained.grammars import (
     answer_spec,
     auto_spec,
     build_off_loop,
@@ -36,13 +34,15 @@ from plait.server.structured_params import (
     named_spec,
     required_spec,
 )
-from plait.server.tool_parsers import PARSERS, BareCalls, ToolParser, detect_parser
-from plait.server.tool_protocol import (
+from plait.server.constrained.request_fields import (
     Tool,
     parse_message_tool_calls,
     parse_tool_choice,
     parse_tools,
 )
+from plait.server.errors import bad_request
+from plait.server.prompts import text_part
+from plait.server.protocol import ChatCompletionRequest, ChatMessage
 
 OutputMode = Literal["text", "named", "calls", "parser"]
 _COMPACT = (",", ":")

@@ -28,8 +28,8 @@ import uuid
 from typing import Any
 
 from plait.engine import TokenLogprob
-from plait.server.tool_parsers import ParsedCall, ParsedOutput
-from plait.server.tools import OutputPlan
+from plait.server.constrained.call_parsers import ParsedCall, ParsedOutput
+from plait.server.constrained.output_plan import OutputPlan
 
 Delta = tuple[dict[str, Any], list[TokenLogprob]]
 
