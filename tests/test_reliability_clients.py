@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import time
 import uuid
 
 import httpx
@@ -58,11 +57,10 @@ def test_slow_reader_coalesces_and_blocks_no_one(tokenizer) -> None:
         slow = _send_without_reading(server.port, "/v1/chat/completions", body, {})
         # The engine runs the slow request to its end while nothing is read...
         assert wait_for(lambda: core.added and not core.live, 30)
-        # ...and another client streams as usual meanwhile.
-        started = time.monotonic()
+        # ...and another client streams as usual meanwhile (were it blocked behind the
+        # unread stream, it would never finish: the client's timeout is the liveness limit).
         fast = parse_sse(http.post("/v1/chat/completions",
                                    json={**body, "max_tokens": 3}).content)
-        assert time.monotonic() - started < 5
         assert fast.events[-1] == "[DONE]" and _content(fast.events)[0] == " one two three"
         raw = slow.getresponse().read()
         slow.close()
@@ -84,12 +82,11 @@ def test_slow_reader_of_a_real_server_gets_the_exact_text(server: RemoteServer) 
         generated = server.metrics()["plait_generation_tokens_total"]
         slow = _send_without_reading(server.port, "/v1/chat/completions",
                                      {**body, "stream": True}, server.headers)
-        started = time.monotonic()
+        # Served while the slow stream stays unread (the client's timeout is the limit).
         fast = http.post("/v1/chat/completions", json={
             **body, "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4,
             "stream": True})
-        fast_seconds = time.monotonic() - started
-        assert parse_sse(fast.content).events[-1] == "[DONE]" and fast_seconds < 30
+        assert parse_sse(fast.content).events[-1] == "[DONE]"
         # The engine finished the slow stream's tokens although nobody read them.
         assert wait_for(lambda: server.metrics()["plait_generation_tokens_total"]
                         - generated == 44 and server.gauges() == (0, 0), 60)
@@ -110,19 +107,24 @@ def test_hang_up_during_a_long_prefill_aborts_before_any_token(server) -> None:
     conn = _send_without_reading(server.port, "/v1/completions", {
         "model": MODEL, "prompt": prompt, "n": 3, "max_tokens": 50, "stream": True},
         server.headers)
-    time.sleep(1.0)  # inside the first prefill step (the second on a very fast machine)
-    conn.sock.close()
-    conn.close()
     computed = "plait_prompt_tokens_computed_total"  # the stats refresh after each step
 
-    def settled() -> bool:
-        return server.metrics()[computed] > before[computed] and server.gauges() == (0, 0)
+    def moved(name: str) -> float:
+        return server.metrics()[name] - before[name]
+
+    # The first prefill step is done (its stats are in) and the second one has begun.
+    assert wait_for(lambda: moved(computed) == 2048, 120), moved(computed)
+    conn.sock.close()
+    conn.close()
+
+    def settled() -> bool:  # every choice aborted, and its blocks back in the pool
+        m = server.metrics()
+        return (m["plait_num_requests_running"], m["plait_num_requests_waiting"],
+                m["plait_kv_blocks_used"]) == (0, 0, before["plait_kv_blocks_used"])
 
     assert wait_for(settled, 60), server.gauges()
-    time.sleep(0.5)
     after = server.metrics()
     assert after["plait_generation_tokens_total"] == before["plait_generation_tokens_total"]
-    computed_chunks = after[computed] - before[computed]
-    assert computed_chunks in (2048, 4096)  # whole steps only, never the whole prompt
-    assert after["plait_kv_blocks_used"] == before["plait_kv_blocks_used"]
+    # The step under way when the client hung up finishes; no third one starts.
+    assert after[computed] - before[computed] == 4096
     assert after["plait_kv_blocks_held_by_requests"] == 0
