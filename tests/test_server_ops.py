@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import httpx
@@ -59,7 +58,7 @@ def test_metrics_move_by_exactly_the_request(server: RemoteServer) -> None:
     assert moved("plait_num_preemptions_total") == 0
     assert after["plait_num_requests_running"] == 0
     assert after["plait_num_requests_waiting"] == 0
-    assert 0 <= after["plait_kv_cache_usage_perc"] <= 1
+    assert after["plait_kv_cache_usage_perc"] == 0  # nothing held at rest
 
 
 def test_stream_disconnect_aborts_all_choices_and_frees_their_blocks(server) -> None:
@@ -93,8 +92,9 @@ def test_non_streaming_disconnect_aborts(server: RemoteServer) -> None:
     generated = server.metrics()["plait_generation_tokens_total"]
     with server.http() as http, pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=2.0))
-    assert wait_for(lambda: server.metrics()["plait_num_requests_running"] == 0, 10)
-    time.sleep(0.5)
+    # Running and generated tokens come in one stats snapshot: once no choice runs, the
+    # count is final.
+    assert wait_for(lambda: server.metrics()["plait_num_requests_running"] == 0, 30)
     assert server.metrics()["plait_generation_tokens_total"] - generated < 2 * 4000
 
 
