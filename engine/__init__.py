@@ -31,6 +31,7 @@ _EXPORTS = {
     "COMPUTE_DTYPES": "config",
     "LLM": "llm",
     "RequestDelta": "outputs",
+    "ChoiceAccumulator": "outputs",
     "TokenLogprob": "outputs",
     "CompletionOutput": "outputs",
     "RequestOutput": "outputs",
@@ -62,6 +63,7 @@ __all__ = [
     "VALID_DTYPES",
     "WEIGHT_FORMATS",
     "AsyncEngine",
+    "ChoiceAccumulator",
     "CompletionOutput",
     "EngineClient",
     "EngineConfig",
@@ -103,7 +105,13 @@ if TYPE_CHECKING:
     from plait.engine.engine_process import ProcessEngine
     from plait.engine.faults import FAKE_FRAME, InjectedFault, arm_engine_faults, find_marker
     from plait.engine.llm import LLM
-    from plait.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, TokenLogprob
+    from plait.engine.outputs import (
+        ChoiceAccumulator,
+        CompletionOutput,
+        RequestDelta,
+        RequestOutput,
+        TokenLogprob,
+    )
     from plait.engine.sampling_params import MAX_LOGPROBS, InvalidParamError, SamplingParams
     from plait.engine.structured import GRAMMAR_FAILED, StructuredSpec, structured_error
     from plait.engine.token_text import TokenTextTable

@@ -12,7 +12,7 @@ from typing import Any
 
 from plait.engine.config import EngineConfig
 from plait.engine.core import EngineCore
-from plait.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+from plait.engine.outputs import ChoiceAccumulator, RequestOutput
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.validation import validate_request
 
@@ -33,36 +33,41 @@ class LLM:
         """Run every prompt's n choices to completion; one `RequestOutput` per prompt."""
         params = params or SamplingParams()
         batch = self._normalize(prompts)
-        pending: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
+        for _, token_ids in batch:
+            validate_request(self.engine.info, token_ids, params)
+        choices: list[list[ChoiceAccumulator]] = [
+            [ChoiceAccumulator() for _ in range(params.n)] for _ in batch]
+        pending: dict[str, ChoiceAccumulator] = {}
         try:
-            return self._run(batch, params, pending)
+            for (_, token_ids), prompt_choices in zip(batch, choices, strict=True):
+                for index, choice in enumerate(prompt_choices):
+                    request_id = f"offline-{next(self._ids)}"
+                    pending[request_id] = choice
+                    self.engine.add_request(request_id, token_ids, params.for_choice(index))
+            self._run(pending)
         except BaseException:
             for request_id in pending:  # leave nothing of this call behind in the engine
                 self.engine.abort(request_id)
             raise
+        return [_request_output(text, token_ids, prompt_choices)
+                for (text, token_ids), prompt_choices in zip(batch, choices, strict=True)]
 
-    def _run(self, batch, params: SamplingParams, pending) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        for _, token_ids in batch:
-            validate_request(self.engine.info, token_ids, params)
-        for text, token_ids in batch:
-            result = RequestOutput(text, token_ids, [])
-            outputs.append(result)
-            for index in range(params.n):
-                request_id = f"offline-{next(self._ids)}"
-                choice = CompletionOutput(index, [], "", None, cumulative_logprob=None)
-                result.outputs.append(choice)
-                self.engine.add_request(request_id, token_ids, params.for_choice(index))
-                pending[request_id] = (result, choice)
+    def _run(self, pending: dict[str, ChoiceAccumulator]) -> None:
+        """Step the engine until it is idle; each finished request leaves `pending`."""
         while self.engine.has_unfinished():
             for delta in self.engine.step():
-                self._apply(delta, pending)
-        return outputs
+                choice = pending[delta.request_id]
+                choice.add(delta)
+                if delta.finished:
+                    if delta.error is not None:
+                        raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
+                    del pending[delta.request_id]
 
-    def _normalize(self, prompts: PromptInput | Sequence[PromptInput]):
+    def _normalize(self, prompts: PromptInput | Sequence[PromptInput]
+                   ) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        batch = []
+        batch: list[tuple[str | None, list[int]]] = []
         for prompt in prompts:  # type: ignore[union-attr]
             if isinstance(prompt, str):
                 batch.append((prompt, self.tokenizer.encode(prompt)))
@@ -70,21 +75,15 @@ class LLM:
                 batch.append((None, list(prompt)))
         return batch
 
-    def _apply(self, delta: RequestDelta, pending) -> None:
-        result, choice = pending[delta.request_id]
-        choice.token_ids.extend(delta.token_ids)
-        choice.text += delta.text
-        choice.num_cached_tokens = delta.num_cached_tokens
-        if delta.logprobs is not None:
-            choice.logprobs = (choice.logprobs or []) + delta.logprobs
-            choice.cumulative_logprob = sum(lp.logprob for lp in choice.logprobs)
-        if delta.prompt_logprobs is not None and result.prompt_logprobs is None:
-            result.prompt_logprobs = delta.prompt_logprobs
-        if delta.finished:
-            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
-            if delta.error is not None:
-                raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
-            del pending[delta.request_id]
-
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+
+def _request_output(text: str | None, token_ids: list[int],
+                    choices: list[ChoiceAccumulator]) -> RequestOutput:
+    """One prompt's finished choices; every choice of a prompt gets the same prompt
+    logprobs (the first that arrived)."""
+    prompt_logprobs = next((c.prompt_logprobs for c in choices
+                            if c.prompt_logprobs is not None), None)
+    return RequestOutput(text, token_ids, [c.to_output(i) for i, c in enumerate(choices)],
+                         prompt_logprobs)

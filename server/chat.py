@@ -112,12 +112,12 @@ def _response(gen: Generation, choices: list[ChoiceState], extras: Extras,
     assert table is not None
     results = []
     for choice in choices:
-        message, finish_reason = choice_message(output, "".join(choice.text),
-                                                choice.finish_reason)
+        result = choice.output
+        message, finish_reason = choice_message(output, result.text, result.finish_reason)
         results.append({"index": choice.slot, "message": message,
-                        "logprobs": _logprobs(gen, choice.logprobs),
+                        "logprobs": _logprobs(gen, result.logprobs or []),
                         "finish_reason": finish_reason,
-                        **extras.token_ids("token_ids", choice.token_ids)})
+                        **extras.token_ids("token_ids", result.token_ids)})
     return {"id": gen.request_id, "object": "chat.completion", "created": gen.created,
             "model": gen.state.model_name, "choices": results, "usage": gen.usage(),
             **extras.prompt_logprobs_of(table, gen.prompt_logprobs(0)),
@@ -157,15 +157,15 @@ async def _stream(gen: Generation, extras: Extras,
                 deltas = [({"content": ""} if output.mode == "text" else {}, [])]
             for k, (content, logprobs) in enumerate(deltas):
                 yield chunk(choice.slot, content, _logprobs(gen, logprobs),
-                            num_tokens=choice.num_tokens,
+                            num_tokens=choice.output.num_tokens,
                             token_ids=delta.token_ids if k == 0 else [])
             if delta.finish_reason is not None:
                 rest, finish_reason = stream.finish(delta.finish_reason)
                 for content, logprobs in rest:
                     yield chunk(choice.slot, content, _logprobs(gen, logprobs),
-                                num_tokens=choice.num_tokens, token_ids=[])
+                                num_tokens=choice.output.num_tokens, token_ids=[])
                 yield chunk(choice.slot, {}, None, finish_reason,
-                            num_tokens=choice.num_tokens, token_ids=[])
+                            num_tokens=choice.output.num_tokens, token_ids=[])
         if extras.include_usage:
             yield encode({**base, "choices": [], "usage": gen.usage()})
         yield DONE

@@ -93,14 +93,15 @@ def _response(gen: Generation, echo: bool, extras: Extras) -> dict[str, Any]:
     choices = []
     for p, prompt in enumerate(gen.prompts):
         for k, choice in enumerate(gen.prompt_choices(p)):
+            result = choice.output
             text, logprobs = _text_and_logprobs(
-                gen, prompt if echo else None, "".join(choice.text), choice.logprobs,
-                choice.prompt_logprobs, 0)
+                gen, prompt if echo else None, result.text, result.logprobs or [],
+                result.prompt_logprobs, 0)
             choices.append({"text": text, "index": p * gen.plan.n + k, "logprobs": logprobs,
-                            "finish_reason": choice.finish_reason,
-                            **extras.prompt_logprobs_of(table, choice.prompt_logprobs),
+                            "finish_reason": result.finish_reason,
+                            **extras.prompt_logprobs_of(table, result.prompt_logprobs),
                             **extras.token_ids("prompt_token_ids", prompt.token_ids),
-                            **extras.token_ids("token_ids", _output_ids(gen, choice.token_ids))})
+                            **extras.token_ids("token_ids", _output_ids(gen, result.token_ids))})
     return {"id": gen.request_id, "object": "text_completion", "created": gen.created,
             "model": gen.state.model_name, "choices": choices, "usage": gen.usage()}
 
@@ -121,7 +122,7 @@ async def _stream(gen: Generation, echo: bool, extras: Extras) -> AsyncIterator[
             first = choice.slot not in emitted
             prompt = gen.prompts[choice.prompt_idx] if echo and first else None
             text, logprobs = _text_and_logprobs(
-                gen, prompt, delta.text, delta.logprobs or [], choice.prompt_logprobs,
+                gen, prompt, delta.text, delta.logprobs or [], choice.output.prompt_logprobs,
                 emitted.get(choice.slot, 0))
             emitted[choice.slot] = emitted.get(choice.slot, 0) + len(text)
             output_ids = _output_ids(gen, delta.token_ids)
@@ -130,7 +131,7 @@ async def _stream(gen: Generation, echo: bool, extras: Extras) -> AsyncIterator[
             if not text and not has_tokens and delta.finish_reason is None:
                 continue
             prompt_ids = gen.prompts[choice.prompt_idx].token_ids
-            num_tokens = 0 if gen.plan.discard_output else choice.num_tokens
+            num_tokens = 0 if gen.plan.discard_output else choice.output.num_tokens
             yield encode({**base, "choices": [{
                 "text": text, "index": choice.slot, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason,

@@ -14,9 +14,15 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from plait.engine import GRAMMAR_FAILED, RequestDelta, RequestStream, TokenLogprob
+from plait.engine import (
+    GRAMMAR_FAILED,
+    ChoiceAccumulator,
+    RequestDelta,
+    RequestStream,
+    TokenLogprob,
+)
 from plait.server.errors import APIError, bad_request, server_error
 from plait.server.fanout import FanOut
 from plait.server.merge import StreamMerger
@@ -36,19 +42,14 @@ class GenerationError(Exception):
 
 @dataclass(slots=True)
 class ChoiceState:
-    """One sub-request's output so far. `text`/`token_ids`/`logprobs` are kept only when
-    asked to (non-streaming); streaming keeps counts only."""
+    """One sub-request of the HTTP request: where its choice goes (`slot`, the index before
+    best_of ranking; `prompt_idx`), its output so far (`output`, the engine's accumulator:
+    text, token ids and logprobs are kept only when asked to, i.e. non-streaming) and its
+    token times for the latency metrics."""
 
     slot: int
     prompt_idx: int
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    num_tokens: int = 0
-    cumulative_logprob: float = 0.0
-    num_cached_tokens: int = 0
-    finish_reason: str | None = None
+    output: ChoiceAccumulator
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -77,11 +78,12 @@ class Generation:
         self.log_id = log_id
         self.prompts = prompts
         self.plan = plan
-        self.keep_output = keep_output
         self.created = int(time.time())
         self.arrival = time.monotonic()
-        self.choices = {p * plan.num_samples + j: ChoiceState(p * plan.num_samples + j, p)
-                        for p in range(len(prompts)) for j in range(plan.num_samples)}
+        self.choices = {
+            p * plan.num_samples + j: ChoiceState(p * plan.num_samples + j, p,
+                                                  ChoiceAccumulator(keep_output=keep_output))
+            for p in range(len(prompts)) for j in range(plan.num_samples)}
         self._fanout = FanOut(state.engine, request_id, state.settings.max_queued_requests)
         self._merger: StreamMerger[int, RequestDelta] | None = None
         self._first: tuple[ChoiceState, RequestDelta] | None = None
@@ -175,23 +177,12 @@ class Generation:
             for gap in gaps:
                 metrics.inter_token_latency.observe(gap)
             choice.last_token_time = now
-        choice.num_tokens += num_new
-        choice.num_cached_tokens = max(choice.num_cached_tokens, delta.num_cached_tokens)
-        if delta.logprobs:
-            choice.cumulative_logprob += sum(lp.logprob for lp in delta.logprobs)
-        if delta.prompt_logprobs is not None and choice.prompt_logprobs is None:
-            choice.prompt_logprobs = delta.prompt_logprobs
-        if self.keep_output:
-            choice.text.append(delta.text)
-            choice.token_ids.extend(delta.token_ids)
-            if delta.logprobs:
-                choice.logprobs.extend(delta.logprobs)
+        choice.output.add(delta)
         if delta.finish_reason in ("error", "abort"):
             logger.warning("request %s: sub-request %s failed: %s", self.request_id,
                            delta.request_id, delta.error or delta.finish_reason)
             raise GenerationError(delta.error or "The request was aborted by the engine.")
         if delta.finish_reason is not None:
-            choice.finish_reason = delta.finish_reason
             metrics.request_success.labels(delta.finish_reason).inc()
         return choice, delta
 
@@ -203,13 +194,14 @@ class Generation:
         samples = [self.choices[prompt_idx * num + j] for j in range(num)]
         if num == self.plan.n:
             return samples
-        ranked = sorted(samples, key=lambda c: -c.cumulative_logprob)
+        ranked = sorted(samples, key=lambda c: -(c.output.cumulative_logprob or 0.0))
         return ranked[: self.plan.n]
 
     def prompt_logprobs(self, prompt_idx: int) -> list[TokenLogprob | None] | None:
         """The prompt's logprobs (every sample of a prompt gets the same scores)."""
-        return next((c.prompt_logprobs for c in self.choices.values()
-                     if c.prompt_idx == prompt_idx and c.prompt_logprobs is not None), None)
+        return next((c.output.prompt_logprobs for c in self.choices.values()
+                     if c.prompt_idx == prompt_idx and c.output.prompt_logprobs is not None),
+                    None)
 
     def usage(self) -> dict[str, object]:
         """Prompt tokens once per prompt (not per choice); completion tokens of every sample
@@ -225,10 +217,10 @@ class Generation:
         all of it; n=1 reports exactly what its one sample reused."""
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
         completion = 0 if self.plan.discard_output else sum(
-            c.num_tokens for c in self.choices.values())
+            c.output.num_tokens for c in self.choices.values())
         cached_sum = [0] * len(self.prompts)  # one pass: linear in the number of choices
         for c in self.choices.values():
-            cached_sum[c.prompt_idx] += c.num_cached_tokens
+            cached_sum[c.prompt_idx] += c.output.num_cached_tokens
         cached = sum(total // self.plan.num_samples for total in cached_sum)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion,
@@ -246,7 +238,8 @@ class Generation:
         usage = self.usage()
         reasons: dict[str, int] = {}
         for c in self.choices.values():
-            reasons[c.finish_reason or "none"] = reasons.get(c.finish_reason or "none", 0) + 1
+            reason = c.output.finish_reason or "none"
+            reasons[reason] = reasons.get(reason, 0) + 1
         firsts = [c.first_token_time for c in self.choices.values() if c.first_token_time]
         ttft = f"{min(firsts) - self.arrival:.3f}s" if firsts else "-"
         logger.info(

@@ -75,15 +75,16 @@ class ResponseContext:
 
     def choice_items(self, gen: Generation, choice: ChoiceState) -> list[Item]:
         """The output items of a finished non-streamed choice."""
-        message, _ = choice_message(self.plan, "".join(choice.text), choice.finish_reason)
+        result = choice.output
+        message, _ = choice_message(self.plan, result.text, result.finish_reason)
         calls = message.get("tool_calls") or []
         items = []
         if message["content"] is not None or not calls:
             items.append(message_item("completed", message["content"] or "",
-                                      self.logprobs(gen, choice.logprobs)))
+                                      self.logprobs(gen, result.logprobs or [])))
         items.extend(call_item(c["id"], c["function"]["name"], c["function"]["arguments"],
                                "completed") for c in calls)
-        items[-1]["status"] = item_status(choice.finish_reason)
+        items[-1]["status"] = item_status(result.finish_reason)
         return items
 
     def snapshot(self, created_at: int, status: str, output: list[Item],
@@ -120,7 +121,7 @@ class ResponseContext:
             for item in output:
                 if item["status"] == "in_progress":
                     item["status"] = "incomplete"
-        elif any(c.finish_reason == "length" for c in gen.choices.values()):
+        elif any(c.output.finish_reason == "length" for c in gen.choices.values()):
             status = "incomplete"
         else:
             status = "completed"
