@@ -1,7 +1,7 @@
 """Keep a source checkout's top-level folders from shadowing installed packages.
 
 The repository root holds `engine/`, `server/` and `kernels/`, which install as
-`plait.engine`, `plait.server` and `plait.kernels` (ARCHITECTURE.md). `python -m ...`,
+`plait.engine`, `plait.server` and `plait.kernels` (docs/ARCHITECTURE.md). `python -m ...`,
 `python -c ...` and `PYTHONPATH=<checkout>` put the root itself on `sys.path`, where those
 folders would also import as the top-level modules `engine`, `server` and `kernels`, hiding
 installed distributions of the same name: transformers >= 5.25 depends on the PyPI package
