@@ -66,8 +66,9 @@ def test_group_rss_counts_every_process_of_the_group() -> None:
     sys.path.insert(0, str(SCRIPT.parent))
     from bench_peers import group_rss_bytes
 
-    hold = "import time; b = bytearray(100 * 2**20); b[::4096] = b'x' * len(b[::4096]); " \
-           "print('ready', flush=True); time.sleep(60)"
+    # Each child holds its memory until killed (signal.pause: no timer to outlast).
+    hold = "import signal; b = bytearray(100 * 2**20); b[::4096] = b'x' * len(b[::4096]); " \
+           "print('ready', flush=True); signal.pause()"
     parent = subprocess.Popen(
         ["sh", "-c", f'{shlex.quote(sys.executable)} -c "{hold}" & '
                      f'{shlex.quote(sys.executable)} -c "{hold}"; wait'],
