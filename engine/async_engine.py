@@ -31,6 +31,7 @@ from plait.engine.client import (
 )
 from plait.engine.config import EngineConfig, RuntimeInfo
 from plait.engine.core import EngineCore
+from plait.engine.core_api import Core
 from plait.engine.wire import Command, ShutdownCommand
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineLoadError", "RequestStream"]
@@ -45,7 +46,7 @@ class AsyncEngine(EngineClient):
     daemon thread. `core_factory` builds the core (tests pass a scripted one)."""
 
     def __init__(self, config: EngineConfig,
-                 core_factory: Callable[[EngineConfig], EngineCore] = EngineCore) -> None:
+                 core_factory: Callable[[EngineConfig], Core] = EngineCore) -> None:
         super().__init__(config)
         self._core_factory = core_factory
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -102,12 +103,12 @@ class AsyncEngine(EngineClient):
             return None
 
     def _run(self) -> None:
+        core = self.core
+        assert core is not None, "start() checked it"
         try:
-            run_core_loop(self.core, self._receive, self._deliver)
+            run_core_loop(core, self._receive, self._deliver)
         except BaseException as exc:  # the loop itself died: fail everything, turn unhealthy
             logger.exception("engine loop died")
             self._die(f"engine loop died: {type(exc).__name__}")
         finally:
-            close = getattr(self.core, "close", None)  # the KV events publisher's sockets
-            if close is not None:
-                close()
+            core.close()  # the KV events publisher's sockets

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plait.engine.config import EngineConfig, RuntimeInfo
+from plait.engine.core_api import Core
 from plait.engine.outputs import RequestDelta
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.wire import (
@@ -92,12 +93,12 @@ class EngineClient:
     Invariants: every stream handed out gets exactly one final delta (the core's, or an
     error delta when the engine dies); `num_queued` counts sub-requests added and not yet
     finished; once `dead_error` is set it stays set and `add_request` raises
-    `EngineDeadError`. `core` is the `EngineCore` when it lives in this process, else None.
+    `EngineDeadError`. `core` is the core when it lives in this process, else None.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.core: Any = None
+        self.core: Core | None = None
         self.dead_error: str | None = None
         self.num_queued = 0  # sub-requests sent to the engine but not yet finished
         self._streams: dict[str, RequestStream] = {}
@@ -205,7 +206,7 @@ Receive = Callable[[bool], Command | None]
 Emit = Callable[[list[RequestDelta], dict[str, Any]], None]
 
 
-def run_core_loop(core: Any, receive: Receive, emit: Emit) -> None:
+def run_core_loop(core: Core, receive: Receive, emit: Emit) -> None:
     """Drive `core` until a `ShutdownCommand` arrives.
 
     `receive(block)` returns the next command; with block=False it returns None when none
@@ -213,14 +214,19 @@ def run_core_loop(core: Any, receive: Receive, emit: Emit) -> None:
     nothing it can step), or returns None after a timeout of its choice. `emit(deltas,
     stats)` gets each iteration's deltas (maybe none) and the core's stats after it.
     Exceptions from the core propagate: the caller decides what a dead loop means.
+
+    The loop alone keeps `stalled`: set by a step that could compute nothing, cleared by
+    any command (a new or a freed request may make progress possible again).
     """
+    stalled = False
     while True:
-        idle = not core.has_unfinished() or core.stalled
+        idle = stalled or not core.has_unfinished()
         deltas: list[RequestDelta] = []
         command = receive(idle)
         while command is not None:
             if isinstance(command, ShutdownCommand):
                 return
+            stalled = False
             batch = command.requests if isinstance(command, AddBatchCommand) else [command]
             for one in batch:
                 delta = apply_command(core, one)
@@ -228,13 +234,14 @@ def run_core_loop(core: Any, receive: Receive, emit: Emit) -> None:
                     deltas.append(delta)
             command = receive(False)
         if core.has_unfinished():
-            deltas.extend(core.step())
+            result = core.step()
+            deltas.extend(result.deltas)
+            stalled = result.stalled
         emit(deltas, core.stats())
 
 
-def apply_command(core: Any, command: AddCommand | AbortCommand) -> RequestDelta | None:
+def apply_command(core: Core, command: AddCommand | AbortCommand) -> RequestDelta | None:
     """Apply one add/abort to `core`; a refused add becomes that request's error delta."""
-    core.stalled = False  # a new or a freed request may make progress possible again
     if isinstance(command, AbortCommand):
         return core.abort(command.request_id)
     try:

@@ -21,6 +21,7 @@ from typing import Any
 
 from plait.engine.block_pool import BlockPool
 from plait.engine.config import EngineConfig, RuntimeInfo
+from plait.engine.core_api import StepResult
 from plait.engine.detokenizer import IncrementalDetokenizer
 from plait.engine.grammar import GrammarCompiler, GrammarError
 from plait.engine.kv_events import KVEventPublisher
@@ -102,7 +103,6 @@ class EngineCore:
         self.compiling: dict[str, tuple[Request, Future[None]]] = {}
         self.counters = StepCounters()
         self.last_error: str | None = None
-        self.stalled = False
         self._held_blocks = (0.0, 0)  # (monotonic time computed, value): see _held_by_requests
 
     # ---------------------------------------------------------------- requests
@@ -133,14 +133,16 @@ class EngineCore:
         return bool(self.requests)
 
     # ---------------------------------------------------------------- one step
-    def step(self) -> list[RequestDelta]:
+    def step(self) -> StepResult:
         """Schedule, execute, update. A failing forward pass fails that step's requests
         (and keeps the engine alive); a failing sampling or detokenization fails only the
         request it belongs to. Structured requests enter the scheduler once their grammar
-        is compiled; one whose grammar cannot compile finishes with "error" here."""
+        is compiled; one whose grammar cannot compile finishes with "error" here. The
+        result is `stalled` when nothing was scheduled and no grammar is compiling: only a
+        new or a finished request can change that."""
         admitted = self._admit_compiled()
         out = self.scheduler.schedule()
-        self.stalled = not out.has_work and not out.unservable_ids and not self.compiling
+        stalled = not out.has_work and not out.unservable_ids and not self.compiling
         if not out.has_work and self.compiling and not admitted:
             # nothing to compute: wait a little for a grammar instead of spinning
             wait([f for _, f in self.compiling.values()], COMPILE_WAIT_S, FIRST_COMPLETED)
@@ -152,7 +154,7 @@ class EngineCore:
             deltas = admitted + self._update(out, run)
         if self.kv_events is not None:  # this step's blocks in and out of the cache
             self.kv_events.publish(self.pool.events.take())  # type: ignore[union-attr]
-        return deltas
+        return StepResult(deltas, stalled)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (one `AllBlocksCleared` event) and the kept prompts."""

@@ -114,7 +114,7 @@ def run_round(core: EngineCore, prompt: list[int], params: SamplingParams, n: in
         decoding = len(core.scheduler.running) == n and all(
             r.output_token_ids for r in core.scheduler.running)
         start = time.perf_counter()
-        deltas = core.step()
+        deltas = core.step().deltas
         elapsed = time.perf_counter() - start
         sampled = sum(len(d.token_ids) for d in deltas)
         if decoding and sampled == n:

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from plait.engine.config import EngineConfig, RuntimeInfo
+from plait.engine.core_api import StepResult
 from plait.engine.outputs import RequestDelta, TokenLogprob
 from plait.engine.sampling_params import SamplingParams
 
@@ -222,7 +223,8 @@ def parse_sse(raw: bytes) -> SSE:
 
 # ---------------------------------------------------------------- scripted engine
 class ScriptedCore:
-    """Stands in for `EngineCore` inside a real `AsyncEngine` (pass `core_factory`).
+    """Stands in for `EngineCore` inside a real `AsyncEngine` (pass `core_factory`); implements
+    the `Core` protocol (engine/core_api.py).
 
     Each step sleeps `step_delay` and gives every live request the next token of `SCRIPT`;
     a request finishes with "length" at its max_tokens (default 8). Knobs for tests:
@@ -266,29 +268,36 @@ class ScriptedCore:
     def has_unfinished(self) -> bool:
         return bool(self.live)
 
-    def step(self) -> list[RequestDelta]:
+    def step(self) -> StepResult:
         time.sleep(self.step_delay)
         deltas = []
         with self.lock:
             for request_id, (params, done) in list(self.live.items()):
-                if self.fail_after is not None and done >= self.fail_after:
-                    del self.live[request_id]
-                    deltas.append(RequestDelta(request_id, finish_reason="error",
-                                               error="scripted engine failure"))
-                    continue
-                token = self.script[done % len(self.script)]
-                done += 1
-                delta = RequestDelta(request_id, [token], self.tokenizer.decode([token]),
-                                     num_prompt_tokens=3)
-                if params.logprobs is not None:
-                    delta.logprobs = [TokenLogprob(token, -0.5, [(token, -0.5)])]
-                if done >= (params.max_tokens or 8):
-                    delta.finish_reason = "length"
+                delta = self.next_delta(request_id, params, done)
+                if delta.finished:
                     del self.live[request_id]
                 else:
-                    self.live[request_id] = (params, done)
+                    self.live[request_id] = (params, done + 1)
                 deltas.append(delta)
-        return deltas
+        return StepResult(deltas)
+
+    def next_delta(self, request_id: str, params: SamplingParams, done: int) -> RequestDelta:
+        """The delta of a live request that has `done` tokens (under the lock): the next
+        token of `SCRIPT`, or the scripted failure."""
+        if self.fail_after is not None and done >= self.fail_after:
+            return RequestDelta(request_id, finish_reason="error",
+                                error="scripted engine failure")
+        token = self.script[done % len(self.script)]
+        delta = RequestDelta(request_id, [token], self.tokenizer.decode([token]),
+                             num_prompt_tokens=3)
+        if params.logprobs is not None:
+            delta.logprobs = [TokenLogprob(token, -0.5, [(token, -0.5)])]
+        if done + 1 >= (params.max_tokens or 8):
+            delta.finish_reason = "length"
+        return delta
+
+    def close(self) -> None:
+        pass
 
     def stats(self) -> dict[str, Any]:
         if self.die:

@@ -155,7 +155,7 @@ def test_execute_fault_fails_exactly_that_steps_requests(tiny_path) -> None:
     first = llm.engine.step()  # a and b prefill; c waits for a seat
     assert sorted(d.request_id for d in first) == ["a", "b"]
     hook = fail_once(llm, "execute")
-    failed = llm.engine.step()
+    failed = llm.engine.step().deltas
     assert [site.request_id for site in hook.hit] == ["a"]  # the step fails at the first
     assert [(d.request_id, d.finish_reason, d.token_ids) for d in failed] == [
         ("a", "error", []), ("b", "error", [])]

@@ -97,7 +97,7 @@ def test_arrival_after_completion_skips_forward(tiny_path) -> None:
     first = llm.generate([ids], GREEDY)[0].outputs[0].token_ids
     computed_before = llm.stats()["prompt_tokens_computed"]
     llm.engine.add_request("again", ids, GREEDY)
-    deltas = llm.engine.step()  # samples from the kept logits row: no forward pass
+    deltas = llm.engine.step().deltas  # samples from the kept logits row: no forward pass
     assert [d.request_id for d in deltas] == ["again"]
     assert llm.engine.counters.steps == len(first) + 1
     seen = run_until_done(llm)

@@ -105,7 +105,7 @@ def test_abort_mid_way_frees_every_block(tiny_path, num_steps: int, state: str) 
     assert llm.engine.abort(order[0]) is None
     assert not llm.engine.has_unfinished()
     assert sched.num_unfinished == 0
-    assert llm.engine.step() == []
+    assert llm.engine.step().deltas == []
     assert_at_rest(llm)
     # The engine still serves correctly after the mass abort.
     rid, ids, params = jobs[5]
@@ -127,7 +127,7 @@ def test_abort_of_waiting_and_running_request_frees_everything(tiny_path) -> Non
     # the kept prompt): 7 + 1 blocks in use.
     assert llm.stats()["kv_blocks_used"] == 8
     assert llm.engine.abort("run").finish_reason == "abort"
-    assert llm.engine.step() == []
+    assert llm.engine.step().deltas == []
     assert llm.stats()["shared_prompts_kept"] == 1
     assert_at_rest(llm)
 

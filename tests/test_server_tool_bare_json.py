@@ -8,7 +8,6 @@ the real default model (a grammar makes it write a call with string arguments)."
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import jsonschema
@@ -27,6 +26,7 @@ from tool_helpers import HERMES_TEMPLATE, expected, reassemble, split
 
 from plait.engine.model_loader import load_tokenizer
 from plait.engine.outputs import RequestDelta
+from plait.engine.sampling_params import SamplingParams
 from plait.server.app import create_app
 from plait.server.constrained.call_parsers import BareCalls, ParsedCall
 from plait.server.constrained.output_plan import plan_output
@@ -249,23 +249,16 @@ class TextCore(ScriptedCore):
         with self.lock:
             self.tokens[request_id] = self.scripts[len(self.tokens) % len(self.scripts)]
 
-    def step(self) -> list[RequestDelta]:
-        time.sleep(self.step_delay)
-        deltas = []
-        with self.lock:
-            for request_id, (params, done) in list(self.live.items()):
-                script = self.tokens[request_id]
-                token = script[done]
-                delta = RequestDelta(request_id, [token], self.tokenizer.decode([token]),
-                                     num_prompt_tokens=3)
-                done += 1
-                if done == len(script) or done >= (params.max_tokens or 64):
-                    delta.finish_reason = "stop" if done == len(script) else "length"
-                    del self.live[request_id]
-                else:
-                    self.live[request_id] = (params, done)
-                deltas.append(delta)
-        return deltas
+    def next_delta(self, request_id: str, params: SamplingParams, done: int) -> RequestDelta:
+        script = self.tokens[request_id]
+        token = script[done]
+        delta = RequestDelta(request_id, [token], self.tokenizer.decode([token]),
+                             num_prompt_tokens=3)
+        if done + 1 == len(script):
+            delta.finish_reason = "stop"
+        elif done + 1 >= (params.max_tokens or 64):
+            delta.finish_reason = "length"
+        return delta
 
 
 @pytest.fixture(scope="module")

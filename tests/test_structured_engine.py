@@ -315,7 +315,7 @@ def test_a_request_aborted_while_its_grammar_compiles(tiny: LLM, monkeypatch) ->
     release.set()
     future.result(timeout=60)
     assert spec in compiler._cache
-    assert tiny.engine.step() == [] and not tiny.engine.has_unfinished()
+    assert tiny.engine.step().deltas == [] and not tiny.engine.has_unfinished()
     assert_pool_clean(tiny)
 
 
