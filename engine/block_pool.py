@@ -184,14 +184,6 @@ class BlockPool:
         for block_id in block_ids:
             self._drop_hash(self.blocks[block_id])
 
-    def reset_cache(self) -> None:
-        """Forget every hash (the KV content stays, unreachable): one `AllBlocksCleared`."""
-        for block in list(self.cached.values()):
-            block.published = False
-            self._drop_hash(block)
-        if self.events is not None:
-            self.events.cleared()
-
     def _drop_hash(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:

@@ -64,10 +64,6 @@ class RequestStream:
         self._event.set()
 
     @property
-    def has_pending(self) -> bool:
-        return self._pending is not None
-
-    @property
     def finished(self) -> bool:
         return self._done
 

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from plait.engine.block_pool import BlockPool
@@ -51,6 +51,16 @@ class StepCounters:
     generation_tokens: int = 0
     failed_steps: int = 0
     steps: int = 0
+
+
+@dataclass(slots=True)
+class OutputState:
+    """What the core keeps of a live request for its output, beside the scheduler's
+    `Request`: the incremental detokenizer (text and stop strings) and, when
+    `params.prompt_logprobs` is set, the prompt's logprobs, filled chunk by chunk."""
+
+    detokenizer: IncrementalDetokenizer
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
 
 def eos_token_ids(resolved: ResolvedModel, tokenizer: Any) -> tuple[int, ...]:
@@ -97,6 +107,7 @@ class EngineCore:
             model_name=resolved.name, block_size=config.block_size,
             weight_bytes=getattr(self.runner, "weight_bytes", 0))
         self.requests: dict[str, Request] = {}
+        self.outputs: dict[str, OutputState] = {}  # by request id, for each of `requests`
         # Structured requests whose grammar is still being compiled (not yet scheduled).
         self.grammars = GrammarCompiler(self.tokenizer, eos_ids=eos)
         self.runner.grammars = self.grammars
@@ -113,7 +124,8 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         req = Request(request_id, list(prompt_token_ids), params, extra_key=extra_key)
-        req.detokenizer = self.detokenizer_factory(self.tokenizer, req.prompt_token_ids, params)
+        self.outputs[request_id] = OutputState(
+            self.detokenizer_factory(self.tokenizer, req.prompt_token_ids, params))
         if params.structured is not None:  # scheduled once its grammar is compiled
             self.compiling[request_id] = (req, self.grammars.submit(params.structured))
         else:
@@ -125,6 +137,7 @@ class EngineCore:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        del self.outputs[request_id]
         if self.compiling.pop(request_id, None) is None:
             self.scheduler.finish(req)
         return self._final(req, "abort")
@@ -156,13 +169,6 @@ class EngineCore:
             self.kv_events.publish(self.pool.events.take())  # type: ignore[union-attr]
         return StepResult(deltas, stalled)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block (one `AllBlocksCleared` event) and the kept prompts."""
-        self.pool.reset_cache()
-        self.scheduler.share.clear_kept()
-        if self.kv_events is not None:
-            self.kv_events.publish(self.pool.events.take())  # type: ignore[union-attr]
-
     def close(self) -> None:
         """Flush and close the KV events publisher (the rest needs no closing)."""
         if self.kv_events is not None:
@@ -184,7 +190,7 @@ class EngineCore:
                 continue
             if not isinstance(exc, GrammarError):
                 logger.error("compiling the grammar of %s failed", request_id, exc_info=exc)
-            self.requests.pop(request_id, None)
+            self._forget(req)
             deltas.append(self._final(req, "error", error=f"{GRAMMAR_FAILED}: {exc}"))
         return deltas
 
@@ -210,12 +216,12 @@ class EngineCore:
                   for i in out.unservable_ids if i in self.requests]
         restarted = {c.request_id for c in out.chunks if c.start == 0}
         for request_id, scored in run.prompt_logprobs.items():
-            req = self.requests.get(request_id)
-            if req is None:
+            output = self.outputs.get(request_id)
+            if output is None:
                 continue
             if request_id in restarted:  # (again, when recomputed after a preemption)
-                req.prompt_logprobs = []
-            req.prompt_logprobs.extend(scored)
+                output.prompt_logprobs = []
+            output.prompt_logprobs.extend(scored)
         self._copy_shared_prompt_logprobs(out)
         for row in out.samples:
             req = self.requests.get(row.request_id)
@@ -240,9 +246,9 @@ class EngineCore:
             if row.computed_by is None or row.computed_by == row.request_id:
                 continue
             req = self.requests.get(row.request_id)
-            owner = self.requests.get(row.computed_by)
+            owner = self.outputs.get(row.computed_by)
             if req is not None and owner is not None and req.needs_prompt_logprobs:
-                req.prompt_logprobs = list(owner.prompt_logprobs)
+                self.outputs[row.request_id].prompt_logprobs = list(owner.prompt_logprobs)
 
     # ---------------------------------------------------------------- update
     def _safe_update(self, req: Request, token_id: int, logprob: TokenLogprob | None,
@@ -262,13 +268,10 @@ class EngineCore:
         is complete with this token, so it stops (even below min_tokens or with
         ignore_eos: the grammar wins); the token's text is kept unless it is EOS."""
         params = req.params
+        output = self.outputs[req.request_id]
         first = not req.output_token_ids
-        if first:
-            req.first_token_time = time.monotonic()
         req.output_token_ids.append(token_id)
         self.counters.generation_tokens += 1
-        if logprob is not None:
-            req.cumulative_logprob += logprob.logprob
         reason, stop_reason = self._check_stop(req, token_id)
         # A stop token (EOS or stop_token_ids) ends the text without its own text.
         hide = reason == "stop" and not params.include_stop_str_in_output
@@ -276,7 +279,7 @@ class EngineCore:
             reason, stop_reason = "stop", None
             hide = token_id in self.info.eos_token_ids and not params.include_stop_str_in_output
         # Below min_tokens a stop string cannot end the request either (as vLLM).
-        step = req.detokenizer.step([] if hide else [token_id], finished=reason is not None,
+        step = output.detokenizer.step([] if hide else [token_id], finished=reason is not None,
                                     match_stops=len(req.output_token_ids) >= params.min_tokens)
         if step.stop_str is not None:
             reason, stop_reason = "stop", step.stop_str
@@ -286,9 +289,9 @@ class EngineCore:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens or 0)
         if first and req.needs_prompt_logprobs:
-            delta.prompt_logprobs = req.prompt_logprobs
+            delta.prompt_logprobs = output.prompt_logprobs
         if reason is not None:
-            del self.requests[req.request_id]
+            self._forget(req)
             self.scheduler.finish(req)
             delta.finish_reason, delta.stop_reason = reason, stop_reason
         return delta
@@ -306,9 +309,14 @@ class EngineCore:
         return None, None
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestDelta:
-        self.requests.pop(req.request_id, None)
+        self._forget(req)
         self.scheduler.finish(req)
         return self._final(req, reason, error)
+
+    def _forget(self, req: Request) -> None:
+        """Drop a finished request's entries (the scheduler frees what it holds)."""
+        self.requests.pop(req.request_id, None)
+        self.outputs.pop(req.request_id, None)
 
     def _final(self, req: Request, reason: str, error: str | None = None) -> RequestDelta:
         return RequestDelta(req.request_id, finish_reason=reason, error=error,

@@ -110,10 +110,6 @@ class PromptShareTable:
         del self.kept[entry.key]
         self._free_slots.append(entry.slot)
 
-    def clear_kept(self) -> None:
-        while self.kept:
-            self._drop(next(iter(self.kept.values())))
-
     # ---------------------------------------------------------------- in-flight prompts
     def start(self, key: bytes, owner: Request) -> InFlightPrompt:
         entry = InFlightPrompt(key, owner)

@@ -1,13 +1,17 @@
-"""One engine sub-request: a single sequence with its own sampling params."""
+"""One engine sub-request as the scheduler sees it: a single sequence with its own sampling
+params, its tokens, its block table and its place in prompt sharing. What the core keeps
+for the output (detokenizer, prompt logprobs) lives in the core (engine/core.py)."""
 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from plait.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from plait.engine.prompt_share import InFlightPrompt
 
 
 class RequestStatus(enum.Enum):
@@ -29,7 +33,6 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     extra_key: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
@@ -38,18 +41,12 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     max_tokens: int = 16
-    cumulative_logprob: float = 0.0
-    # The engine core's incremental detokenizer (plain Python, no tensors).
-    detokenizer: Any = None
-    first_token_time: float | None = None
     # Prompt sharing (see prompt_share.py): the key of the prompt, the in-flight entry this
     # request computes (owner) or waits on (parked follower), and the hash under which its
     # partial last prompt block was registered (owners only).
     share_key: bytes | None = None
-    share_entry: Any = None
+    share_entry: InFlightPrompt | None = None
     partial_block_hash: bytes | None = None
-    # Filled chunk by chunk when params.prompt_logprobs is set (TokenLogprob | None items).
-    prompt_logprobs: list[Any] = field(default_factory=list)
     # What the runner knows of this request (see sched_output.py): described once, then
     # only a changed block table is sent again.
     known_to_runner: bool = False
@@ -62,12 +59,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_id(self, position: int) -> int:
-        num_prompt = len(self.prompt_token_ids)
-        if position < num_prompt:
-            return self.prompt_token_ids[position]
-        return self.output_token_ids[position - num_prompt]
 
     def token_ids(self, start: int, end: int) -> list[int]:
         num_prompt = len(self.prompt_token_ids)

@@ -67,7 +67,6 @@ class SchedulerOutput:
     step 6 were read, so a slot may be reused in the step that evicts its old entry).
     """
 
-    step_id: int
     finished_ids: tuple[str, ...] = ()
     new_requests: tuple[NewRequest, ...] = ()
     block_tables: tuple[tuple[str, tuple[int, ...]], ...] = ()

@@ -145,7 +145,7 @@ class Scheduler:
                 tables.append((request_id, tuple(req.block_ids)))
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(
-            step_id=self.step_idx, finished_ids=finished, new_requests=tuple(new_requests),
+            finished_ids=finished, new_requests=tuple(new_requests),
             block_tables=tuple(tables), block_copies=tuple(step.block_copies),
             chunks=tuple(step.chunks), samples=tuple(step.samples),
             keep_logits=tuple(step.keep_logits), preempted_ids=tuple(step.preempted),

@@ -208,21 +208,6 @@ def test_forget_drops_only_the_named_hashes() -> None:
     assert pool.lookup(hashes[1]) == 4
 
 
-def test_reset_cache_forgets_every_hash_but_keeps_blocks_and_refs() -> None:
-    pool = BlockPool(6)
-    held = pool.allocate(2)
-    for block_id, block_hash in zip(held, chain_hashes(2), strict=True):
-        pool.register(block_id, block_hash)
-    freed_hashes = chain_hashes(2, first_token=100)
-    cached_chain(pool, freed_hashes)
-    pool.reset_cache()
-    assert pool.cached == {}
-    assert all(block.block_hash is None for block in pool.blocks)
-    assert hits(pool, chain_hashes(2) + freed_hashes) == [None] * 4
-    assert [pool.ref_count(i) for i in range(6)] == [1, 1, 0, 0, 0, 0]
-    assert free_order(pool) == [4, 5, 3, 2]
-
-
 # --- hashing -------------------------------------------------------------------------------
 
 def test_hash_block_depends_on_parent_tokens_and_extra_key() -> None:

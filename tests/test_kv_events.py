@@ -224,25 +224,6 @@ def test_evictions_under_pressure_are_removed(tiny_path, sub) -> None:
     llm.engine.close()
 
 
-def test_cache_reset_clears_all(tiny_path, sub) -> None:
-    llm = events_llm(tiny_path, sub)
-    llm.generate([prompt(20, 12)], SamplingParams(temperature=0, max_tokens=2))
-    index = Index()
-    apply_all(index, sub.drain())
-    assert index.blocks
-    llm.engine.reset_prefix_cache()
-    last = sub.drain()
-    assert len(last) == 1 and [e["type"] for e in last[0][1][1]] == ["AllBlocksCleared"]
-    apply_all(index, last)
-    assert not index.blocks and not published_hashes(llm)
-    # the prompt is computed again, and stored again
-    llm.generate([prompt(20, 12)], SamplingParams(temperature=0, max_tokens=2))
-    apply_all(index, sub.drain())
-    assert set(index.blocks) == published_hashes(llm) and index.blocks
-    assert_consecutive(sub.live)
-    llm.engine.close()
-
-
 def test_replay_returns_missed_batches(tiny_path, sub) -> None:
     replay = f"tcp://127.0.0.1:{free_port()}"
     llm = events_llm(tiny_path, sub, kv_events_replay_endpoint=replay,
