@@ -8,7 +8,7 @@ Stream of one request (n=2), one choice per chunk, same id/created on every chun
     {"index":0,"delta":{},"finish_reason":"stop"}             exactly one per index
     (tool calls and response_format: constrained/output_plan.py, output_reader.py)
     {"choices":[],"usage":{...}}                              with include_usage only
-    [DONE]
+    [DONE]                                        (the tail: serving.with_tail)
 
 vLLM's extras (return_token_ids, prompt_logprobs, continuous usage, continue_final_message)
 are described in extras.py and prompts.py.
@@ -32,7 +32,7 @@ from plait.server.constrained.output_plan import (
 from plait.server.constrained.output_reader import ChoiceStream, choice_message
 from plait.server.extras import Extras, truncated
 from plait.server.fanout import check_num_sequences
-from plait.server.generation import ChoiceState, Generation, GenerationError, new_completion_id
+from plait.server.generation import ChoiceState, Generation, new_completion_id
 from plait.server.logprobs import chat_content
 from plait.server.params import Plan, chat_plan
 from plait.server.prompts import (
@@ -46,11 +46,12 @@ from plait.server.prompts import (
 )
 from plait.server.protocol import ChatCompletionRequest, reject_unsupported
 from plait.server.routing import ApiRoute
-from plait.server.serving import serve_generation
-from plait.server.sse import DONE, encode, error_event
+from plait.server.serving import chunk_base, serve_generation, with_tail
+from plait.server.sse import encode
 from plait.server.state import ReadyDep, ServerState, check_model, request_id_of
 
 router = APIRouter(route_class=ApiRoute)
+CHUNK_OBJECT = "chat.completion.chunk"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +96,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                      log_id=request_id_of(request))
     return await serve_generation(
         request, gen, build=lambda g, choices: _response(g, choices, extras, output),
-        stream=(lambda g: _stream(g, extras, output)) if body.streaming else None)
+        stream=(lambda g: with_tail(_stream(g, extras, output), g, CHUNK_OBJECT,
+                                    extras.include_usage)) if body.streaming else None)
 
 
 def _logprobs(gen: Generation, logprobs: list[Any]) -> dict[str, Any] | None:
@@ -126,13 +128,12 @@ def _response(gen: Generation, choices: list[ChoiceState], extras: Extras,
 
 async def _stream(gen: Generation, extras: Extras,
                   output: OutputPlan) -> AsyncIterator[bytes]:
-    """The stream of the module docstring; with the extras (extras.py), each role chunk
-    carries "prompt_token_ids", each other choice chunk "token_ids" and "usage". Tool
-    calls are turned into deltas by `ChoiceStream` (constrained/output_reader.py); a step's
-    token ids ride on the first chunk it produced (on an empty delta when it produced
-    none)."""
-    base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
-            "model": gen.state.model_name}
+    """The stream of the module docstring up to its tail (serving.with_tail); with the
+    extras (extras.py), each role chunk carries "prompt_token_ids", each other choice chunk
+    "token_ids" and "usage". Tool calls are turned into deltas by `ChoiceStream`
+    (constrained/output_reader.py); a step's token ids ride on the first chunk it produced
+    (on an empty delta when it produced none)."""
+    base = chunk_base(gen, CHUNK_OBJECT)
     num_prompt = len(gen.prompts[0].token_ids)
 
     def chunk(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
@@ -146,29 +147,22 @@ async def _stream(gen: Generation, extras: Extras,
                        **extras.usage_tail(num_prompt, num_tokens), **(top or {})})
 
     streams = [ChoiceStream(output) for _ in range(gen.plan.n)]
-    try:
-        prompt_ids = extras.token_ids("prompt_token_ids", gen.prompts[0].token_ids)
-        for index in range(gen.plan.n):
-            yield chunk(index, streams[index].role_delta(), top=prompt_ids)
-        async for choice, delta in gen.deltas():
-            stream = streams[choice.slot]
-            deltas = stream.feed(delta.text, delta.logprobs or [])
-            if not deltas and extras.return_token_ids and delta.token_ids:
-                deltas = [({"content": ""} if output.mode == "text" else {}, [])]
-            for k, (content, logprobs) in enumerate(deltas):
+    prompt_ids = extras.token_ids("prompt_token_ids", gen.prompts[0].token_ids)
+    for index in range(gen.plan.n):
+        yield chunk(index, streams[index].role_delta(), top=prompt_ids)
+    async for choice, delta in gen.deltas():
+        stream = streams[choice.slot]
+        deltas = stream.feed(delta.text, delta.logprobs or [])
+        if not deltas and extras.return_token_ids and delta.token_ids:
+            deltas = [({"content": ""} if output.mode == "text" else {}, [])]
+        for k, (content, logprobs) in enumerate(deltas):
+            yield chunk(choice.slot, content, _logprobs(gen, logprobs),
+                        num_tokens=choice.output.num_tokens,
+                        token_ids=delta.token_ids if k == 0 else [])
+        if delta.finish_reason is not None:
+            rest, finish_reason = stream.finish(delta.finish_reason)
+            for content, logprobs in rest:
                 yield chunk(choice.slot, content, _logprobs(gen, logprobs),
-                            num_tokens=choice.output.num_tokens,
-                            token_ids=delta.token_ids if k == 0 else [])
-            if delta.finish_reason is not None:
-                rest, finish_reason = stream.finish(delta.finish_reason)
-                for content, logprobs in rest:
-                    yield chunk(choice.slot, content, _logprobs(gen, logprobs),
-                                num_tokens=choice.output.num_tokens, token_ids=[])
-                yield chunk(choice.slot, {}, None, finish_reason,
                             num_tokens=choice.output.num_tokens, token_ids=[])
-        if extras.include_usage:
-            yield encode({**base, "choices": [], "usage": gen.usage()})
-        yield DONE
-    except GenerationError as exc:
-        yield error_event(str(exc))
-        yield DONE
+            yield chunk(choice.slot, {}, None, finish_reason,
+                        num_tokens=choice.output.num_tokens, token_ids=[])

@@ -19,17 +19,18 @@ from plait.engine import TokenLogprob
 from plait.server.constrained.grammars import answer_spec, build_off_loop
 from plait.server.extras import Extras, truncated
 from plait.server.fanout import check_num_sequences
-from plait.server.generation import Generation, GenerationError, new_completion_id
+from plait.server.generation import Generation, new_completion_id
 from plait.server.logprobs import CompletionLogprobs
 from plait.server.params import Plan, completion_plan
 from plait.server.prompts import Prompt, check_params, completion_prompts, num_prompts
 from plait.server.protocol import CompletionRequest, reject_unsupported
 from plait.server.routing import ApiRoute
-from plait.server.serving import serve_generation
-from plait.server.sse import DONE, encode, error_event
+from plait.server.serving import chunk_base, serve_generation, with_tail
+from plait.server.sse import encode
 from plait.server.state import ReadyDep, ServerState, check_model, request_id_of
 
 router = APIRouter(route_class=ApiRoute)
+CHUNK_OBJECT = "text_completion"
 
 
 async def completion_input(body: CompletionRequest,
@@ -63,7 +64,8 @@ async def create_completion(body: CompletionRequest, request: Request,
     echo, extras = bool(body.echo), Extras.of(body)
     return await serve_generation(
         request, gen, build=lambda g, _: _response(g, echo, extras),
-        stream=(lambda g: _stream(g, echo, extras)) if body.streaming else None)
+        stream=(lambda g: with_tail(_stream(g, echo, extras), g, CHUNK_OBJECT,
+                                    extras.include_usage)) if body.streaming else None)
 
 
 def _text_and_logprobs(gen: Generation, prompt: Prompt | None, text: str,
@@ -113,34 +115,26 @@ def _output_ids(gen: Generation, token_ids: list[int]) -> list[int]:
 async def _stream(gen: Generation, echo: bool, extras: Extras) -> AsyncIterator[bytes]:
     """One chunk per delta; the first chunk of a choice carries the echoed prompt (and its
     "prompt_token_ids" with return_token_ids); exactly one chunk per choice carries its
-    finish_reason (streaming never uses best_of)."""
-    base = {"id": gen.request_id, "object": "text_completion", "created": gen.created,
-            "model": gen.state.model_name}
+    finish_reason (streaming never uses best_of). The tail is `with_tail`'s (serving.py)."""
+    base = chunk_base(gen, CHUNK_OBJECT)
     emitted: dict[int, int] = {}  # slot -> characters sent so far
-    try:
-        async for choice, delta in gen.deltas():
-            first = choice.slot not in emitted
-            prompt = gen.prompts[choice.prompt_idx] if echo and first else None
-            text, logprobs = _text_and_logprobs(
-                gen, prompt, delta.text, delta.logprobs or [], choice.output.prompt_logprobs,
-                emitted.get(choice.slot, 0))
-            emitted[choice.slot] = emitted.get(choice.slot, 0) + len(text)
-            output_ids = _output_ids(gen, delta.token_ids)
-            has_tokens = bool(logprobs and logprobs["tokens"]) or (
-                extras.return_token_ids and (first or bool(output_ids)))
-            if not text and not has_tokens and delta.finish_reason is None:
-                continue
-            prompt_ids = gen.prompts[choice.prompt_idx].token_ids
-            num_tokens = 0 if gen.plan.discard_output else choice.output.num_tokens
-            yield encode({**base, "choices": [{
-                "text": text, "index": choice.slot, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason,
-                **(extras.token_ids("prompt_token_ids", prompt_ids) if first else {}),
-                **extras.token_ids("token_ids", output_ids)}],
-                **extras.usage_tail(len(prompt_ids), num_tokens)})
-        if extras.include_usage:
-            yield encode({**base, "choices": [], "usage": gen.usage()})
-        yield DONE
-    except GenerationError as exc:
-        yield error_event(str(exc))
-        yield DONE
+    async for choice, delta in gen.deltas():
+        first = choice.slot not in emitted
+        prompt = gen.prompts[choice.prompt_idx] if echo and first else None
+        text, logprobs = _text_and_logprobs(
+            gen, prompt, delta.text, delta.logprobs or [], choice.output.prompt_logprobs,
+            emitted.get(choice.slot, 0))
+        emitted[choice.slot] = emitted.get(choice.slot, 0) + len(text)
+        output_ids = _output_ids(gen, delta.token_ids)
+        has_tokens = bool(logprobs and logprobs["tokens"]) or (
+            extras.return_token_ids and (first or bool(output_ids)))
+        if not text and not has_tokens and delta.finish_reason is None:
+            continue
+        prompt_ids = gen.prompts[choice.prompt_idx].token_ids
+        num_tokens = 0 if gen.plan.discard_output else choice.output.num_tokens
+        yield encode({**base, "choices": [{
+            "text": text, "index": choice.slot, "logprobs": logprobs,
+            "finish_reason": delta.finish_reason,
+            **(extras.token_ids("prompt_token_ids", prompt_ids) if first else {}),
+            **extras.token_ids("token_ids", output_ids)}],
+            **extras.usage_tail(len(prompt_ids), num_tokens)})

@@ -21,8 +21,8 @@ from starlette.background import BackgroundTask
 from starlette.types import Receive
 
 from plait.server.errors import server_error
-from plait.server.generation import ChoiceState, Generation
-from plait.server.sse import DONE, error_event, sse_response
+from plait.server.generation import ChoiceState, Generation, GenerationError
+from plait.server.sse import DONE, encode, error_event, sse_response
 
 logger = logging.getLogger("plait.server")
 T = TypeVar("T")
@@ -73,6 +73,36 @@ async def _closing(body: AsyncIterator[bytes], gen: Generation) -> AsyncIterator
         yield DONE
     finally:
         gen.close()
+
+
+def chunk_base(gen: Generation, object_name: str) -> dict[str, Any]:
+    """The keys every chunk of a chat or completions stream starts with."""
+    return {"id": gen.request_id, "object": object_name, "created": gen.created,
+            "model": gen.state.model_name}
+
+
+async def with_tail(chunks: AsyncIterator[bytes], gen: Generation, object_name: str,
+                    include_usage: bool) -> AsyncIterator[bytes]:
+    """A chat or completions stream: its choice `chunks`, then the tail both end with
+
+        data: {"id":..,"object":<object_name>,..,"choices":[],"usage":{..}}  include_usage
+        data: [DONE]
+
+    or, when the generation fails after the stream started (`GenerationError`),
+
+        data: {"error":{"message":..,"type":"server_error","param":null,"code":null}}
+        data: [DONE]
+
+    (Responses streams end with their own events: responses/stream.py.)"""
+    try:
+        async for frame in chunks:
+            yield frame
+    except GenerationError as exc:
+        yield error_event(str(exc))
+    else:
+        if include_usage:
+            yield encode({**chunk_base(gen, object_name), "choices": [], "usage": gen.usage()})
+    yield DONE
 
 
 async def run_unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
