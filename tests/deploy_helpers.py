@@ -6,10 +6,14 @@ files are, the container port, and a small Dockerfile parser.
     stages_of(instructions)       -> {stage name: its instructions}, FROM included
     env_of(stage)                 -> {name: value} of the stage's ENV instructions
     kustomize_build(folder)       -> the rendered documents (`kubectl kustomize`), or skip
+    serve_flags()                 -> the options `plait serve --help` lists
+    get_status(path)              -> the status of GET path on an app whose engine never loaded
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import shlex
 import shutil
 import subprocess
@@ -94,3 +98,28 @@ def kustomize_build(folder: Path) -> list[dict[str, Any]]:
                             timeout=60, check=False)
     assert result.returncode == 0, f"kubectl kustomize {folder}:\n{result.stderr}"
     return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def serve_flags() -> set[str]:
+    """Every option string of `plait serve` (what `plait serve --help` lists)."""
+    from plait.cli import build_parser
+
+    parser = build_parser({})
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return set(commands.choices["serve"]._option_string_actions)
+
+
+@functools.cache
+def _client() -> Any:
+    from fastapi.testclient import TestClient
+
+    from plait.server.app import create_app
+    from plait.server.settings import ServerSettings
+
+    return TestClient(create_app(ServerSettings()))  # no lifespan: the engine never loads
+
+
+def get_status(path: str) -> int:
+    """The status of `GET path` on the real app before its engine loaded: 404 if no such
+    route, 503 for /health (not ready yet)."""
+    return _client().get(path).status_code
