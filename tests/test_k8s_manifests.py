@@ -3,8 +3,11 @@ overlays docker/gateway (inference gateway: InferencePool, endpoint picker, HTTP
 events) and docker/cpu (CPU replicas). Core kinds are validated against the Kubernetes schemas
 in strict mode; InferencePool and HTTPRoute against their CRDs' own OpenAPI schemas, vendored
 in tests/crds/ (source and version in each file's header). Both the files and the overlays as
-rendered (`kubectl kustomize`, skipped without kubectl) are checked, plus the invariants the
-server and the picker rely on. The Dockerfile itself is checked in test_dockerfile.py.
+rendered (`kubectl kustomize`, skipped without kubectl) are validated. Beyond the schemas,
+only what the server and the picker rely on and a schema cannot see: references resolve
+(files, ConfigMaps, Secrets, Services, ports, selectors, RBAC, plugins), probes hit a route
+the real app has, the pod runs as the image's non-root user, the kubelet's grace period
+covers the drain. The Dockerfile itself is checked in test_dockerfile.py.
 
 CPU only, no cluster needed. The schemas come from `kubernetes-validate` and `jsonschema`, in
 the `test` extra.
@@ -28,6 +31,7 @@ from deploy_helpers import (
     dockerfile_instructions,
     env_of,
     final_stage_of,
+    get_status,
     kustomize_build,
 )
 
@@ -86,11 +90,6 @@ def _one(path: Path, kind: str) -> dict[str, Any]:
     docs = [d for d in _load_all(path) if d.get("kind") == kind]
     assert len(docs) == 1, f"{path.name}: expected exactly one {kind}, found {len(docs)}"
     return docs[0]
-
-
-@pytest.fixture(scope="module")
-def kustomization() -> dict[str, Any]:
-    return _one(BASE_DIR / "kustomization.yaml", "Kustomization")
 
 
 @pytest.fixture(scope="module")
@@ -276,10 +275,7 @@ def test_strict_validation_rejects_unknown_fields(deployment: dict[str, Any]) ->
         kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
 
 
-def test_kustomization_resources(kustomization: dict[str, Any], container: dict[str, Any]) -> None:
-    resources = kustomization.get("resources", [])
-    for required in ("deployment.yaml", "service.yaml", "configmap.yaml", "pvc.yaml"):
-        assert required in resources, f"docker/base/kustomization.yaml lacks {required}"
+def test_kustomization_resources(container: dict[str, Any]) -> None:
     listed: set[Path] = set()
     for kust_path in _kustomizations():
         kust = _one(kust_path, "Kustomization")
@@ -331,7 +327,7 @@ def test_deployment_probes_hit_health(deployment: dict[str, Any], container: dic
         assert probe, f"{name} missing"
         http = probe.get("httpGet")
         assert http, f"{name} must be an httpGet probe"
-        assert http["path"] == "/health", f"{name} must hit /health"
+        assert get_status(http["path"]) != 404, f"{name}: the app has no {http['path']}"
         assert _port_number(container, http["port"]) == CONTAINER_PORT, (
             f"{name} must hit the container port {CONTAINER_PORT}")
     startup = container["startupProbe"]
@@ -384,15 +380,14 @@ def test_model_volume_and_cache(deployment: dict[str, Any], container: dict[str,
     mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
     env = _resolved_env(container, configmap)
 
+    # PLAIT_MODEL lies in a read-only mount of the claim that pvc.yaml defines.
     pvc = _one(BASE_DIR / "pvc.yaml", "PersistentVolumeClaim")
-    assert pvc["metadata"]["name"] == "plait-models"
-    models = mounts.get("/models")
-    assert models and models.get("readOnly") is True, "/models must be mounted read-only"
-    claim = volumes[models["name"]].get("persistentVolumeClaim", {})
-    assert claim.get("claimName") == "plait-models"
     model = env.get("PLAIT_MODEL")
-    assert isinstance(model, str) and model.startswith("/models/"), (
-        f"PLAIT_MODEL should point into the /models volume, got {model!r}")
+    assert isinstance(model, str)
+    models = next(m for path, m in mounts.items() if model.startswith(path.rstrip("/") + "/"))
+    assert models.get("readOnly") is True, f"{models['mountPath']} must be mounted read-only"
+    claim = volumes[models["name"]].get("persistentVolumeClaim", {})
+    assert claim.get("claimName") == pvc["metadata"]["name"]
 
     cache = env.get("PLAIT_CACHE") or env_of(final_stage)["PLAIT_CACHE"]
     cache_mount = mounts.get(cache)
@@ -431,7 +426,6 @@ def test_service_routes_to_container(deployment: dict[str, Any], container: dict
     selector_dep = deployment["spec"]["selector"]["matchLabels"]
     assert all(labels.get(k) == v for k, v in selector_dep.items())
     (port,) = svc["spec"]["ports"]
-    assert port["port"] == 80
     assert _port_number(container, port.get("targetPort", port["port"])) == CONTAINER_PORT
 
 
@@ -442,14 +436,12 @@ def test_hpa_targets_deployment(path: Path, deployment: dict[str, Any]) -> None:
     target = hpa["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
     assert 1 <= hpa["spec"].get("minReplicas", 1) <= hpa["spec"]["maxReplicas"]
-    readme = (K8S_DIR / "README.md").read_text()
     for metric in hpa["spec"]["metrics"]:
         if metric["type"] in ("Pods", "Object", "External"):
             name = metric[metric["type"].lower()]["metric"]["name"]
             # Plait's own gauge, or the vLLM-named one as prometheus-adapter serves it
             # (vllm:num_requests_waiting renamed: a custom-metric name has no colon).
             assert re.fullmatch(r"(plait|vllm)_[a-z_]+", name), f"not a Plait metric: {name}"
-            assert name in readme, f"docker/README.md does not explain the adapter rule for {name}"
 
 
 # --------------------------------------------------------------------------- rendered overlays
@@ -479,18 +471,10 @@ def test_rendered_overlay_is_schema_valid(entry: str) -> None:
     for doc in docs:
         _validate(doc, f"kubectl kustomize docker/{entry}")
     _assert_quantities(list(docs), f"docker/{entry}")
-    # The overlays leave the base's essentials alone.
+    # The overlays keep the API key, and set each variable once.
     container = _plait_container(docs)
-    assert container["image"].startswith("registry.example.com/plait:")
-    assert _find(docs, "Service", "plait")["spec"]["ports"][0]["port"] == 80
     env_names = [e["name"] for e in container.get("env", [])]
     assert "PLAIT_API_KEY" in env_names and len(env_names) == len(set(env_names))
-
-
-def test_plain_entry_point_renders_the_base_only() -> None:
-    kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in _rendered("plain"))
-    assert kinds == ["ConfigMap/plait-config", "Deployment/plait",
-                     "PersistentVolumeClaim/plait-models", "Service/plait"]
 
 
 def _epp_config(docs: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -575,8 +559,8 @@ def test_gateway_kv_events_wiring() -> None:
     container = _plait_container(docs)
     configmap = _find(docs, "ConfigMap", "plait-config")
     env = _resolved_env(container, configmap)
-    endpoint = env.get("PLAIT_KV_EVENTS_ENDPOINT")
-    assert endpoint == f"tcp://*:{KV_EVENTS_PORT}"
+    endpoint = env.get("PLAIT_KV_EVENTS_ENDPOINT")  # ZMQ bind address, tcp://*:<port>
+    assert int(endpoint.rsplit(":", 1)[1]) == KV_EVENTS_PORT
     assert _port_number(container, "kv-events") == KV_EVENTS_PORT
     _, config = _epp_config(docs)
     plugins = {p.get("name", p["type"]): p.get("parameters", {}) for p in config["plugins"]}
