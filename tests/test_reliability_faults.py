@@ -140,9 +140,9 @@ def test_a_bug_while_streaming_ends_the_stream_with_an_error_event(tokenizer, mo
     body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}],
             "stream": True, "max_tokens": 5}
     with InProcessServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
-        assert wait_for(lambda: http.get("/health").status_code == 200, 10)
+        assert wait_for(lambda: http.get("/health").status_code == 200, 30)
         response = http.post("/v1/chat/completions", json=body)
-        assert wait_for(lambda: not core.live, 5)
+        assert wait_for(lambda: not core.live, 30)
     assert not any(leak in response.text for leak in LEAKS)
     events = parse_sse(response.content).events
     _assert_error_event(events, "The server had an error while processing your request.")
@@ -175,7 +175,7 @@ def test_dead_engine_loop_turns_everything_503_at_once(doomed_server: RemoteServ
         assert error_of(killer, 500)["type"] == "server_error"
         sse = parse_sse(rest.encode())
         _assert_error_event(sse.events, "engine loop died: EngineKilled")
-        assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, 10)
+        assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, 30)
         error = error_of(httpx.get(f"{server.url}/health"), 503)
         assert error["code"] == "service_unavailable" and "stopped" in error["message"]
         before = server.metrics()[refused]
