@@ -13,7 +13,6 @@ set (stop, length, abort or error).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -114,7 +113,6 @@ class EngineCore:
         self.compiling: dict[str, tuple[Request, Future[None]]] = {}
         self.counters = StepCounters()
         self.last_error: str | None = None
-        self._held_blocks = (0.0, 0)  # (monotonic time computed, value): see _held_by_requests
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -324,22 +322,6 @@ class EngineCore:
                             num_cached_tokens=req.num_cached_tokens or 0)
 
     # ---------------------------------------------------------------- stats
-    HELD_BLOCKS_EXACT_UP_TO = 4096  # block-table entries counted after every step
-    HELD_BLOCKS_REFRESH_S = 0.5
-
-    def _held_by_requests(self) -> int:
-        """Distinct blocks in live requests' block tables. Exact while the tables hold at
-        most HELD_BLOCKS_EXACT_UP_TO entries (and so 0 with no request); above that,
-        recounted at most every HELD_BLOCKS_REFRESH_S, since walking every table of a large
-        long-context batch after every step would cost milliseconds."""
-        total = sum(len(req.block_ids) for req in self.requests.values())
-        now = time.monotonic()
-        if (total <= self.HELD_BLOCKS_EXACT_UP_TO
-                or now - self._held_blocks[0] >= self.HELD_BLOCKS_REFRESH_S):
-            self._held_blocks = (now, len({
-                block for req in self.requests.values() for block in req.block_ids}))
-        return self._held_blocks[1]
-
     def stats(self) -> dict[str, int | float | str | None]:
         s = self.scheduler.stats
         parked = self.scheduler.share.num_parked
@@ -347,7 +329,6 @@ class EngineCore:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting) + parked + len(self.compiling),
             "kv_blocks_used": self.pool.num_used_blocks,
-            "kv_blocks_held_by_requests": self._held_by_requests(),
             "kv_blocks_total": self.pool.num_blocks,
             "kv_cache_usage": self.pool.num_used_blocks / self.pool.num_blocks,
             "prompt_tokens_computed": s.prompt_tokens_computed,

@@ -37,9 +37,8 @@ _GAUGES = {
     "num_running": ("num_requests_running", "Sub-requests running in the engine."),
     "num_waiting": ("num_requests_waiting", "Sub-requests waiting for a running slot."),
     "kv_cache_usage": ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)."),
-    "kv_blocks_used": ("kv_blocks_used", "KV cache blocks in use (requests and kept prompts)."),
-    "kv_blocks_held_by_requests": ("kv_blocks_held_by_requests",
-                                   "KV cache blocks referenced by live requests (0 at rest)."),
+    "kv_blocks_used": ("kv_blocks_used", "KV cache blocks referenced by live requests (0 at "
+                       "rest: kept prompts name cached blocks, they hold none)."),
     "kv_blocks_total": ("kv_blocks_total", "KV cache blocks in the pool."),
     "model_weight_bytes": ("model_weight_bytes", "Bytes the model's weights hold in memory "
                            "(kept in the file's format, plus float copies)."),

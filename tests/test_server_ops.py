@@ -78,11 +78,10 @@ def test_stream_disconnect_aborts_all_choices_and_frees_their_blocks(server) -> 
             while num_chunks < 6:
                 num_chunks += next(lines).startswith("data: {")
             assert wait_for(lambda: server.metrics()["plait_num_requests_running"] == 3, 30)
-            assert server.metrics()["plait_kv_blocks_held_by_requests"] > 0
+            assert server.metrics()["plait_kv_blocks_used"] > 0
             response.close()  # the client hangs up mid-stream
         assert wait_for(lambda: server.metrics()["plait_num_requests_running"] == 0, 30)
-    server.assert_at_rest()
-    assert server.metrics()["plait_kv_blocks_held_by_requests"] == 0
+    server.assert_at_rest()  # no KV block in use
     assert server.metrics()["plait_generation_tokens_total"] - generated < 3 * 4000
 
 
