@@ -1,11 +1,14 @@
 """Drive one fanned-out generation request: start the sub-requests, merge their deltas,
 accumulate each choice, observe metrics, compute usage, abort whatever is left on exit.
 
-    Generation.start()            FanOut.start -> StreamMerger
-    await gen.first_ready(t)      error before the first byte -> APIError (a 500 envelope)
-    async for choice, delta in gen.deltas():   streaming
-    await gen.run_to_end()                     non-streaming
-    gen.close()                   always (finally): aborts unfinished sub-requests, logs
+    async with gen:               start: FanOut.start -> StreamMerger (or the 503/400)
+        await gen.first_ready(t)  error before the first byte -> APIError (a 500 envelope)
+        async for choice, delta in gen.deltas():   streaming
+        await gen.run_to_end()                     non-streaming
+                                  exit, however reached: abort unfinished sub-requests, log
+
+Leaving the `async with` is the one way a generation closes (serving.py owns it; a stream
+takes it over, see `serve_generation`); it happens exactly once, a failed start included.
 """
 
 from __future__ import annotations
@@ -91,9 +94,20 @@ class Generation:
         self._closed = False
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self) -> None:
-        """Admit every sub-request or none, else raise the fan-out's `APIError` (a 503 is
-        counted in /metrics as overloaded or unavailable)."""
+    async def __aenter__(self) -> Generation:
+        """Start: admit every sub-request or none, else close and raise the fan-out's
+        `APIError` (a 503 is counted in /metrics as overloaded or unavailable)."""
+        try:
+            self._start()
+        except BaseException:
+            self._close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._close()
+
+    def _start(self) -> None:
         try:
             streams: dict[int, RequestStream] = self._fanout.start(
                 [p.token_ids for p in self.prompts], self.plan.params, self.plan.num_samples)
@@ -145,9 +159,9 @@ class Generation:
             raise _api_error(exc) from None
         return [self.choices[slot] for slot in sorted(self.choices)]
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Abort unfinished sub-requests, stop the merger, record e2e latency and log.
-        Idempotent: only the first call does anything."""
+        Only the first call does anything (a failed start closes before any exit)."""
         if self._closed:
             return
         self._closed = True

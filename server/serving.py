@@ -39,29 +39,30 @@ class ClientDisconnected(Exception):
 
 async def serve_generation(request: Request, gen: Generation, *, stream: StreamBody | None,
                            build: BuildResponse) -> Response:
-    """Start `gen` and answer with SSE (`stream`) or one JSON body (`build`).
+    """Run `gen` (`async with gen`) and answer with SSE (`stream`) or one JSON body (`build`).
 
-    Every path ends in `gen.close()`, which aborts unfinished sub-requests.
+    Leaving `gen` aborts its unfinished sub-requests; every path leaves it once. A JSON
+    body, a refusal, an error or a disconnect leave it here. A stream takes the exit over
+    (`pop_all`): it runs when the body ends (done, failed, cancelled by a disconnect) or,
+    if the body never starts, after the response, whichever comes first.
     """
     ping = gen.state.settings.sse_ping_interval
-    try:
-        gen.start()
-        if stream is not None:
+    async with contextlib.AsyncExitStack() as scope:
+        await scope.enter_async_context(gen)
+        try:
+            if stream is None:
+                choices = await run_unless_disconnected(request.receive, gen.run_to_end())
+                return JSONResponse(build(gen, choices))
             await run_unless_disconnected(request.receive, gen.first_ready(ping or None))
-            return sse_response(_closing(stream(gen), gen), ping, BackgroundTask(gen.close))
-        choices = await run_unless_disconnected(request.receive, gen.run_to_end())
-        return JSONResponse(build(gen, choices),
-                            background=BackgroundTask(gen.close))
-    except ClientDisconnected:
-        gen.close()
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    except BaseException:
-        gen.close()
-        raise
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        owner = scope.pop_all()
+    return sse_response(_owning(stream(gen), gen, owner), ping, BackgroundTask(owner.aclose))
 
 
-async def _closing(body: AsyncIterator[bytes], gen: Generation) -> AsyncIterator[bytes]:
-    """`body`, then `gen.close()` however the stream ends (done, disconnect, cancel). An
+async def _owning(body: AsyncIterator[bytes], gen: Generation,
+                  owner: contextlib.AsyncExitStack) -> AsyncIterator[bytes]:
+    """`body`, then leave `gen` however the stream ends (done, disconnect, cancel). An
     unexpected error while building the stream ends it the way clients expect: an error
     event, then [DONE] (the details go to the log only)."""
     try:
@@ -72,7 +73,7 @@ async def _closing(body: AsyncIterator[bytes], gen: Generation) -> AsyncIterator
         yield error_event(server_error().message)
         yield DONE
     finally:
-        gen.close()
+        await owner.aclose()
 
 
 def chunk_base(gen: Generation, object_name: str) -> dict[str, Any]:
