@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plait.engine.config import EngineConfig, RuntimeInfo
-from plait.engine.core_api import Core
+from plait.engine.core_api import Core, EngineStats
 from plait.engine.outputs import RequestDelta
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.wire import (
@@ -99,7 +99,7 @@ class EngineClient:
         self.num_queued = 0  # sub-requests sent to the engine but not yet finished
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stats: dict[str, Any] = {}
+        self._stats = EngineStats()
 
     # ---------------------------------------------------------------- subclass contract
     def load(self) -> None:
@@ -132,9 +132,9 @@ class EngineClient:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- shared
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """The latest snapshot of `EngineCore.stats()`, taken after the core's last step."""
-        return dict(self._stats)
+        return self._stats
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> RequestStream:
@@ -163,7 +163,7 @@ class EngineClient:
         if request_id in self._streams:
             self._send(AbortCommand(request_id))
 
-    def _deliver(self, deltas: list[RequestDelta], stats: dict[str, Any]) -> None:
+    def _deliver(self, deltas: list[RequestDelta], stats: EngineStats) -> None:
         """From any thread: publish `stats` now, then hand `deltas` to the event loop (stats
         first, so whoever reads a final delta sees counters that include it)."""
         self._stats = stats
@@ -199,7 +199,7 @@ class EngineClient:
 
 # ---------------------------------------------------------------- the core's side
 Receive = Callable[[bool], Command | None]
-Emit = Callable[[list[RequestDelta], dict[str, Any]], None]
+Emit = Callable[[list[RequestDelta], EngineStats], None]
 
 
 def run_core_loop(core: Core, receive: Receive, emit: Emit) -> None:

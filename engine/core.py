@@ -20,7 +20,7 @@ from typing import Any
 
 from plait.engine.block_pool import BlockPool
 from plait.engine.config import EngineConfig, RuntimeInfo
-from plait.engine.core_api import StepResult
+from plait.engine.core_api import EngineStats, StepResult
 from plait.engine.detokenizer import IncrementalDetokenizer
 from plait.engine.grammar import GrammarCompiler, GrammarError
 from plait.engine.kv_events import KVEventPublisher
@@ -322,23 +322,21 @@ class EngineCore:
                             num_cached_tokens=req.num_cached_tokens or 0)
 
     # ---------------------------------------------------------------- stats
-    def stats(self) -> dict[str, int | float | str | None]:
+    def stats(self) -> EngineStats:
         s = self.scheduler.stats
         parked = self.scheduler.share.num_parked
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting) + parked + len(self.compiling),
-            "kv_blocks_used": self.pool.num_used_blocks,
-            "kv_blocks_total": self.pool.num_blocks,
-            "kv_cache_usage": self.pool.num_used_blocks / self.pool.num_blocks,
-            "prompt_tokens_computed": s.prompt_tokens_computed,
-            "prompt_tokens_cached": s.prompt_tokens_cached,
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "num_preemptions": s.num_preemptions,
-            "generation_tokens": self.counters.generation_tokens,
-            "shared_prompts_kept": len(self.scheduler.share.kept),
-            "failed_steps": self.counters.failed_steps,
-            "last_error": self.last_error,
-            "model_weight_bytes": self.info.weight_bytes,
-        }
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + parked + len(self.compiling),
+            kv_blocks_used=self.pool.num_used_blocks,
+            kv_blocks_total=self.pool.num_blocks,
+            prompt_tokens_computed=s.prompt_tokens_computed,
+            prompt_tokens_cached=s.prompt_tokens_cached,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            generation_tokens=self.counters.generation_tokens,
+            shared_prompts_kept=len(self.scheduler.share.kept),
+            failed_steps=self.counters.failed_steps,
+            last_error=self.last_error,
+            model_weight_bytes=self.info.weight_bytes)

@@ -4,9 +4,11 @@ step gives back. `EngineCore` implements `Core`; so does the tests' scripted cor
     run_core_loop(core: Core, receive, emit)
       core.add_request / core.abort        commands, drained between steps
       core.step() -> StepResult            deltas, and whether nothing could progress
-      core.stats()                         the snapshot emitted after each iteration
+      core.stats() -> EngineStats          the snapshot emitted after each iteration
 
-No torch here: the server process imports this module without loading the engine.
+`EngineStats` crosses the engine-process pipe as it is (engine/wire.py) and is what
+`/metrics` reads (server/metrics.py). No torch here: the server process imports this module
+without loading the engine.
 """
 
 from __future__ import annotations
@@ -35,6 +37,34 @@ class StepResult:
         return iter(self.deltas)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine core, taken after each loop iteration. Counters (`*_tokens`,
+    `prefix_cache_*`, `num_preemptions`, `failed_steps`) only grow over the engine's life;
+    the rest are gauges of the moment. Running and waiting count sub-requests (one per
+    choice of n), the units the engine schedules."""
+
+    num_running: int = 0  # sub-requests in the running batch
+    num_waiting: int = 0  # queued, parked on an identical prompt, or compiling a grammar
+    kv_blocks_used: int = 0  # referenced by live requests: 0 at rest (kept prompts own none)
+    kv_blocks_total: int = 0  # the pool's size
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model
+    prompt_tokens_cached: int = 0  # prompt tokens served from cached blocks or shared prompts
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # prompt tokens found
+    num_preemptions: int = 0
+    generation_tokens: int = 0  # tokens sampled
+    shared_prompts_kept: int = 0  # computed prompts kept for reuse (prompt_share.py)
+    failed_steps: int = 0  # forward passes that raised (their requests failed)
+    last_error: str | None = None  # "Type: message" of the last step/sampling/decoding error
+    model_weight_bytes: int = 0  # the model's weights in memory
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the pool's blocks in use (0..1)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
 class Core(Protocol):
     """The engine core as `run_core_loop` and `AsyncEngine` drive it, on one thread.
 
@@ -54,6 +84,6 @@ class Core(Protocol):
 
     def step(self) -> StepResult: ...
 
-    def stats(self) -> Any: ...
+    def stats(self) -> EngineStats: ...
 
     def close(self) -> None: ...

@@ -44,6 +44,7 @@ from typing import Any
 
 from plait.engine.client import EngineClient, EngineLoadError, run_core_loop
 from plait.engine.config import EngineConfig, RuntimeInfo
+from plait.engine.core_api import EngineStats
 from plait.engine.model_loader import load_tokenizer, resolve_model
 from plait.engine.outputs import RequestDelta
 from plait.engine.wire import (
@@ -267,7 +268,7 @@ def _receive(conn: Connection, block: bool) -> Command | None:
         return ShutdownCommand()
 
 
-def _emit(conn: Connection, deltas: list[RequestDelta], stats: dict[str, Any]) -> None:
+def _emit(conn: Connection, deltas: list[RequestDelta], stats: EngineStats) -> None:
     conn.send_bytes(encode(OutputsEvent(deltas, stats)))
 
 

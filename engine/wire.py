@@ -3,14 +3,15 @@ is framed: msgpack through msgspec, never pickle.
 
     server process                               engine process
     AddCommand / AddBatchCommand / AbortCommand / ShutdownCommand  -->
-                                            <--  ReadyEvent(RuntimeInfo) once loaded
-                                            <--  OutputsEvent(deltas, stats) after each step
+                                            <--  ReadyEvent(RuntimeInfo, stats) once loaded
+                                            <--  OutputsEvent(deltas, EngineStats) after each step
                                             <--  FatalEvent(error): loading failed or the loop died
 
 One message is one frame (`Connection.send_bytes` keeps frame boundaries). Each message is a
 tagged msgspec Struct; the payload types (`SamplingParams`, `RequestDelta`, `TokenLogprob`,
-`RuntimeInfo`, `EngineConfig`) are the engine's own dataclasses, which msgspec encodes and
-decodes field by field with type checks (and runs their `__post_init__` validation).
+`EngineStats`, `RuntimeInfo`, `EngineConfig`) are the engine's own dataclasses, which
+msgspec encodes and decodes field by field with type checks (and runs their
+`__post_init__` validation).
 
 Why msgspec: it encodes and decodes these dataclasses directly (no hand-written to/from
 dict), checks types while decoding so a malformed or foreign frame raises `WireError`
@@ -25,10 +26,9 @@ from typing import Any
 import msgspec
 
 from plait.engine.config import EngineConfig, RuntimeInfo
+from plait.engine.core_api import EngineStats
 from plait.engine.outputs import RequestDelta
 from plait.engine.sampling_params import SamplingParams
-
-StatValue = int | float | str | None
 
 
 class WireError(ValueError):
@@ -83,7 +83,7 @@ class ReadyEvent(msgspec.Struct, tag="ready", array_like=True):
 
     info: RuntimeInfo
     pid: int
-    stats: dict[str, StatValue]
+    stats: EngineStats
 
 
 class OutputsEvent(msgspec.Struct, tag="outputs", array_like=True):
@@ -93,7 +93,7 @@ class OutputsEvent(msgspec.Struct, tag="outputs", array_like=True):
     the counters that include it."""
 
     deltas: list[RequestDelta]
-    stats: dict[str, StatValue]
+    stats: EngineStats
 
 
 class FatalEvent(msgspec.Struct, tag="fatal", array_like=True):

@@ -38,7 +38,7 @@ def plait_run(llm: LLM, ids: list[int], n: int, max_tokens: int) -> tuple[float,
     start = time.perf_counter()
     out = llm.generate([ids], params)
     elapsed = time.perf_counter() - start
-    computed = llm.stats()["prompt_tokens_computed"] - before["prompt_tokens_computed"]
+    computed = llm.stats().prompt_tokens_computed - before.prompt_tokens_computed
     generated = sum(len(o.token_ids) for o in out[0].outputs)
     return elapsed, computed, generated
 

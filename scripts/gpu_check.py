@@ -262,9 +262,9 @@ def bench(device: str, tiny: bool, model_dir: Path, hf) -> dict:
         plait_tok_s(llm, random_prompts(1, plen), 1, n=n)  # untimed, as above
         hf_generate_tok_s(hf, random_prompts(1, plen), 1, n=n)
         ids = random_prompts(1, plen)[0]
-        before = llm.stats()["prompt_tokens_computed"]
+        before = llm.stats().prompt_tokens_computed
         _, p_s = plait_tok_s(llm, [ids], 1, n=n)
-        computed = llm.stats()["prompt_tokens_computed"] - before
+        computed = llm.stats().prompt_tokens_computed - before
         _, h_s = hf_generate_tok_s(hf, [ids], 1, n=n)
         shared.append({"n": n, "prompt_len": plen, "plait_s": p_s, "hf_s": h_s,
                        "plait_prompt_tokens_computed": computed, "speedup": h_s / p_s})

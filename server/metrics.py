@@ -1,15 +1,16 @@
 """Prometheus metrics (prefix `plait_`) in a registry owned by one app, plus the vLLM names
 that inference routers scrape (`vllm:`, see `VLLM_GAUGES`).
 
-Engine gauges and counters are read from `engine.stats()` when /metrics is scraped (the
-engine keeps the totals; nothing is double counted here). Per-request histograms and the
-success and refusal counters are observed by the HTTP layer as requests pass through it.
+Engine gauges and counters are read from `engine.stats()` (an `EngineStats`) when /metrics
+is scraped (the engine keeps the totals; nothing is double counted here). Per-request
+histograms and the success and refusal counters are observed by the HTTP layer as requests
+pass through it.
 
 The `vllm:` series are the model-server metrics protocol of the Gateway API Inference
 Extension's endpoint picker (llm-d-router `docs/plugin-metric-protocol.md`) and the vLLM
 production-stack router, with vLLM's names, types and labels (`vllm/v1/metrics/loggers.py`):
 labels `model_name` (the served name) and `engine` ("0": one engine core). They are the
-same engine stats as their `plait_` twins, read in the same scrape. Running and waiting
+same `EngineStats` fields as their `plait_` twins, read in the same scrape. Running and waiting
 count engine sub-requests (one per choice of n, or of best_of), as vLLM V1 counts the child
 requests of an n > 1 request: queue depth in units of engine work.
 """
@@ -24,6 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from plait.engine.core_api import EngineStats
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -32,48 +35,70 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 N_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
-# engine.stats() key -> (metric name without prefix, help)
-_GAUGES = {
-    "num_running": ("num_requests_running", "Sub-requests running in the engine."),
-    "num_waiting": ("num_requests_waiting", "Sub-requests waiting for a running slot."),
-    "kv_cache_usage": ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)."),
-    "kv_blocks_used": ("kv_blocks_used", "KV cache blocks referenced by live requests (0 at "
-                       "rest: kept prompts name cached blocks, they hold none)."),
-    "kv_blocks_total": ("kv_blocks_total", "KV cache blocks in the pool."),
-    "model_weight_bytes": ("model_weight_bytes", "Bytes the model's weights hold in memory "
-                           "(kept in the file's format, plus float copies)."),
-}
-_COUNTERS = {
-    "prompt_tokens_computed": ("prompt_tokens_computed", "Prompt tokens run through the model."),
-    "prompt_tokens_cached": ("prompt_tokens_cached", "Prompt tokens served from the cache."),
-    "generation_tokens": ("generation_tokens", "Generated tokens."),
-    "num_preemptions": ("num_preemptions", "Sub-requests preempted (recomputed later)."),
-    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the cache."),
-    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the cache."),
-}
+# One exported series: (name, help, value read from the engine's snapshot).
+Series = tuple[str, str, float]
 
-# vLLM's name -> (engine.stats() key, vLLM's help). `gpu_cache_usage_perc` and the `gpu_`
-# prefix-cache counters are vLLM's deprecated names, still read by the production-stack router.
-VLLM_GAUGES = {
-    "vllm:num_requests_running": ("num_running",
-                                  "Number of requests in model execution batches."),
-    "vllm:num_requests_waiting": ("num_waiting", "Number of requests waiting to be processed."),
-    "vllm:kv_cache_usage_perc": ("kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
-    "vllm:gpu_cache_usage_perc": ("kv_cache_usage", "KV-cache usage. 1 means 100 percent "
-                                  "usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead."),
-}
-VLLM_COUNTERS = {  # exposed with `_total` appended, as prometheus_client does for vLLM
-    "vllm:prefix_cache_queries": ("prefix_cache_queries",
-                                  "Prefix cache queries, in terms of number of queried tokens."),
-    "vllm:prefix_cache_hits": ("prefix_cache_hits",
-                               "Prefix cache hits, in terms of number of cached tokens."),
-    "vllm:gpu_prefix_cache_queries": ("prefix_cache_queries", "GPU prefix cache queries, in "
-                                      "terms of number of queried tokens. DEPRECATED: Use "
-                                      "vllm:prefix_cache_queries instead."),
-    "vllm:gpu_prefix_cache_hits": ("prefix_cache_hits", "GPU prefix cache hits, in terms of "
-                                   "number of cached tokens. DEPRECATED: Use "
-                                   "vllm:prefix_cache_hits instead."),
-}
+
+def plait_gauges(s: EngineStats) -> list[Series]:
+    return [
+        ("plait_num_requests_running", "Sub-requests running in the engine.", s.num_running),
+        ("plait_num_requests_waiting", "Sub-requests waiting for a running slot.",
+         s.num_waiting),
+        ("plait_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
+         s.kv_cache_usage),
+        ("plait_kv_blocks_used", "KV cache blocks referenced by live requests (0 at rest: "
+         "kept prompts name cached blocks, they hold none).", s.kv_blocks_used),
+        ("plait_kv_blocks_total", "KV cache blocks in the pool.", s.kv_blocks_total),
+        ("plait_model_weight_bytes", "Bytes the model's weights hold in memory (kept in the "
+         "file's format, plus float copies).", s.model_weight_bytes),
+    ]
+
+
+def plait_counters(s: EngineStats) -> list[Series]:
+    return [
+        ("plait_prompt_tokens_computed", "Prompt tokens run through the model.",
+         s.prompt_tokens_computed),
+        ("plait_prompt_tokens_cached", "Prompt tokens served from the cache.",
+         s.prompt_tokens_cached),
+        ("plait_generation_tokens", "Generated tokens.", s.generation_tokens),
+        ("plait_num_preemptions", "Sub-requests preempted (recomputed later).",
+         s.num_preemptions),
+        ("plait_prefix_cache_queries", "Prompt tokens looked up in the cache.",
+         s.prefix_cache_queries),
+        ("plait_prefix_cache_hits", "Prompt tokens found in the cache.", s.prefix_cache_hits),
+    ]
+
+
+# vLLM's names and help. `gpu_cache_usage_perc` and the `gpu_` prefix-cache counters are
+# vLLM's deprecated names, still read by the production-stack router.
+def vllm_gauges(s: EngineStats) -> list[Series]:
+    return [
+        ("vllm:num_requests_running", "Number of requests in model execution batches.",
+         s.num_running),
+        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+         s.num_waiting),
+        ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+         s.kv_cache_usage),
+        ("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. "
+         "DEPRECATED: Use vllm:kv_cache_usage_perc instead.", s.kv_cache_usage),
+    ]
+
+
+def vllm_counters(s: EngineStats) -> list[Series]:
+    """Exposed with `_total` appended, as prometheus_client does for vLLM."""
+    return [
+        ("vllm:prefix_cache_queries",
+         "Prefix cache queries, in terms of number of queried tokens.", s.prefix_cache_queries),
+        ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+         s.prefix_cache_hits),
+        ("vllm:gpu_prefix_cache_queries", "GPU prefix cache queries, in terms of number of "
+         "queried tokens. DEPRECATED: Use vllm:prefix_cache_queries instead.",
+         s.prefix_cache_queries),
+        ("vllm:gpu_prefix_cache_hits", "GPU prefix cache hits, in terms of number of cached "
+         "tokens. DEPRECATED: Use vllm:prefix_cache_hits instead.", s.prefix_cache_hits),
+    ]
+
+
 VLLM_LABELS = ("model_name", "engine")
 VLLM_ENGINE_INDEX = "0"  # vLLM numbers its engine cores (data parallel); Plait has one
 
@@ -103,20 +128,20 @@ class EngineCollector(Collector):
     """Exports the engine's own stats at scrape time, as `plait_` names and (with an
     identity) as vLLM's; nothing while the engine is not loaded."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any] | None],
+    def __init__(self, stats: Callable[[], EngineStats | None],
                  identity: Callable[[], EngineIdentity | None] = lambda: None) -> None:
         self._stats = stats
         self._identity = identity
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats() or {}
-        for key, (name, doc) in _GAUGES.items():
-            if key in stats:
-                yield GaugeMetricFamily(f"plait_{name}", doc, value=float(stats[key]))
-        for key, (name, doc) in _COUNTERS.items():
-            if key in stats:
-                yield CounterMetricFamily(f"plait_{name}", doc, value=float(stats[key]))
-        identity = self._identity() if stats else None
+        stats = self._stats()
+        if stats is None:
+            return
+        for name, doc, value in plait_gauges(stats):
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        for name, doc, value in plait_counters(stats):
+            yield CounterMetricFamily(name, doc, value=float(value))
+        identity = self._identity()
         if identity is not None:
             yield from _vllm_families(stats, identity)
 
@@ -124,20 +149,18 @@ class EngineCollector(Collector):
         return iter(())
 
 
-def _vllm_families(stats: dict[str, Any], identity: EngineIdentity) -> Iterator[Metric]:
-    """vLLM's series for one engine: the gauges and counters of `stats` (one scrape's
+def _vllm_families(stats: EngineStats, identity: EngineIdentity) -> Iterator[Metric]:
+    """vLLM's series for one engine: its gauges and counters of `stats` (one scrape's
     snapshot) labelled with the served model name, and `vllm:cache_config_info`."""
     labels = [identity.model_name, VLLM_ENGINE_INDEX]
-    for name, (key, doc) in VLLM_GAUGES.items():
-        if key in stats:
-            family = GaugeMetricFamily(name, doc, labels=VLLM_LABELS)
-            family.add_metric(labels, float(stats[key]))
-            yield family
-    for name, (key, doc) in VLLM_COUNTERS.items():
-        if key in stats:
-            family = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
-            family.add_metric(labels, float(stats[key]))
-            yield family
+    for name, doc, value in vllm_gauges(stats):
+        family = GaugeMetricFamily(name, doc, labels=VLLM_LABELS)
+        family.add_metric(labels, float(value))
+        yield family
+    for name, doc, value in vllm_counters(stats):
+        family = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
+        family.add_metric(labels, float(value))
+        yield family
     info = identity.cache_config_labels()
     family = GaugeMetricFamily("vllm:cache_config_info",
                                "Information of the LLMEngine CacheConfig", labels=list(info))
@@ -149,7 +172,7 @@ class ServerMetrics:
     """The app's registry plus the metrics the HTTP layer observes. `engine_stats` and
     `identity` are called at scrape time (None while the engine is not loaded)."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, Any] | None],
+    def __init__(self, engine_stats: Callable[[], EngineStats | None],
                  identity: Callable[[], EngineIdentity | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine_stats, identity))

@@ -62,5 +62,5 @@ def assert_all_free(pool: BlockPool) -> None:
 
 def assert_pool_clean(llm: LLM) -> None:
     """At rest every block is free (kept prompts name cached blocks, they hold none)."""
-    assert llm.stats()["kv_blocks_used"] == 0
+    assert llm.stats().kv_blocks_used == 0
     assert_all_free(llm.engine.pool)

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from plait.engine.config import EngineConfig, RuntimeInfo
-from plait.engine.core_api import StepResult
+from plait.engine.core_api import EngineStats, StepResult
 from plait.engine.outputs import RequestDelta, TokenLogprob
 from plait.engine.sampling_params import SamplingParams
 
@@ -298,11 +298,10 @@ class ScriptedCore:
     def close(self) -> None:
         pass
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         if self.die:
             raise RuntimeError("scripted engine death")
-        return {"num_running": len(self.live), "num_waiting": 0, "kv_blocks_used": 0,
-                "kv_blocks_total": 256, "kv_cache_usage": 0.0, "generation_tokens": 0}
+        return EngineStats(num_running=len(self.live), kv_blocks_total=256)
 
 
 def scripted_engine(core: ScriptedCore, gate: threading.Event | None = None):

@@ -21,6 +21,7 @@ from engine_helpers import (
 )
 
 from plait import SamplingParams
+from plait.engine.core_api import EngineStats
 from plait.engine.faults import FaultSite, install_fault_hook
 from plait.engine.sampling_params import InvalidParamError
 from plait.engine.validation import RequestRejected, validate_request
@@ -161,7 +162,7 @@ def test_execute_fault_fails_exactly_that_steps_requests(tiny_path) -> None:
         ("a", "error", []), ("b", "error", [])]
     assert failed[0].error == "internal error while computing the request"
     stats = llm.stats()
-    assert (stats["failed_steps"], stats["last_error"]) == (1, "InjectedFault: injected "
+    assert (stats.failed_steps, stats.last_error) == (1, "InjectedFault: injected "
                                                                 "execute fault")
     seen = run_until_done(llm)
     assert list(seen) == ["c"]
@@ -207,8 +208,8 @@ def test_detokenize_fault_fails_only_that_request(tiny_path) -> None:
         assert seen[rid][-1].finish_reason == "length"
     stats = llm.stats()
     # b's 4th token was generated; decoding it failed, so it never reached the client.
-    assert (stats["generation_tokens"], stats["failed_steps"]) == (8 + 4 + 8, 0)
-    assert stats["last_error"] == "InjectedFault: injected detokenize fault"
+    assert (stats.generation_tokens, stats.failed_steps) == (8 + 4 + 8, 0)
+    assert stats.last_error == "InjectedFault: injected detokenize fault"
     assert_pool_clean(llm)
 
 
@@ -241,39 +242,39 @@ def test_stats_count_what_was_done(tiny_path) -> None:
     for rid, ids, max_tokens in jobs:
         llm.engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                         ignore_eos=True))
-    assert (llm.stats()["num_waiting"], llm.stats()["num_running"]) == (2, 0)
+    assert (llm.stats().num_waiting, llm.stats().num_running) == (2, 0)
     llm.engine.step()
-    assert (llm.stats()["num_waiting"], llm.stats()["num_running"]) == (0, 2)
-    assert llm.stats()["generation_tokens"] == 2
+    assert (llm.stats().num_waiting, llm.stats().num_running) == (0, 2)
+    assert llm.stats().generation_tokens == 2
     # Every block in use belongs to a running request (a's 5 and b's 8 at least).
     held = {b for req in llm.engine.requests.values() for b in req.block_ids}
-    assert llm.stats()["kv_blocks_used"] == len(held) >= 5 + 8
+    assert llm.stats().kv_blocks_used == len(held) >= 5 + 8
     run_until_done(llm)
     stats = llm.stats()
-    assert stats == {
-        "num_running": 0,
-        "num_waiting": 0,
-        "kv_blocks_used": 0,  # the two kept prompts name cached blocks; they hold none
-        "kv_blocks_total": 64,
-        "kv_cache_usage": 0.0,
-        "prompt_tokens_computed": 50,
-        "prompt_tokens_cached": 0,
-        "prefix_cache_queries": 50,
-        "prefix_cache_hits": 0,
-        "num_preemptions": 0,
-        "generation_tokens": 12,
-        "shared_prompts_kept": 2,
-        "failed_steps": 0,
-        "last_error": None,
+    assert stats == EngineStats(
+        num_running=0,
+        num_waiting=0,
+        kv_blocks_used=0,  # the two kept prompts name cached blocks; they hold none
+        kv_blocks_total=64,
+        prompt_tokens_computed=50,
+        prompt_tokens_cached=0,
+        prefix_cache_queries=50,
+        prefix_cache_hits=0,
+        num_preemptions=0,
+        generation_tokens=12,
+        shared_prompts_kept=2,
+        failed_steps=0,
+        last_error=None,
         # the tiny model's float32 weights (a checkpoint, nothing kept) and their packs
-        "model_weight_bytes": llm.engine.runner.weight_bytes,
-    }
-    assert stats["model_weight_bytes"] > sum(
+        model_weight_bytes=llm.engine.runner.weight_bytes,
+    )
+    assert stats.kv_cache_usage == 0.0
+    assert stats.model_weight_bytes > sum(
         p.numel() * 4 for p in llm.engine.runner.model.parameters())
     assert_pool_clean(llm)
     # The kept prompts still serve a repeat without computing anything.
     llm.generate([jobs[0][1]], SamplingParams(temperature=0, max_tokens=1))
-    assert llm.stats()["prompt_tokens_computed"] == 50
+    assert llm.stats().prompt_tokens_computed == 50
 
 
 def test_a_poisoned_sampling_request_fails_alone(tiny_path) -> None:
@@ -295,7 +296,7 @@ def test_a_poisoned_sampling_request_fails_alone(tiny_path) -> None:
         assert tokens_of(seen[rid]) == alone(tiny_path, ids, params).token_ids, rid
         assert seen[rid][-1].finish_reason == "length"
     stats = llm.stats()
-    assert stats["failed_steps"] == 0 and "Overflow" in stats["last_error"]
+    assert stats.failed_steps == 0 and "Overflow" in stats.last_error
     assert_pool_clean(llm)
 
 

@@ -18,6 +18,7 @@ from server_harness import RemoteServer, parse_sse, start_server, wait_for
 from plait.engine import wire
 from plait.engine.client import EngineLoadError
 from plait.engine.config import EngineConfig, RuntimeInfo
+from plait.engine.core_api import EngineStats
 from plait.engine.engine_process import PROCESS_NAME, ProcessEngine
 from plait.engine.outputs import RequestDelta, TokenLogprob
 from plait.engine.sampling_params import SamplingParams
@@ -44,12 +45,12 @@ def test_every_boundary_type_round_trips() -> None:
         num_cached_tokens=2, prompt_logprobs=[None, TokenLogprob(2, -3.5), None])
     events = [
         wire.ReadyEvent(RuntimeInfo("cpu", "float32", 64, 128, 100, (0, 2), "m"), 42,
-                        {"kv_blocks_total": 64}),
+                        EngineStats(kv_blocks_total=64)),
         wire.OutputsEvent([full, RequestDelta("r-1", stop_reason="\n\n"),
                            RequestDelta("r-2", finish_reason="error", error="boom")],
-                          {"num_running": 1, "kv_cache_usage": 0.5, "last_error": None,
-                           "model": "x"}),
-        wire.OutputsEvent([], {}),
+                          EngineStats(num_running=1, kv_blocks_used=32, kv_blocks_total=64,
+                                      last_error="RuntimeError: x")),
+        wire.OutputsEvent([], EngineStats()),
         wire.FatalEvent("engine loop died: EngineKilled"),
         wire.FatalEvent("ModelLoadError: no such model", loading=True),
     ]
@@ -58,6 +59,7 @@ def test_every_boundary_type_round_trips() -> None:
     decoded = wire.decode_event(wire.encode(events[1]))
     assert isinstance(decoded.deltas[0].logprobs[0], TokenLogprob)
     assert decoded.deltas[0].logprobs[0].top == [(5, -0.25), (9, -2.0)]
+    assert isinstance(decoded.stats, EngineStats) and decoded.stats.kv_cache_usage == 0.5
     start = wire.EngineStart(EngineConfig(model="/m", num_kv_blocks=8), True, 10, 1)
     assert wire.decode_start(wire.encode(start)) == start
 
@@ -72,6 +74,8 @@ def test_malformed_frames_are_rejected_cleanly() -> None:
             wire.decode_command(frame)
     with pytest.raises(wire.WireError):  # a command where an event belongs
         wire.decode_event(good)
+    with pytest.raises(wire.WireError, match="num_running"):  # stats are typed too
+        wire.decode_event(wire.encode(["outputs", [], {"num_running": "1"}]))
     out_of_range = wire.encode(["add", "r", [1], {"temperature": 9.0}])
     with pytest.raises(wire.WireError, match="temperature"):  # the dataclass's own checks
         wire.decode_command(out_of_range)
@@ -84,7 +88,7 @@ def test_process_engine_serves_and_reports_fresh_stats(tiny_path: Path) -> None:
     async def scenario() -> None:
         engine.start(asyncio.get_running_loop())
         assert engine.healthy and engine.pid not in (None, os.getpid())
-        before = engine.stats()["generation_tokens"]
+        before = engine.stats().generation_tokens
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         streams = [engine.add_request(f"r-{i}", [1, 2, 3], params) for i in range(2)]
         assert engine.num_queued == 2
@@ -95,7 +99,7 @@ def test_process_engine_serves_and_reports_fresh_stats(tiny_path: Path) -> None:
             finals.append(deltas[-1].finish_reason)
         assert finals == ["length", "length"] and engine.num_queued == 0
         # The snapshot travelled with the final deltas: already up to date.
-        assert engine.stats()["generation_tokens"] - before == 8
+        assert engine.stats().generation_tokens - before == 8
         long = engine.add_request("r-long", [1, 2, 3], SamplingParams(max_tokens=None,
                                                                       ignore_eos=True))
         first = await anext(long)

@@ -46,7 +46,7 @@ def test_seeded_request_is_reproducible_inside_a_busy_batch(tiny_path, arrival) 
     request = llm.engine.requests["target"]
     seen = run_until_done(llm)
     assert tokens_of(seen["target"]) == expected
-    assert llm.stats()["num_preemptions"] > 0
+    assert llm.stats().num_preemptions > 0
     assert (request.num_preemptions > 0) == (arrival != "first")  # the newest is preempted
     assert_pool_clean(llm)
 
@@ -151,7 +151,7 @@ def test_max_tokens_gives_length_with_exactly_that_many_tokens(tiny_path) -> Non
         choice = choice[0].outputs[0]
         assert (choice.finish_reason, choice.stop_reason) == ("length", None)
         assert len(choice.token_ids) == max_tokens
-    assert llm.stats()["generation_tokens"] == 8
+    assert llm.stats().generation_tokens == 8
 
 
 def test_min_tokens_holds_back_a_likely_eos(tiny_path) -> None:

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_harness import MODEL, RemoteServer, wait_for
 
 from plait.engine.config import EngineConfig
+from plait.engine.core_api import EngineStats
 from plait.engine.model_loader import default_gguf_path
 from plait.server.metrics import EngineIdentity, ServerMetrics
 
@@ -132,8 +133,8 @@ def test_nothing_of_the_engine_before_it_loads() -> None:
 
 def test_model_name_label_is_escaped() -> None:
     name = 'a "quoted"\\name'
-    stats = {"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25,
-             "prefix_cache_queries": 40, "prefix_cache_hits": 32}
+    stats = EngineStats(num_running=2, num_waiting=1, kv_blocks_used=25, kv_blocks_total=100,
+                        prefix_cache_queries=40, prefix_cache_hits=32)
     metrics = ServerMetrics(lambda: stats, lambda: EngineIdentity(name, 32, 100, "bfloat16",
                                                                   False))
     families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}

@@ -217,7 +217,7 @@ def test_greedy_tokens_equal_transformers_on_the_gguf(hf_greedy, weights) -> Non
     linear = llm.engine.runner.model.layers[0].mlp.down_proj
     assert isinstance(linear, QuantLinear) == (weights == "auto")
     weight_bytes = llm.engine.runner.weight_bytes
-    assert llm.engine.info.weight_bytes == llm.engine.stats()["model_weight_bytes"] \
+    assert llm.engine.info.weight_bytes == llm.engine.stats().model_weight_bytes \
         == weight_bytes
     assert (weight_bytes < default_gguf_path().stat().st_size) == (weights == "auto")
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)

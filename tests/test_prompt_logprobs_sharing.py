@@ -68,9 +68,9 @@ def test_n_choices_score_the_prompt_once_and_equal_a_solo_run(tiny_path) -> None
         llm.engine.add_request(f"c{i}", ids, SCORED)
     seen, _ = run_until_done(llm)
     stats = llm.stats()
-    assert stats["prompt_tokens_computed"] == PROMPT_LEN
-    assert stats["prompt_tokens_cached"] == 3 * PROMPT_LEN
-    assert stats["shared_prompts_kept"] == 0  # scored prompts are never kept
+    assert stats.prompt_tokens_computed == PROMPT_LEN
+    assert stats.prompt_tokens_cached == 3 * PROMPT_LEN
+    assert stats.shared_prompts_kept == 0  # scored prompts are never kept
     expected_scores, expected_tokens = solo(tiny_path, ids, SCORED)
     assert len(expected_scores) == PROMPT_LEN and expected_scores[0] is None
     for i in range(4):
@@ -89,10 +89,10 @@ def test_cached_prefix_is_rescored_exactly(tiny_path) -> None:
     llm = make_llm(tiny_path)
     ids = prompt(32, PROMPT_LEN)
     llm.generate([ids[:40]], SamplingParams(temperature=0, max_tokens=1))
-    computed_before = llm.stats()["prompt_tokens_computed"]
+    computed_before = llm.stats().prompt_tokens_computed
     out = llm.generate([ids], SamplingParams(n=3, temperature=0, max_tokens=3,
                                              ignore_eos=True, prompt_logprobs=2))[0]
-    assert llm.stats()["prompt_tokens_computed"] == computed_before + PROMPT_LEN
+    assert llm.stats().prompt_tokens_computed == computed_before + PROMPT_LEN
     expected_scores, expected_tokens = solo(tiny_path, ids, SCORED)
     assert scores(out.prompt_logprobs) == expected_scores
     assert [o.token_ids for o in out.outputs] == [expected_tokens] * 3
@@ -105,7 +105,7 @@ def test_arrival_during_a_chunked_scoring_prefill_shares_it(tiny_path) -> None:
     llm.engine.step()  # tokens 0..15
     llm.engine.add_request("late", ids, SCORED)
     seen, first_step = run_until_done(llm)
-    assert llm.stats()["prompt_tokens_computed"] == PROMPT_LEN
+    assert llm.stats().prompt_tokens_computed == PROMPT_LEN
     assert first_step["late"] == first_step["owner"], "first tokens in the same step"
     assert first_scores(seen, "late") == first_scores(seen, "owner")
     assert len(first_scores(seen, "late")) == PROMPT_LEN
@@ -124,13 +124,13 @@ def test_scoring_requests_do_not_share_with_other_kinds(tiny_path) -> None:
     for rid, params in kinds.items():
         llm.engine.add_request(rid, ids, params)
     seen, _ = run_until_done(llm)
-    assert llm.stats()["prompt_tokens_computed"] == 3 * PROMPT_LEN
+    assert llm.stats().prompt_tokens_computed == 3 * PROMPT_LEN
     assert seen["plain"][0].prompt_logprobs is None
     one, two = first_scores(seen, "top1"), first_scores(seen, "top2")
     assert [e[:2] for e in one[1:]] == [e[:2] for e in two[1:]]
     assert [e[2] for e in one[1:]] == [e[2][:1] for e in two[1:]]
     llm.generate([ids], kinds["plain"])
-    assert llm.stats()["prompt_tokens_computed"] == 3 * PROMPT_LEN  # kept: no forward pass
+    assert llm.stats().prompt_tokens_computed == 3 * PROMPT_LEN  # kept: no forward pass
 
 
 def test_followers_over_max_num_seqs_still_get_the_scores(tiny_path) -> None:
@@ -145,5 +145,5 @@ def test_followers_over_max_num_seqs_still_get_the_scores(tiny_path) -> None:
     expected_scores, _ = solo(tiny_path, ids, SCORED)
     for i in range(4):
         assert first_scores(seen, f"c{i}") == expected_scores
-    assert llm.stats()["prompt_tokens_computed"] == 2 * PROMPT_LEN
+    assert llm.stats().prompt_tokens_computed == 2 * PROMPT_LEN
     assert_pool_clean(llm)

@@ -59,8 +59,8 @@ def test_same_step_arrival_computes_prompt_once(tiny_path) -> None:
         llm.engine.add_request(f"r{i}", ids, GREEDY)
     seen = run_until_done(llm)
     stats = llm.stats()
-    assert stats["prompt_tokens_computed"] == PROMPT_LEN
-    assert stats["prompt_tokens_cached"] == 7 * PROMPT_LEN
+    assert stats.prompt_tokens_computed == PROMPT_LEN
+    assert stats.prompt_tokens_cached == 7 * PROMPT_LEN
     first_steps = {rid: deltas[0][0] for rid, deltas in seen.items()}
     assert set(first_steps.values()) == {0}, "all choices get their first token in one step"
     cached = sorted(deltas[-1][1].num_cached_tokens for deltas in seen.values())
@@ -71,7 +71,7 @@ def test_n_fanout_through_llm_generate(tiny_path) -> None:
     llm = make_llm(tiny_path)
     out = llm.generate([prompt(2)], SamplingParams(n=100, temperature=1.0, seed=5, max_tokens=1))
     assert len(out[0].outputs) == 100
-    assert llm.stats()["prompt_tokens_computed"] == PROMPT_LEN
+    assert llm.stats().prompt_tokens_computed == PROMPT_LEN
     assert out[0].num_cached_tokens == 99 * PROMPT_LEN
 
 
@@ -84,8 +84,8 @@ def test_arrival_during_chunked_prefill(tiny_path) -> None:
     llm.engine.add_request("late", ids, GREEDY)
     seen = run_until_done(llm)
     stats = llm.stats()
-    assert stats["prompt_tokens_computed"] == PROMPT_LEN
-    assert stats["prompt_tokens_cached"] == PROMPT_LEN
+    assert stats.prompt_tokens_computed == PROMPT_LEN
+    assert stats.prompt_tokens_cached == PROMPT_LEN
     assert seen["late"][0][0] == seen["owner"][0][0], "first tokens in the same step"
     assert seen["late"][-1][1].num_cached_tokens == PROMPT_LEN
     assert tokens_of(seen["late"]) == tokens_of(seen["owner"]) == solo(tiny_path, ids, GREEDY)
@@ -95,13 +95,13 @@ def test_arrival_after_completion_skips_forward(tiny_path) -> None:
     llm = make_llm(tiny_path)
     ids = prompt(4)
     first = llm.generate([ids], GREEDY)[0].outputs[0].token_ids
-    computed_before = llm.stats()["prompt_tokens_computed"]
+    computed_before = llm.stats().prompt_tokens_computed
     llm.engine.add_request("again", ids, GREEDY)
     deltas = llm.engine.step().deltas  # samples from the kept logits row: no forward pass
     assert [d.request_id for d in deltas] == ["again"]
     assert llm.engine.counters.steps == len(first) + 1
     seen = run_until_done(llm)
-    assert llm.stats()["prompt_tokens_computed"] == computed_before == PROMPT_LEN
+    assert llm.stats().prompt_tokens_computed == computed_before == PROMPT_LEN
     assert deltas[0].token_ids + tokens_of(seen["again"]) == first
     assert deltas[0].num_cached_tokens == PROMPT_LEN
 
@@ -111,10 +111,10 @@ def test_evicted_logits_recompute_only_last_block(tiny_path, length, recomputed)
     llm = make_llm(tiny_path, max_shared_logits=0)
     ids = prompt(5, length)
     first = llm.generate([ids], GREEDY)[0].outputs[0].token_ids
-    assert llm.stats()["shared_prompts_kept"] == 0
+    assert llm.stats().shared_prompts_kept == 0
     again = llm.generate([ids], GREEDY)[0].outputs[0].token_ids
     assert again == first
-    assert llm.stats()["prompt_tokens_computed"] == length + recomputed
+    assert llm.stats().prompt_tokens_computed == length + recomputed
 
 
 def test_shared_choices_equal_solo_runs(tiny_path) -> None:
@@ -146,7 +146,7 @@ def test_copy_on_write_keeps_choices_apart(tiny_path) -> None:
     llm.engine.add_request("a", ids, params[0])
     llm.engine.add_request("b", ids, params[1])
     seen = run_until_done(llm)
-    assert llm.stats()["prompt_tokens_computed"] == PROMPT_LEN
+    assert llm.stats().prompt_tokens_computed == PROMPT_LEN
     for rid, p in zip("ab", params, strict=True):
         assert tokens_of(seen[rid]) == solo(tiny_path, ids, p)
 
@@ -163,7 +163,7 @@ def test_abort_of_computing_owner_does_not_strand_followers(tiny_path) -> None:
     expected = solo(tiny_path, ids, GREEDY)
     assert tokens_of(seen["f1"]) == tokens_of(seen["f2"]) == expected
     # block 0 was computed by the aborted owner and reused: the prompt is still computed once
-    assert llm.stats()["prompt_tokens_computed"] == PROMPT_LEN
+    assert llm.stats().prompt_tokens_computed == PROMPT_LEN
 
 
 def test_mixed_sampling_params_share_one_prefill(tiny_path) -> None:
@@ -174,7 +174,7 @@ def test_mixed_sampling_params_share_one_prefill(tiny_path) -> None:
     for i, p in enumerate(mixed):
         llm.engine.add_request(f"m{i}", ids, p)
     seen = run_until_done(llm)
-    assert llm.stats()["prompt_tokens_computed"] == PROMPT_LEN
+    assert llm.stats().prompt_tokens_computed == PROMPT_LEN
     for i, p in enumerate(mixed):
         assert tokens_of(seen[f"m{i}"]) == solo(tiny_path, ids, p)
 
@@ -184,7 +184,7 @@ def test_prompt_logprobs_request_computes_its_own_prefill(tiny_path) -> None:
     llm = make_llm(tiny_path)
     llm.generate([ids], GREEDY)
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))
-    assert llm.stats()["prompt_tokens_computed"] == 2 * PROMPT_LEN
+    assert llm.stats().prompt_tokens_computed == 2 * PROMPT_LEN
     assert len(out[0].prompt_logprobs) == PROMPT_LEN and out[0].prompt_logprobs[0] is None
 
 
@@ -202,7 +202,7 @@ def test_preemption_and_sharing_stress(tiny_path) -> None:
         jobs.append((f"j{i}", ids, params))
         llm.engine.add_request(f"j{i}", ids, params)
     seen = run_until_done(llm)
-    assert llm.stats()["num_preemptions"] > 0
+    assert llm.stats().num_preemptions > 0
     for rid, ids, params in jobs:
         assert tokens_of(seen[rid]) == solo(tiny_path, ids, params), rid
     assert_pool_clean(llm)

@@ -53,7 +53,7 @@ def assert_at_rest(llm: LLM) -> None:
     no block): the usage gauges read 0."""
     assert llm.engine.scheduler.share.in_flight == {}
     stats = llm.stats()
-    assert (stats["kv_blocks_used"], stats["kv_cache_usage"]) == (0, 0.0)
+    assert (stats.kv_blocks_used, stats.kv_cache_usage) == (0, 0.0)
     assert_all_free(llm.engine.pool)
 
 
@@ -70,11 +70,11 @@ def test_preemption_keeps_every_token(tiny_path) -> None:
     for rid, ids, params in jobs:
         llm.engine.add_request(rid, ids, params)
     seen = run_until_done(llm)
-    assert llm.stats()["num_preemptions"] > 0
+    assert llm.stats().num_preemptions > 0
     for rid, ids, params in jobs:
         assert tokens_of(seen[rid]) == alone(tiny_path, ids, params), rid
         assert seen[rid][-1].finish_reason == "length"
-    assert llm.stats()["generation_tokens"] == sum(p.max_tokens for _, _, p in jobs)
+    assert llm.stats().generation_tokens == sum(p.max_tokens for _, _, p in jobs)
     assert_at_rest(llm)
 
 
@@ -120,15 +120,15 @@ def test_abort_of_waiting_and_running_request_frees_everything(tiny_path) -> Non
     llm.engine.step()
     llm.engine.step()
     stats = llm.stats()
-    assert (stats["num_running"], stats["num_waiting"]) == (1, 1)
+    assert (stats.num_running, stats.num_waiting) == (1, 1)
     assert llm.engine.abort("wait").finish_reason == "abort"
     # run's 30-token prompt: 7 full blocks + a partial one. Its first decode token went into
     # a private copy of the partial block; the original is only cached now (ref 0, named by
     # the kept prompt): 7 + 1 blocks in use.
-    assert llm.stats()["kv_blocks_used"] == 8
+    assert llm.stats().kv_blocks_used == 8
     assert llm.engine.abort("run").finish_reason == "abort"
     assert llm.engine.step().deltas == []
-    assert llm.stats()["shared_prompts_kept"] == 1
+    assert llm.stats().shared_prompts_kept == 1
     assert_at_rest(llm)
 
 
@@ -142,11 +142,11 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_path, caching: bool) -> None
     sizes = record_schedules(llm, lambda out: out.num_tokens)
     seen = run_until_done(llm)
     assert max(sizes) == 16
-    assert llm.stats()["prompt_tokens_computed"] == 50 + 75 + 100
+    assert llm.stats().prompt_tokens_computed == 50 + 75 + 100
     for rid, ids, params in jobs:
         assert tokens_of(seen[rid]) == alone(tiny_path, ids, params), rid
     if not caching:
-        assert llm.stats()["shared_prompts_kept"] == 0
+        assert llm.stats().shared_prompts_kept == 0
     assert_at_rest(llm)
 
 
@@ -177,7 +177,7 @@ def test_max_num_seqs_is_never_exceeded(tiny_path) -> None:
             temperature=0, max_tokens=3 + i, ignore_eos=True))
     run_until_done(llm)
     assert max(running for running, _ in counts) == max(batch for _, batch in counts) == 3
-    assert llm.stats()["generation_tokens"] == sum(3 + i for i in range(10))
+    assert llm.stats().generation_tokens == sum(3 + i for i in range(10))
 
 
 @pytest.mark.parametrize("common", [32, 30])
@@ -190,9 +190,9 @@ def test_prefix_caching_computes_only_new_blocks(tiny_path, common: int) -> None
     out = llm.generate([second], GREEDY)[0].outputs[0]
     stats = llm.stats()
     assert (first.num_cached_tokens, out.num_cached_tokens) == (0, cached)
-    assert (stats["prompt_tokens_computed"], stats["prompt_tokens_cached"]) == (
+    assert (stats.prompt_tokens_computed, stats.prompt_tokens_cached) == (
         40 + len(second) - cached, cached)
-    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (
         40 + len(second), cached)
     # `alone` runs with prefix caching disabled.
     assert first.token_ids == alone(tiny_path, base, GREEDY)
@@ -210,7 +210,7 @@ def test_prefix_hit_within_one_step(tiny_path) -> None:
     assert reqs["second"].block_ids[:9] == reqs["first"].block_ids[:9]
     seen = run_until_done(llm)
     assert seen["second"][-1].num_cached_tokens == 36
-    assert llm.stats()["prompt_tokens_computed"] == 40 + 5
+    assert llm.stats().prompt_tokens_computed == 40 + 5
     for rid, ids in (("first", base), ("second", second)):
         tokens = first_step[rid].token_ids + tokens_of(seen[rid])
         assert tokens == alone(tiny_path, ids, GREEDY), rid

@@ -207,9 +207,9 @@ def test_seeded_choices_equal_single_requests_and_the_prompt_is_computed_once(
     ids = prompt(3, 40)
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=64,
                             structured=schema_spec(SMALL))
-    before = tiny.stats()["prompt_tokens_computed"]
+    before = tiny.stats().prompt_tokens_computed
     outs = tiny.generate([ids], params)[0].outputs
-    assert tiny.stats()["prompt_tokens_computed"] - before == len(ids)
+    assert tiny.stats().prompt_tokens_computed - before == len(ids)
     for i, out in enumerate(outs):
         assert out.finish_reason == "stop"
         assert_valid(out.text, SMALL)
@@ -231,7 +231,7 @@ def test_preemption_and_recompute_keep_outputs_valid_and_unchanged(tiny_path,
     for rid, ids, params in jobs:
         llm.engine.add_request(rid, ids, params)
     seen = run_until_done(llm)
-    assert llm.stats()["num_preemptions"] > 0
+    assert llm.stats().num_preemptions > 0
     for rid, ids, params in jobs:
         expected = tiny_solo.generate([ids], params)[0].outputs[0]
         assert tokens_of(seen[rid]) == expected.token_ids, rid
@@ -272,7 +272,7 @@ def test_a_failed_sampling_row_advances_no_matcher(tiny_path, tiny_solo: LLM) ->
         assert tokens_of(seen[rid]) == expected.token_ids, rid
         assert seen[rid][-1].finish_reason == "stop"
         assert len(expected.token_ids) > 3
-    assert "injected sampling fault" in llm.stats()["last_error"]
+    assert "injected sampling fault" in llm.stats().last_error
     assert_pool_clean(llm)
 
 
@@ -290,7 +290,7 @@ def test_a_bad_grammar_fails_only_its_own_request(tiny: LLM) -> None:
     assert seen["plain"][-1].finish_reason == "length" and len(tokens_of(seen["plain"])) == 4
     assert seen["good"][-1].finish_reason == "stop"
     assert_valid("".join(d.text for d in seen["good"]), SMALL)
-    assert tiny.engine.compiling == {} and tiny.stats()["failed_steps"] == 0
+    assert tiny.engine.compiling == {} and tiny.stats().failed_steps == 0
 
 
 def test_a_request_aborted_while_its_grammar_compiles(tiny: LLM, monkeypatch) -> None:
