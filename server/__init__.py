@@ -7,15 +7,21 @@ Modules, one job each:
     settings.py     ServerSettings (built by plait/cli.py)
     state.py        ServerState and the Annotated dependencies routes take
     protocol.py     request bodies (pydantic), unsupported-parameter checks
-    params.py       request -> SamplingParams (+ the fan-out Plan)
+    params.py       request (+ its output constraint) -> finished SamplingParams, fan-out Plan
     prompts.py      chat template / completion prompts -> token ids, context checks
     fanout.py       n choices -> n engine sub-requests, abort
     merge.py        interleave the sub-requests' delta streams
-    generation.py   drive a fanned-out request: accumulate choices, usage, metrics
-    serving.py      a Generation as SSE or JSON; abort on client disconnect
+    generation.py   drive a fanned-out request (async with): accumulate choices (the engine's
+                    ChoiceAccumulator), usage, metrics; abort what is unfinished on exit
+    serving.py      a Generation as SSE or JSON, the chat/completions stream tail; abort on
+                    client disconnect
     logprobs.py     OpenAI logprob objects
     chat.py         POST /v1/chat/completions
     completions.py  POST /v1/completions
+    constrained/    tools and structured output: request fields, output plan, grammars,
+                    tool-call parsers, reading the output back (its __init__ has the map)
+    responses/      POST/GET/DELETE /v1/responses, translated onto the chat pipeline
+    render.py       /v1/chat/completions/render, /v1/completions/render
     misc.py         /health /metrics /version /v1/models /tokenize /detokenize
     sse.py          SSE framing and the streaming response
     errors.py       error envelopes; auth.py API keys

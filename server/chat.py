@@ -70,9 +70,8 @@ async def chat_input(body: ChatCompletionRequest, state: ServerState) -> ChatInp
     check_model(state, body.model)
     reject_unsupported(body)
     engine = state.engine
-    plan = chat_plan(body)
     output = await chat_output_plan(body, chat_template(engine.tokenizer))
-    plan.params.structured = output.spec
+    plan = chat_plan(body, output.spec)
     check_params(engine, plan.params)
     flags = template_flags(body.messages, body.add_generation_prompt,
                            body.continue_final_message)

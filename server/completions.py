@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from plait.engine import TokenLogprob
+from plait.engine import StructuredSpec, TokenLogprob
 from plait.server.constrained.grammars import answer_spec, build_off_loop
 from plait.server.extras import Extras, truncated
 from plait.server.fanout import check_num_sequences
@@ -40,12 +40,7 @@ async def completion_input(body: CompletionRequest,
     check_model(state, body.model)
     reject_unsupported(body)
     engine = state.engine
-    plan = completion_plan(body)
-    if body.response_format is not None or body.structured_outputs is not None:
-        plan.params.structured = await build_off_loop(
-            answer_spec, body.response_format, body.structured_outputs,
-            param="response_format" if body.structured_outputs is None
-            else "structured_outputs")
+    plan = completion_plan(body, await _structured(body))
     check_params(engine, plan.params)
     check_num_sequences(engine, state.settings.max_queued_requests,
                         num_prompts(body.prompt) * plan.num_samples,
@@ -53,6 +48,15 @@ async def completion_input(body: CompletionRequest,
     truncate = (None if body.truncate_prompt_tokens is None else
                 functools.partial(truncated, body, max_model_len=engine.info.max_model_len))
     return plan, await completion_prompts(engine, body.prompt, truncate)
+
+
+async def _structured(body: CompletionRequest) -> StructuredSpec | None:
+    """The constraint of `response_format` / `structured_outputs`, built off the loop."""
+    if body.response_format is None and body.structured_outputs is None:
+        return None
+    return await build_off_loop(answer_spec, body.response_format, body.structured_outputs,
+                                param="response_format" if body.structured_outputs is None
+                                else "structured_outputs")
 
 
 @router.post("/v1/completions")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from plait.engine import InvalidParamError, SamplingParams
+from plait.engine import InvalidParamError, SamplingParams, StructuredSpec
 from plait.server.errors import bad_request, echo
 from plait.server.extras import returned_prompt_logprobs
 from plait.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -42,7 +42,9 @@ def check_stream_options(request: SamplingRequest) -> None:
                           "enabled.", "stream_options")
 
 
-def chat_plan(request: ChatCompletionRequest) -> Plan:
+def chat_plan(request: ChatCompletionRequest, structured: StructuredSpec | None) -> Plan:
+    """The chat request's plan; `structured` is the output constraint its tools or
+    response_format need (constrained/output_plan.py), None for none."""
     check_stream_options(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("The 'top_logprobs' parameter is only allowed when 'logprobs' is "
@@ -50,11 +52,14 @@ def chat_plan(request: ChatCompletionRequest) -> Plan:
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens or request.max_tokens
     params = build_params(request, max_tokens=max_tokens, logprobs=logprobs,
-                          prompt_logprobs=returned_prompt_logprobs(request))
+                          prompt_logprobs=returned_prompt_logprobs(request),
+                          structured=structured)
     return Plan(params, request.num_choices, request.num_choices, logprobs)
 
 
-def completion_plan(request: CompletionRequest) -> Plan:
+def completion_plan(request: CompletionRequest, structured: StructuredSpec | None) -> Plan:
+    """The completion request's plan; `structured` is its response_format's or
+    structured_outputs' constraint (constrained/grammars.py), None for none."""
     check_stream_options(request)
     n = request.num_choices
     best_of = request.best_of if request.best_of is not None else n
@@ -74,14 +79,15 @@ def completion_plan(request: CompletionRequest) -> Plan:
     wanted = [k for k in (logprobs if request.echo else None,
                           returned_prompt_logprobs(request)) if k is not None]
     prompt_logprobs = max(wanted) if wanted else None
-    params = build_params(request, max_tokens=max(max_tokens, 1),
-                          logprobs=engine_logprobs, prompt_logprobs=prompt_logprobs)
+    params = build_params(request, max_tokens=max(max_tokens, 1), logprobs=engine_logprobs,
+                          prompt_logprobs=prompt_logprobs, structured=structured)
     return Plan(params, n, best_of, logprobs, discard_output=discard)
 
 
 def build_params(request: SamplingRequest, *, max_tokens: int | None,
-                 logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-    """The request's sampling parameters, range-checked. Checks against the vocabulary
+                 logprobs: int | None, prompt_logprobs: int | None = None,
+                 structured: StructuredSpec | None = None) -> SamplingParams:
+    """The request's finished sampling parameters, range-checked. Checks against the vocabulary
     (`top_k`, `logit_bias` keys, `stop_token_ids`) are the engine's `validate_request`."""
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
@@ -108,7 +114,7 @@ def build_params(request: SamplingRequest, *, max_tokens: int | None,
             include_stop_str_in_output=bool(request.include_stop_str_in_output),
             skip_special_tokens=(True if request.skip_special_tokens is None
                                  else request.skip_special_tokens),
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
     except InvalidParamError as exc:
         raise bad_request(str(exc), exc.param, exc.code) from None
 
