@@ -32,7 +32,7 @@ from plait.server.routing import parse_json
 MODEL = "hostile-tiny"
 VOCAB_SIZE = 49152
 HEADER_TIMEOUT_S = 2
-HEALTH_BUDGET_S = 1.0  # generous for CI; the measured worst case is far below (README)
+HEALTH_BUDGET_S = 1.0  # generous for CI; the measured worst case is far below (docs/operations.md)
 ARGS = ["--served-model-name", MODEL, "--max-model-len", "256", "--max-num-seqs", "4",
         "--max-queued-requests", "8", "--header-timeout", str(HEADER_TIMEOUT_S)]
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
