@@ -267,3 +267,96 @@ def test_the_default_models_q4_1_and_q8_0_tensors() -> None:
         for rows in (1, 16, 40):
             x = torch.randn(rows, weight.in_features, generator=gen)
             _assert_gemm_close(native.qgemm(x, weight), x, ref)
+
+
+# --- float32 activations, exactly: the bfloat16-pieces path (qgemm.c, split_row) ------------
+
+BLOCK_TYPES = (quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q8_0, quant.Q4_K, quant.Q5_K,
+               quant.Q6_K)
+
+
+def _full_mantissa_x(rows: int, w: torch.Tensor, low_exp: int, high_exp: int,
+                     seed: int) -> torch.Tensor:  # float32 [rows, K]
+    """x whose every element uses all 24 significant bits (the low 8 set: a third bfloat16
+    piece of ~2^-15 relative) at exponents in [low_exp, high_exp), its sign that of w's
+    first row's weight, so that x . w row 0 adds no cancellation: an x rounded to 16 bits
+    would be off by ~2^-16 of that sum, where float32 rounding leaves ~2^-24."""
+    gen = torch.Generator().manual_seed(seed)
+    k = w.shape[1]
+    frac = torch.randint(0, 1 << 15, (rows, k), generator=gen) << 8 | 0xFF
+    expo = torch.randint(low_exp, high_exp, (rows, k), generator=gen)
+    mag = (1 + frac.double() / 2**23) * torch.pow(2.0, expo.double())
+    sign = torch.where(w[0] < 0, -1.0, 1.0).double()
+    return (mag * sign).float()
+
+
+def _assert_float32_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                          bias: torch.Tensor | None = None, rel: float = 1e-6) -> None:
+    """y within `rel` of sum |x| |w| (+ |bias|) of the float64 x @ w^T + bias: float32 sums of
+    exact products stay within a few 2^-24 of that; x cut to two bfloat16 pieces (16
+    significant bits) would miss by ~1.5e-5 on _full_mantissa_x's rows."""
+    want = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    if bias is not None:
+        want += bias.double()
+        scale += bias.double().abs()
+    err = ((y.double() - want).abs() / (scale + 1e-300)).max().item()
+    assert err <= rel, f"relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("ggml_type", BLOCK_TYPES, ids=quant.type_name)
+def test_qgemm_keeps_every_bit_of_float32_x(ggml_type: int, rows: int) -> None:
+    """Every type at one row (a decode step) and a few, x over 2^-40 .. 2^40 with full
+    mantissas: the result within float32 rounding of the float64 product."""
+    weight = _weight((ggml_type,), (21,), seed=rows)
+    w = quant.dequantize_reference(weight)
+    x = _full_mantissa_x(rows, w, -40, 40, seed=rows)
+    _assert_float32_close(native.qgemm(x, weight), x, w)
+
+
+@pytest.mark.parametrize("low_exp", [-100, 60])
+def test_qgemm_keeps_tiny_and_huge_x(low_exp: int) -> None:
+    """x near 2^-100 (its third piece near 2^-116, still a normal number) and near 2^60."""
+    for ggml_type in BLOCK_TYPES:
+        weight = _weight((ggml_type,), (9,))
+        w = quant.dequantize_reference(weight)
+        x = _full_mantissa_x(1, w, low_exp, low_exp + 4, seed=8)
+        _assert_float32_close(native.qgemm(x, weight), x, w)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_qgemm_of_short_rows_with_bias_and_strides(rows: int) -> None:
+    """K = 96 (three 32-weight blocks, no super-block), parts of three types, a bias, x rows
+    inside a wider buffer and y rows written into a wider one (the rest untouched)."""
+    k = 96
+    rng = np.random.default_rng(9)
+    parts = [_random_part(t, n, k, rng) for t, n in ((quant.Q5_0, 10), (quant.Q8_0, 3),
+                                                      (quant.Q4_1, 6), (quant.Q4_0, 5))]
+    weight = QuantWeight.build(parts, k)
+    w = quant.dequantize_reference(weight)
+    wide_x = torch.zeros(rows, k + 24)
+    wide_x[:, 5:5 + k] = _full_mantissa_x(rows, w, -8, 8, seed=10)
+    x = wide_x[:, 5:5 + k]
+    bias = torch.randn(24, generator=torch.Generator().manual_seed(11))
+    y = torch.full((rows, 30), 7.0)
+    rc = build.loaded().plait_qgemm(x.data_ptr(), rows, wide_x.stride(0),
+                                    weight.desc.data_ptr(), k, bias.data_ptr(),
+                                    y[:, 2:].data_ptr(), y.stride(0))
+    assert rc == 0
+    _assert_float32_close(y[:, 2:26], x, w, bias)
+    assert (y[:, :2] == 7).all() and (y[:, 26:] == 7).all()
+
+
+def test_qgemm_of_nonfinite_x() -> None:
+    """inf and NaN in x give the float64 product's inf / NaN."""
+    for ggml_type in BLOCK_TYPES:
+        weight = _weight((ggml_type,), (12,))
+        w = quant.dequantize_reference(weight)
+        x = torch.randn(3, K, generator=torch.Generator().manual_seed(12))
+        x[0, 7], x[1, 300], x[2, 3] = float("inf"), float("-inf"), float("nan")
+        y, want = native.qgemm(x, weight).double(), x.double() @ w.double().T
+        assert torch.equal(y.isnan(), want.isnan()), quant.type_name(ggml_type)
+        finite = ~want.isnan()
+        assert torch.equal(y[finite].isinf(), want[finite].isinf())
+        assert torch.equal(y[finite & want.isinf()], want[finite & want.isinf()])

@@ -257,20 +257,215 @@ static void fused_row(int type, const float *x, int R, long ldx, const uint8_t *
 }
 
 /* ------------------------------------------------------------------------------------ */
+/* bfloat16 pieces of x against quants as bfloat16 (AVX512-BF16, see quant.h)           */
+/* ------------------------------------------------------------------------------------ */
+
+/* x as plait_qgemm's row functions read it: x [M, K] rows ldx apart; xsum [M, K / 32] its
+ * 32-element group sums (the min terms of Q4_1 / Q4_K / Q5_K) or NULL; pieces [M, K / 32,
+ * 3, 32] bfloat16 (split_row) or NULL: when set, every part of a type bf16_quants reads
+ * takes bf16_tile. */
+typedef struct {
+  const float *x;
+  long ldx;
+  const float *xsum;
+  const uint16_t *pieces;
+} acts_t;
+
+#if QUANT_BF16
+/* Words of one group of x's pieces: 3 x 32. */
+#define SPLIT_WORDS 96
+/* x of at most this many rows takes the bfloat16 path; more rows share fused_tile's float
+ * decode (its FMA per row and vector against 3 vdpbf16ps and an FMA here). */
+#define BF16_ROWS 1
+/* Weight rows bf16_rows takes at once for a single x row. */
+#define WROWS 4
+
+/* One x row [K] as three bfloat16 pieces, x = p0 + p1 + p2 exactly, into xs [K / 32][3][32]
+ * (piece p of group g at xs + 96 g + 32 p), its group sums into xsum [K / 32]:
+ *
+ *   x  = s eeeeeeee mmmmmmm mmmmmmmmmmmmmmmm   (float32: 24 significant bits)
+ *   p0 = x's high 16 bits, truncated           (8 of them; |p0| <= |x|, never rounds to inf)
+ *   r  = x - p0                                (exact: x's low 16 mantissa bits)
+ *   p1 = r's high 16 bits, p2 = r - p1         (exact; p2 holds <= 8 significant bits)
+ *
+ * Exact while p2 is a normal number (|x| >= 2^-103 or so): vdpbf16ps reads denormal inputs
+ * as 0 and flushes denormal results (DAZ, FTZ), so a smaller x loses under 2^-126 per
+ * element. inf and NaN: p0 = x (a NaN kept a NaN), p1 = p2 = 0. */
+static void split_row(const float *x, long K, uint16_t *xs, float *xsum) {
+  const __m512i high = _mm512_set1_epi32((int)0xffff0000), expo = _mm512_set1_epi32(0x7f800000);
+  for (long g = 0; g < K / 32; g++) {
+    vf sum = (vf){0};
+    for (int j = 0; j < 2; j++) {
+      __m512 v = _mm512_loadu_ps(x + 32 * g + 16 * j);
+      __m512i bits = _mm512_castps_si512(v), p0 = _mm512_and_si512(bits, high);
+      __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                finite = _mm512_cmpneq_epi32_mask(_mm512_and_si512(bits, expo), expo);
+      p0 = _mm512_mask_or_epi32(p0, nan, p0, _mm512_set1_epi32(0x00400000));
+      __m512 r = _mm512_maskz_sub_ps(finite, v, _mm512_castsi512_ps(p0));
+      __m512i p1 = _mm512_and_si512(_mm512_castps_si512(r), high);
+      __m512i p2 = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(p1)));
+      __m512i piece[3] = {p0, p1, p2};
+      for (int p = 0; p < 3; p++)
+        _mm256_storeu_si256((__m256i *)(xs + SPLIT_WORDS * g + 32 * p + 16 * j),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(piece[p], 16)));
+      sum += (vf)v;
+    }
+    xsum[g] = hsum(sum);
+  }
+}
+
+static void row_dot(const acts_t *a, int R, const part_t *p, long n, long K, float *y,
+                    long ldy, float b);
+
+static inline int bf16_type(int type) {
+  return type != PLAIT_GGML_Q8_0 && type != PLAIT_GGML_F16 && type != PLAIT_GGML_BF16;
+}
+
+/* y[r * ldy] = x[r] . row + bias for the R (constant once inlined) rows of a tile, from x's
+ * pieces [R, K / 32, 3, 32] and group sums [R, K / 32]: per group, its quants as bfloat16
+ * once, then per x row 3 vdpbf16ps (smallest piece first) and one FMA by the group's scale;
+ * the min term (min x the group's sum) apart. */
+ALWAYS_INLINE void bf16_tile(int R, int type, const uint16_t *xs, const float *xsum,
+                             const uint8_t *row, long K, float *y, long ldy, float bias) {
+  const int sub = type == PLAIT_GGML_Q4_K || type == PLAIT_GGML_Q5_K ||
+                  type == PLAIT_GGML_Q6_K ? 8 : 1;
+  const int has_min = type == PLAIT_GGML_Q4_1 || (sub == 8 && type != PLAIT_GGML_Q6_K);
+  const long G = K / 32;
+  vf acc[FUSED_ROWS], scale;
+  float macc[FUSED_ROWS], min;
+  for (int r = 0; r < R; r++) acc[r] = (vf){0}, macc[r] = 0.0f;
+  for (long blk = 0; blk < G / sub; blk++) {
+    _Pragma("GCC unroll 8") for (int s = 0; s < sub; s++) {
+      long g = blk * sub + s;
+      __m512bh q = (__m512bh)bf16_quants(type, row, blk, s, &scale, &min);
+      _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+        const uint16_t *p = xs + (r * G + g) * SPLIT_WORDS;
+        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), q, (__m512bh)_mm512_load_si512(p + 64));
+        t = _mm512_dpbf16_ps(t, q, (__m512bh)_mm512_load_si512(p + 32));
+        t = _mm512_dpbf16_ps(t, q, (__m512bh)_mm512_load_si512(p));
+        acc[r] += scale * (vf)t;
+        if (has_min) macc[r] += min * xsum[r * G + g];
+      }
+    }
+  }
+  for (int r = 0; r < R; r++) y[r * ldy] = hsum(acc[r]) + macc[r] + bias;
+}
+
+/* y[c] = x . weight row c + bias[c] for C (constant once inlined) consecutive rows of one
+ * part, row_bytes apart, and a single x row: the C rows' sums are independent chains (one
+ * row's sums would wait on each other's FMA latency), x's pieces are loaded once per group. */
+ALWAYS_INLINE void bf16_rows(int C, int type, const uint16_t *xs, const float *xsum,
+                             const uint8_t *row, long row_bytes, long K, float *y,
+                             const float *bias) {
+  const int sub = type == PLAIT_GGML_Q4_K || type == PLAIT_GGML_Q5_K ||
+                  type == PLAIT_GGML_Q6_K ? 8 : 1;
+  const int has_min = type == PLAIT_GGML_Q4_1 || (sub == 8 && type != PLAIT_GGML_Q6_K);
+  const long step = C * row_bytes / (K / 32);  /* bytes of the C rows per group */
+  vf acc[WROWS], scale;
+  float macc[WROWS], min;
+  for (int c = 0; c < C; c++) acc[c] = (vf){0}, macc[c] = 0.0f;
+  for (long blk = 0; blk < K / 32 / sub; blk++) {
+    _Pragma("GCC unroll 8") for (int s = 0; s < sub; s++) {
+      long g = blk * sub + s;
+      const uint16_t *p = xs + g * SPLIT_WORDS;
+      /* the next C rows, as far into them as these are: interleaved rows of a few hundred
+       * bytes throw off the hardware prefetcher (2 lines: a group spans <= 4 x 34 bytes) */
+      const char *ahead = (const char *)row + C * row_bytes + g * step;
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      __m512bh x2 = (__m512bh)_mm512_load_si512(p + 64),
+               x1 = (__m512bh)_mm512_load_si512(p + 32), x0 = (__m512bh)_mm512_load_si512(p);
+      _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
+        __m512bh q = (__m512bh)bf16_quants(type, row + c * row_bytes, blk, s, &scale, &min);
+        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), q, x2);
+        t = _mm512_dpbf16_ps(t, q, x1);
+        acc[c] += scale * (vf)_mm512_dpbf16_ps(t, q, x0);
+        if (has_min) macc[c] += min * xsum[g];
+      }
+    }
+  }
+  for (int c = 0; c < C; c++) y[c] = hsum(acc[c]) + macc[c] + (bias ? bias[c] : 0.0f);
+}
+
+/* y[n0 .. n0 + nr) for a single x row: runs of WROWS rows of one bf16 part through
+ * bf16_rows, any other row through row_dot. */
+static void bf16_chunk(const acts_t *a, const part_t *parts, int num_parts, long n0, long nr,
+                       long K, const float *bias, float *y) {
+  for (long n = n0; n < n0 + nr;) {
+    const part_t *p = part_of(parts, num_parts, n);
+    if (n + WROWS <= n0 + nr && n + WROWS <= p->first + p->rows && bf16_type(p->type)) {
+      const uint8_t *row = p->data + (n - p->first) * p->row_bytes;
+      const float *b = bias ? bias + n : NULL;
+      switch (p->type) {
+#define RUN(t) \
+  case t: bf16_rows(WROWS, t, a->pieces, a->xsum, row, p->row_bytes, K, y + n, b); break;
+        RUN(PLAIT_GGML_Q4_0) RUN(PLAIT_GGML_Q4_1) RUN(PLAIT_GGML_Q5_0)
+        RUN(PLAIT_GGML_Q4_K) RUN(PLAIT_GGML_Q5_K) RUN(PLAIT_GGML_Q6_K)
+#undef RUN
+        default: break;
+      }
+      n += WROWS;
+    } else {
+      row_dot(a, 1, p, n, K, y + n, 1, bias ? bias[n] : 0.0f);
+      n++;
+    }
+  }
+}
+
+static void bf16_row(int type, const acts_t *a, int R, const uint8_t *row, long K, float *y,
+                     long ldy, float bias) {
+#if FUSED_ROWS > 8
+#define MORE_TILES(t) TILE(9, t) TILE(10, t) TILE(11, t) TILE(12, t)
+#else
+#define MORE_TILES(t)
+#endif
+  switch (type) {
+#define TILE(n, t) \
+  case n: bf16_tile(n, t, a->pieces, a->xsum, row, K, y, ldy, bias); break;
+#define TYPE(t)                                                                   \
+  case t:                                                                         \
+    switch (R) { TILE(1, t) TILE(2, t) TILE(3, t) TILE(4, t) TILE(5, t) TILE(6, t) \
+                 TILE(7, t) TILE(8, t) MORE_TILES(t) }                             \
+    break;
+    TYPE(PLAIT_GGML_Q4_0) TYPE(PLAIT_GGML_Q4_1) TYPE(PLAIT_GGML_Q5_0)
+    TYPE(PLAIT_GGML_Q4_K) TYPE(PLAIT_GGML_Q5_K) TYPE(PLAIT_GGML_Q6_K)
+#undef TYPE
+#undef TILE
+#undef MORE_TILES
+    default: break;
+  }
+}
+#endif /* QUANT_BF16 */
+
+/* ------------------------------------------------------------------------------------ */
 /* GEMM                                                                                  */
 /* ------------------------------------------------------------------------------------ */
 
+/* y[r * ldy] = x[r] . weight row n + bias for the R rows of a tile (a at the tile's first
+ * row). */
+static void row_dot(const acts_t *a, int R, const part_t *p, long n, long K, float *y,
+                    long ldy, float b) {
+  const uint8_t *row = p->data + (n - p->first) * p->row_bytes;
+#if QUANT_BF16
+  if (a->pieces && bf16_type(p->type)) {
+    bf16_row(p->type, a, R, row, K, y, ldy, b);
+    return;
+  }
+#endif
+  fused_row(p->type, a->x, R, a->ldx, row, K, R == 1 ? a->xsum : NULL, y, ldy, b);
+}
+
 /* y[M, N] = x[M, K] @ W^T + bias for W of quantized parts (see the top of the file). Each
  * thread owns chunks of `rows` weight rows. Fused (K % 32 == 0, any M): for each tile of
- * FUSED_ROWS x rows, every row of the chunk through fused_row, so the tile stays in L1 while
+ * FUSED_ROWS x rows, every row of the chunk through row_dot, so the tile stays in L1 while
  * the chunk's compact rows are read again from L2 (x's rows in the outer loop would stream
  * all of x from L2 for every weight row: 1.5x slower at 16 rows). Else (F16 / BF16 rows of
  * K % 32 != 0) the chunk's rows are decoded into buf [rows, K], then every tile of x taken
  * against them. */
-static void qgemm_rows(const float *x, long M, long ldx, const part_t *parts, int num_parts,
-                       long N, long K, long rows, int fused, const float *xsum,
-                       const float *bias, float *y, long ldy, float *buf) {
-  long chunks = (N + rows - 1) / rows;
+static void qgemm_rows(const acts_t *a, long M, const part_t *parts, int num_parts, long N,
+                       long K, long rows, int fused, const float *bias, float *y, long ldy,
+                       float *buf) {
+  long chunks = (N + rows - 1) / rows, G = K / 32;
   int tile = fused ? FUSED_ROWS : RMAX;
 #pragma omp for schedule(static)
   for (long c = 0; c < chunks; c++) {
@@ -281,19 +476,64 @@ static void qgemm_rows(const float *x, long M, long ldx, const part_t *parts, in
     }
     for (long m = 0; m < M; m += tile) {
       int R = (int)(M - m < tile ? M - m : tile);
+      acts_t at = {a->x + m * a->ldx, a->ldx, a->xsum ? a->xsum + m * G : NULL,
+#if QUANT_BF16
+                   a->pieces ? a->pieces + m * G * SPLIT_WORDS : NULL};
+#else
+                   NULL};
+#endif
+#if QUANT_BF16
+      if (fused && M == 1 && a->pieces) {
+        bf16_chunk(a, parts, num_parts, n0, nr, K, bias, y);
+        continue;
+      }
+#endif
       for (long i = 0; i < nr; i++) {
         long n = n0 + i;
         float b = bias ? bias[n] : 0.0f, *yt = y + m * ldy + n;
-        if (fused) {
-          const part_t *p = part_of(parts, num_parts, n);
-          fused_row(p->type, x + m * ldx, R, ldx, p->data + (n - p->first) * p->row_bytes, K,
-                    xsum, yt, ldy, b);
-        } else {
-          dot_rows(R, x + m * ldx, ldx, buf + i * K, K, yt, ldy, b);
-        }
+        if (fused)
+          row_dot(&at, R, part_of(parts, num_parts, n), n, K, yt, ldy, b);
+        else
+          dot_rows(R, at.x, at.ldx, buf + i * K, K, yt, ldy, b);
       }
     }
   }
+}
+
+/* x's group sums and (bf16 path) pieces for acts_t, in one buffer the caller frees: sums of
+ * one x row for factored_dot, of every row with the pieces when M <= BF16_ROWS. *scratch =
+ * NULL when none is needed; PLAIT_ERR_NOMEM. */
+static int prepare_acts(const float *x, long M, long ldx, long K, acts_t *a, void **scratch) {
+  long G = K / 32;
+  *a = (acts_t){x, ldx, NULL, NULL};
+  *scratch = NULL;
+  if (K % 32) return PLAIT_OK;
+#if QUANT_BF16
+  if (M <= BF16_ROWS) {
+    /* the pieces first, on cache lines (a group's are 3 whole lines), then the sums */
+    size_t piece_bytes = sizeof(uint16_t) * (size_t)(M * G * SPLIT_WORDS),
+           sum_bytes = (sizeof(float) * (size_t)(M * G) + 63) / 64 * 64;
+    uint16_t *pieces = aligned_alloc(64, piece_bytes + sum_bytes);
+    if (!pieces) return PLAIT_ERR_NOMEM;
+    float *sums = (float *)((char *)pieces + piece_bytes);
+    for (long m = 0; m < M; m++)
+      split_row(x + m * ldx, K, pieces + m * G * SPLIT_WORDS, sums + m * G);
+    *a = (acts_t){x, ldx, sums, pieces};
+    *scratch = pieces;
+    return PLAIT_OK;
+  }
+#endif
+  if (M != 1) return PLAIT_OK;
+  float *sums = malloc(sizeof(float) * (size_t)G);
+  if (!sums) return PLAIT_ERR_NOMEM;
+  for (long g = 0; g < G; g++) {
+    vf t = *(const vf *)(x + 32 * g);
+    for (int j = 1; j < 32 / LANES; j++) t += *(const vf *)(x + 32 * g + j * LANES);
+    sums[g] = hsum(t);
+  }
+  *a = (acts_t){x, ldx, sums, NULL};
+  *scratch = sums;
+  return PLAIT_OK;
 }
 
 int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
@@ -308,13 +548,12 @@ int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
   if (M == 0 || N == 0) return PLAIT_OK;
   int fused = K % 32 == 0;
   long rows = fused && M <= FUSED_ROWS ? 1 : ROWS_PER_CHUNK;
-  /* one x row: its group sums for Q4_1's min (a few hundred floats on the stack) */
-  float xsum[M == 1 && fused ? K / 32 : 1];
-  for (long g = 0; M == 1 && fused && g < K / 32; g++) {
-    vf t = *(const vf *)(x + 32 * g);
-    for (int j = 1; j < 32 / LANES; j++) t += *(const vf *)(x + 32 * g + j * LANES);
-    xsum[g] = hsum(t);
-  }
+#if QUANT_BF16
+  if (fused && M == 1) rows = WROWS;
+#endif
+  acts_t acts;
+  void *scratch;
+  if (prepare_acts(x, M, ldx, K, &acts, &scratch) != PLAIT_OK) return PLAIT_ERR_NOMEM;
 #pragma omp parallel
   {
     float *buf = fused ? NULL : malloc(sizeof(float) * (size_t)(rows * K));
@@ -324,10 +563,10 @@ int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
     }
 #pragma omp barrier
     if (rc == PLAIT_OK)
-      qgemm_rows(x, M, ldx, parts, num_parts, N, K, rows, fused, M == 1 && fused ? xsum : NULL,
-                 bias, y, ldy, buf);
+      qgemm_rows(&acts, M, parts, num_parts, N, K, rows, fused, bias, y, ldy, buf);
     free(buf);
   }
+  free(scratch);
   return rc;
 }
 

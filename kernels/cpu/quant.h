@@ -268,6 +268,122 @@ ALWAYS_INLINE float quants_32(int type, const uint8_t *row, long g, vf *q, float
   }
 }
 
+/* ------------------------------------------------------------------------------------ */
+/* Quants as bfloat16 (AVX512-BF16): exact products with float32 activations             */
+/* ------------------------------------------------------------------------------------ */
+
+/* Every quant integer below (Q4: 0..15, Q5: 0..31, offsets -8 / -16 / -32 applied, Q6:
+ * -32..31) has at most 6 significant bits, so it is exact in bfloat16, and so is its product
+ * with a bfloat16 piece of x (8 + 6 bits) in float32: x . q over a group is then 3
+ * vdpbf16ps against x's three pieces (qgemm.c, split_row), float32 sums of exact products.
+ * A group's quants come out as 32 bfloat16 words, word j = weight j of the group, looked up
+ * by vpermw / vpermt2w from the quant's bits (which read only an index's low 5 / 6 bits). */
+#if LANES == 16 && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QUANT_BF16 1
+
+/* bfloat16 bits of -32 .. 31; +16: Q5_0's -16 .. 15, +32: Q5_K's 0 .. 31. */
+static const uint16_t BF16_I6[64] __attribute__((aligned(64))) = {
+    0xc200, 0xc1f8, 0xc1f0, 0xc1e8, 0xc1e0, 0xc1d8, 0xc1d0, 0xc1c8, 0xc1c0, 0xc1b8, 0xc1b0,
+    0xc1a8, 0xc1a0, 0xc198, 0xc190, 0xc188, 0xc180, 0xc170, 0xc160, 0xc150, 0xc140, 0xc130,
+    0xc120, 0xc110, 0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0x0000,
+    0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120, 0x4130,
+    0x4140, 0x4150, 0x4160, 0x4170, 0x4180, 0x4188, 0x4190, 0x4198, 0x41a0, 0x41a8, 0x41b0,
+    0x41b8, 0x41c0, 0x41c8, 0x41d0, 0x41d8, 0x41e0, 0x41e8, 0x41f0, 0x41f8};
+/* 0 .. 15 and -8 .. 7, twice: a nibble's index needs no mask (bit 4 picks the copy). */
+static const uint16_t BF16_U4[32] __attribute__((aligned(64))) = {
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120,
+    0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0,
+    0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+static const uint16_t BF16_I4[32] __attribute__((aligned(64))) = {
+    0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000,
+    0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040,
+    0xc000, 0xbf80, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0};
+
+static inline __m512i load_table(const uint16_t *t) { return _mm512_loadu_si512(t); }
+
+/* 16 bytes of packed nibbles as 32 words: low nibbles (in bits 0-3, junk above), then high. */
+ALWAYS_INLINE __m512i nibble_words(const uint8_t *qs) {
+  __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+}
+
+/* 32 bytes as words, shifted right by `shift` (the high nibbles: 4). */
+ALWAYS_INLINE __m512i byte_words(const uint8_t *p, int shift) {
+  __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+  return shift ? _mm512_srli_epi16(v, shift) : v;
+}
+
+/* bits 0-3 of lo, the other bits of hi (vpternlog's bitwise select). */
+ALWAYS_INLINE __m512i low4_high(__m512i lo, __m512i hi) {
+  return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi16(15), 0xe4);
+}
+
+/* hi's bits shifted left by n (right by -n). */
+ALWAYS_INLINE __m512i shift_words(__m512i v, int n) {
+  return n > 0 ? _mm512_slli_epi16(v, n) : n < 0 ? _mm512_srli_epi16(v, -n) : v;
+}
+
+/* The quants of group s of block `blk` (32-weight types: the block, s = 0; K types: the
+ * super-block and its sub-block s, a constant once unrolled) as bfloat16 words, and the
+ * scale and min with weight = q * scale + min: scale per float lane of a vdpbf16ps sum
+ * (lane i holds weights 2i, 2i + 1; one value but for Q6_K's two halves). */
+ALWAYS_INLINE __m512i bf16_quants(int type, const uint8_t *row, long blk, int s, vf *scale,
+                                  float *min) {
+  const uint8_t *b;
+  *min = 0.0f;
+  switch (type) {
+    case PLAIT_GGML_Q4_0:
+      b = row + blk * 18;
+      *scale = vsplat(load_f16(b));
+      return _mm512_permutexvar_epi16(nibble_words(b + 2), load_table(BF16_I4));
+    case PLAIT_GGML_Q4_1:
+      b = row + blk * 20;
+      *scale = vsplat(load_f16(b));
+      *min = load_f16(b + 2);
+      return _mm512_permutexvar_epi16(nibble_words(b + 4), load_table(BF16_U4));
+    case PLAIT_GGML_Q5_0: {
+      b = row + blk * 22;
+      uint32_t qh;
+      memcpy(&qh, b + 2, sizeof qh);
+      *scale = vsplat(load_f16(b));
+      __m512i q = _mm512_and_si512(nibble_words(b + 6), _mm512_set1_epi16(15));
+      q = _mm512_mask_add_epi16(q, (__mmask32)qh, q, _mm512_set1_epi16(16));
+      return _mm512_permutexvar_epi16(q, load_table(BF16_I6 + 16));
+    }
+    case PLAIT_GGML_Q4_K: {
+      b = row + blk * 144;
+      float sc, mn;
+      scale_min_k4(b + 4, s, &sc, &mn);
+      *scale = vsplat(load_f16(b) * sc);
+      *min = -(load_f16(b + 2) * mn);
+      return _mm512_permutexvar_epi16(byte_words(b + 16 + 32 * (s / 2), s & 1 ? 4 : 0),
+                                      load_table(BF16_U4));
+    }
+    case PLAIT_GGML_Q5_K: {
+      b = row + blk * 176;
+      float sc, mn;
+      scale_min_k4(b + 4, s, &sc, &mn);
+      *scale = vsplat(load_f16(b) * sc);
+      *min = -(load_f16(b + 2) * mn);
+      __m512i q = low4_high(byte_words(b + 48 + 32 * (s / 2), s & 1 ? 4 : 0),
+                            shift_words(byte_words(b + 16, 0), 4 - s));
+      return _mm512_permutexvar_epi16(q, load_table(BF16_I6 + 32));
+    }
+    default: { /* Q6_K: see grp_q6_k */
+      b = row + blk * 210;
+      int h = s / 4, c = s % 4;
+      vf scales = to_f(load_i8(b + 192)) * load_f16(b + 208);
+      *scale = (vf)_mm512_permutexvar_ps(_mm512_set_epi32(2 * s + 1, 2 * s + 1, 2 * s + 1,
+          2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s, 2 * s, 2 * s, 2 * s,
+          2 * s, 2 * s, 2 * s, 2 * s), (__m512)scales);
+      __m512i q = low4_high(byte_words(b + 64 * h + 32 * (c % 2), c < 2 ? 0 : 4),
+                            shift_words(byte_words(b + 128 + 32 * h, 0), 4 - 2 * c));
+      return _mm512_permutex2var_epi16(load_table(BF16_I6), q, load_table(BF16_I6 + 32));
+    }
+  }
+}
+#endif /* QUANT_BF16 */
+
 /* Calls MACRO(type) for every type read here (an X-macro: one instantiation per type). */
 #define FOR_EACH_TYPE(MACRO)                                                             \
   MACRO(PLAIT_GGML_Q4_0) MACRO(PLAIT_GGML_Q4_1) MACRO(PLAIT_GGML_Q5_0) MACRO(PLAIT_GGML_Q8_0) \
