@@ -23,6 +23,8 @@ _EXPORTS = {
     "ProcessEngine": "engine_process",
     "EngineConfig": "config",
     "RuntimeInfo": "config",
+    "EngineStats": "core_api",
+    "StepResult": "core_api",
     "VALID_DTYPES": "config",
     "CPU_GEMMS": "config",
     "ATTENTION_BACKENDS": "config",
@@ -69,6 +71,7 @@ __all__ = [
     "EngineConfig",
     "EngineDeadError",
     "EngineLoadError",
+    "EngineStats",
     "InjectedFault",
     "InvalidParamError",
     "ProcessEngine",
@@ -78,6 +81,7 @@ __all__ = [
     "RequestStream",
     "RuntimeInfo",
     "SamplingParams",
+    "StepResult",
     "StructuredSpec",
     "TokenLogprob",
     "TokenTextTable",
@@ -102,6 +106,7 @@ if TYPE_CHECKING:
         EngineConfig,
         RuntimeInfo,
     )
+    from plait.engine.core_api import EngineStats, StepResult
     from plait.engine.engine_process import ProcessEngine
     from plait.engine.faults import FAKE_FRAME, InjectedFault, arm_engine_faults, find_marker
     from plait.engine.llm import LLM

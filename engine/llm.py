@@ -12,6 +12,7 @@ from typing import Any
 
 from plait.engine.config import EngineConfig
 from plait.engine.core import EngineCore
+from plait.engine.core_api import EngineStats
 from plait.engine.outputs import ChoiceAccumulator, RequestOutput
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.validation import validate_request
@@ -55,7 +56,7 @@ class LLM:
     def _run(self, pending: dict[str, ChoiceAccumulator]) -> None:
         """Step the engine until it is idle; each finished request leaves `pending`."""
         while self.engine.has_unfinished():
-            for delta in self.engine.step():
+            for delta in self.engine.step().deltas:
                 choice = pending[delta.request_id]
                 choice.add(delta)
                 if delta.finished:
@@ -75,7 +76,7 @@ class LLM:
                 batch.append((None, list(prompt)))
         return batch
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
 

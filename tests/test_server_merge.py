@@ -67,4 +67,5 @@ async def test_wait_ready_times_out_then_close_cancels_waiters() -> None:
     assert all(task.cancelled() or task.done() for task in waiters)
     assert await asyncio.wait_for(collect(merger), 1) == []
     stream.put(delta("r-0", "late", "stop"))  # the stream itself is untouched
-    assert stream.has_pending
+    late = await asyncio.wait_for(anext(stream), 1)
+    assert (late.text, late.finish_reason, stream.finished) == ("late", "stop", True)
