@@ -337,7 +337,13 @@ ALWAYS_INLINE void bf16_tile(int R, int type, const uint16_t *xs, const float *x
   for (long blk = 0; blk < G / sub; blk++) {
     _Pragma("GCC unroll 8") for (int s = 0; s < sub; s++) {
       long g = blk * sub + s;
-      __m512bh q = (__m512bh)bf16_quants(type, row, blk, s, &scale, &min);
+      uint32_t sbits;
+      __m512bh q = (__m512bh)bf16_quants(type, row, blk, s, &scale, &sbits, &min);
+      if (sub == 1) {
+        float d;
+        memcpy(&d, &sbits, sizeof d);
+        scale = vsplat(d);
+      }
       _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
         const uint16_t *p = xs + (r * G + g) * SPLIT_WORDS;
         __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), q, (__m512bh)_mm512_load_si512(p + 64));
@@ -376,10 +382,16 @@ ALWAYS_INLINE void bf16_rows(int C, int type, const uint16_t *xs, const float *x
       __m512bh x2 = (__m512bh)_mm512_load_si512(p + 64),
                x1 = (__m512bh)_mm512_load_si512(p + 32), x0 = (__m512bh)_mm512_load_si512(p);
       _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
-        __m512bh q = (__m512bh)bf16_quants(type, row + c * row_bytes, blk, s, &scale, &min);
+        uint32_t sbits;
+        __m512bh q = (__m512bh)bf16_quants(type, row + c * row_bytes, blk, s, &scale, &sbits,
+                                           &min);
         __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), q, x2);
         t = _mm512_dpbf16_ps(t, q, x1);
-        acc[c] += scale * (vf)_mm512_dpbf16_ps(t, q, x0);
+        t = _mm512_dpbf16_ps(t, q, x0);
+        if (sub == 8)
+          acc[c] += scale * (vf)t;
+        else  /* the scale broadcast by the FMA's load (a register broadcast is a shuffle) */
+          __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc[c]) : "v"(t), "m"(sbits));
         if (has_min) macc[c] += min * xsum[g];
       }
     }

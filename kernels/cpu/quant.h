@@ -323,29 +323,45 @@ ALWAYS_INLINE __m512i shift_words(__m512i v, int n) {
   return n > 0 ? _mm512_slli_epi16(v, n) : n < 0 ? _mm512_srli_epi16(v, -n) : v;
 }
 
+/* fp16 bits to float32 bits with integer operations (normal numbers; others through
+ * f16_to_f32): no vector register on the way to a broadcast load. */
+static inline uint32_t f16_bits(const uint8_t *p) {
+  uint16_t h;
+  memcpy(&h, p, sizeof h);
+  uint32_t e = h & 0x7c00u, bits;
+  if (__builtin_expect(e == 0 || e == 0x7c00u, 0)) {
+    float f = f16_to_f32(h);
+    memcpy(&bits, &f, sizeof bits);
+    return bits;
+  }
+  return (uint32_t)(h & 0x8000u) << 16 | ((uint32_t)(h & 0x7fffu) + 0x1c000u) << 13;
+}
+
 /* The quants of group s of block `blk` (32-weight types: the block, s = 0; K types: the
  * super-block and its sub-block s, a constant once unrolled) as bfloat16 words, and the
- * scale and min with weight = q * scale + min: scale per float lane of a vdpbf16ps sum
- * (lane i holds weights 2i, 2i + 1; one value but for Q6_K's two halves). */
+ * scale and min with weight = q * scale + min. The scale of a 32-weight type as float32
+ * bits into *sbits (the caller's FMA broadcasts it from memory), of a K type per float lane
+ * of a vdpbf16ps sum into *scale (lane i holds weights 2i, 2i + 1; one value but for
+ * Q6_K's two halves). */
 ALWAYS_INLINE __m512i bf16_quants(int type, const uint8_t *row, long blk, int s, vf *scale,
-                                  float *min) {
+                                  uint32_t *sbits, float *min) {
   const uint8_t *b;
   *min = 0.0f;
   switch (type) {
     case PLAIT_GGML_Q4_0:
       b = row + blk * 18;
-      *scale = vsplat(load_f16(b));
+      *sbits = f16_bits(b);
       return _mm512_permutexvar_epi16(nibble_words(b + 2), load_table(BF16_I4));
     case PLAIT_GGML_Q4_1:
       b = row + blk * 20;
-      *scale = vsplat(load_f16(b));
+      *sbits = f16_bits(b);
       *min = load_f16(b + 2);
       return _mm512_permutexvar_epi16(nibble_words(b + 4), load_table(BF16_U4));
     case PLAIT_GGML_Q5_0: {
       b = row + blk * 22;
       uint32_t qh;
       memcpy(&qh, b + 2, sizeof qh);
-      *scale = vsplat(load_f16(b));
+      *sbits = f16_bits(b);
       __m512i q = _mm512_and_si512(nibble_words(b + 6), _mm512_set1_epi16(15));
       q = _mm512_mask_add_epi16(q, (__mmask32)qh, q, _mm512_set1_epi16(16));
       return _mm512_permutexvar_epi16(q, load_table(BF16_I6 + 16));
