@@ -23,12 +23,16 @@ $(STAMP): pyproject.toml
 serve: install
 	$(BIN)/plait serve
 
+# ruff, then mypy over the plait package (engine/, server/, kernels/ through the symlinks;
+# configured in pyproject.toml's [tool.mypy]).
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # pytest exits 5 when it collects no tests: that is a failure too, not a pass.
 test: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
 	exit $$status

@@ -294,7 +294,7 @@ class EngineCore:
             delta.finish_reason, delta.stop_reason = reason, stop_reason
         return delta
 
-    def _check_stop(self, req: Request, token_id: int) -> tuple[str | None, int | None]:
+    def _check_stop(self, req: Request, token_id: int) -> tuple[str | None, str | int | None]:
         params = req.params
         num_out = len(req.output_token_ids)
         if num_out >= params.min_tokens:

@@ -45,7 +45,7 @@ class GgufFile:
 
 class _Cursor:
     def __init__(self, buf: np.ndarray) -> None:
-        self.buf, self.pos = memoryview(buf), 0
+        self.buf, self.pos = buf.data, 0  # a memoryview of the mapped bytes
 
     def unpack(self, fmt: str):
         values = struct.unpack_from("<" + fmt, self.buf, self.pos)
@@ -88,7 +88,7 @@ def read_gguf(path: Path) -> GgufFile:
     magic, version, num_tensors, num_kv = cursor.unpack("4sIQQ")
     if magic != b"GGUF" or version not in (2, 3):
         raise ValueError(f"not a GGUF v2/v3 file (magic {magic!r}, version {version})")
-    wanted = {"general.architecture": None, "general.alignment": 32}
+    wanted: dict[str, object] = {"general.architecture": None, "general.alignment": 32}
     for _ in range(num_kv):
         key, kind = cursor.string(), cursor.unpack("I")
         value = cursor.value(kind, keep=key in wanted)
@@ -99,9 +99,11 @@ def read_gguf(path: Path) -> GgufFile:
         name, n_dims = cursor.string(), cursor.unpack("I")
         shape = tuple(cursor.unpack("Q") for _ in range(n_dims))
         infos.append((name, shape, *cursor.unpack("IQ")))
-    align = int(wanted["general.alignment"])  # type: ignore[arg-type]
+    align = wanted["general.alignment"]
+    if not isinstance(align, int) or align <= 0:
+        raise ValueError(f"GGUF general.alignment is {align!r}, not a positive integer")
     start = -(-cursor.pos // align) * align
-    tensors = {}
+    tensors: dict[str, GgufTensor] = {}
     for name, shape, ggml_type, offset in infos:
         kind = GGMLQuantizationType(ggml_type)
         per_block, block_bytes = GGML_QUANT_SIZES[kind]

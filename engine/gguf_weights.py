@@ -34,7 +34,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
-from plait.engine.gguf_file import read_gguf
+from plait.engine.gguf_file import GgufTensor, read_gguf
 from plait.engine.model_config import ModelLoadError
 from plait.engine.models.linear import Linear, QuantEmbedding, QuantLinear
 from plait.engine.models.llama import LlamaForCausalLM
@@ -74,7 +74,7 @@ def load_gguf_weights(model: LlamaForCausalLM, path: Path,
 class _Loader:
     """One pass over a model's modules, reading each from the file's tensors by name."""
 
-    def __init__(self, tensors: dict, model: LlamaForCausalLM, permuted: bool,
+    def __init__(self, tensors: dict[str, GgufTensor], model: LlamaForCausalLM, permuted: bool,
                  compute_dtype: torch.dtype, path: Path) -> None:
         self.tensors, self.model, self.permuted = tensors, model, permuted
         self.compute_dtype, self.path = compute_dtype, path
@@ -82,7 +82,7 @@ class _Loader:
 
     def load(self) -> None:
         cfg, model = self.model.config, self.model
-        for i, layer in enumerate(model.layers):
+        for i, layer in enumerate(model.decoder_layers()):
             attn, mlp = layer.self_attn, layer.mlp
             heads = (cfg.num_heads, cfg.num_kv_heads, None)
             names = [f"blk.{i}.attn_{p}" for p in "qkv"]
@@ -94,18 +94,18 @@ class _Loader:
             self.norm(layer.input_layernorm.weight, f"blk.{i}.attn_norm.weight")
             self.norm(layer.post_attention_layernorm.weight, f"blk.{i}.ffn_norm.weight")
         self.norm(model.norm.weight, "output_norm.weight")
-        model.embed_tokens = self.embedding("token_embd.weight", cfg.vocab_size,
-                                            cfg.hidden_size)
+        embedding = self.embedding("token_embd.weight", cfg.vocab_size, cfg.hidden_size)
+        model.embed_tokens = embedding
         if "output.weight" in self.tensors:
             model.lm_head = self.linear(model.lm_head, ["output"])
-        elif isinstance(model.embed_tokens, QuantEmbedding):
-            model.lm_head = QuantLinear(model.embed_tokens.qweight,
-                                        compute_dtype=self.compute_dtype)
+        elif isinstance(embedding, QuantEmbedding):
+            model.lm_head = QuantLinear(embedding.qweight, compute_dtype=self.compute_dtype)
         else:  # a float32 embedding: the head shares its Parameter
             model.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-            model.lm_head.weight = model.embed_tokens.weight
+            model.lm_head.weight = embedding.weight
 
-    def linear(self, empty: Linear, names: list[str], heads: tuple | None = None) -> Linear:
+    def linear(self, empty: Linear, names: list[str],
+               heads: tuple[int | None, ...] | None = None) -> Linear:
         """The projection `empty` (the model's placeholder, for its shape and bias) fused
         from tensors `names` (+ ".weight"), rows of part i un-permuted over heads[i] heads
         where the file is permuted."""
@@ -119,15 +119,17 @@ class _Loader:
                                  f"{empty.in_features}]")
         bias_t = None if empty.bias is None else torch.cat(
             [self.dense(f"{n}.bias", h) for n, h in zip(names, heads, strict=True)])
-        if all(isinstance(p, QuantPart) for p in pieces):
-            weight = QuantWeight.build(pieces, in_features)
+        quant = [p for p in pieces if isinstance(p, QuantPart)]
+        if len(quant) == len(pieces):
+            weight = QuantWeight.build(quant, in_features)
             return QuantLinear(weight, bias_t, self.compute_dtype)
         dense = [p if isinstance(p, torch.Tensor)
                  else dequantize_reference(QuantWeight.build([p], in_features))
                  for p in pieces]
         return _dense_linear(torch.cat(dense), bias_t)
 
-    def embedding(self, name: str, vocab_size: int, hidden_size: int) -> nn.Module:
+    def embedding(self, name: str, vocab_size: int,
+                  hidden_size: int) -> nn.Embedding | QuantEmbedding:
         shape = tuple(self.tensor(name).shape)
         if shape != (hidden_size, vocab_size):  # GGUF order: [K, rows]
             raise ModelLoadError(f"{self.path.name}: {name} is {list(reversed(shape))}, "
@@ -149,7 +151,7 @@ class _Loader:
         with torch.no_grad():
             param.copy_(values)
 
-    def tensor(self, name: str):
+    def tensor(self, name: str) -> GgufTensor:
         if name not in self.tensors:
             raise ModelLoadError(f"{self.path.name} lacks tensor {name!r}")
         self.used.add(name)
@@ -172,8 +174,8 @@ class _Loader:
     def dense(self, name: str, heads: int | None = None) -> torch.Tensor:
         """Tensor `name` dequantized to float32 in its torch shape (rows un-permuted)."""
         t = self.tensor(name)
-        values = gguf_dequantize(np.asarray(t.data), GGMLQuantizationType(int(t.tensor_type)))
-        values = torch.from_numpy(np.array(values, dtype=np.float32))
+        array = gguf_dequantize(np.asarray(t.data), GGMLQuantizationType(int(t.tensor_type)))
+        values = torch.from_numpy(np.array(array, dtype=np.float32))
         if self.permuted and heads:
             values = values[_unpermute(values.shape[0], heads)].contiguous()
         return values
@@ -191,7 +193,7 @@ def _dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     linear = Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     with torch.no_grad():
         linear.weight.copy_(weight)
-        if bias is not None:
+        if linear.bias is not None and bias is not None:
             linear.bias.copy_(bias)
     return linear
 

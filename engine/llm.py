@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.engine.config import EngineConfig
 from plait.engine.core import EngineCore
@@ -16,6 +16,9 @@ from plait.engine.core_api import EngineStats
 from plait.engine.outputs import ChoiceAccumulator, RequestOutput
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.validation import validate_request
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 PromptInput = str | Sequence[int]
 
@@ -66,10 +69,8 @@ class LLM:
 
     def _normalize(self, prompts: PromptInput | Sequence[PromptInput]
                    ) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
         batch: list[tuple[str | None, list[int]]] = []
-        for prompt in prompts:  # type: ignore[union-attr]
+        for prompt in [prompts] if _one_prompt(prompts) else prompts:
             if isinstance(prompt, str):
                 batch.append((prompt, self.tokenizer.encode(prompt)))
             else:
@@ -88,3 +89,8 @@ def _request_output(text: str | None, token_ids: list[int],
                             if c.prompt_logprobs is not None), None)
     return RequestOutput(text, token_ids, [c.to_output(i) for i, c in enumerate(choices)],
                          prompt_logprobs)
+
+
+def _one_prompt(prompts: PromptInput | Sequence[PromptInput]) -> TypeIs[PromptInput]:
+    """One prompt (a text or its token ids), not a batch of them."""
+    return isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))

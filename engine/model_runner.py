@@ -303,15 +303,16 @@ class ModelRunner:
         failed = self._grammars(states, result)
         rewind = [s.generator.get_state() if s.generator is not None else None
                   for s in states]
+        picks: list[tuple[int, TokenLogprob | None] | None]
         try:
             sampled = self.sampler(logits, self._metadata(states))
             picks = list(zip(sampled.token_ids, sampled.logprobs, strict=True))
         except Exception:
             logger.exception("batched sampling failed; sampling each request alone")
             picks = []
-            for i, state in enumerate(states):
-                if state.generator is not None:
-                    state.generator.set_state(rewind[i])
+            for i, (state, saved) in enumerate(zip(states, rewind, strict=True)):
+                if state.generator is not None and saved is not None:
+                    state.generator.set_state(saved)
                 try:
                     alone = self.sampler(logits[i : i + 1], self._metadata([state]))
                     picks.append((alone.token_ids[0], alone.logprobs[0]))

@@ -243,8 +243,8 @@ def _compute_logprobs(processed: torch.Tensor, token_ids: list[int],
         top_values, top_ids = top.values.tolist(), top.indices.tolist()
     for n, row in enumerate(rows):
         k = params[row].logprobs or 0
-        top = list(zip(top_ids[n][:k], top_values[n][:k], strict=True)) if k else []
-        result[row] = TokenLogprob(token_ids[row], chosen_logprobs[n], top)
+        pairs = list(zip(top_ids[n][:k], top_values[n][:k], strict=True)) if k else []
+        result[row] = TokenLogprob(token_ids[row], chosen_logprobs[n], pairs)
     return result
 
 

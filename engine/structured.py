@@ -22,7 +22,6 @@ from typing import Literal
 # tabs. Pretty-printed JSON still fits, but a model cannot loop on whitespace (llguidance's
 # default, any run of whitespace, lets a small model emit newlines until max_tokens).
 JSON_WHITESPACE = r"(?:\r?\n)?[\x20\x09]{0,24}"
-_JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
 
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
 # The start of the `error` of a request whose grammar the engine could not compile (the
@@ -51,9 +50,11 @@ def grammar_text(spec: StructuredSpec) -> str:
             json.loads(spec.value)
         except ValueError as exc:
             raise ValueError(f"the schema is not valid JSON: {exc}") from None
-        return LLMatcher.grammar_from_json_schema(spec.value, defaults=_JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(
+            spec.value, defaults={"whitespace_pattern": JSON_WHITESPACE})
     if spec.kind == "json_object":
-        return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(
+            '{"type": "object"}', defaults={"whitespace_pattern": JSON_WHITESPACE})
     if spec.kind == "regex":
         return LLMatcher.grammar_from_regex(spec.value)
     if spec.kind == "choice":

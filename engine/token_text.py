@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins  # the class below has a method named `bytes`
 import json
 import re
 from functools import cache
@@ -55,7 +56,7 @@ class TokenTextTable:
         self._byte_level = _is_byte_level(tokenizer)
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self._added = {token_id: str(token) for token_id, token in added.items()}
-        self._bytes: dict[int, bytes] = {}
+        self._bytes: dict[int, builtins.bytes] = {}
         self._text: dict[int, str] = {}
 
     def text(self, token_id: int) -> str:
@@ -70,14 +71,14 @@ class TokenTextTable:
         """The token's exact UTF-8 bytes (a new list on every call)."""
         return list(self._raw_bytes(token_id))
 
-    def _raw_bytes(self, token_id: int) -> bytes:
+    def _raw_bytes(self, token_id: int) -> builtins.bytes:
         raw = self._bytes.get(token_id)
         if raw is None:
             raw = self._compute_bytes(token_id)
             self._bytes[token_id] = raw
         return raw
 
-    def _compute_bytes(self, token_id: int) -> bytes:
+    def _compute_bytes(self, token_id: int) -> builtins.bytes:
         if token_id in self._added:
             return self._added[token_id].encode()
         piece = self._tokenizer.convert_ids_to_tokens(token_id)

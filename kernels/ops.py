@@ -27,6 +27,7 @@ from plait.kernels.cpu.attention import (
     plan_cascade,
     plan_native,
 )
+from plait.kernels.cpu.native import NativeStack
 from plait.kernels.metadata import AttentionMetadata, rows_metadata
 from plait.kernels.reference import (
     paged_attention_reference,
@@ -164,7 +165,7 @@ class TorchOps:
             return cascade_attention_reference(*args, plan=meta.plan)
         return paged_attention_reference(*args, plan=meta.plan)
 
-    def decoder_stack(self, stack: native.NativeStack, x: torch.Tensor,
+    def decoder_stack(self, stack: NativeStack, x: torch.Tensor,
                       positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         raise NotImplementedError(f"{self.name} ops run no whole decoder stack")
 
@@ -225,7 +226,7 @@ class CpuNativeOps(TorchOps):
             return super().attention(q, k_cache, v_cache, meta, scale)
         return native_attention(q, k_cache, v_cache, meta.block_tables, meta.plan, scale)
 
-    def decoder_stack(self, stack: native.NativeStack, x: torch.Tensor,
+    def decoder_stack(self, stack: NativeStack, x: torch.Tensor,
                       positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Every layer and the final norm in one native call (`native.decoder_stack`), for
         a step `plan` marked `whole_stack`; `stack` is the model's, bound at load."""

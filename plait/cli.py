@@ -14,7 +14,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
@@ -226,7 +226,8 @@ def _add(parser: argparse.ArgumentParser, option: Option, env: Mapping[str, str]
         parser.add_argument(option.flag, action=argparse.BooleanOptionalAction,
                             default=default, help=help_text)
         return
-    kind = {"list": parse_list, "int?": int}.get(option.kind, option.kind)
+    parsers: dict[str, Callable[[str], object]] = {"list": parse_list, "int?": int}
+    kind = parsers.get(option.kind, option.kind)
     parser.add_argument(option.flag, type=kind, default=default, choices=option.choices,
                         help=help_text, metavar=option.dest.upper())
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -145,7 +146,7 @@ def param_name(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """The envelope OpenAI would send for these pydantic errors (the first one wins, except
     that a JSON syntax error or unknown fields are reported before anything else)."""
     if not errors or any(e.get("type") == "json_invalid" for e in errors):
@@ -184,7 +185,7 @@ _EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": 
              "none_required": "null", "int_from_float": "an integer"}
 
 
-def _expected(error: dict[str, Any]) -> str | None:
+def _expected(error: Mapping[str, Any]) -> str | None:
     return _EXPECTED.get(error.get("type", ""))
 
 
@@ -209,7 +210,7 @@ def _type_error(param: str | None, expected: str, value: Any) -> APIError:
                        f"{_json_type(value)} instead.", param, "invalid_type")
 
 
-def _one_error(error: dict[str, Any]) -> APIError:
+def _one_error(error: Mapping[str, Any]) -> APIError:
     param = param_name(tuple(error.get("loc", ())))
     kind = error.get("type", "")
     ctx = error.get("ctx") or {}

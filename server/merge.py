@@ -72,5 +72,5 @@ class StreamMerger(Generic[K, D]):
                 del self._streams[key]
 
 
-def _sort_key(key: object) -> object:
+def _sort_key(key: object) -> int | str:
     return key if isinstance(key, (int, str)) else repr(key)

@@ -154,13 +154,13 @@ def _vllm_families(stats: EngineStats, identity: EngineIdentity) -> Iterator[Met
     snapshot) labelled with the served model name, and `vllm:cache_config_info`."""
     labels = [identity.model_name, VLLM_ENGINE_INDEX]
     for name, doc, value in vllm_gauges(stats):
-        family = GaugeMetricFamily(name, doc, labels=VLLM_LABELS)
-        family.add_metric(labels, float(value))
-        yield family
+        gauge = GaugeMetricFamily(name, doc, labels=VLLM_LABELS)
+        gauge.add_metric(labels, float(value))
+        yield gauge
     for name, doc, value in vllm_counters(stats):
-        family = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
-        family.add_metric(labels, float(value))
-        yield family
+        counter = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
+        counter.add_metric(labels, float(value))
+        yield counter
     info = identity.cache_config_labels()
     family = GaugeMetricFamily("vllm:cache_config_info",
                                "Information of the LLMEngine CacheConfig", labels=list(info))

@@ -79,20 +79,18 @@ async def tokenize(body: TokenizeRequest, state: ReadyDep) -> Response:
     strings of the tokens with `return_token_strs`, else null."""
     check_model(state, body.model, required=False)
     tokenizer = state.engine.tokenizer
-    if (body.prompt is None) == (body.messages is None):
-        raise bad_request("Provide exactly one of 'prompt' and 'messages'.", "prompt")
-    if body.messages is not None:
+    if body.messages is not None and body.prompt is None:
         reject_unsupported(body)
         flags = template_flags(body.messages, body.add_generation_prompt,
                                body.continue_final_message)
         template = chat_template(tokenizer)
         # With tools, the prompt chat completions builds for them (tool_choice "auto").
         output = (conversation_plan(template) if body.tools is None else
-                  await chat_output_plan(_ToolsOnly(body.tools), template))  # type: ignore[arg-type]
+                  await chat_output_plan(_ToolsOnly(body.tools), template))
         messages = render_messages(body.messages, output)
         tokens = await chat_prompt_ids(tokenizer, messages, flags,
                                        tools=output.template_tools)
-    else:
+    elif body.prompt is not None and body.messages is None:
         for name in ("add_generation_prompt", "continue_final_message", "tools"):
             if getattr(body, name) is not None:
                 raise bad_request(f"'{name}' applies to 'messages' only, not to 'prompt'.",
@@ -100,6 +98,8 @@ async def tokenize(body: TokenizeRequest, state: ReadyDep) -> Response:
         encode = functools.partial(tokenizer.encode,
                                    add_special_tokens=body.add_special_tokens is not False)
         tokens = await offload(encode, body.prompt, size=len(body.prompt))
+    else:
+        raise bad_request("Provide exactly one of 'prompt' and 'messages'.", "prompt")
     result = {"count": len(tokens), "max_model_len": state.engine.info.max_model_len,
               "tokens": tokens, "token_strs": None}
     if body.return_token_strs:

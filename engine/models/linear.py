@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from plait.engine.config import CPU_GEMMS
-from plait.engine.models.quant_ops import check_native, matmul_dequantized
+from plait.engine.models.quant_ops import ChunkCache, check_native, matmul_dequantized
 from plait.kernels.cpu import native
 from plait.kernels.cpu.build import NATIVE_MAX_ROWS
 from plait.kernels.cpu.quant import QuantWeight
@@ -43,6 +43,8 @@ class Linear(nn.Module):
     device (the "none" format)."""
 
     format: ClassVar[str] = "none"
+    weight: torch.Tensor  # [out, in], an nn.Parameter (a tied head shares the embedding's)
+    bias: torch.Tensor | None  # [out]
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
@@ -155,8 +157,8 @@ class QuantLinear(Linear):
         check_native(qweight)
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
         self.qweight, self.compute_dtype = qweight, compute_dtype
-        self.weight = None  # no float copy: `qweight` is the weight
-        self.scratch: dict = {}  # quant_ops.matmul_dequantized's row chunks
+        self.register_parameter("weight", None)  # no float copy: `qweight` is the weight
+        self.scratch: ChunkCache = {}  # quant_ops.matmul_dequantized's row chunks
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(),
                                                            requires_grad=False)
 

@@ -14,11 +14,13 @@ residual stream is carried beside each sublayer's output and added inside the ne
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
 from plait.engine.model_config import ModelConfig
-from plait.engine.models.linear import Linear, PanelLinear, QuantLinear
+from plait.engine.models.linear import Linear, PanelLinear, QuantEmbedding, QuantLinear
 from plait.engine.models.rope import rope_cos_sin
 from plait.kernels import AttentionMetadata, TorchOps
 from plait.kernels.cpu import native
@@ -124,11 +126,14 @@ class LlamaForCausalLM(nn.Module):
     """Decoder stack + LM head; `forward` returns hidden states, `compute_logits` the logits
     of only the rows that need sampling. `bind` gives it its KV caches once."""
 
+    cos_sin: torch.Tensor  # [max_positions, head_dim] = cos | sin halves (a buffer)
+    embed_tokens: nn.Embedding | QuantEmbedding  # the GGUF loader may keep it quantized
+    lm_head: Linear
+
     def __init__(self, cfg: ModelConfig, max_positions: int, ops: TorchOps) -> None:
         super().__init__()
         self.config = cfg
         self.ops = ops
-        # cos_sin: [max_positions, head_dim] = cos | sin halves
         self.register_buffer("cos_sin", rope_cos_sin(cfg.head_dim, max_positions,
                                                      cfg.rope_theta, cfg.rope_scaling),
                              persistent=False)
@@ -140,6 +145,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.kv_caches: list[KVCache] = []
         self.stack: native.NativeStack | None = None
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The layers, typed (an `nn.ModuleList` yields plain modules)."""
+        return cast(list[DecoderLayer], list(self.layers))
 
     def bind(self, kv_caches: list[KVCache]) -> None:
         """Give the model its KV caches (one (k, v) per layer), after its linear layers have
@@ -181,12 +190,17 @@ class LlamaForCausalLM(nn.Module):
             return t is not None and t.dtype == torch.float32 and t.device.type == "cpu" \
                 and t.is_contiguous()
 
-        rows, tensors = [], []
-        for layer, (k, v) in zip(self.layers, self.kv_caches, strict=True):
+        def address(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.data_ptr()
+
+        layers = self.decoder_layers()
+        rows: list[list[int]] = []
+        tensors: list[torch.Tensor] = []
+        for layer, (k, v) in zip(layers, self.kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            weights = [_stack_weight(lin) for lin in linears]
-            if any(w is None for w in weights):
+            weights = [w for lin in linears if (w := _stack_weight(lin)) is not None]
+            if len(weights) < len(linears):
                 return None
             bias = attn.qkv_proj.bias
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -194,13 +208,13 @@ class LlamaForCausalLM(nn.Module):
                     or any(lin.bias is not None for lin in linears[1:]) \
                     or (bias is not None and not dense(bias)):
                 return None
-            descs = [w[0] for w in weights]  # type: ignore[index]
-            named = {"input_norm": norms[0], "qkv_weight": descs[0], "qkv_bias": bias,
-                     "o_weight": descs[1], "post_norm": norms[1], "gate_up_weight": descs[2],
-                     "down_weight": descs[3], "k_cache": k, "v_cache": v}
-            rows.append([0 if named[n] is None else named[n].data_ptr()
-                         for n in native.STACK_POINTERS])
-            tensors += [t for w in weights for t in w[1]]  # type: ignore[union-attr]
+            descs = [w[0] for w in weights]
+            named: dict[str, torch.Tensor | None] = {
+                "input_norm": norms[0], "qkv_weight": descs[0], "qkv_bias": bias,
+                "o_weight": descs[1], "post_norm": norms[1], "gate_up_weight": descs[2],
+                "down_weight": descs[3], "k_cache": k, "v_cache": v}
+            rows.append([address(named[n]) for n in native.STACK_POINTERS])
+            tensors += [t for w in weights for t in w[1]]
             tensors += [t for t in named.values() if t is not None]
         if not dense(self.norm.weight) or not dense(self.cos_sin):
             return None
@@ -208,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
                                   cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
         return native.NativeStack(
             torch.tensor(rows, dtype=torch.int64), shape, self.norm.weight.detach(),
-            self.cos_sin, self.kv_caches[0][0].shape[1], self.layers[0].self_attn.scale,
+            self.cos_sin, self.kv_caches[0][0].shape[1], layers[0].self_attn.scale,
             tuple(tensors))
 
 

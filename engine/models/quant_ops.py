@@ -26,6 +26,9 @@ from plait.kernels.cpu.quant import QuantPart, QuantWeight
 SCRATCH_BYTES = 64 << 20
 _MKLDNN = torch.backends.mkldnn.is_available()
 
+RowChunks = list[tuple[int, int, QuantWeight]]  # (start, end, W[start:end]) per chunk
+ChunkCache = dict[tuple[str, int], RowChunks]  # a weight's row chunks, per chunk size
+
 
 class _Scratch:
     """One growing byte buffer (up to the largest chunk asked for) that `matmul_dequantized`
@@ -56,15 +59,16 @@ def check_native(weight: QuantWeight) -> None:
 
 
 def row_chunks(weight: QuantWeight, chunk_rows: int,
-               cache: dict | None = None) -> list[tuple[int, int, QuantWeight]]:
+               cache: ChunkCache | None = None) -> RowChunks:
     """(start, end, W[start:end]) covering W's rows, each at most `chunk_rows` rows; a chunk
     views its parts' bytes (no copy) and may span parts. Kept in `cache` per chunk size."""
     key = ("chunks", chunk_rows)
     if cache is not None and key in cache:
         return cache[key]
-    chunks = []
+    chunks: RowChunks = []
     for start in range(0, weight.out_features, chunk_rows):
-        end, parts, at = min(start + chunk_rows, weight.out_features), [], 0
+        end, at = min(start + chunk_rows, weight.out_features), 0
+        parts: list[QuantPart] = []
         for part in weight.parts:
             lo, hi = max(start, at), min(end, at + part.rows)
             if lo < hi:
@@ -88,7 +92,7 @@ def _dense_product(x: torch.Tensor, w: torch.Tensor,  # x: [M, K], w: [c, K] sam
 def matmul_dequantized(x: torch.Tensor, weight: QuantWeight,  # x: [M, K] float32
                        bias: torch.Tensor | None,  # [N] float32
                        compute_dtype: torch.dtype = torch.float32,  # or torch.bfloat16
-                       cache: dict | None = None,
+                       cache: ChunkCache | None = None,
                        scratch_bytes: int = SCRATCH_BYTES,
                        ) -> torch.Tensor:  # [M, N] float32 dense
     """x @ W^T + bias with W dequantized to `compute_dtype` (bf16: x rounded to bf16, float32
@@ -101,19 +105,23 @@ def matmul_dequantized(x: torch.Tensor, weight: QuantWeight,  # x: [M, K] float3
     chunks = row_chunks(weight, chunk_rows, cache) if chunk_rows < num_out \
         else [(0, num_out, weight)]
     scratch = _SCRATCH if _SCRATCH.lock.acquire(blocking=False) else _Scratch()
+
+    def product(start: int, end: int, part: QuantWeight) -> torch.Tensor:  # [M, end - start]
+        w = native.dequantize(part, None, compute_dtype,
+                              out=scratch.view(end - start, k, compute_dtype))
+        return _dense_product(x, w, None if bias is None else bias[start:end])
+
     try:
-        out = None if len(chunks) == 1 else x.new_empty(x.shape[0], num_out, dtype=torch.float32)
+        if len(chunks) == 1:
+            return product(*chunks[0]).float()
+        out = x.new_empty(x.shape[0], num_out, dtype=torch.float32)
         for start, end, part in chunks:
-            w = native.dequantize(part, None, compute_dtype,
-                                  out=scratch.view(end - start, k, compute_dtype))
-            y = _dense_product(x, w, None if bias is None else bias[start:end])
-            if out is None:
-                return y.float()
-            out[:, start:end] = y
+            out[:, start:end] = product(start, end, part)
         return out
     finally:
         if scratch is _SCRATCH:
             scratch.lock.release()
 
 
-__all__ = ["SCRATCH_BYTES", "check_native", "matmul_dequantized", "row_chunks"]
+__all__ = ["SCRATCH_BYTES", "ChunkCache", "RowChunks", "check_native", "matmul_dequantized",
+           "row_chunks"]

@@ -258,9 +258,10 @@ def paged_attention_triton(
             query, num_m_tiles * num_kv_heads * num_seqs, max_query_len, max_context_len
         )
     if num_splits > 1:
-        f32 = dict(dtype=torch.float32, device=query.device)
-        part_out = torch.empty((num_splits, num_tokens, num_heads, head_dim), **f32)
-        part_lse = torch.empty((num_splits, num_tokens, num_heads), **f32)
+        part_out = torch.empty((num_splits, num_tokens, num_heads, head_dim),
+                               dtype=torch.float32, device=query.device)
+        part_lse = torch.empty((num_splits, num_tokens, num_heads),
+                               dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # not touched by the kernel when SPLIT_OUTPUT is False
     _paged_attention_kernel[(num_m_tiles * num_splits, num_kv_heads, num_seqs)](

@@ -46,6 +46,8 @@ def _cdf_figure(records: list[RequestRecord], title: str, path: Path) -> None:
             ax.step(ordered, fractions, where="post")
             for p in PERCENTILES:
                 value = percentile(ordered, p / 100)
+                if value is None:  # (not reached: `ordered` is not empty)
+                    continue
                 ax.axvline(value, linestyle=":", color="grey")
                 label = f"{value:.0f}" if value >= 100 else f"{value:.3g}"
                 ax.annotate(f"p{p} {label}", (value, p / 100), fontsize=8,

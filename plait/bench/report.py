@@ -101,7 +101,7 @@ def _ratio(a: float | None, b: float | None) -> str:
 def compare(path_a: Path, path_b: Path) -> str:
     """Every throughput and latency statistic of A and B, and B/A."""
     (config_a, a), (config_b, b) = load_summary(path_a), load_summary(path_b)
-    rows = [("metric", "A", "B", "B/A")]
+    rows: list[tuple[str, ...]] = [("metric", "A", "B", "B/A")]
     for key, label in THROUGHPUTS:
         rows.append((label, _num(a[key]), _num(b[key]), _ratio(a[key], b[key])))
     for key, label in LATENCIES:

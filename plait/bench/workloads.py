@@ -69,8 +69,8 @@ async def fit_prompt(rng: random.Random, target: int,
     count is exact; otherwise the closest count at or under the target wins."""
     pool = [rng.choice(WORDS) for _ in range(2 * target + 16)]
     num_words = target
-    measured = await count(" ".join(pool[:num_words])) if count else None
-    if measured is None:
+    measured = await count(" ".join(pool[:num_words])) if count is not None else None
+    if count is None or measured is None:
         return " ".join(pool[:num_words]), None
     seen = {num_words: measured}
     for _ in range(MAX_FIT_CALLS - 1):

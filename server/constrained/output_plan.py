@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from plait.engine import StructuredSpec
 from plait.server.constrained.call_parsers import PARSERS, BareCalls, ToolParser, detect_parser
@@ -42,9 +42,25 @@ from plait.server.constrained.request_fields import (
 )
 from plait.server.errors import bad_request
 from plait.server.prompts import text_part
-from plait.server.protocol import ChatCompletionRequest, ChatMessage
+from plait.server.protocol import ChatMessage
 
 OutputMode = Literal["text", "named", "calls", "parser"]
+
+
+class ToolRequest(Protocol):
+    """The fields of a chat request that an output plan reads (`ChatCompletionRequest`;
+    /tokenize builds one from its `tools` alone)."""
+
+    @property
+    def tools(self) -> list[dict[str, Any]] | None: ...
+    @property
+    def tool_choice(self) -> str | dict[str, Any] | None: ...
+    @property
+    def parallel_tool_calls(self) -> bool | None: ...
+    @property
+    def response_format(self) -> dict[str, Any] | None: ...
+    @property
+    def structured_outputs(self) -> dict[str, Any] | None: ...
 _COMPACT = (",", ":")
 
 
@@ -71,7 +87,7 @@ class OutputPlan:
     bare: BareCalls | None = None
 
 
-async def chat_output_plan(body: ChatCompletionRequest, template: str | None) -> OutputPlan:
+async def chat_output_plan(body: ToolRequest, template: str | None) -> OutputPlan:
     """`plan_output`, off the event loop when the request has schemas to check."""
     if body.tools is None and body.response_format is None and body.structured_outputs is None:
         return plan_output(body, template)
@@ -80,7 +96,7 @@ async def chat_output_plan(body: ChatCompletionRequest, template: str | None) ->
     return await build_off_loop(plan_output, body, template, param=param)
 
 
-def plan_output(body: ChatCompletionRequest, template: str | None) -> OutputPlan:
+def plan_output(body: ToolRequest, template: str | None) -> OutputPlan:
     """The request's `OutputPlan`; 400s name the offending parameter."""
     tools = parse_tools(body.tools)
     choice = parse_tool_choice(body.tool_choice, tools)
@@ -91,7 +107,8 @@ def plan_output(body: ChatCompletionRequest, template: str | None) -> OutputPlan
     parser = detect_parser(template)
     native = parser is not None
     template_tools = [t.model_dump(exclude_none=True) for t in tools] if native else None
-    if not tools or choice == "none":  # a tool template still shows the tools (as vLLM)
+    # A tool template still shows the tools (as vLLM). (choice is None only without tools.)
+    if not tools or choice is None or choice == "none":
         return OutputPlan("text", answer, native=native, template_tools=template_tools)
     check_tool_schemas(tools)
     parallel = body.parallel_tool_calls is not False
