@@ -48,6 +48,7 @@ _EXPORTS = {
     "StructuredSpec": "structured",
     "structured_error": "structured",
     "TokenTextTable": "token_text",
+    "decode_ids": "token_text",
     "FAKE_FRAME": "faults",
     "InjectedFault": "faults",
     "arm_engine_faults": "faults",
@@ -86,6 +87,7 @@ __all__ = [
     "TokenLogprob",
     "TokenTextTable",
     "arm_engine_faults",
+    "decode_ids",
     "find_marker",
     "structured_error",
     "validate_params",
@@ -119,7 +121,7 @@ if TYPE_CHECKING:
     )
     from plait.engine.sampling_params import MAX_LOGPROBS, InvalidParamError, SamplingParams
     from plait.engine.structured import GRAMMAR_FAILED, StructuredSpec, structured_error
-    from plait.engine.token_text import TokenTextTable
+    from plait.engine.token_text import TokenTextTable, decode_ids
     from plait.engine.validation import (
         RequestRejected,
         validate_params,

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from plait.engine.client import (
     EngineClient,
@@ -33,6 +33,9 @@ from plait.engine.config import EngineConfig, RuntimeInfo
 from plait.engine.core import EngineCore
 from plait.engine.core_api import Core
 from plait.engine.wire import Command, ShutdownCommand
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineLoadError", "RequestStream"]
 
@@ -86,7 +89,7 @@ class AsyncEngine(EngineClient):
         return self.core.info
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         assert self.core is not None
         return self.core.tokenizer
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.engine.config import EngineConfig, RuntimeInfo
 from plait.engine.core_api import Core, EngineStats
@@ -33,6 +33,9 @@ from plait.engine.wire import (
     Command,
     ShutdownCommand,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class EngineDeadError(RuntimeError):
@@ -124,7 +127,7 @@ class EngineClient:
         raise NotImplementedError
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         raise NotImplementedError
 
     def _send(self, command: Command) -> None:

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from plait.engine.block_pool import BlockPool
 from plait.engine.config import EngineConfig, RuntimeInfo
@@ -33,10 +33,14 @@ from plait.engine.sched_output import RunnerOutput, SchedulerOutput
 from plait.engine.scheduler import Scheduler
 from plait.engine.structured import GRAMMAR_FAILED
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger("plait.engine")
 
 # Builds a request's detokenizer: (tokenizer, prompt token ids, params) -> detokenizer.
-DetokenizerFactory = Callable[[Any, list[int], SamplingParams], IncrementalDetokenizer]
+DetokenizerFactory = Callable[["PreTrainedTokenizerBase", list[int], SamplingParams],
+                              IncrementalDetokenizer]
 RunnerFactory = Callable[..., ModelRunner]
 
 SAMPLING_FAILED = "internal error while sampling the request"
@@ -62,7 +66,7 @@ class OutputState:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
 
-def eos_token_ids(resolved: ResolvedModel, tokenizer: Any) -> tuple[int, ...]:
+def eos_token_ids(resolved: ResolvedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """The model's end-of-sequence ids: its config's, plus the tokenizer's own."""
     eos = set(resolved.config.eos_token_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -78,7 +82,8 @@ class EngineCore:
     Requests must be validated before `add_request` (engine/validation.py)."""
 
     def __init__(self, config: EngineConfig, resolved: ResolvedModel | None = None,
-                 tokenizer: Any = None, runner_factory: RunnerFactory = ModelRunner,
+                 tokenizer: PreTrainedTokenizerBase | None = None,
+                 runner_factory: RunnerFactory = ModelRunner,
                  detokenizer_factory: DetokenizerFactory = IncrementalDetokenizer) -> None:
         self.config = config
         resolved = resolved or resolve_model(config.model, config.weights == "float32")

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from plait.engine.config import RuntimeInfo
 from plait.engine.outputs import RequestDelta
 from plait.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +76,7 @@ class Core(Protocol):
     `ValueError` for a duplicate id."""
 
     info: RuntimeInfo
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None: ...

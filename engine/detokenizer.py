@@ -15,8 +15,13 @@ offsets stay put and nothing is emitted until a later token completes the charac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from plait.engine.sampling_params import SamplingParams
+from plait.engine.token_text import decode_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Prompt tokens that seed the decode window, so the first output token's leading space (and
 # any merge with the prompt tail) decodes as it would inside the full text.
@@ -50,7 +55,8 @@ class IncrementalDetokenizer:
     step.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+                 params: SamplingParams) -> None:
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
         self._stops = [s for s in params.stop if s]
@@ -102,8 +108,8 @@ class IncrementalDetokenizer:
         return DetokenizerStep(delta, stop_str)
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special,
-                                      clean_up_tokenization_spaces=False)
+        return decode_ids(self._tokenizer, token_ids, skip_special_tokens=self._skip_special,
+                          clean_up_tokenization_spaces=False)
 
     def _decode_next(self, token_id: int) -> str:
         self._window.append(token_id)

@@ -40,7 +40,7 @@ import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.engine.client import EngineClient, EngineLoadError, run_core_loop
 from plait.engine.config import EngineConfig, RuntimeInfo
@@ -61,6 +61,9 @@ from plait.engine.wire import (
     decode_start,
     encode,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("plait.engine")
 
@@ -84,7 +87,7 @@ class ProcessEngine(EngineClient):
         super().__init__(config)
         self.pid: int | None = None
         self._fault_injection = fault_injection
-        self._tokenizer: Any = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
         self._info: RuntimeInfo | None = None
         self._conn: Connection | None = None
         self._process: Any = None  # multiprocessing.Process, set by the reader thread
@@ -142,7 +145,7 @@ class ProcessEngine(EngineClient):
         return self._info
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         assert self._tokenizer is not None, "load the engine first"
         return self._tokenizer
 

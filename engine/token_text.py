@@ -6,6 +6,10 @@ import builtins  # the class below has a method named `bytes`
 import json
 import re
 from functools import cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte-fallback pieces
 _METASPACE = "\u2581"  # sentencepiece's visible space "▁"
@@ -40,6 +44,14 @@ def _is_byte_level(tokenizer) -> bool:
     return any(isinstance(p, dict) and p.get("type") == "ByteLevel" for p in parts)
 
 
+def decode_ids(tokenizer: PreTrainedTokenizerBase, token_ids: list[int],
+               skip_special_tokens: bool = False, **kwargs: bool) -> str:
+    """`tokenizer.decode` of one flat list of ids, which is a str (transformers types every
+    `decode` as `str | list[str]`, the list for a batch of lists)."""
+    return tokenizer.decode(  # type: ignore[return-value]
+        token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
+
+
 class TokenTextTable:
     """Lazily cached text and exact bytes of single tokens, for logprobs in HTTP responses.
 
@@ -51,7 +63,7 @@ class TokenTextTable:
     pieces ("<0xF0>") give their byte, "▁" is a space, anything else is `decode([id])`.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tokenizer = tokenizer
         self._byte_level = _is_byte_level(tokenizer)
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
@@ -82,8 +94,8 @@ class TokenTextTable:
         if token_id in self._added:
             return self._added[token_id].encode()
         piece = self._tokenizer.convert_ids_to_tokens(token_id)
-        if piece is None:
-            return self._tokenizer.decode([token_id]).encode()
+        if not isinstance(piece, str):  # None: an id the vocabulary lacks
+            return decode_ids(self._tokenizer, [token_id]).encode()
         if self._byte_level:
             table = _unicode_to_byte()
             return b"".join(bytes([table[c]]) if c in table else c.encode() for c in piece)
@@ -92,4 +104,4 @@ class TokenTextTable:
             return bytes([int(match.group(1), 16)])
         if _METASPACE in piece:
             return piece.replace(_METASPACE, " ").encode()
-        return self._tokenizer.decode([token_id]).encode()
+        return decode_ids(self._tokenizer, [token_id]).encode()

@@ -24,6 +24,7 @@ from plait.engine import (
     EngineClient,
     InvalidParamError,
     SamplingParams,
+    decode_ids,
     validate_params,
     validate_prompt,
 )
@@ -195,7 +196,7 @@ def _text_prompt(engine: EngineClient, text: str, truncate: Truncate | None = No
     cut = _cut(token_ids, truncate)
     check_prompt(engine, cut, "prompt")
     if len(cut) != len(token_ids):
-        text = engine.tokenizer.decode(cut)
+        text = decode_ids(engine.tokenizer, cut)
     return Prompt(cut, text)
 
 
@@ -204,7 +205,7 @@ def _token_prompt(engine: EngineClient, token_ids: list[int], checked: bool = Fa
     decoded."""
     if not checked:
         check_prompt(engine, token_ids, "prompt")
-    return Prompt(list(token_ids), engine.tokenizer.decode(token_ids))
+    return Prompt(list(token_ids), decode_ids(engine.tokenizer, token_ids))
 
 
 def check_prompt(engine: EngineClient, token_ids: list[int], param: str) -> None:
