@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVarTuple
 
 from plait.engine.config import EngineConfig, RuntimeInfo
 from plait.engine.core_api import Core, EngineStats
@@ -36,6 +36,8 @@ from plait.engine.wire import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+Ts = TypeVarTuple("Ts")
 
 
 class EngineDeadError(RuntimeError):
@@ -179,7 +181,7 @@ class EngineClient:
             self.dead_error = message
         self._call_on_loop(self._fail_all)
 
-    def _call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+    def _call_on_loop(self, fn: Callable[[*Ts], None], *args: *Ts) -> None:
         if self._loop is not None and not self._loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop closed in between
                 self._loop.call_soon_threadsafe(fn, *args)

@@ -40,7 +40,8 @@ import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 from plait.engine.client import EngineClient, EngineLoadError, run_core_loop
 from plait.engine.config import EngineConfig, RuntimeInfo
@@ -90,7 +91,7 @@ class ProcessEngine(EngineClient):
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._info: RuntimeInfo | None = None
         self._conn: Connection | None = None
-        self._process: Any = None  # multiprocessing.Process, set by the reader thread
+        self._process: BaseProcess | None = None  # set by the reader thread
         self._outbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._reader: threading.Thread | None = None
         self._loaded = threading.Event()
@@ -128,7 +129,8 @@ class ProcessEngine(EngineClient):
         if self._reader.is_alive():
             logger.warning("the engine process did not exit within %.0f s: killing it", timeout)
             with contextlib.suppress(Exception):
-                self._process.kill()
+                if self._process is not None:
+                    self._process.kill()
             self._reader.join(5)
 
     @property
@@ -167,10 +169,11 @@ class ProcessEngine(EngineClient):
         start = EngineStart(self.config, self._fault_injection,
                             logging.getLogger("plait").getEffectiveLevel(), os.getpid())
         try:
-            self._process = multiprocessing.get_context("spawn").Process(
+            process = multiprocessing.get_context("spawn").Process(
                 target=run_engine_process, args=(child_conn, encode(start)),
                 name=PROCESS_NAME, daemon=True)
-            self._process.start()
+            self._process = process
+            process.start()
         except Exception as exc:  # e.g. out of memory or file descriptors
             self._load_error = f"{type(exc).__name__}: {exc}"
             self._loaded.set()
@@ -186,9 +189,9 @@ class ProcessEngine(EngineClient):
             pass  # the child exited or died
         except WireError as exc:  # a bug: the two sides disagree on the wire format
             logger.error("bad frame from the engine process: %s", exc)
-            self._process.kill()
-        self._process.join(5)
-        self._on_exit(_describe_exit(self._process.exitcode))
+            process.kill()
+        process.join(5)
+        self._on_exit(_describe_exit(process.exitcode))
 
     def _handle(self, event: Event) -> None:
         if isinstance(event, OutputsEvent):

@@ -60,11 +60,14 @@ def external_hash(block_hash: bytes) -> int:
 # every vLLM version; the events are maps (tag field "type") since vLLM PR #42892.
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: list[Any]
+    events: list[msgspec.Struct]  # BlockStored | BlockRemoved | AllBlocksCleared
     data_parallel_rank: int | None = None
 
 
-def _event_types(array_like: bool) -> tuple[type, type, type]:
+EventTypes = tuple[type[msgspec.Struct], type[msgspec.Struct], type[msgspec.Struct]]
+
+
+def _event_types(array_like: bool) -> EventTypes:
     class KVCacheEvent(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False,
                        tag=True):
         pass
@@ -132,13 +135,13 @@ class KVEventLog:
 
 
 def build_events(pending: list[list[Any]], block_size: int,
-                 encoding: str = "map") -> list[Any]:
+                 encoding: str = "map") -> list[msgspec.Struct]:
     """The recorded events as vLLM's structs (done on the publisher thread)."""
     stored_t, removed_t, cleared_t = _EVENT_TYPES[encoding]
     # vLLM 0.24+ names the cache group and its kind; the array form leaves them None, as
     # the vLLM versions that published arrays did.
     group, kind = (0, "full_attention") if encoding == "map" else (None, None)
-    events: list[Any] = []
+    events: list[msgspec.Struct] = []
     for item in pending:
         if item[0] == "S":
             parent = None if item[2] is None else external_hash(item[2])

@@ -113,7 +113,7 @@ _event_decoder = msgspec.msgpack.Decoder(Event)
 _start_decoder = msgspec.msgpack.Decoder(EngineStart)
 
 
-def encode(message: Any) -> bytes:
+def encode(message: Command | Event | EngineStart) -> bytes:
     """One frame for a command, an event or `EngineStart`."""
     return _encoder.encode(message)
 
