@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -40,6 +40,7 @@ from plait.server.state import ServerState
 from plait.server.ui import ui_router
 
 logger = logging.getLogger("plait.server")
+T = TypeVar("T")
 
 LoadErrorHook = Callable[[str], None]
 
@@ -129,11 +130,11 @@ async def _load(state: ServerState, on_error: LoadErrorHook | None) -> None:
                 info.num_kv_blocks, info.max_model_len)
 
 
-async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
+async def _in_daemon_thread(fn: Callable[[], T]) -> T:
     """Like `asyncio.to_thread`, but a daemon thread: Ctrl-C during a long load exits at
     once instead of waiting for the load to finish."""
     loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
+    future: asyncio.Future[T] = loop.create_future()
 
     def run() -> None:
         result, error = None, None

@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from plait.engine import TokenLogprob
 from plait.server.constrained.output_plan import (
     OutputPlan,
     chat_output_plan,
@@ -99,7 +100,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                     extras.include_usage)) if body.streaming else None)
 
 
-def _logprobs(gen: Generation, logprobs: list[Any]) -> dict[str, Any] | None:
+def _logprobs(gen: Generation, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
     if gen.plan.logprobs is None:
         return None
     table = gen.state.token_text

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import plait
+from plait.engine import EngineClient, decode_ids
 from plait.server.constrained.output_plan import (
     chat_output_plan,
     chat_template,
@@ -158,10 +159,10 @@ async def detokenize(body: DetokenizeRequest, state: ReadyDep) -> dict[str, Any]
     return {"prompt": text}
 
 
-def _detokenize(engine: Any, tokens: list[int]) -> str:
+def _detokenize(engine: EngineClient, tokens: list[int]) -> str:
     vocab_size = engine.info.vocab_size
     bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise bad_request(f"Invalid 'tokens': token id {echo(bad)} is outside the vocabulary "
                           f"[0, {vocab_size}).", "tokens", "invalid_value")
-    return engine.tokenizer.decode(tokens)
+    return decode_ids(engine.tokenizer, tokens)

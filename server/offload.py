@@ -22,11 +22,12 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, TypeVarTuple
 
 from fastapi.responses import Response
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 INLINE_MAX_SIZE = 64 * 1024  # characters (or bytes, or tokens) done inline: well under 10 ms
 NUM_WORKERS = max(1, min(4, os.cpu_count() or 1))
@@ -45,7 +46,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self.num_running = 0  # calls in progress on a worker
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._start()
@@ -91,7 +92,7 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
 POOL = WorkerPool(NUM_WORKERS)
 
 
-async def offload(fn: Callable[..., T], *args: Any, size: int) -> T:
+async def offload(fn: Callable[[*Ts], T], *args: *Ts, size: int) -> T:
     """`fn(*args)`, inline when `size` (the input's length) is small, else on a worker."""
     if size <= INLINE_MAX_SIZE:
         return fn(*args)

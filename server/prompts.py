@@ -16,7 +16,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
@@ -30,6 +30,9 @@ from plait.engine import (
 )
 from plait.server.errors import bad_request, echo
 from plait.server.offload import offload
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("plait.server")
 Truncate = Callable[[list[int]], list[int]]  # a prompt's ids -> the ids the engine gets
@@ -122,13 +125,14 @@ async def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
 
 
 @functools.lru_cache(maxsize=8)
-def max_token_chars(tokenizer: Any) -> int:
+def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
     """The most characters one token's text can hold (its longest vocabulary entry; a
     byte-level entry has one character per byte)."""
     return max((len(piece) for piece in tokenizer.get_vocab()), default=1)
 
 
-def check_text_size(engine: EngineClient, tokenizer: Any, num_chars: int, param: str) -> None:
+def check_text_size(engine: EngineClient, tokenizer: PreTrainedTokenizerBase, num_chars: int,
+                    param: str) -> None:
     """400 `context_length_exceeded`, before any tokenizing, for text that no tokenization
     can fit into the context: n tokens hold at most n * max_token_chars characters (x2 of
     headroom for normalizers that merge characters)."""

@@ -16,7 +16,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, NoReturn
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
@@ -91,7 +91,7 @@ def parse_json(body: bytes) -> Any:
     return value
 
 
-def _no_constant(name: str) -> Any:
+def _no_constant(name: str) -> NoReturn:
     raise bad_request(f"Invalid JSON: {name} is not a JSON number; send a finite number.")
 
 

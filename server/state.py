@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, Request
 
@@ -89,6 +89,6 @@ def check_model(state: ServerState, model: str | None, required: bool = True) ->
                        "access to it.", code="model_not_found")
 
 
-def request_id_of(request: Request) -> Any:
+def request_id_of(request: Request) -> str | None:
     """The id `RequestIdMiddleware` put in the scope (for logs)."""
     return request.scope.get("state", {}).get("request_id")

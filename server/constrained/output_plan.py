@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from plait.engine import StructuredSpec
 from plait.server.constrained.call_parsers import PARSERS, BareCalls, ToolParser, detect_parser
@@ -43,6 +43,9 @@ from plait.server.constrained.request_fields import (
 from plait.server.errors import bad_request
 from plait.server.prompts import text_part
 from plait.server.protocol import ChatMessage
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 OutputMode = Literal["text", "named", "calls", "parser"]
 
@@ -238,7 +241,7 @@ def _add_system(messages: list[dict[str, Any]], text: str) -> None:
         messages.insert(0, {"role": "system", "content": text})
 
 
-def chat_template(tokenizer: Any) -> str | None:
+def chat_template(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """The tokenizer's chat template source (None when it has none, or several)."""
     template = getattr(tokenizer, "chat_template", None)
     return template if isinstance(template, str) else None
