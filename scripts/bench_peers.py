@@ -41,14 +41,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import shlex
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -58,6 +53,7 @@ from typing import Any
 import httpx
 
 from plait.bench.client import COMPLETIONS, make_client, stream_request
+from plait.bench.launch import launch_command
 from plait.bench.metrics import latency_samples, percentile
 from plait.bench.runner import RequestRecord
 from plait.bench.workloads import random_words
@@ -140,34 +136,6 @@ async def run_workload(client: httpx.AsyncClient, model: str, name: str, args) -
 
 
 # ---------------------------------------------------------------- server processes
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start(command: str, port: int, log: Path) -> subprocess.Popen:
-    argv = shlex.split(command.replace("{port}", str(port)))
-    with log.open("wb") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-
-
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (an engine child process too), SIGKILL after 30 s."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        if process.poll() is not None:
-            break
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            process.wait(wait)
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def group_rss_bytes(pgid: int) -> int:
     """Summed VmRSS of every live process in process group `pgid` (0 if none is readable)."""
     total = 0
@@ -216,31 +184,29 @@ async def bench_server(url: str, model: str, args) -> dict[str, Any]:
 
 
 def run_server(name: str, command: str, args) -> dict[str, Any]:
-    port = free_port()
-    log = Path(tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".log")[1])
-    entry: dict[str, Any] = {"name": name, "command": command, "log": str(log), "error": None,
+    entry: dict[str, Any] = {"name": name, "command": command, "log": None, "error": None,
                              "model": None, "startup_s": None, "workloads": {},
                              "rss_bytes": None}
     began = time.monotonic()
     try:
-        process = start(command, port, log)
+        server = launch_command(command, log_prefix=f"bench-{name}-")
     except (OSError, ValueError) as exc:
         entry["error"] = f"cannot start: {exc}"
         return entry
+    entry["log"] = str(server.log_path)
     try:
-        entry["model"] = wait_ready(process, f"http://127.0.0.1:{port}", args.startup_timeout)
+        entry["model"] = wait_ready(server.process, server.url, args.startup_timeout)
         entry["startup_s"] = time.monotonic() - began
         print(f"[{name}] ready in {entry['startup_s']:.1f} s, model {entry['model']}",
               file=sys.stderr)
-        entry["workloads"] = asyncio.run(
-            bench_server(f"http://127.0.0.1:{port}", entry["model"], args))
-        entry["rss_bytes"] = group_rss_bytes(process.pid)
+        entry["workloads"] = asyncio.run(bench_server(server.url, entry["model"], args))
+        entry["rss_bytes"] = group_rss_bytes(server.process.pid)
     except RuntimeError as exc:
-        tail = log.read_text(errors="replace")[-1500:]
+        tail = server.log()[-1500:]
         entry["error"] = str(exc)
-        print(f"[{name}] FAILED: {exc} (log {log}):\n{tail}", file=sys.stderr)
+        print(f"[{name}] FAILED: {exc} (log {server.log_path}):\n{tail}", file=sys.stderr)
     finally:
-        stop(process)
+        server.stop()
     return entry
 
 

@@ -19,15 +19,14 @@ import asyncio
 import json
 import random
 import shlex
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from plait.bench.launch import launch_plait
 
 # A fixed pool: each prompt's shared prefill stays pinned (prompt sharing), so the blocks in
 # use at rest are the same before and after the soak.
@@ -238,29 +237,6 @@ def summary(report: dict[str, Any]) -> str:
         f"server RSS {rss}"])
 
 
-def start_server(extra_args: list[str]) -> tuple[str, subprocess.Popen]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log_path = tempfile.mkstemp(prefix="plait-soak-", suffix=".log")[1]
-    print(f"starting plait serve on 127.0.0.1:{port} (log: {log_path})", file=sys.stderr)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "plait", "serve", "--host",
-                                    "127.0.0.1", "--port", str(port), *extra_args],
-                                   stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return url, process
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise SystemExit(f"plait serve did not become healthy; see {log_path}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-k", "--clients", type=int, default=16)
@@ -274,19 +250,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key")
     parser.add_argument("--server-args", default="", help="extra `plait serve` arguments")
     args = parser.parse_args(argv)
-    process = None
+    server = None
     url, pid = args.url, args.pid
     if url is None:
-        url, process = start_server(shlex.split(args.server_args))
-        pid = process.pid
+        server = launch_plait(shlex.split(args.server_args), log_prefix="plait-soak-")
+        print(f"starting plait serve at {server.url} (log: {server.log_path})", file=sys.stderr)
+        try:
+            server.wait_healthy(300)
+        except RuntimeError as exc:
+            server.stop()
+            raise SystemExit(f"plait serve did not become healthy: {exc}") from None
+        url, pid = server.url, server.process.pid
     try:
         report = asyncio.run(soak(url, k=args.clients, seconds=args.seconds,
                                   api_key=args.api_key, pid=pid, max_tokens=args.max_tokens,
                                   disconnect_share=args.disconnect_share, seed=args.seed))
     finally:
-        if process is not None:
-            process.terminate()
-            process.wait(60)
+        if server is not None:
+            server.stop()
     print(summary(report))
     problems = failures(report, args.max_rss_growth_mb)
     for problem in problems:
