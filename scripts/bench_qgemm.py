@@ -83,11 +83,15 @@ def _library_of(source: str) -> ctypes.CDLL:
     out = Path(tempfile.mkdtemp(prefix="plait_bench_"))
     for path in (*build.SOURCES, *build.HEADERS):
         if Path(source).is_dir():
+            if not (Path(source) / path.name).exists():
+                continue  # a header that revision does not have
             text = (Path(source) / path.name).read_text()
         else:
-            text = subprocess.run(["git", "-C", str(path.parent), "show",
-                                   f"{source}:./{path.name}"], check=True,
-                                  capture_output=True, text=True).stdout
+            shown = subprocess.run(["git", "-C", str(path.parent), "show",
+                                    f"{source}:./{path.name}"], capture_output=True, text=True)
+            if shown.returncode:
+                continue  # a header that revision does not have
+            text = shown.stdout
         (out / path.name).write_text(text)
     gomp = build._torch_gomp()
     subprocess.run(["cc", *build.FLAGS, "-o", str(out / "lib.so"),

@@ -169,6 +169,47 @@ def test_qgemm_reads_and_writes_strided_rows() -> None:
     assert torch.equal(native.qgemm(x, weight), y[:, 3:36])
 
 
+# --- qgemm of a batch of rows: weight rows decoded once into 16-row chunks, K in blocks ----
+# (qgemm_batch.h): from 10 rows, or from 12288 x floats (K = 6400: from 2 rows). K = 1408:
+# six K blocks of up to 8 groups, the last of 4; chunks of 16 weight rows with a tail.
+BLOCK_32_TYPES = [t for t in ALL_TYPES if quant.block_shape(t)[0] in (1, 32)]
+
+
+@pytest.mark.parametrize(("ggml_type", "k"), [
+    *((t, k) for t in ALL_TYPES for k in (512, 6400)),
+    *((t, 1408) for t in BLOCK_32_TYPES)], ids=str)
+def test_batched_qgemm_of_every_row_count(ggml_type: int, k: int) -> None:
+    weight = _weight((ggml_type,), (37,), k)
+    w = quant.dequantize_reference(weight)
+    gen = torch.Generator().manual_seed(k)
+    for rows in range(2, 25):
+        x = torch.randn(rows, k, generator=gen)
+        _assert_gemm_close(native.qgemm(x, weight), x, w)
+
+
+@pytest.mark.parametrize(("types", "k"), [
+    ((quant.Q4_1, quant.Q8_0, quant.Q5_0, quant.F16, quant.Q4_0, quant.BF16), 576),
+    ((quant.Q6_K, quant.Q4_K, quant.Q5_K, quant.Q8_0), 768)], ids=str)
+@pytest.mark.parametrize("rows", [2, 12, 17, 24, 30])
+def test_batched_qgemm_of_parts_with_bias_and_strides(types: tuple[int, ...], k: int,
+                                                       rows: int) -> None:
+    """Parts of different types meeting inside a 16-row chunk, a bias, x and y rows inside
+    wider buffers (the rest of y untouched)."""
+    sizes = (5, 16, 3, 20, 1, 7)[:len(types)]
+    weight = _weight(types, sizes, k, seed=rows)
+    n = sum(sizes)
+    gen = torch.Generator().manual_seed(rows)
+    wide_x, bias = torch.randn(rows, k + 24, generator=gen), torch.randn(n, generator=gen)
+    x = wide_x[:, 8:8 + k]
+    y = torch.full((rows, n + 9), 7.0)
+    rc = build.loaded().plait_qgemm(x.data_ptr(), rows, wide_x.stride(0),
+                                    weight.desc.data_ptr(), k, bias.data_ptr(),
+                                    y[:, 4:].data_ptr(), y.stride(0))
+    assert rc == 0
+    _assert_gemm_close(y[:, 4:4 + n], x, quant.dequantize_reference(weight), bias)
+    assert (y[:, :4] == 7).all() and (y[:, 4 + n:] == 7).all()
+
+
 def test_f16_and_bf16_rows_of_any_length() -> None:
     """Block size 1: K need not be a multiple of the vector width (nor of 32: rows decoded
     into a float buffer rather than fused)."""

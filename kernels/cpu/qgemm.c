@@ -13,7 +13,9 @@
  * multiplied into R <= FUSED_ROWS accumulators, one per x row of a tile: for a decode step's
  * few rows the weights stream once from memory in their compact form; the activations stay
  * float32 (no activation quantization). More rows than a tile: chunks of weight rows meet
- * each tile in turn (read again from L2, decoded again). The type PLAIT_GGML_F32 means
+ * each tile in turn (read again from L2, decoded again). With AVX-512, a batch of rows (10
+ * or more, or fewer of long K) takes qgemm_batch.h instead: 16 weight rows decoded once into
+ * float32, register tiles of 4 x 4. One x row: qgemm_bf16.h. The type PLAIT_GGML_F32 means
  * float32 panels as plait_gemm packs them and goes to plait_gemm itself (its bits).
  *
  * plait_dequantize stores the same decoders' vectors: gguf-py's dequantizer, bit for bit.
@@ -61,30 +63,35 @@ static void deq_bf16_row(const uint8_t *src, long K, float *dst) {  /* the high 
   }
 }
 
-/* Row `row` of part p (K weights) into dst [K] float32: a loop per type, so that each
- * group's decoder is inlined into it; F16 / BF16 rows of K % 32 != 0 element by element. */
-static void dequant_row(const part_t *p, long row, long K, float *dst) {
+/* 32-weight groups g0 .. g0 + num_groups - 1 of row `row` of part p (K % 32 == 0) into dst
+ * [32 * num_groups] float32: a loop per type, so that each group's decoder is inlined. */
+static void dequant_groups(const part_t *p, long row, long g0, long num_groups, float *dst) {
   const uint8_t *src = p->data + row * p->row_bytes;
-  if (K % 32) {
-    if (p->type == PLAIT_GGML_F16)
-      deq_f16_row(src, K, dst);
-    else
-      deq_bf16_row(src, K, dst);
-    return;
-  }
   vf w[32 / LANES];
   switch (p->type) {
-#define ROWS(type)                                                   \
-  case type:                                                         \
-    for (long g = 0; g < K / 32; g++) {                              \
-      decode_group(type, src, g, w);                                 \
+#define GROUPS(type)                                                          \
+  case type:                                                                  \
+    for (long g = 0; g < num_groups; g++) {                                   \
+      decode_group(type, src, g0 + g, w);                                     \
       for (int j = 0; j < 32 / LANES; j++) store(dst + 32 * g + j * LANES, w[j]); \
-    }                                                                \
+    }                                                                         \
     return;
-    FOR_EACH_TYPE(ROWS)
-#undef ROWS
+    FOR_EACH_TYPE(GROUPS)
+#undef GROUPS
     default: return;
   }
+}
+
+/* Row `row` of part p (K weights) into dst [K] float32; F16 / BF16 rows of K % 32 != 0
+ * element by element. */
+static void dequant_row(const part_t *p, long row, long K, float *dst) {
+  const uint8_t *src = p->data + row * p->row_bytes;
+  if (K % 32 == 0)
+    dequant_groups(p, row, 0, K / 32, dst);
+  else if (p->type == PLAIT_GGML_F16)
+    deq_f16_row(src, K, dst);
+  else
+    deq_bf16_row(src, K, dst);
 }
 
 /* Weights per block and bytes per block of a type this file reads; 0 for any other. */
@@ -257,7 +264,7 @@ static void fused_row(int type, const float *x, int R, long ldx, const uint8_t *
 }
 
 /* ------------------------------------------------------------------------------------ */
-/* bfloat16 pieces of x against quants as bfloat16 (AVX512-BF16, see quant.h)           */
+/* Activations                                                                           */
 /* ------------------------------------------------------------------------------------ */
 
 /* x as plait_qgemm's row functions read it: x [M, K] rows ldx apart; xsum [M, K / 32] its
@@ -271,183 +278,8 @@ typedef struct {
   const uint16_t *pieces;
 } acts_t;
 
-#if QUANT_BF16
-/* Words of one group of x's pieces: 3 x 32. */
-#define SPLIT_WORDS 96
-/* x of at most this many rows takes the bfloat16 path; more rows share fused_tile's float
- * decode (its FMA per row and vector against 3 vdpbf16ps and an FMA here). */
-#define BF16_ROWS 1
-/* Weight rows bf16_rows takes at once for a single x row. */
-#define WROWS 4
-
-/* One x row [K] as three bfloat16 pieces, x = p0 + p1 + p2 exactly, into xs [K / 32][3][32]
- * (piece p of group g at xs + 96 g + 32 p), its group sums into xsum [K / 32]:
- *
- *   x  = s eeeeeeee mmmmmmm mmmmmmmmmmmmmmmm   (float32: 24 significant bits)
- *   p0 = x's high 16 bits, truncated           (8 of them; |p0| <= |x|, never rounds to inf)
- *   r  = x - p0                                (exact: x's low 16 mantissa bits)
- *   p1 = r's high 16 bits, p2 = r - p1         (exact; p2 holds <= 8 significant bits)
- *
- * Exact while p2 is a normal number (|x| >= 2^-103 or so): vdpbf16ps reads denormal inputs
- * as 0 and flushes denormal results (DAZ, FTZ), so a smaller x loses under 2^-126 per
- * element. inf and NaN: p0 = x (a NaN kept a NaN), p1 = p2 = 0. */
-static void split_row(const float *x, long K, uint16_t *xs, float *xsum) {
-  const __m512i high = _mm512_set1_epi32((int)0xffff0000), expo = _mm512_set1_epi32(0x7f800000);
-  for (long g = 0; g < K / 32; g++) {
-    vf sum = (vf){0};
-    for (int j = 0; j < 2; j++) {
-      __m512 v = _mm512_loadu_ps(x + 32 * g + 16 * j);
-      __m512i bits = _mm512_castps_si512(v), p0 = _mm512_and_si512(bits, high);
-      __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                finite = _mm512_cmpneq_epi32_mask(_mm512_and_si512(bits, expo), expo);
-      p0 = _mm512_mask_or_epi32(p0, nan, p0, _mm512_set1_epi32(0x00400000));
-      __m512 r = _mm512_maskz_sub_ps(finite, v, _mm512_castsi512_ps(p0));
-      __m512i p1 = _mm512_and_si512(_mm512_castps_si512(r), high);
-      __m512i p2 = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(p1)));
-      __m512i piece[3] = {p0, p1, p2};
-      for (int p = 0; p < 3; p++)
-        _mm256_storeu_si256((__m256i *)(xs + SPLIT_WORDS * g + 32 * p + 16 * j),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(piece[p], 16)));
-      sum += (vf)v;
-    }
-    xsum[g] = hsum(sum);
-  }
-}
-
-static void row_dot(const acts_t *a, int R, const part_t *p, long n, long K, float *y,
-                    long ldy, float b);
-
-static inline int bf16_type(int type) {
-  return type != PLAIT_GGML_Q8_0 && type != PLAIT_GGML_F16 && type != PLAIT_GGML_BF16;
-}
-
-/* y[r * ldy] = x[r] . row + bias for the R (constant once inlined) rows of a tile, from x's
- * pieces [R, K / 32, 3, 32] and group sums [R, K / 32]: per group, its quants as bfloat16
- * once, then per x row 3 vdpbf16ps (smallest piece first) and one FMA by the group's scale;
- * the min term (min x the group's sum) apart. */
-ALWAYS_INLINE void bf16_tile(int R, int type, const uint16_t *xs, const float *xsum,
-                             const uint8_t *row, long K, float *y, long ldy, float bias) {
-  const int sub = type == PLAIT_GGML_Q4_K || type == PLAIT_GGML_Q5_K ||
-                  type == PLAIT_GGML_Q6_K ? 8 : 1;
-  const int has_min = type == PLAIT_GGML_Q4_1 || (sub == 8 && type != PLAIT_GGML_Q6_K);
-  const long G = K / 32;
-  vf acc[FUSED_ROWS], scale;
-  float macc[FUSED_ROWS], min;
-  for (int r = 0; r < R; r++) acc[r] = (vf){0}, macc[r] = 0.0f;
-  for (long blk = 0; blk < G / sub; blk++) {
-    _Pragma("GCC unroll 8") for (int s = 0; s < sub; s++) {
-      long g = blk * sub + s;
-      uint32_t sbits;
-      __m512bh q = (__m512bh)bf16_quants(type, row, blk, s, &scale, &sbits, &min);
-      if (sub == 1) {
-        float d;
-        memcpy(&d, &sbits, sizeof d);
-        scale = vsplat(d);
-      }
-      _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
-        const uint16_t *p = xs + (r * G + g) * SPLIT_WORDS;
-        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), q, (__m512bh)_mm512_load_si512(p + 64));
-        t = _mm512_dpbf16_ps(t, q, (__m512bh)_mm512_load_si512(p + 32));
-        t = _mm512_dpbf16_ps(t, q, (__m512bh)_mm512_load_si512(p));
-        acc[r] += scale * (vf)t;
-        if (has_min) macc[r] += min * xsum[r * G + g];
-      }
-    }
-  }
-  for (int r = 0; r < R; r++) y[r * ldy] = hsum(acc[r]) + macc[r] + bias;
-}
-
-/* y[c] = x . weight row c + bias[c] for C (constant once inlined) consecutive rows of one
- * part, row_bytes apart, and a single x row: the C rows' sums are independent chains (one
- * row's sums would wait on each other's FMA latency), x's pieces are loaded once per group. */
-ALWAYS_INLINE void bf16_rows(int C, int type, const uint16_t *xs, const float *xsum,
-                             const uint8_t *row, long row_bytes, long K, float *y,
-                             const float *bias) {
-  const int sub = type == PLAIT_GGML_Q4_K || type == PLAIT_GGML_Q5_K ||
-                  type == PLAIT_GGML_Q6_K ? 8 : 1;
-  const int has_min = type == PLAIT_GGML_Q4_1 || (sub == 8 && type != PLAIT_GGML_Q6_K);
-  const long step = C * row_bytes / (K / 32);  /* bytes of the C rows per group */
-  vf acc[WROWS], scale;
-  float macc[WROWS], min;
-  for (int c = 0; c < C; c++) acc[c] = (vf){0}, macc[c] = 0.0f;
-  for (long blk = 0; blk < K / 32 / sub; blk++) {
-    _Pragma("GCC unroll 8") for (int s = 0; s < sub; s++) {
-      long g = blk * sub + s;
-      const uint16_t *p = xs + g * SPLIT_WORDS;
-      /* the next C rows, as far into them as these are: interleaved rows of a few hundred
-       * bytes throw off the hardware prefetcher (2 lines: a group spans <= 4 x 34 bytes) */
-      const char *ahead = (const char *)row + C * row_bytes + g * step;
-      _mm_prefetch(ahead, _MM_HINT_T0);
-      _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      __m512bh x2 = (__m512bh)_mm512_load_si512(p + 64),
-               x1 = (__m512bh)_mm512_load_si512(p + 32), x0 = (__m512bh)_mm512_load_si512(p);
-      _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
-        uint32_t sbits;
-        __m512bh q = (__m512bh)bf16_quants(type, row + c * row_bytes, blk, s, &scale, &sbits,
-                                           &min);
-        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), q, x2);
-        t = _mm512_dpbf16_ps(t, q, x1);
-        t = _mm512_dpbf16_ps(t, q, x0);
-        if (sub == 8)
-          acc[c] += scale * (vf)t;
-        else  /* the scale broadcast by the FMA's load (a register broadcast is a shuffle) */
-          __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc[c]) : "v"(t), "m"(sbits));
-        if (has_min) macc[c] += min * xsum[g];
-      }
-    }
-  }
-  for (int c = 0; c < C; c++) y[c] = hsum(acc[c]) + macc[c] + (bias ? bias[c] : 0.0f);
-}
-
-/* y[n0 .. n0 + nr) for a single x row: runs of WROWS rows of one bf16 part through
- * bf16_rows, any other row through row_dot. */
-static void bf16_chunk(const acts_t *a, const part_t *parts, int num_parts, long n0, long nr,
-                       long K, const float *bias, float *y) {
-  for (long n = n0; n < n0 + nr;) {
-    const part_t *p = part_of(parts, num_parts, n);
-    if (n + WROWS <= n0 + nr && n + WROWS <= p->first + p->rows && bf16_type(p->type)) {
-      const uint8_t *row = p->data + (n - p->first) * p->row_bytes;
-      const float *b = bias ? bias + n : NULL;
-      switch (p->type) {
-#define RUN(t) \
-  case t: bf16_rows(WROWS, t, a->pieces, a->xsum, row, p->row_bytes, K, y + n, b); break;
-        RUN(PLAIT_GGML_Q4_0) RUN(PLAIT_GGML_Q4_1) RUN(PLAIT_GGML_Q5_0)
-        RUN(PLAIT_GGML_Q4_K) RUN(PLAIT_GGML_Q5_K) RUN(PLAIT_GGML_Q6_K)
-#undef RUN
-        default: break;
-      }
-      n += WROWS;
-    } else {
-      row_dot(a, 1, p, n, K, y + n, 1, bias ? bias[n] : 0.0f);
-      n++;
-    }
-  }
-}
-
-static void bf16_row(int type, const acts_t *a, int R, const uint8_t *row, long K, float *y,
-                     long ldy, float bias) {
-#if FUSED_ROWS > 8
-#define MORE_TILES(t) TILE(9, t) TILE(10, t) TILE(11, t) TILE(12, t)
-#else
-#define MORE_TILES(t)
-#endif
-  switch (type) {
-#define TILE(n, t) \
-  case n: bf16_tile(n, t, a->pieces, a->xsum, row, K, y, ldy, bias); break;
-#define TYPE(t)                                                                   \
-  case t:                                                                         \
-    switch (R) { TILE(1, t) TILE(2, t) TILE(3, t) TILE(4, t) TILE(5, t) TILE(6, t) \
-                 TILE(7, t) TILE(8, t) MORE_TILES(t) }                             \
-    break;
-    TYPE(PLAIT_GGML_Q4_0) TYPE(PLAIT_GGML_Q4_1) TYPE(PLAIT_GGML_Q5_0)
-    TYPE(PLAIT_GGML_Q4_K) TYPE(PLAIT_GGML_Q5_K) TYPE(PLAIT_GGML_Q6_K)
-#undef TYPE
-#undef TILE
-#undef MORE_TILES
-    default: break;
-  }
-}
-#endif /* QUANT_BF16 */
+#include "qgemm_batch.h"
+#include "qgemm_bf16.h"
 
 /* ------------------------------------------------------------------------------------ */
 /* GEMM                                                                                  */
@@ -566,6 +398,13 @@ int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
   acts_t acts;
   void *scratch;
   if (prepare_acts(x, M, ldx, K, &acts, &scratch) != PLAIT_OK) return PLAIT_ERR_NOMEM;
+#if QGEMM_BATCH
+  if (fused && M > 1 && (M >= BATCH_MIN_ROWS || M * K >= BATCH_MIN_FLOATS)) {
+    rc = qgemm_batch(&acts, M, parts, num_parts, N, K, bias, y, ldy);
+    free(scratch);
+    return rc;
+  }
+#endif
 #pragma omp parallel
   {
     float *buf = fused ? NULL : malloc(sizeof(float) * (size_t)(rows * K));
