@@ -37,7 +37,7 @@ test: install
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
 	exit $$status
 
-# The /ui playground in headless Chromium (tests/test_ui_browser.py). Installs what is
+# The /ui playground in headless Chromium (tests/server/test_ui_browser.py). Installs what is
 # missing: Debian's chromium through apt-get (as root, or with sudo) and the Python
 # playwright package into the venv; Playwright drives the system Chromium, so no
 # `playwright install`. Without them the browser tests skip, so `make test` stays green;
@@ -48,7 +48,7 @@ test-ui: install
 	  if [ "$$(id -u)" -eq 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update && $$SUDO apt-get install -y chromium; fi
 	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/pip install -e '.[ui]'
-	PLAIT_UI_REQUIRE=1 $(BIN)/python -m pytest tests/test_ui_browser.py -rs; status=$$?; \
+	PLAIT_UI_REQUIRE=1 $(BIN)/python -m pytest tests/server/test_ui_browser.py -rs; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
 	exit $$status
 

@@ -26,7 +26,7 @@ fi
 "$PY" -P -c "import plait.engine, plait.kernels; print('plait imports from', plait.__file__)"
 # The suite's CUDA-marked kernel tests, where pytest exists (they need nothing else).
 if "$PY" -P -c "import pytest" 2>/dev/null; then
-  timeout 90 "$PY" -P -m pytest -q -p no:cacheprovider -m cuda tests/test_kernels_triton.py \
+  timeout 90 "$PY" -P -m pytest -q -p no:cacheprovider -m cuda tests/kernels/test_kernels_triton.py \
     2>&1 | tee "$out/kernel_tests.log" || echo "CUDA kernel tests FAILED: see $out/kernel_tests.log"
 else
   echo "no pytest here: the CUDA kernel tests are skipped; gpu_check.py's kernels section runs"

@@ -3,16 +3,12 @@ tiny random-weight Llama on that tokenizer, and a one-torch-thread switch."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))  # test helpers: tiny_model, server_harness
-
-from server_harness import RemoteServer, shared_server
-from tiny_model import make_tiny_model
+from helpers.server import RemoteServer, shared_server
+from helpers.tiny_model import make_tiny_model
 
 from plait._paths import drop_checkout_root
 from plait.engine.model_loader import ResolvedModel, load_tokenizer, resolve_model

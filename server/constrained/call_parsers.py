@@ -18,7 +18,7 @@ after the parser found none.
 
 To add a family: write a `ToolParser` (a `parse` function, plus the text that starts a call
 in `markers`, used when streaming to hold text back), register it in `PARSERS`, and add its
-detection rule to `detect_parser`. A test in tests/test_server_tools.py per parser.
+detection rule to `detect_parser`. A test in tests/server/test_server_tools.py per parser.
 """
 
 from __future__ import annotations

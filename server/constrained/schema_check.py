@@ -15,7 +15,7 @@ jsonschema is only a test dependency, so the server carries this subset of draft
 Annotations (title, description, default, format, ...) are ignored, as jsonschema does by
 default. A schema using any other keyword makes `is_valid` False: the checker says "valid"
 only when it knows, so that a caller treating "valid" as "this is a tool call" never
-guesses. tests/test_server_tool_bare_json.py compares it with jsonschema.
+guesses. tests/server/test_server_tool_bare_json.py compares it with jsonschema.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deploy_helpers import (
+from helpers.deploy import (
     CONTAINER_PORT,
     DOCKERFILE,
     REPO,
@@ -34,7 +34,7 @@ from deploy_helpers import (
     serve_flags,
     stages_of,
 )
-from server_harness import wait_for
+from helpers.server import wait_for
 
 DOCKERIGNORE = REPO / ".dockerignore"
 

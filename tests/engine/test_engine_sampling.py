@@ -8,13 +8,14 @@ cache).
 from __future__ import annotations
 
 import pytest
-from engine_helpers import (
+from helpers.engine import (
     EOS,
-    alone,
     assert_pool_clean,
     make_llm,
     prompt,
     run_until_done,
+    solo,
+    solo_tokens,
     tokens_of,
 )
 
@@ -31,8 +32,8 @@ SEEDED = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=Tr
 @pytest.mark.parametrize("arrival", ["first", "middle", "last"])
 def test_seeded_request_is_reproducible_inside_a_busy_batch(tiny_path, arrival) -> None:
     target = prompt(1, 21)
-    expected = alone(tiny_path, target, SEEDED).token_ids
-    assert alone(tiny_path, target, SEEDED).token_ids == expected  # run twice alone
+    expected = solo_tokens(tiny_path, target, SEEDED)
+    assert solo_tokens(tiny_path, target, SEEDED) == expected  # run twice alone
     # A small pool, few seats and chunked prefill: the target is batched with random
     # requests and, unless it is the oldest request, preempted and recomputed.
     llm = make_llm(tiny_path, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=24)
@@ -53,8 +54,8 @@ def test_seeded_request_is_reproducible_inside_a_busy_batch(tiny_path, arrival) 
 
 def test_different_seeds_give_different_tokens(tiny_path) -> None:
     ids = prompt(1, 21)
-    runs = {seed: tuple(alone(tiny_path, ids, SamplingParams(
-        temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True)).token_ids)
+    runs = {seed: tuple(solo_tokens(tiny_path, ids, SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True)))
         for seed in (1, 2, 3)}
     assert len(set(runs.values())) == 3
 
@@ -67,7 +68,7 @@ def test_n_choices_equal_single_requests_with_seed_plus_index(tiny_path) -> None
     assert [c.index for c in result.outputs] == [0, 1, 2, 3]
     for i, choice in enumerate(result.outputs):
         single = SamplingParams(temperature=1.0, seed=77 + i, max_tokens=10, ignore_eos=True)
-        assert choice.token_ids == alone(tiny_path, ids, single).token_ids, i
+        assert choice.token_ids == solo_tokens(tiny_path, ids, single), i
         assert choice.finish_reason == "length"
     assert len({tuple(c.token_ids) for c in result.outputs}) == 4
 
@@ -162,7 +163,7 @@ def test_min_tokens_holds_back_a_likely_eos(tiny_path) -> None:
     assert (choice.token_ids, choice.text, choice.finish_reason) == ([EOS], "", "stop")
     held = SamplingParams(temperature=0, max_tokens=20, logit_bias={EOS: 100.0}, min_tokens=5)
     choice = llm.generate([ids], held)[0].outputs[0]
-    plain = alone(tiny_path, ids, SamplingParams(temperature=0, max_tokens=5))
+    plain = solo(tiny_path, ids, SamplingParams(temperature=0, max_tokens=5)).outputs[0]
     # While EOS is masked the other logits are untouched: the first 5 tokens are plain greedy.
     assert choice.token_ids == [*plain.token_ids, EOS]
     assert (choice.finish_reason, choice.stop_reason) == ("stop", None)

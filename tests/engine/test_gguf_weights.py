@@ -14,8 +14,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from model_helpers import PagedHarness, cpu_ops, greedy_reference, load_model
-from tiny_model import make_tiny_model
+from helpers.model import PagedHarness, cpu_ops, greedy_reference, load_model
+from helpers.tiny_model import make_tiny_model
 
 from plait import LLM, SamplingParams
 from plait.cli import build_parser, engine_config

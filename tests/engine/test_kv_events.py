@@ -1,143 +1,37 @@
 """KV-cache events (engine/kv_events.py), read by a plain pyzmq SUB socket + msgpack.
 
 The engine publishes as vLLM does: frames [topic, seq (8 bytes big-endian), msgpack batch
-[ts, events, data_parallel_rank]]. `Subscriber` below is what a router would run; `Index`
-applies the events (stored, removed, cleared) and rebuilds each cached block's token prefix
-along the parent links. Also: the payload decoded by msgspec structs written here after
-vLLM's definitions (`vllm/distributed/kv_events.py`), in both encodings.
+[ts, events, data_parallel_rank]]. `Subscriber` (tests/helpers/kv_events.py) is what
+a router would run; `Index` applies the events (stored, removed, cleared) and rebuilds each
+cached block's token prefix along the parent links. Also: the payload decoded by msgspec
+structs written here after vLLM's definitions (`vllm/distributed/kv_events.py`), in both encodings.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgspec
 import pytest
-import zmq
-from engine_helpers import make_llm, prompt
-from server_harness import free_port
+from helpers.engine import make_llm, prompt
+from helpers.kv_events import Index, Subscriber
 
 from plait import SamplingParams
+from plait.bench.launch import free_port
 from plait.engine.config import EngineConfig
 from plait.engine.kv_events import KVEventLog, KVEventPublisher, external_hash
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-# ---------------------------------------------------------------- a router's side
-class Subscriber:
-    """A SUB socket bound on 127.0.0.1 (the engine's PUB connects to it, vLLM's "connect"
-    form of the endpoint), plus replay requests to the engine's ROUTER socket."""
-
-    def __init__(self, topic: bytes = b"") -> None:
-        self.ctx = zmq.Context()
-        self.sub = self.ctx.socket(zmq.SUB)
-        self.port = free_port()
-        self.sub.bind(f"tcp://127.0.0.1:{self.port}")
-        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
-        self.live: list[tuple[int, Any]] = []  # (seq, decoded batch) as received
-        self.topics: set[bytes] = set()
-
-    @property
-    def endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
-
-    def settle(self, seconds: float = 0.3) -> None:
-        """Let the SUB socket take the engine's connection and send its subscription: a
-        socket handles its connections only while it is called (poll, recv)."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            self.sub.poll(20)
-
-    def drain(self, quiet: float = 0.3, timeout: float = 10.0) -> list[tuple[int, Any]]:
-        """Receive until nothing came for `quiet` seconds; the batches received."""
-        got = []
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.sub.poll(int(quiet * 1000)):
-            topic, seq, payload = self.sub.recv_multipart()
-            self.topics.add(topic)
-            got.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
-        self.live.extend(got)
-        return got
-
-    def replay(self, endpoint: str, start: int) -> list[tuple[int, Any]]:
-        """Ask the replay socket for every batch from `start` (a DEALER: one request, many
-        replies, each [empty delimiter, seq, payload], then the end marker)."""
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.connect(endpoint)
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        got = []
-        while True:
-            assert dealer.poll(5000), "no replay answer"
-            empty, seq, payload = dealer.recv_multipart()
-            assert empty == b""
-            if seq == END_SEQ:
-                assert payload == b""
-                break
-            got.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
-        dealer.close(linger=0)
-        return got
-
-    def close(self) -> None:
-        self.sub.close(linger=0)
-        self.ctx.term()
-
-
-class Index:
-    """A replica's cached blocks as its events describe them: hash -> (parent, tokens)."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[int, tuple[int | None, list[int]]] = {}
-        self.stored: list[int] = []  # every stored hash, in order (with repeats)
-        self.removed: list[int] = []
-        self.clears = 0
-
-    def apply(self, batch: list[Any]) -> None:
-        ts, events, rank = batch
-        assert isinstance(ts, float) and rank == 0
-        for event in events:
-            kind = event["type"]
-            if kind == "BlockStored":
-                size = event["block_size"]
-                tokens = event["token_ids"]
-                assert len(tokens) == size * len(event["block_hashes"])
-                assert event["medium"] == "GPU"
-                parent = event["parent_block_hash"]
-                for i, h in enumerate(event["block_hashes"]):
-                    assert h not in self.blocks, "a cached block stored again"
-                    self.blocks[h] = (parent, tokens[i * size:(i + 1) * size])
-                    self.stored.append(h)
-                    parent = h
-            elif kind == "BlockRemoved":
-                for h in event["block_hashes"]:
-                    assert h in self.blocks, "a block removed that was never stored"
-                    del self.blocks[h]
-                    self.removed.append(h)
-            else:
-                assert kind == "AllBlocksCleared"
-                self.blocks.clear()
-                self.clears += 1
-
-    def prefix(self, h: int) -> list[int]:
-        """The token ids from the sequence start to the end of block `h`."""
-        parts = []
-        node: int | None = h
-        while node is not None:
-            parent, tokens = self.blocks[node]
-            parts.append(tokens)
-            node = parent
-        return [t for part in reversed(parts) for t in part]
-
-    def prefixes(self) -> set[tuple[int, ...]]:
-        return {tuple(self.prefix(h)) for h in self.blocks}
-
-
 def published_hashes(llm) -> set[int]:
     """The engine's own view: hashes of the full blocks in its prefix cache."""
     return {external_hash(h) for h, b in llm.engine.pool.cached.items() if b.published}
+
+
+def published(llm) -> int:
+    """How many batches the engine's publisher numbered so far (it numbers them as the step
+    queues them, so after generate() returns this is final)."""
+    return llm.engine.kv_events._seq
 
 
 def apply_all(index: Index, batches: list[tuple[int, Any]]) -> None:
@@ -157,7 +51,8 @@ def sub():
 
 
 def events_llm(tiny_path, sub: Subscriber, **options):
-    """An LLM (blocks of 4) publishing to `sub`, connected before the first step."""
+    """An LLM (blocks of 4) publishing to `sub`, connected and subscribed before the first
+    step."""
     llm = make_llm(tiny_path, kv_events_endpoint=sub.endpoint, **options)
     sub.settle()
     return llm
@@ -175,15 +70,16 @@ def test_n_choices_store_the_prompt_blocks_once(tiny_path, sub) -> None:
     out = llm.generate([ids], SamplingParams(n=4, max_tokens=1, temperature=0.8, seed=1))
     assert len(out[0].outputs) == 4
     index = Index()
-    batches = sub.drain()
+    batches = sub.receive_upto(published(llm))
     assert_consecutive(batches)
     apply_all(index, batches)
     assert len(index.stored) == 2 and not index.removed
     assert sorted(index.prefixes()) == [tuple(ids[:4]), tuple(ids[:8])]
     assert set(index.blocks) == published_hashes(llm)
     # the same prompt again hits the cache: nothing new is stored
+    num_batches = published(llm)
     llm.generate([ids], SamplingParams(n=4, max_tokens=1, temperature=0.8, seed=2))
-    assert all(not batch[1] for _, batch in sub.drain()) and len(index.stored) == 2
+    assert published(llm) == num_batches and sub.receive() == []
     llm.engine.close()
 
 
@@ -194,7 +90,7 @@ def test_token_ids_rebuild_the_cached_prefixes(tiny_path, sub) -> None:
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     outs = llm.generate(prompts, params)
     index = Index()
-    batches = sub.drain()
+    batches = sub.receive_upto(published(llm))
     assert_consecutive(batches)
     apply_all(index, batches)
     assert set(index.blocks) == published_hashes(llm)
@@ -216,7 +112,7 @@ def test_evictions_under_pressure_are_removed(tiny_path, sub) -> None:
     index = Index()
     for seed in range(6):  # 6 prompts of 12 (+4) tokens: the cache evicts
         llm.generate([prompt(10 + seed, 12)], params)
-        apply_all(index, sub.drain(quiet=0.1))
+        apply_all(index, sub.receive_upto(published(llm)))
     assert index.removed, "no eviction was published"
     assert set(index.removed) <= set(index.stored)
     assert set(index.blocks) == published_hashes(llm)
@@ -231,8 +127,8 @@ def test_replay_returns_missed_batches(tiny_path, sub) -> None:
     params = SamplingParams(temperature=0, max_tokens=2)
     for seed in range(4):
         llm.generate([prompt(30 + seed, 9)], params)
-    live = sub.drain()
-    assert len(live) >= 4 and sub.topics == {b"plait-kv"}
+    live = sub.receive_upto(published(llm))
+    assert len(live) == published(llm) >= 4 and sub.topics == {b"plait-kv"}
     assert_consecutive(live)
     missed = sub.replay(replay, 2)
     assert missed == [b for b in live if b[0] >= 2]
@@ -244,8 +140,10 @@ def test_topic_filters(tiny_path) -> None:
     other = Subscriber(topic=b"other")
     llm = events_llm(tiny_path, other, kv_events_topic="kv")
     llm.generate([prompt(40, 9)], SamplingParams(temperature=0, max_tokens=2))
-    assert other.drain() == []
-    llm.engine.close()
+    assert published(llm) >= 1
+    llm.engine.close()  # sends what is queued, then closes the PUB socket
+    other.wait_disconnected()  # so whatever it sent has arrived
+    assert other.receive() == []
     other.close()
 
 

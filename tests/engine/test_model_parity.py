@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import PagedHarness, load_model
-from tiny_model import make_tiny_model
+from helpers.model import PagedHarness, load_model
+from helpers.tiny_model import make_tiny_model
 
 from plait import LLM, SamplingParams
 from plait.engine.model_loader import ResolvedModel

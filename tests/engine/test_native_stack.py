@@ -10,11 +10,11 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import prompt
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
-from model_helpers import PagedHarness, load_model
-from tiny_model import make_tiny_model
+from helpers.engine import prompt
+from helpers.model import PagedHarness, load_model
+from helpers.tiny_model import make_tiny_model
 
 from plait.engine.models.linear import NATIVE_MAX_ROWS
 from plait.engine.models.llama import LlamaForCausalLM

@@ -9,20 +9,22 @@ them returns the owner's scores, equal to what the prompt alone gives.
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_pool_clean, prompt, tokens_of
+from helpers.engine import (
+    SHARING,
+    assert_pool_clean,
+    make_llm,
+    prompt,
+    run_until_done,
+    solo,
+    tokens_of,
+)
 
-from plait import LLM, SamplingParams
+from plait import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT_LEN = 60  # block_size 16: 3 full blocks + a partial block of 12 tokens
 SCORED = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
-
-
-def make_llm(path, **options) -> LLM:
-    defaults = dict(num_kv_blocks=256, block_size=16, max_num_batched_tokens=512)
-    defaults.update(options)
-    return LLM(str(path), **defaults)
 
 
 def scores(entries) -> list[tuple | None]:
@@ -31,28 +33,10 @@ def scores(entries) -> list[tuple | None]:
             for e in entries]
 
 
-_SOLO: dict[str, LLM] = {}
-
-
-def solo(path, ids: list[int], params: SamplingParams) -> tuple[list, list[int]]:
+def solo_scores(path, ids: list[int], params: SamplingParams) -> tuple[list, list[int]]:
     """(prompt scores, tokens) of this prompt run alone, with caching and sharing off."""
-    if str(path) not in _SOLO:
-        _SOLO[str(path)] = make_llm(path, enable_prefix_caching=False)
-    out = _SOLO[str(path)].generate([ids], params)[0]
+    out = solo(path, ids, params, **SHARING)
     return scores(out.prompt_logprobs), out.outputs[0].token_ids
-
-
-def run_until_done(llm: LLM) -> tuple[dict[str, list], dict[str, int]]:
-    """Step to the end: (request id -> deltas, request id -> step of its first delta)."""
-    seen: dict[str, list] = {}
-    first_step: dict[str, int] = {}
-    step = 0
-    while llm.engine.has_unfinished():
-        for delta in llm.engine.step():
-            seen.setdefault(delta.request_id, []).append(delta)
-            first_step.setdefault(delta.request_id, step)
-        step += 1
-    return seen, first_step
 
 
 def first_scores(seen, request_id: str) -> list:
@@ -62,16 +46,16 @@ def first_scores(seen, request_id: str) -> list:
 
 
 def test_n_choices_score_the_prompt_once_and_equal_a_solo_run(tiny_path) -> None:
-    llm = make_llm(tiny_path)
+    llm = make_llm(tiny_path, **SHARING)
     ids = prompt(31, PROMPT_LEN)
     for i in range(4):
         llm.engine.add_request(f"c{i}", ids, SCORED)
-    seen, _ = run_until_done(llm)
+    seen = run_until_done(llm)
     stats = llm.stats()
     assert stats.prompt_tokens_computed == PROMPT_LEN
     assert stats.prompt_tokens_cached == 3 * PROMPT_LEN
     assert stats.shared_prompts_kept == 0  # scored prompts are never kept
-    expected_scores, expected_tokens = solo(tiny_path, ids, SCORED)
+    expected_scores, expected_tokens = solo_scores(tiny_path, ids, SCORED)
     assert len(expected_scores) == PROMPT_LEN and expected_scores[0] is None
     for i in range(4):
         assert first_scores(seen, f"c{i}") == expected_scores
@@ -86,27 +70,27 @@ def test_n_choices_score_the_prompt_once_and_equal_a_solo_run(tiny_path) -> None
 def test_cached_prefix_is_rescored_exactly(tiny_path) -> None:
     """A prompt whose first blocks are cached (an earlier request shares 32 tokens) is
     still scored whole, once for all choices, and equals its solo scores."""
-    llm = make_llm(tiny_path)
+    llm = make_llm(tiny_path, **SHARING)
     ids = prompt(32, PROMPT_LEN)
     llm.generate([ids[:40]], SamplingParams(temperature=0, max_tokens=1))
     computed_before = llm.stats().prompt_tokens_computed
     out = llm.generate([ids], SamplingParams(n=3, temperature=0, max_tokens=3,
                                              ignore_eos=True, prompt_logprobs=2))[0]
     assert llm.stats().prompt_tokens_computed == computed_before + PROMPT_LEN
-    expected_scores, expected_tokens = solo(tiny_path, ids, SCORED)
+    expected_scores, expected_tokens = solo_scores(tiny_path, ids, SCORED)
     assert scores(out.prompt_logprobs) == expected_scores
     assert [o.token_ids for o in out.outputs] == [expected_tokens] * 3
 
 
 def test_arrival_during_a_chunked_scoring_prefill_shares_it(tiny_path) -> None:
-    llm = make_llm(tiny_path, max_num_batched_tokens=16)
+    llm = make_llm(tiny_path, **{**SHARING, "max_num_batched_tokens": 16})
     ids = prompt(33, PROMPT_LEN)
     llm.engine.add_request("owner", ids, SCORED)
     llm.engine.step()  # tokens 0..15
     llm.engine.add_request("late", ids, SCORED)
-    seen, first_step = run_until_done(llm)
+    seen = run_until_done(llm)
     assert llm.stats().prompt_tokens_computed == PROMPT_LEN
-    assert first_step["late"] == first_step["owner"], "first tokens in the same step"
+    assert seen.first_step["late"] == seen.first_step["owner"], "first tokens in the same step"
     assert first_scores(seen, "late") == first_scores(seen, "owner")
     assert len(first_scores(seen, "late")) == PROMPT_LEN
     assert tokens_of(seen["late"]) == tokens_of(seen["owner"])
@@ -116,14 +100,14 @@ def test_arrival_during_a_chunked_scoring_prefill_shares_it(tiny_path) -> None:
 def test_scoring_requests_do_not_share_with_other_kinds(tiny_path) -> None:
     """A different `prompt_logprobs` (or none) needs other scores: each kind computes the
     prompt for itself, and a plain repeat still finds the plain prompt kept."""
-    llm = make_llm(tiny_path)
+    llm = make_llm(tiny_path, **SHARING)
     ids = prompt(34, PROMPT_LEN)
     kinds = {"plain": SamplingParams(temperature=0, max_tokens=2),
              "top1": SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1),
              "top2": SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)}
     for rid, params in kinds.items():
         llm.engine.add_request(rid, ids, params)
-    seen, _ = run_until_done(llm)
+    seen = run_until_done(llm)
     assert llm.stats().prompt_tokens_computed == 3 * PROMPT_LEN
     assert seen["plain"][0].prompt_logprobs is None
     one, two = first_scores(seen, "top1"), first_scores(seen, "top2")
@@ -137,12 +121,12 @@ def test_followers_over_max_num_seqs_still_get_the_scores(tiny_path) -> None:
     """Followers that could not join the owner's step (max_num_seqs) are re-queued; with
     no kept prompt for scores, the first of them scores the prompt again, and all of them
     return the same scores."""
-    llm = make_llm(tiny_path, max_num_seqs=2)
+    llm = make_llm(tiny_path, **{**SHARING, "max_num_seqs": 2})
     ids = prompt(35, PROMPT_LEN)
     for i in range(4):
         llm.engine.add_request(f"c{i}", ids, SCORED)
-    seen, _ = run_until_done(llm)
-    expected_scores, _ = solo(tiny_path, ids, SCORED)
+    seen = run_until_done(llm)
+    expected_scores, _ = solo_scores(tiny_path, ids, SCORED)
     for i in range(4):
         assert first_scores(seen, f"c{i}") == expected_scores
     assert llm.stats().prompt_tokens_computed == 2 * PROMPT_LEN

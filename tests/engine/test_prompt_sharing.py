@@ -5,79 +5,51 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_helpers import assert_pool_clean
+from helpers.engine import (
+    SHARING,
+    assert_pool_clean,
+    make_llm,
+    prompt,
+    run_until_done,
+    solo_tokens,
+    tokens_of,
+)
 
-from plait import LLM, SamplingParams
+from plait import SamplingParams
 
 PROMPT_LEN = 60  # block_size 16: 3 full blocks + a partial block of 12 tokens
-
-
-def make_llm(path, **options) -> LLM:
-    defaults = dict(num_kv_blocks=256, block_size=16, max_num_batched_tokens=512)
-    defaults.update(options)
-    return LLM(str(path), **defaults)
-
-
-def prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 40000) for _ in range(length)]
-
-
-def run_until_done(llm: LLM) -> dict[str, list]:
-    """Step the engine; return request id -> list of (step index, delta)."""
-    seen: dict[str, list] = {}
-    step = 0
-    while llm.engine.has_unfinished():
-        for delta in llm.engine.step():
-            seen.setdefault(delta.request_id, []).append((step, delta))
-        step += 1
-    return seen
-
-
-def tokens_of(deltas) -> list[int]:
-    return [t for _, d in deltas for t in d.token_ids]
-
-
-_SOLO: dict[str, LLM] = {}
-
-
-def solo(path, token_ids, params: SamplingParams) -> list[int]:
-    """The tokens `params` give for this prompt alone, with caching and sharing off."""
-    key = str(path)
-    if key not in _SOLO:
-        _SOLO[key] = make_llm(path, enable_prefix_caching=False)
-    return _SOLO[key].generate([token_ids], params)[0].outputs[0].token_ids
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def test_same_step_arrival_computes_prompt_once(tiny_path) -> None:
-    llm = make_llm(tiny_path)
-    ids = prompt(1)
+    llm = make_llm(tiny_path, **SHARING)
+    ids = prompt(1, PROMPT_LEN)
     for i in range(8):
         llm.engine.add_request(f"r{i}", ids, GREEDY)
     seen = run_until_done(llm)
     stats = llm.stats()
     assert stats.prompt_tokens_computed == PROMPT_LEN
     assert stats.prompt_tokens_cached == 7 * PROMPT_LEN
-    first_steps = {rid: deltas[0][0] for rid, deltas in seen.items()}
+    first_steps = seen.first_step
     assert set(first_steps.values()) == {0}, "all choices get their first token in one step"
-    cached = sorted(deltas[-1][1].num_cached_tokens for deltas in seen.values())
+    cached = sorted(deltas[-1].num_cached_tokens for deltas in seen.values())
     assert cached == [0] + [PROMPT_LEN] * 7
 
 
 def test_n_fanout_through_llm_generate(tiny_path) -> None:
-    llm = make_llm(tiny_path)
-    out = llm.generate([prompt(2)], SamplingParams(n=100, temperature=1.0, seed=5, max_tokens=1))
+    llm = make_llm(tiny_path, **SHARING)
+    params = SamplingParams(n=100, temperature=1.0, seed=5, max_tokens=1)
+    out = llm.generate([prompt(2, PROMPT_LEN)], params)
     assert len(out[0].outputs) == 100
     assert llm.stats().prompt_tokens_computed == PROMPT_LEN
     assert out[0].num_cached_tokens == 99 * PROMPT_LEN
 
 
 def test_arrival_during_chunked_prefill(tiny_path) -> None:
-    llm = make_llm(tiny_path, max_num_batched_tokens=16)
-    ids = prompt(3)
+    llm = make_llm(tiny_path, **{**SHARING, "max_num_batched_tokens": 16})
+    ids = prompt(3, PROMPT_LEN)
     llm.engine.add_request("owner", ids, GREEDY)
     llm.engine.step()  # owner computes tokens 0..15
     llm.engine.step()  # 16..31
@@ -86,14 +58,15 @@ def test_arrival_during_chunked_prefill(tiny_path) -> None:
     stats = llm.stats()
     assert stats.prompt_tokens_computed == PROMPT_LEN
     assert stats.prompt_tokens_cached == PROMPT_LEN
-    assert seen["late"][0][0] == seen["owner"][0][0], "first tokens in the same step"
-    assert seen["late"][-1][1].num_cached_tokens == PROMPT_LEN
-    assert tokens_of(seen["late"]) == tokens_of(seen["owner"]) == solo(tiny_path, ids, GREEDY)
+    assert seen.first_step["late"] == seen.first_step["owner"], "first tokens in the same step"
+    assert seen["late"][-1].num_cached_tokens == PROMPT_LEN
+    expected = solo_tokens(tiny_path, ids, GREEDY, **SHARING)
+    assert tokens_of(seen["late"]) == tokens_of(seen["owner"]) == expected
 
 
 def test_arrival_after_completion_skips_forward(tiny_path) -> None:
-    llm = make_llm(tiny_path)
-    ids = prompt(4)
+    llm = make_llm(tiny_path, **SHARING)
+    ids = prompt(4, PROMPT_LEN)
     first = llm.generate([ids], GREEDY)[0].outputs[0].token_ids
     computed_before = llm.stats().prompt_tokens_computed
     llm.engine.add_request("again", ids, GREEDY)
@@ -108,7 +81,7 @@ def test_arrival_after_completion_skips_forward(tiny_path) -> None:
 
 @pytest.mark.parametrize("length,recomputed", [(PROMPT_LEN, 12), (64, 16)])
 def test_evicted_logits_recompute_only_last_block(tiny_path, length, recomputed) -> None:
-    llm = make_llm(tiny_path, max_shared_logits=0)
+    llm = make_llm(tiny_path, **{**SHARING, "max_shared_logits": 0})
     ids = prompt(5, length)
     first = llm.generate([ids], GREEDY)[0].outputs[0].token_ids
     assert llm.stats().shared_prompts_kept == 0
@@ -118,17 +91,17 @@ def test_evicted_logits_recompute_only_last_block(tiny_path, length, recomputed)
 
 
 def test_shared_choices_equal_solo_runs(tiny_path) -> None:
-    ids = prompt(6)
-    llm = make_llm(tiny_path)
+    ids = prompt(6, PROMPT_LEN)
+    llm = make_llm(tiny_path, **SHARING)
     seeded = SamplingParams(n=4, temperature=1.0, seed=100, max_tokens=8, ignore_eos=True)
     out = llm.generate([ids], seeded)[0].outputs
     for i, choice in enumerate(out):
-        alone = solo(tiny_path, ids, SamplingParams(temperature=1.0, seed=100 + i, max_tokens=8,
-                                                    ignore_eos=True))
+        params = SamplingParams(temperature=1.0, seed=100 + i, max_tokens=8, ignore_eos=True)
+        alone = solo_tokens(tiny_path, ids, params, **SHARING)
         assert choice.token_ids == alone
     assert len({tuple(c.token_ids) for c in out}) > 1, "different seeds give different tokens"
     greedy = SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True)
-    expected = solo(tiny_path, ids, greedy.for_choice(0))
+    expected = solo_tokens(tiny_path, ids, greedy.for_choice(0), **SHARING)
     assert [c.token_ids for c in llm.generate([ids], greedy)[0].outputs] == [expected] * 3
 
 
@@ -136,8 +109,8 @@ def test_copy_on_write_keeps_choices_apart(tiny_path) -> None:
     """Two choices forced to different first tokens share the partial block; each must
     continue exactly as it does alone (a leak of one's token into the other's KV would
     change its continuation)."""
-    ids = prompt(7)
-    llm = make_llm(tiny_path)
+    ids = prompt(7, PROMPT_LEN)
+    llm = make_llm(tiny_path, **SHARING)
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                              logit_bias={tok: 100.0}) for tok in (1000, 2000)]
     # the bias only steers the first token: later tokens are greedy on clean logits
@@ -148,27 +121,27 @@ def test_copy_on_write_keeps_choices_apart(tiny_path) -> None:
     seen = run_until_done(llm)
     assert llm.stats().prompt_tokens_computed == PROMPT_LEN
     for rid, p in zip("ab", params, strict=True):
-        assert tokens_of(seen[rid]) == solo(tiny_path, ids, p)
+        assert tokens_of(seen[rid]) == solo_tokens(tiny_path, ids, p, **SHARING)
 
 
 def test_abort_of_computing_owner_does_not_strand_followers(tiny_path) -> None:
-    llm = make_llm(tiny_path, max_num_batched_tokens=16)
-    ids = prompt(8)
+    llm = make_llm(tiny_path, **{**SHARING, "max_num_batched_tokens": 16})
+    ids = prompt(8, PROMPT_LEN)
     llm.engine.add_request("owner", ids, GREEDY)
     llm.engine.add_request("f1", ids, GREEDY)
     llm.engine.add_request("f2", ids, GREEDY)
     llm.engine.step()  # owner computes block 0; f1 and f2 are parked on it
     llm.engine.abort("owner")
     seen = run_until_done(llm)
-    expected = solo(tiny_path, ids, GREEDY)
+    expected = solo_tokens(tiny_path, ids, GREEDY, **SHARING)
     assert tokens_of(seen["f1"]) == tokens_of(seen["f2"]) == expected
     # block 0 was computed by the aborted owner and reused: the prompt is still computed once
     assert llm.stats().prompt_tokens_computed == PROMPT_LEN
 
 
 def test_mixed_sampling_params_share_one_prefill(tiny_path) -> None:
-    ids = prompt(9)
-    llm = make_llm(tiny_path)
+    ids = prompt(9, PROMPT_LEN)
+    llm = make_llm(tiny_path, **SHARING)
     mixed = [GREEDY, SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=6),
              SamplingParams(temperature=1.3, top_k=5, seed=2, max_tokens=6, logprobs=2)]
     for i, p in enumerate(mixed):
@@ -176,12 +149,12 @@ def test_mixed_sampling_params_share_one_prefill(tiny_path) -> None:
     seen = run_until_done(llm)
     assert llm.stats().prompt_tokens_computed == PROMPT_LEN
     for i, p in enumerate(mixed):
-        assert tokens_of(seen[f"m{i}"]) == solo(tiny_path, ids, p)
+        assert tokens_of(seen[f"m{i}"]) == solo_tokens(tiny_path, ids, p, **SHARING)
 
 
 def test_prompt_logprobs_request_computes_its_own_prefill(tiny_path) -> None:
-    ids = prompt(10)
-    llm = make_llm(tiny_path)
+    ids = prompt(10, PROMPT_LEN)
+    llm = make_llm(tiny_path, **SHARING)
     llm.generate([ids], GREEDY)
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))
     assert llm.stats().prompt_tokens_computed == 2 * PROMPT_LEN
@@ -191,7 +164,8 @@ def test_prompt_logprobs_request_computes_its_own_prefill(tiny_path) -> None:
 def test_preemption_and_sharing_stress(tiny_path) -> None:
     """Duplicated prompts, a tiny pool and chunking: everything equals its solo run and
     every block is released at the end."""
-    llm = make_llm(tiny_path, num_kv_blocks=12, max_num_batched_tokens=32, max_num_seqs=8)
+    llm = make_llm(tiny_path, **{**SHARING, "num_kv_blocks": 12, "max_num_batched_tokens": 32,
+                                 "max_num_seqs": 8})
     rng = random.Random(0)
     prompts = [prompt(20 + i, rng.randrange(20, 90)) for i in range(5)]
     jobs = []
@@ -204,5 +178,5 @@ def test_preemption_and_sharing_stress(tiny_path) -> None:
     seen = run_until_done(llm)
     assert llm.stats().num_preemptions > 0
     for rid, ids, params in jobs:
-        assert tokens_of(seen[rid]) == solo(tiny_path, ids, params), rid
+        assert tokens_of(seen[rid]) == solo_tokens(tiny_path, ids, params, **SHARING), rid
     assert_pool_clean(llm)

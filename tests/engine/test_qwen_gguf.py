@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from model_helpers import greedy_reference
+from helpers.model import greedy_reference
 
 from plait import LLM, SamplingParams
 from plait.engine.models.linear import QuantEmbedding, QuantLinear

@@ -8,30 +8,20 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_helpers import GREEDY, assert_all_free, prompt, run_until_done, tokens_of
+from helpers.engine import (
+    GREEDY,
+    assert_all_free,
+    prompt,
+    run_until_done,
+    solo_tokens,
+    tokens_of,
+)
 
 from plait import LLM, SamplingParams
 from plait.engine.sched_output import SchedulerOutput
 from plait.engine.validation import RequestRejected
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-# Unlike engine_helpers.alone: blocks of 16, and the tokens kept per (prompt, params).
-_ALONE: dict[tuple, list[int]] = {}
-_ALONE_LLM: dict[str, LLM] = {}
-
-
-def alone(path, token_ids: list[int], params: SamplingParams) -> list[int]:
-    """The tokens of this request run by itself (no batch, no cache, no preemption)."""
-    key = (tuple(token_ids), repr(params))
-    if key not in _ALONE:
-        if "llm" not in _ALONE_LLM:
-            _ALONE_LLM["llm"] = LLM(str(path), num_kv_blocks=64, block_size=16,
-                                    enable_prefix_caching=False)
-        out = _ALONE_LLM["llm"].generate([token_ids], params)[0].outputs[0]
-        _ALONE[key] = out.token_ids
-    return _ALONE[key]
 
 
 def record_schedules(llm: LLM, measure) -> list:
@@ -72,7 +62,7 @@ def test_preemption_keeps_every_token(tiny_path) -> None:
     seen = run_until_done(llm)
     assert llm.stats().num_preemptions > 0
     for rid, ids, params in jobs:
-        assert tokens_of(seen[rid]) == alone(tiny_path, ids, params), rid
+        assert tokens_of(seen[rid]) == solo_tokens(tiny_path, ids, params, block_size=16), rid
         assert seen[rid][-1].finish_reason == "length"
     assert llm.stats().generation_tokens == sum(p.max_tokens for _, _, p in jobs)
     assert_at_rest(llm)
@@ -110,7 +100,8 @@ def test_abort_mid_way_frees_every_block(tiny_path, num_steps: int, state: str) 
     # The engine still serves correctly after the mass abort.
     rid, ids, params = jobs[5]
     llm.engine.add_request("after", ids, params)
-    assert tokens_of(run_until_done(llm)["after"]) == alone(tiny_path, ids, params)
+    after = tokens_of(run_until_done(llm)["after"])
+    assert after == solo_tokens(tiny_path, ids, params, block_size=16)
 
 
 def test_abort_of_waiting_and_running_request_frees_everything(tiny_path) -> None:
@@ -144,7 +135,7 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_path, caching: bool) -> None
     assert max(sizes) == 16
     assert llm.stats().prompt_tokens_computed == 50 + 75 + 100
     for rid, ids, params in jobs:
-        assert tokens_of(seen[rid]) == alone(tiny_path, ids, params), rid
+        assert tokens_of(seen[rid]) == solo_tokens(tiny_path, ids, params, block_size=16), rid
     if not caching:
         assert llm.stats().shared_prompts_kept == 0
     assert_at_rest(llm)
@@ -194,9 +185,9 @@ def test_prefix_caching_computes_only_new_blocks(tiny_path, common: int) -> None
         40 + len(second) - cached, cached)
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (
         40 + len(second), cached)
-    # `alone` runs with prefix caching disabled.
-    assert first.token_ids == alone(tiny_path, base, GREEDY)
-    assert out.token_ids == alone(tiny_path, second, GREEDY)
+    # `solo_tokens` runs with prefix caching disabled.
+    assert first.token_ids == solo_tokens(tiny_path, base, GREEDY, block_size=16)
+    assert out.token_ids == solo_tokens(tiny_path, second, GREEDY, block_size=16)
 
 
 def test_prefix_hit_within_one_step(tiny_path) -> None:
@@ -205,7 +196,7 @@ def test_prefix_hit_within_one_step(tiny_path) -> None:
     second = base[:36] + prompt(10, 5)
     llm.engine.add_request("first", base, GREEDY)
     llm.engine.add_request("second", second, GREEDY)
-    first_step = {d.request_id: d for d in llm.engine.step()}
+    first_step = {d.request_id: d for d in llm.engine.step().deltas}
     reqs = llm.engine.requests
     assert reqs["second"].block_ids[:9] == reqs["first"].block_ids[:9]
     seen = run_until_done(llm)
@@ -213,4 +204,4 @@ def test_prefix_hit_within_one_step(tiny_path) -> None:
     assert llm.stats().prompt_tokens_computed == 40 + 5
     for rid, ids in (("first", base), ("second", second)):
         tokens = first_step[rid].token_ids + tokens_of(seen[rid])
-        assert tokens == alone(tiny_path, ids, GREEDY), rid
+        assert tokens == solo_tokens(tiny_path, ids, GREEDY, block_size=16), rid

@@ -11,7 +11,7 @@ import threading
 
 import jsonschema
 import pytest
-from engine_helpers import assert_pool_clean, prompt, run_until_done, tokens_of
+from helpers.engine import assert_pool_clean, prompt, run_until_done, tokens_of
 
 from plait import LLM, SamplingParams
 from plait.engine import AsyncEngine, EngineConfig, ProcessEngine, StructuredSpec

@@ -1,4 +1,4 @@
-"""Helpers for the browser tests of the /ui playground (tests/test_ui_browser.py).
+"""Helpers for the browser tests of the /ui playground (tests/server/test_ui_browser.py).
 
 Headless Chromium driven by Playwright's Python package through `executable_path`: a
 system Chromium (Debian's `chromium` package) rather than `playwright install`, whose CDN

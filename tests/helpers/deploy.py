@@ -20,10 +20,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
 K8S_DIR = REPO / "docker"
-CRD_DIR = REPO / "tests" / "crds"
+CRD_DIR = REPO / "tests" / "deploy" / "crds"
 CONTAINER_PORT = 8000
 # The Dockerfile's runtime targets: `--target cpu`, and the default (last) stage.
 RUNTIME_STAGES = ("cpu", "cuda")

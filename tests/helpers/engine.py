@@ -1,13 +1,16 @@
-"""Helpers for engine tests with a tiny model (test_scheduler_*.py, test_engine_*.py).
+"""The engine driver for tests with a tiny model (tests/engine/, tests/unit/).
 
     GREEDY, EOS                      greedy 8-token params; tiny_model's eos_token_id
+    SHARING                          LLM options of the prompt-sharing tests (blocks of 16)
     prompt(seed, length)             random token ids
     make_llm(path, **options)        LLM with 64 blocks of 4 unless overridden
-    alone(path, ids, params)         the request run by itself, without prefix caching
-    run_until_done(llm)              step to the end: request id -> deltas
+    solo(path, ids, params, **opts)  the request run by itself, without prefix caching
+    run_until_done(llm)              step to the end: a Run (request id -> deltas)
     tokens_of(deltas)                the token ids of those deltas
     assert_all_free(pool)            no block in use
     assert_pool_clean(llm)           at rest: no block in use, the usage gauge reads 0
+
+The model itself, driven over a hand-written paged cache, is tests/helpers/model.py.
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ import random
 
 from plait import LLM, SamplingParams
 from plait.engine.block_pool import BlockPool
+from plait.engine.outputs import RequestDelta, RequestOutput
 
 EOS = 2  # tiny_model's eos_token_id
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+# Prompt sharing: 60-token prompts are 3 full blocks and a partial one, and a step computes
+# several of them.
+SHARING = dict(num_kv_blocks=256, block_size=16, max_num_batched_tokens=512)
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -32,26 +39,45 @@ def make_llm(path, **options) -> LLM:
     return LLM(str(path), **defaults)
 
 
-_ALONE: dict[str, LLM] = {}  # one LLM per checkpoint path
+_SOLO: dict[tuple, LLM] = {}  # one LLM per (checkpoint, options), kept for the session
 
 
-def alone(path, token_ids: list[int], params: SamplingParams):
-    """This request run by itself, with prefix caching (and so prompt sharing) off."""
-    if str(path) not in _ALONE:
-        _ALONE[str(path)] = make_llm(path, enable_prefix_caching=False)
-    return _ALONE[str(path)].generate([token_ids], params)[0].outputs[0]
+def solo(path, token_ids: list[int], params: SamplingParams, **options) -> RequestOutput:
+    """This request run by itself (no batch, no preemption) on an LLM built by
+    `make_llm(path, **options)` with prefix caching, and so prompt sharing, off."""
+    key = (str(path), tuple(sorted(options.items())))
+    if key not in _SOLO:
+        _SOLO[key] = make_llm(path, **options, enable_prefix_caching=False)
+    return _SOLO[key].generate([token_ids], params)[0]
 
 
-def run_until_done(llm: LLM) -> dict[str, list]:
-    """Step the engine to the end; request id -> its deltas."""
-    seen: dict[str, list] = {}
+def solo_tokens(path, token_ids: list[int], params: SamplingParams, **options) -> list[int]:
+    """The token ids of `solo(...)`'s one choice."""
+    return solo(path, token_ids, params, **options).outputs[0].token_ids
+
+
+class Run(dict[str, list[RequestDelta]]):
+    """What `run_until_done` saw: request id -> its deltas in order, and in `first_step`
+    request id -> the index of the step that gave its first delta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_step: dict[str, int] = {}
+
+
+def run_until_done(llm: LLM) -> Run:
+    """Step the engine until no request is left."""
+    seen = Run()
+    step = 0
     while llm.engine.has_unfinished():
-        for delta in llm.engine.step():
+        for delta in llm.engine.step().deltas:
             seen.setdefault(delta.request_id, []).append(delta)
+            seen.first_step.setdefault(delta.request_id, step)
+        step += 1
     return seen
 
 
-def tokens_of(deltas) -> list[int]:
+def tokens_of(deltas: list[RequestDelta]) -> list[int]:
     return [t for d in deltas for t in d.token_ids]
 
 

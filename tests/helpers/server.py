@@ -3,8 +3,9 @@ in-process uvicorn server for apps built around a scripted engine, and SSE parsi
 
     shared_server()   -> RemoteServer   `python -m plait serve` with the default model,
                                          started once (first use), stopped at exit
+    start_server(args, env)            -> RemoteServer   another one, for this test alone
     InProcessServer(app)                 uvicorn in a thread, for create_app(...) apps
-    ScriptedCore                         stands in for EngineCore inside a real AsyncEngine
+                                         (around tests/helpers/scripted.py's engine)
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import atexit
 import json
 import os
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -24,20 +23,11 @@ from typing import Any
 
 import httpx
 
-from plait.engine.config import EngineConfig, RuntimeInfo
-from plait.engine.core_api import EngineStats, StepResult
-from plait.engine.outputs import RequestDelta, TokenLogprob
-from plait.engine.sampling_params import SamplingParams
+from plait.bench.launch import ServerProcess, free_port, launch_plait
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "sk-plait-test-key"
 STARTUP_TIMEOUT_S = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
@@ -52,24 +42,15 @@ def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
 
 # ---------------------------------------------------------------- real server (subprocess)
 @dataclass
-class RemoteServer:
-    """A `plait serve` subprocess on 127.0.0.1."""
+class RemoteServer(ServerProcess):
+    """A `plait serve` subprocess on 127.0.0.1 (plait/bench/launch.py starts and stops it)
+    with the clients, metrics and checks the tests use."""
 
-    port: int
-    process: subprocess.Popen
-    log_path: Path
     api_key: str | None = API_KEY
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def openai(self, **kwargs: Any):
         import openai
@@ -109,46 +90,24 @@ class RemoteServer:
         assert (m["plait_kv_blocks_used"], m["plait_kv_cache_usage_perc"]) == (0, 0), m
 
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"plait serve exited early:\n{self.log()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"plait serve not healthy after {timeout} s:\n{self.log()[-4000:]}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        super().wait_healthy(timeout)
 
 
 def start_server(args: list[str], env: dict[str, str] | None = None,
                  api_key: str | None = None) -> RemoteServer:
-    """Start `python -m plait serve --port <free> *args`; returns before it is healthy."""
-    port = free_port()
-    log = Path(tempfile.mkstemp(prefix="plait-serve-", suffix=".log")[1])
+    """Start `python -m plait serve --port <free> *args` without the caller's PLAIT_* variables
+    (but PLAIT_CACHE), with `env` added; returns before it is healthy."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PLAIT_")}
     full_env.update(env or {})
     if "PLAIT_CACHE" in os.environ:
         full_env["PLAIT_CACHE"] = os.environ["PLAIT_CACHE"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "plait", "serve", "--host", "127.0.0.1", "--port", str(port),
-             *args], stdout=out, stderr=subprocess.STDOUT, env=full_env)
-    return RemoteServer(port, process, log, api_key)
+    launched = launch_plait(args, full_env)
+    return RemoteServer(launched.port, launched.process, launched.log_path, api_key=api_key)
 
 
 _shared: dict[str, RemoteServer] = {}
-# The reliability server's small limits (tests/test_reliability_*.py rely on these values).
+# The reliability server's small limits (tests/reliability/test_reliability_*.py rely on
+# these values).
 RELIABILITY = {"max_num_seqs": 4, "max_queued_requests": 8, "max_request_bytes": 65536,
                "max_model_len": 64}
 
@@ -220,102 +179,7 @@ def parse_sse(raw: bytes) -> SSE:
     return result
 
 
-# ---------------------------------------------------------------- scripted engine
-class ScriptedCore:
-    """Stands in for `EngineCore` inside a real `AsyncEngine` (pass `core_factory`); implements
-    the `Core` protocol (engine/core_api.py).
-
-    Each step sleeps `step_delay` and gives every live request the next token of `SCRIPT`;
-    a request finishes with "length" at its max_tokens (default 8). Knobs for tests:
-    `fail_after` (emit an "error" delta after that many tokens), `reject` (every
-    add_request raises, so the request fails before its first token), `die` (stats()
-    raises: the engine loop dies). `added` / `aborted` record request ids.
-    """
-
-    SCRIPT_TEXT = " one two three four five six seven eight nine ten eleven twelve"
-
-    def __init__(self, tokenizer, step_delay: float = 0.01, max_model_len: int = 512) -> None:
-        self.tokenizer = tokenizer
-        self.script = tokenizer.encode(self.SCRIPT_TEXT, add_special_tokens=False)
-        self.info = RuntimeInfo(device="cpu", dtype="float32", num_kv_blocks=256,
-                                max_model_len=max_model_len, vocab_size=len(tokenizer),
-                                eos_token_ids=(2,), model_name="scripted-model")
-        self.step_delay = step_delay
-        self.fail_after: int | None = None
-        self.reject = False
-        self.die = False
-        self.live: dict[str, tuple[SamplingParams, int]] = {}
-        self.added: list[str] = []
-        self.aborted: list[str] = []
-        self.lock = threading.Lock()
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        if self.reject:
-            raise ValueError("scripted rejection")
-        with self.lock:
-            self.live[request_id] = (params, 0)
-            self.added.append(request_id)
-
-    def abort(self, request_id: str) -> RequestDelta | None:
-        with self.lock:
-            if self.live.pop(request_id, None) is None:
-                return None
-            self.aborted.append(request_id)
-        return RequestDelta(request_id, finish_reason="abort")
-
-    def has_unfinished(self) -> bool:
-        return bool(self.live)
-
-    def step(self) -> StepResult:
-        time.sleep(self.step_delay)
-        deltas = []
-        with self.lock:
-            for request_id, (params, done) in list(self.live.items()):
-                delta = self.next_delta(request_id, params, done)
-                if delta.finished:
-                    del self.live[request_id]
-                else:
-                    self.live[request_id] = (params, done + 1)
-                deltas.append(delta)
-        return StepResult(deltas)
-
-    def next_delta(self, request_id: str, params: SamplingParams, done: int) -> RequestDelta:
-        """The delta of a live request that has `done` tokens (under the lock): the next
-        token of `SCRIPT`, or the scripted failure."""
-        if self.fail_after is not None and done >= self.fail_after:
-            return RequestDelta(request_id, finish_reason="error",
-                                error="scripted engine failure")
-        token = self.script[done % len(self.script)]
-        delta = RequestDelta(request_id, [token], self.tokenizer.decode([token]),
-                             num_prompt_tokens=3)
-        if params.logprobs is not None:
-            delta.logprobs = [TokenLogprob(token, -0.5, [(token, -0.5)])]
-        if done + 1 >= (params.max_tokens or 8):
-            delta.finish_reason = "length"
-        return delta
-
-    def close(self) -> None:
-        pass
-
-    def stats(self) -> EngineStats:
-        if self.die:
-            raise RuntimeError("scripted engine death")
-        return EngineStats(num_running=len(self.live), kv_blocks_total=256)
-
-
-def scripted_engine(core: ScriptedCore, gate: threading.Event | None = None):
-    """A real AsyncEngine around `core`; its load() blocks until `gate` is set."""
-    from plait.engine.async_engine import AsyncEngine
-
-    def factory(_: EngineConfig) -> ScriptedCore:
-        if gate is not None and not gate.wait(60):
-            raise RuntimeError("gate never opened")
-        return core
-
-    return AsyncEngine(EngineConfig(block_size=16), core_factory=factory)  # type: ignore[arg-type]
-
-
+# ---------------------------------------------------------------- in-process server
 class InProcessServer:
     """Serve an ASGI app with uvicorn in a background thread (a context manager)."""
 

@@ -1,9 +1,9 @@
 """Runs the Triton kernels on CPU under TRITON_INTERPRET=1 and saves what they produced.
 
-`tests/test_kernels_triton.py` starts this file in a subprocess, so the interpreter flag is
-set before triton is first imported no matter what the pytest process imported already:
+`tests/kernels/test_kernels_triton.py` starts this module in a subprocess, so the interpreter
+flag is set before triton is first imported no matter what the pytest process imported already:
 
-    TRITON_INTERPRET=1 python tests/triton_interpret_worker.py OUT.pt {regular|large}
+    cd tests && TRITON_INTERPRET=1 python -m helpers.triton_interpret_worker OUT.pt {regular|large}
 
 OUT.pt maps each case name of the group to the kernel's output tensor (a dict of tensors
 for the ops-table cases), or to the text of the exception it raised. Cases with block ids
@@ -20,7 +20,14 @@ import sys
 import traceback
 
 import torch
-from kernel_cases import LARGE_FIRST_BLOCK_ID, MIXED_SEQS, BatchSpec, build_batch, build_write_case
+
+from helpers.kernel_cases import (
+    LARGE_FIRST_BLOCK_ID,
+    MIXED_SEQS,
+    BatchSpec,
+    build_batch,
+    build_write_case,
+)
 
 # name -> (batch, num_splits override or None for the launcher's default)
 ATTENTION_CASES: dict[str, tuple[BatchSpec, int | None]] = {

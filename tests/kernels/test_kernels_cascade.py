@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from kernel_cases import BatchSpec, build_batch, dense_attention, share_prefix
+from helpers.kernel_cases import BatchSpec, build_batch, dense_attention, share_prefix
 
 from plait.kernels.cpu import attention as cascade
 from plait.kernels.cpu import build, native

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import (
+from helpers.kernel_cases import (
     LARGE_FIRST_BLOCK_ID,
     MIXED_SEQS,
     BatchSpec,

@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
-from kernel_cases import MIXED_SEQS, BatchSpec, build_batch, build_write_case, dense_attention
-from triton_interpret_worker import (
+from helpers.kernel_cases import (
+    MIXED_SEQS,
+    BatchSpec,
+    build_batch,
+    build_write_case,
+    dense_attention,
+)
+from helpers.paths import SCRIPTS, TESTS
+from helpers.triton_interpret_worker import (
     ATTENTION_CASES,
     ERROR_CASES,
     OPS_CASES,
@@ -34,8 +40,7 @@ from triton_interpret_worker import (
 from plait.kernels.ops import AttentionShape, TorchOps, TritonOps, select_ops
 from plait.kernels.reference import paged_attention_reference, write_kv_reference
 
-WORKER = pathlib.Path(__file__).with_name("triton_interpret_worker.py")
-BENCH_DECODE = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "bench_decode.py"
+BENCH_DECODE = SCRIPTS / "bench_decode.py"
 # (atol, rtol) against the reference, which computes in fp32 and rounds once at the end
 TOLERANCES = {
     torch.float32: (2e-5, 1e-5),
@@ -58,8 +63,8 @@ def interpreted(tmp_path_factory) -> dict:
     for group in ("regular", "large"):
         out_path = tmp_path_factory.mktemp("triton_interpret") / f"{group}.pt"
         proc = subprocess.run(
-            [sys.executable, str(WORKER), str(out_path), group],
-            env={**os.environ, "TRITON_INTERPRET": "1"},
+            [sys.executable, "-m", "helpers.triton_interpret_worker", str(out_path), group],
+            cwd=TESTS, env={**os.environ, "TRITON_INTERPRET": "1"},
             capture_output=True, text=True, timeout=600, check=False,
         )
         if proc.returncode == 0:

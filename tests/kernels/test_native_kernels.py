@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import BatchSpec, build_batch, dense_attention, share_prefix
+from helpers.kernel_cases import BatchSpec, build_batch, dense_attention, share_prefix
 from torch import nn
 
 from plait.engine.models.linear import (

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_harness import API_KEY, RemoteServer, error_of, start_server, wait_for
+from helpers.server import API_KEY, RemoteServer, error_of, start_server, wait_for
 
 from plait.server.errors import APIError, echo
 from plait.server.routing import parse_json

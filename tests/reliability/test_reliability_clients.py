@@ -11,13 +11,12 @@ import socket
 import uuid
 
 import httpx
-from server_harness import (
+from helpers.scripted import ScriptedCore, scripted_engine
+from helpers.server import (
     MODEL,
     InProcessServer,
     RemoteServer,
-    ScriptedCore,
     parse_sse,
-    scripted_engine,
     wait_for,
 )
 
@@ -46,7 +45,7 @@ def _content(events: list) -> tuple[str, list[str]]:
 
 
 def test_slow_reader_coalesces_and_blocks_no_one(tokenizer) -> None:
-    core = ScriptedCore(tokenizer, step_delay=0.0)
+    core = ScriptedCore(tokenizer)
     app = create_app(ServerSettings(), engine=scripted_engine(core))
     num_tokens = 2000
     body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}],

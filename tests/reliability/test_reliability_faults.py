@@ -10,16 +10,16 @@ import asyncio
 
 import httpx
 import pytest
-from server_harness import (
+from helpers.requests import GREEDY, chat_body, completion_body
+from helpers.scripted import ScriptedCore, scripted_engine
+from helpers.server import (
     API_KEY,
     MODEL,
     InProcessServer,
     RemoteServer,
-    ScriptedCore,
     error_of,
     parse_sse,
     reliability_server,
-    scripted_engine,
     start_server,
     wait_for,
 )
@@ -32,14 +32,7 @@ def server() -> RemoteServer:
     return reliability_server()
 
 
-def _completion(prompt: str, **fields) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
-            "ignore_eos": True, **fields}
-
-
-def _chat(content: str, **fields) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}],
-            "max_tokens": 6, "temperature": 0, "ignore_eos": True, **fields}
+SHORT = {"max_tokens": 6, **GREEDY}
 
 
 def _assert_error_event(sse_events: list, message: str) -> None:
@@ -53,11 +46,11 @@ def _assert_error_event(sse_events: list, message: str) -> None:
     ("sample", "internal error while sampling the request"),
     ("detokenize", "internal error while decoding the output")])
 def test_engine_fault_ends_only_that_request(server, phase: str, message: str) -> None:
-    requests = [("/v1/completions", _completion(f"plait-fault:{phase} go", n=2)),
-                ("/v1/completions", _completion(f"plait-fault:{phase}@5 and then")),
-                ("/v1/chat/completions", _chat(f"plait-fault:{phase}@2 count", stream=True,
-                                               n=2)),
-                ("/v1/completions", _completion("A healthy request"))]
+    requests = [("/v1/completions", completion_body(f"plait-fault:{phase} go", SHORT, n=2)),
+                ("/v1/completions", completion_body(f"plait-fault:{phase}@5 and then", SHORT)),
+                ("/v1/chat/completions", chat_body(f"plait-fault:{phase}@2 count", SHORT,
+                                                   stream=True, n=2)),
+                ("/v1/completions", completion_body("A healthy request", SHORT))]
     with server.http() as http:
         plain, late, streamed, ok = (http.post(path, json=body) for path, body in requests)
         error = error_of(plain, 500)
@@ -75,7 +68,7 @@ def test_engine_fault_ends_only_that_request(server, phase: str, message: str) -
 
 
 async def test_detokenizer_fault_spares_a_concurrent_stream(server: RemoteServer) -> None:
-    innocent = _chat("Name three rivers.", max_tokens=12, stream=True)
+    innocent = chat_body("Name three rivers.", SHORT, max_tokens=12, stream=True)
     async with httpx.AsyncClient(base_url=server.url, headers=server.headers,
                                  timeout=120) as client:
         alone = await client.post("/v1/chat/completions", json={**innocent, "stream": False})
@@ -95,7 +88,7 @@ async def test_detokenizer_fault_spares_a_concurrent_stream(server: RemoteServer
         task = asyncio.create_task(stream())
         await asyncio.wait_for(first_chunk.wait(), 60)  # the innocent stream is under way
         faulty = await client.post("/v1/completions",
-                                   json=_completion("plait-fault:detokenize@1 x", n=3))
+                                   json=completion_body("plait-fault:detokenize@1 x", SHORT, n=3))
         events = await task
     assert error_of(faulty, 500)["type"] == "server_error"
     assert events[-1] == "[DONE]"
@@ -107,9 +100,9 @@ async def test_detokenizer_fault_spares_a_concurrent_stream(server: RemoteServer
 def test_tokenizer_fault_is_a_500_envelope_without_internals(server: RemoteServer) -> None:
     marker = "plait-fault:tokenize"
     with server.http() as http:
-        for path, body in (("/v1/chat/completions", _chat(marker)),
-                           ("/v1/chat/completions", _chat(marker, stream=True)),
-                           ("/v1/completions", _completion(["fine", marker])),
+        for path, body in (("/v1/chat/completions", chat_body(marker, SHORT)),
+                           ("/v1/chat/completions", chat_body(marker, SHORT, stream=True)),
+                           ("/v1/completions", completion_body(["fine", marker], SHORT)),
                            ("/tokenize", {"model": MODEL, "prompt": marker})):
             response = http.post(path, json=body, headers={"x-request-id": "fault-1"})
             error = error_of(response, 500)
@@ -117,7 +110,7 @@ def test_tokenizer_fault_is_a_500_envelope_without_internals(server: RemoteServe
             assert response.headers["x-request-id"] == "fault-1"
             assert not any(leak in response.text for leak in LEAKS)
         assert http.get("/health").status_code == 200
-        assert http.post("/v1/chat/completions", json=_chat("hello")).status_code == 200
+        assert http.post("/v1/chat/completions", json=chat_body("hello", SHORT)).status_code == 200
     assert "injected tokenizer fault" in server.log()  # the log keeps the details
 
 
@@ -166,11 +159,11 @@ def test_dead_engine_loop_turns_everything_503_at_once(doomed_server: RemoteServ
     server = doomed_server
     refused = 'plait_requests_refused_total{reason="unavailable"}'
     with server.http() as http:
-        body = _completion("A long story:", max_tokens=400, stream=True)
+        body = completion_body("A long story:", SHORT, max_tokens=400, stream=True)
         with http.stream("POST", "/v1/completions", json=body) as victim:
             lines = victim.iter_lines()
             assert next(line for line in lines if line.startswith("data: {"))
-            killer = http.post("/v1/completions", json=_completion("plait-fault:kill"))
+            killer = http.post("/v1/completions", json=completion_body("plait-fault:kill", SHORT))
             rest = "\n\n".join(line for line in lines if line) + "\n\n"
         assert error_of(killer, 500)["type"] == "server_error"
         sse = parse_sse(rest.encode())
@@ -179,8 +172,8 @@ def test_dead_engine_loop_turns_everything_503_at_once(doomed_server: RemoteServ
         error = error_of(httpx.get(f"{server.url}/health"), 503)
         assert error["code"] == "service_unavailable" and "stopped" in error["message"]
         before = server.metrics()[refused]
-        for path, request in (("/v1/completions", _completion("hi")),
-                              ("/v1/chat/completions", _chat("hi", stream=True))):
+        for path, request in (("/v1/completions", completion_body("hi", SHORT)),
+                              ("/v1/chat/completions", chat_body("hi", SHORT, stream=True))):
             # A request that waited on the dead engine would hang: 30 s is a liveness limit.
             response = http.post(path, json=request, timeout=30)
             assert error_of(response, 503)["code"] == "service_unavailable"

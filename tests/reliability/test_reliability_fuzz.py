@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 import schemathesis
+from helpers.server import MODEL, RemoteServer
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
-from server_harness import MODEL, RemoteServer
 
 OPERATIONS = {"/v1/chat/completions": 45, "/v1/completions": 45, "/tokenize": 25,
               "/detokenize": 25}  # examples per mode (valid and invalid): ~280 in all

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
-from server_harness import API_KEY, RemoteServer, reliability_server
+from helpers.paths import SCRIPTS
+from helpers.server import API_KEY, RemoteServer, reliability_server
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
+SCRIPT = SCRIPTS / "soak.py"
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_harness import free_port, start_server
+from helpers.server import free_port, start_server
 
 from plait.bench.runner import arrival_times
 from plait.cli import main

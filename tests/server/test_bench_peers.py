@@ -7,9 +7,10 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_peers.py"
+from helpers.paths import SCRIPTS
+
+SCRIPT = SCRIPTS / "bench_peers.py"
 
 
 def test_bench_peers_reports_exact_token_counts(tmp_path, tiny_path) -> None:

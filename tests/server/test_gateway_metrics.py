@@ -9,8 +9,8 @@ import re
 import uuid
 
 import httpx
+from helpers.server import MODEL, RemoteServer, wait_for
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import MODEL, RemoteServer, wait_for
 
 from plait.engine.config import EngineConfig
 from plait.engine.core_api import EngineStats

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from server_harness import MODEL, RemoteServer, parse_sse
+from helpers.server import MODEL, RemoteServer, parse_sse
 
 
 def user(text: str) -> list[dict[str, str]]:

@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from server_harness import MODEL, RemoteServer
+from helpers.server import MODEL, RemoteServer
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

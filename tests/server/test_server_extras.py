@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 import pytest
-from server_harness import MODEL, RemoteServer, error_of, parse_sse
+from helpers.server import MODEL, RemoteServer, error_of, parse_sse
 
 GREEDY = {"model": MODEL, "temperature": 0, "ignore_eos": True}
 

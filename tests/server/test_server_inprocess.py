@@ -3,18 +3,18 @@ lifecycle (/health), auth, pings, engine failures, disconnect aborts, CORS, 500s
 
 from __future__ import annotations
 
+import http.client as http_client
+import json
 import threading
-import time
 
 import httpx
 import openai
 import pytest
-from server_harness import (
+from helpers.scripted import ScriptedCore, scripted_engine
+from helpers.server import (
     InProcessServer,
-    ScriptedCore,
     free_port,
     parse_sse,
-    scripted_engine,
     wait_for,
 )
 
@@ -56,10 +56,10 @@ def test_health_is_503_while_loading_200_when_ready_503_when_the_engine_dies(cor
         assert_envelope(http.post("/v1/chat/completions", json=CHAT), 503, "service_unavailable")
         assert http.get("/version").status_code == 200  # the socket listens during the load
         gate.set()
-        assert wait_for(lambda: http.get("/health").status_code == 200, 10)
+        assert wait_for(lambda: http.get("/health").status_code == 200, 30)
         assert http.get("/health").json() == {"status": "ok"}
         core.die = True  # the engine loop dies on its next iteration
-        assert wait_for(lambda: http.get("/health").status_code == 503, 10)
+        assert wait_for(lambda: http.get("/health").status_code == 503, 30)
         assert not engine.healthy
         assert "stopped" in assert_envelope(http.post("/v1/chat/completions", json=CHAT), 503,
                                             "service_unavailable")["message"]
@@ -76,7 +76,7 @@ def test_failed_load_is_reported_once_and_health_stays_503(tokenizer) -> None:
     app = create_app(ServerSettings(), AsyncEngine(EngineConfig(), core_factory=broken),
                      on_load_error=errors.append)
     with InProcessServer(app) as server, httpx.Client(base_url=server.url) as http:
-        assert wait_for(lambda: errors, 10)
+        assert wait_for(lambda: errors, 30)
         error = assert_envelope(http.get("/health"), 503, "service_unavailable")
         assert "failed to load" in error["message"]
         assert "/secret" not in http.get("/health").text
@@ -86,7 +86,7 @@ def test_failed_load_is_reported_once_and_health_stays_503(tokenizer) -> None:
 def test_api_keys_guard_the_api_but_not_health_metrics_version(core) -> None:
     server, _, _ = serve(core, api_keys=("key-one", "key-two"))
     with server, httpx.Client(base_url=server.url) as http:
-        assert wait_for(lambda: http.get("/health").status_code == 200, 10)
+        assert wait_for(lambda: http.get("/health").status_code == 200, 30)
         for path in ("/health", "/metrics", "/version"):
             assert http.get(path).status_code == 200, path
         missing = assert_envelope(http.get("/v1/models"), 401)
@@ -102,39 +102,57 @@ def test_api_keys_guard_the_api_but_not_health_metrics_version(core) -> None:
 
 
 def test_idle_stream_gets_ping_comments(core) -> None:
-    core.step_delay = 0.5
+    core.hold()  # no token until two pings came
     server, _, _ = serve(core, sse_ping_interval=0.15)
     with server, httpx.Client(base_url=server.url, timeout=30) as http:
-        assert wait_for(lambda: http.get("/health").status_code == 200, 10)
-        response = http.post("/v1/chat/completions",
-                             json={**CHAT, "stream": True, "max_tokens": 2})
-        sse = parse_sse(response.content)
-    assert len(sse.comments) >= 2 and set(sse.comments) == {"ping"}
+        assert wait_for(lambda: http.get("/health").status_code == 200, 30)
+        body = {**CHAT, "stream": True, "max_tokens": 2}
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines = []
+            for line in response.iter_lines():
+                lines.append(line)
+                if lines.count(": ping") == 2:
+                    core.release(2)
+        sse = parse_sse(("\n".join(lines) + "\n").encode())
+    assert sse.comments[:2] == ["ping", "ping"] and set(sse.comments) == {"ping"}
+    assert core.num_steps == 2
     assert sse.events[-1] == "[DONE]"
     assert [c["choices"][0]["finish_reason"] for c in sse.chunks][-1] == "length"
 
 
 def test_engine_error_mid_stream_is_an_error_event_then_done(core) -> None:
     core.fail_after = 2
+    core.hold()  # a step per token chunk read, so the failure merges with no token
     server, _, _ = serve(core)
     with server, httpx.Client(base_url=server.url, timeout=30) as http:
-        assert wait_for(lambda: http.get("/health").status_code == 200, 10)
-        response = http.post("/v1/chat/completions", json={**CHAT, "stream": True})
-        assert response.status_code == 200
-        sse = parse_sse(response.content)
+        assert wait_for(lambda: http.get("/health").status_code == 200, 30)
+        core.release(1)  # the first step: the response starts with its chunks
+        with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as (
+                response):
+            assert response.status_code == 200
+            lines = []
+            for line in response.iter_lines():
+                lines.append(line)
+                if '"content":" ' in line:
+                    core.release(1)
+        raw = ("\n".join(lines) + "\n").encode()
+        sse = parse_sse(raw)
         assert sse.events[-1] == "[DONE]"
         assert sse.events[-2] == {"error": {"message": "scripted engine failure",
                                             "type": "server_error", "param": None,
                                             "code": None}}
         contents = [c["choices"][0]["delta"].get("content") for c in sse.chunks[:-1]]
         assert contents == ["", " one", " two"]  # no finish chunk, no "abort" ever
-        assert "abort" not in response.text
+        assert b"abort" not in raw
+        # The SDK raises it mid-iteration (the first token started the stream).
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        core.release(1)
         stream = client.chat.completions.create(model=MODEL, messages=CHAT["messages"],
                                                 stream=True)
         with pytest.raises(openai.APIError, match="scripted engine failure"):
-            for _ in stream:
-                pass
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    core.release(1)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -142,7 +160,7 @@ def test_engine_error_before_the_first_byte_is_a_500_envelope(core, stream: bool
     core.reject = True
     server, _, _ = serve(core)
     with server, httpx.Client(base_url=server.url, timeout=30) as http:
-        assert wait_for(lambda: http.get("/health").status_code == 200, 10)
+        assert wait_for(lambda: http.get("/health").status_code == 200, 30)
         response = http.post("/v1/completions",
                              json={"model": MODEL, "prompt": "hi", "n": 2, "stream": stream})
         error = assert_envelope(response, 500)
@@ -150,31 +168,39 @@ def test_engine_error_before_the_first_byte_is_a_500_envelope(core, stream: bool
 
 
 def test_stream_disconnect_aborts_every_choice_at_once(core) -> None:
-    core.step_delay = 0.05
+    core.hold()  # one step only: the four choices stay in flight until the client leaves
     server, _, engine = serve(core)
     with server, httpx.Client(base_url=server.url, timeout=30) as http:
-        assert wait_for(lambda: http.get("/health").status_code == 200, 10)
+        assert wait_for(lambda: http.get("/health").status_code == 200, 30)
         body = {**CHAT, "stream": True, "n": 4, "max_tokens": 10_000}
+        core.release(1)  # the first step: the response starts with its chunks
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            lines = response.iter_lines()
-            seen = [next(lines) for _ in range(12)]
-        assert any('"content":" one"' in line for line in seen)
-        assert wait_for(lambda: len(core.aborted) == 4 and not core.live, 5), core.aborted
+            firsts = 0
+            for line in response.iter_lines():
+                firsts += '"content":" one"' in line
+                if firsts == 4:
+                    break
+        assert wait_for(lambda: len(core.aborted) == 4 and not core.live, 30), core.aborted
         assert sorted(core.aborted) == sorted(core.added)
         assert {rid.rsplit("-", 1)[1] for rid in core.added} == {"0", "1", "2", "3"}
-        assert wait_for(lambda: engine.num_queued == 0, 5)
+        assert core.num_steps == 1
+        assert wait_for(lambda: engine.num_queued == 0, 30)
 
 
 def test_non_streaming_disconnect_aborts(core) -> None:
-    core.step_delay = 0.05
+    core.hold()  # no step: the three choices stay in flight until the client leaves
     server, _, engine = serve(core)
     with server, httpx.Client(base_url=server.url) as http:
-        assert wait_for(lambda: http.get("/health").status_code == 200, 10)
-        with pytest.raises(httpx.ReadTimeout):
-            http.post("/v1/completions", timeout=0.5,
-                      json={"model": MODEL, "prompt": "hi", "n": 3, "max_tokens": 10_000})
-        assert wait_for(lambda: len(core.aborted) == 3 and not core.live, 5), core.aborted
-        assert wait_for(lambda: engine.num_queued == 0, 5)
+        assert wait_for(lambda: http.get("/health").status_code == 200, 30)
+        body = json.dumps({"model": MODEL, "prompt": "hi", "n": 3, "max_tokens": 10_000})
+        client = http_client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        client.request("POST", "/v1/completions", body=body,
+                       headers={"Content-Type": "application/json"})
+        assert wait_for(lambda: len(core.added) == 3, 30)
+        client.close()  # hang up without reading
+        assert wait_for(lambda: len(core.aborted) == 3 and not core.live, 30), core.aborted
+        assert sorted(core.aborted) == sorted(core.added) and core.num_steps == 0
+        assert wait_for(lambda: engine.num_queued == 0, 30)
 
 
 def test_cors_preflight_honours_allowed_origins(core) -> None:
@@ -223,15 +249,22 @@ def test_request_ids_are_echoed_or_generated(core) -> None:
 
 
 def test_merged_stream_keeps_one_role_and_one_finish_per_index(core) -> None:
-    """Scripted tokens make exact chunk contents checkable for n=3."""
+    """Scripted tokens make exact chunk contents checkable for n=3. The next step runs once
+    the three chunks of the last one were read, so no two tokens merge into one chunk."""
+    core.hold()
     server, _, _ = serve(core)
     with server, httpx.Client(base_url=server.url, timeout=30) as http:
-        assert wait_for(lambda: http.get("/health").status_code == 200, 10)
-        started = time.monotonic()
-        response = http.post("/v1/chat/completions",
-                             json={**CHAT, "stream": True, "n": 3, "max_tokens": 3})
-        assert time.monotonic() - started < 10
-        sse = parse_sse(response.content)
+        assert wait_for(lambda: http.get("/health").status_code == 200, 30)
+        body = {**CHAT, "stream": True, "n": 3, "max_tokens": 3}
+        core.release(1)  # the first step: the response starts with its chunks
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines, num_tokens = [], 0
+            for line in response.iter_lines():
+                lines.append(line)
+                num_tokens += '"content":" ' in line
+                if '"content":" ' in line and num_tokens % 3 == 0:
+                    core.release(1)
+        sse = parse_sse(("\n".join(lines) + "\n").encode())
     per_index: dict[int, list[dict]] = {0: [], 1: [], 2: []}
     for chunk in sse.chunks:
         (choice,) = chunk["choices"]
@@ -250,7 +283,7 @@ def test_sigterm_drains_in_flight_streams_then_exits(core) -> None:
 
     from plait.server.serve import DrainingServer
 
-    core.step_delay = 0.05
+    core.hold()  # the streams are mid-way when SIGTERM comes
     engine = scripted_engine(core)
     app = create_app(ServerSettings(drain_timeout=20), engine=engine)
     port = free_port()
@@ -262,13 +295,16 @@ def test_sigterm_drains_in_flight_streams_then_exits(core) -> None:
     url = f"http://127.0.0.1:{port}"
     assert wait_for(lambda: server.started, 30)
     with httpx.Client(base_url=url, timeout=30) as http:
-        assert wait_for(lambda: http.get("/health").status_code == 200, 10)
+        assert wait_for(lambda: http.get("/health").status_code == 200, 30)
         body = {**CHAT, "stream": True, "n": 2, "max_tokens": 20}
+        core.release(1)  # the first step: the response starts with its chunks
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             lines = response.iter_lines()
             head = [next(lines) for _ in range(4)]
             server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
             assert app.state.plait.draining
+            assert core.live and core.num_steps == 1  # both choices are still running
+            core.release(19)
             rest = "\n".join(lines)
     sse = parse_sse(("\n".join(head) + "\n" + rest + "\n").encode())
     assert sse.events[-1] == "[DONE]"

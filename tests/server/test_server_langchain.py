@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import pytest
+from helpers.server import MODEL, RemoteServer, shared_server
 from pydantic import BaseModel, Field
-from server_harness import MODEL, RemoteServer, shared_server
 
 langchain_openai = pytest.importorskip("langchain_openai")
 

@@ -7,7 +7,7 @@ import uuid
 
 import httpx
 import pytest
-from server_harness import MODEL, RemoteServer, wait_for
+from helpers.server import MODEL, RemoteServer, wait_for
 
 import plait
 

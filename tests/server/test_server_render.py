@@ -8,7 +8,8 @@ from typing import Any
 
 import httpx
 import pytest
-from server_harness import MODEL, RemoteServer, error_of
+from helpers.requests import chat_body
+from helpers.server import MODEL, RemoteServer, error_of
 
 SYSTEM = [{"role": "system", "content": "You answer in one word."},
           {"role": "user", "content": "What colour is the sky?"}]
@@ -45,18 +46,16 @@ def engine_chat(http: httpx.Client, body: dict[str, Any]) -> list[int]:
     return result["prompt_token_ids"]
 
 
-def chat_body(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": messages, "max_tokens": 1, "return_token_ids": True,
-            **extra}
+RENDER = {"max_tokens": 1, "return_token_ids": True}
 
 
 @pytest.mark.parametrize("body", [
-    chat_body(SYSTEM),
-    chat_body(SYSTEM, n=3, temperature=0.7, stream=True),  # sampling params change nothing
-    chat_body([{"role": "user", "content": "Hi"}], tools=TOOLS),
-    chat_body(TOOL_CONVERSATION, tools=TOOLS, tool_choice="auto"),
-    chat_body(CONTINUE, continue_final_message=True, add_generation_prompt=False),
-    chat_body(CONTINUE, add_generation_prompt=False),
+    chat_body(SYSTEM, RENDER),
+    chat_body(SYSTEM, RENDER, n=3, temperature=0.7, stream=True),  # sampling params change nothing
+    chat_body([{"role": "user", "content": "Hi"}], RENDER, tools=TOOLS),
+    chat_body(TOOL_CONVERSATION, RENDER, tools=TOOLS, tool_choice="auto"),
+    chat_body(CONTINUE, RENDER, continue_final_message=True, add_generation_prompt=False),
+    chat_body(CONTINUE, RENDER, add_generation_prompt=False),
 ], ids=["system", "sampling", "tools", "tool-results", "continue-final", "no-gen-prompt"])
 def test_chat_render_is_what_the_engine_gets(http: httpx.Client, body) -> None:
     token_ids = rendered_chat(http, body)
@@ -65,14 +64,14 @@ def test_chat_render_is_what_the_engine_gets(http: httpx.Client, body) -> None:
 
 def test_chat_render_follows_the_template_flags(http: httpx.Client) -> None:
     tokens = http.post("/tokenize", json={"model": MODEL, "messages": SYSTEM}).json()["tokens"]
-    assert rendered_chat(http, chat_body(SYSTEM)) == tokens
-    with_tools = rendered_chat(http, chat_body(SYSTEM, tools=TOOLS))
+    assert rendered_chat(http, chat_body(SYSTEM, RENDER)) == tokens
+    with_tools = rendered_chat(http, chat_body(SYSTEM, RENDER, tools=TOOLS))
     assert len(with_tools) > len(tokens)  # the tools are described in the prompt
-    continued = rendered_chat(http, chat_body(CONTINUE, continue_final_message=True,
+    continued = rendered_chat(http, chat_body(CONTINUE, RENDER, continue_final_message=True,
                                               add_generation_prompt=False))
     text = http.post("/detokenize", json={"tokens": continued}).json()["prompt"]
     assert text.endswith("Soft rain on the roof")
-    fresh = rendered_chat(http, chat_body(CONTINUE))
+    fresh = rendered_chat(http, chat_body(CONTINUE, RENDER))
     text = http.post("/detokenize", json={"tokens": fresh}).json()["prompt"]
     assert text.endswith("Soft rain on the roof<|im_end|>\n<|im_start|>assistant\n")
 
@@ -106,7 +105,7 @@ def test_completion_render_is_what_the_engine_gets(http: httpx.Client, prompt) -
 
 def test_render_generates_nothing(server: RemoteServer, http: httpx.Client) -> None:
     before = server.metrics()
-    rendered_chat(http, chat_body(SYSTEM, n=4, max_tokens=100))
+    rendered_chat(http, chat_body(SYSTEM, RENDER, n=4, max_tokens=100))
     rendered_completion(http, {"model": MODEL, "prompt": "Hello", "n": 4})
     after = server.metrics()
     for name in ("plait_request_n_count", "plait_generation_tokens_total",
@@ -115,14 +114,15 @@ def test_render_generates_nothing(server: RemoteServer, http: httpx.Client) -> N
 
 
 @pytest.mark.parametrize(("path", "body"), [
-    ("/v1/chat/completions", chat_body(SYSTEM, bogus=1)),
-    ("/v1/chat/completions", chat_body(SYSTEM, continue_final_message=True)),
-    ("/v1/chat/completions", chat_body(CONTINUE, continue_final_message=True,
+    ("/v1/chat/completions", chat_body(SYSTEM, RENDER, bogus=1)),
+    ("/v1/chat/completions", chat_body(SYSTEM, RENDER, continue_final_message=True)),
+    ("/v1/chat/completions", chat_body(CONTINUE, RENDER, continue_final_message=True,
                                        add_generation_prompt=True)),
-    ("/v1/chat/completions", chat_body(SYSTEM, tool_choice="required")),
-    ("/v1/chat/completions", chat_body([{"role": "user", "content": [{"type": "image_url"}]}])),
-    ("/v1/chat/completions", chat_body(SYSTEM, top_logprobs=2)),
-    ("/v1/chat/completions", chat_body(SYSTEM, n=100000)),
+    ("/v1/chat/completions", chat_body(SYSTEM, RENDER, tool_choice="required")),
+    ("/v1/chat/completions", chat_body([{"role": "user", "content": [{"type": "image_url"}]}],
+                                       RENDER)),
+    ("/v1/chat/completions", chat_body(SYSTEM, RENDER, top_logprobs=2)),
+    ("/v1/chat/completions", chat_body(SYSTEM, RENDER, n=100000)),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}),
     ("/v1/completions", {"model": MODEL, "prompt": []}),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}),
@@ -134,10 +134,10 @@ def test_bad_requests_get_the_real_endpoints_envelope(http: httpx.Client, path, 
 
 
 def test_unknown_model_and_api_key(server: RemoteServer, http: httpx.Client) -> None:
-    body = chat_body(SYSTEM, model="other")
+    body = chat_body(SYSTEM, RENDER, model="other")
     assert error_of(http.post("/v1/chat/completions/render", json=body), 404) == error_of(
         http.post("/v1/chat/completions", json=body), 404)
-    for path, body in (("/v1/chat/completions/render", chat_body(SYSTEM)),
+    for path, body in (("/v1/chat/completions/render", chat_body(SYSTEM, RENDER)),
                        ("/v1/completions/render", {"model": MODEL, "prompt": "x"})):
         error_of(httpx.post(f"{server.url}{path}", json=body, timeout=30), 401)
         error_of(httpx.post(f"{server.url}{path}", json=body, timeout=30,

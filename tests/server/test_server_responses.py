@@ -12,9 +12,9 @@ import json
 import jsonschema
 import openai
 import pytest
+from helpers.responses import check_stream, parse_events
+from helpers.server import MODEL, RemoteServer
 from pydantic import BaseModel, Field
-from responses_helpers import check_stream, parse_events
-from server_harness import MODEL, RemoteServer
 
 WEATHER = {"type": "function", "name": "get_weather",
            "description": "Get the current weather in a city.",

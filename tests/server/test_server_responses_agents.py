@@ -7,7 +7,7 @@ final result (`stop_on_first_tool`)."""
 from __future__ import annotations
 
 import pytest
-from server_harness import MODEL, RemoteServer
+from helpers.server import MODEL, RemoteServer
 
 agents = pytest.importorskip("agents")
 

@@ -1,5 +1,5 @@
 """/v1/responses without a model: the store (an injected clock, no sleeps), the item
-translation, and the routes around a scripted engine (server_harness.ScriptedCore: every
+translation, and the routes around a scripted engine (helpers/scripted.py's ScriptedCore: every
 request gets " one two three ..."), for the error envelopes, the store bound, n>1
 interleaving and a failure in the middle of a stream."""
 
@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from helpers.responses import check_stream, parse_events
+from helpers.scripted import ScriptedCore, scripted_engine
+from helpers.server import InProcessServer, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from responses_helpers import check_stream, parse_events
-from server_harness import InProcessServer, ScriptedCore, scripted_engine, wait_for
 
 from plait.cli import build_parser, server_settings
 from plait.engine.model_loader import load_tokenizer
@@ -116,7 +117,7 @@ def test_items_become_chat_messages_with_calls_joined_to_their_turn() -> None:
 # ------------------------------------------------------------------ routes (scripted engine)
 @pytest.fixture(scope="module")
 def scripted(default_model):
-    core = ScriptedCore(load_tokenizer(default_model.path), step_delay=0.002)
+    core = ScriptedCore(load_tokenizer(default_model.path))
     app = create_app(ServerSettings(api_keys=(KEY,), responses_store_size=2),
                      engine=scripted_engine(core))
     with InProcessServer(app) as server, httpx.Client(base_url=server.url, headers=AUTH,
@@ -239,11 +240,20 @@ def test_n2_stream_interleaves_two_message_items(scripted) -> None:
 def test_engine_failure_mid_stream_is_an_error_event_then_failed(scripted) -> None:
     core, http = scripted
     core.fail_after = 2
+    core.hold()  # a step per text delta read, so the failure merges with no token
+    core.release(1)
+    lines = []
     try:
-        reply = _create(http, max_output_tokens=6, stream=True)
+        with http.stream("POST", "/v1/responses", json={
+                "model": MODEL, "input": "hi", "max_output_tokens": 6, "stream": True}) as reply:
+            for line in reply.iter_lines():
+                lines.append(line)
+                if line == "event: response.output_text.delta":
+                    core.release(1)
     finally:
         core.fail_after = None
-    events = parse_events(reply.content)
+        core.run_freely()
+    events = parse_events(("\n".join(lines) + "\n").encode())
     final = check_stream(events)
     kinds = [e["type"] for e in events]
     assert kinds[-2:] == ["error", "response.failed"]

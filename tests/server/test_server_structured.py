@@ -8,8 +8,8 @@ import json
 
 import jsonschema
 import pytest
+from helpers.server import MODEL, RemoteServer, error_of, parse_sse
 from pydantic import BaseModel, Field
-from server_harness import MODEL, RemoteServer, error_of, parse_sse
 
 
 def user(text: str) -> list[dict[str, str]]:

@@ -1,9 +1,9 @@
 """tool_choice "auto": an answer that is nothing but call JSON written without the model's
 markers (bare, fenced, a list; what small models write) is read as tool calls when it names
 declared tools with schema-valid arguments, streamed and whole alike; anything else stays
-content, unchanged. Units of the detector and of json_check (against jsonschema), the
-streaming hold-back, and the chat route end to end on a scripted engine (exact text) and on
-the real default model (a grammar makes it write a call with string arguments)."""
+content, unchanged. Units of the detector and of schema_check.is_valid (against jsonschema),
+the streaming hold-back, and the chat route end to end on a scripted engine (exact text) and
+on the real default model (a grammar makes it write a call with string arguments)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,16 @@ import json
 import httpx
 import jsonschema
 import pytest
-from responses_helpers import check_stream, parse_events
-from server_harness import (
+from helpers.responses import check_stream, parse_events
+from helpers.scripted import ScriptedCore, scripted_engine
+from helpers.server import (
     MODEL,
     InProcessServer,
     RemoteServer,
-    ScriptedCore,
     parse_sse,
-    scripted_engine,
     wait_for,
 )
-from tool_helpers import HERMES_TEMPLATE, expected, reassemble, split
+from helpers.tools import HERMES_TEMPLATE, expected, reassemble, split
 
 from plait.engine.model_loader import load_tokenizer
 from plait.engine.outputs import RequestDelta
@@ -113,7 +112,7 @@ def test_possible_turns_false_as_soon_as_the_answer_cannot_be_calls() -> None:
         assert not BARE.possible(text), text
 
 
-# ------------------------------------------------------------------ json_check
+# ------------------------------------------------------------------ schema_check.is_valid
 SCHEMA_CASES = [
     ({"type": "integer"}, [1, 1.0, 1.5, True, "1"]),
     ({"type": ["string", "null"]}, ["a", None, 0]),
@@ -146,12 +145,12 @@ SCHEMA_CASES = [
 
 
 @pytest.mark.parametrize(("schema", "values"), SCHEMA_CASES)
-def test_json_check_agrees_with_jsonschema(schema: dict, values: list) -> None:
+def test_schema_check_agrees_with_jsonschema(schema: dict, values: list) -> None:
     reference = jsonschema.Draft202012Validator(schema)
     assert [is_valid(v, schema) for v in values] == [reference.is_valid(v) for v in values]
 
 
-def test_json_check_says_invalid_for_keywords_it_does_not_know() -> None:
+def test_schema_check_says_invalid_for_keywords_it_does_not_know() -> None:
     for schema in ({"if": {"type": "string"}, "then": {"minLength": 1}},
                    {"$ref": "https://example.com/s.json"}, {"items": [{"type": "string"}]},
                    {"dependentRequired": {"a": ["b"]}}, {"exclusiveMinimum": True}):
@@ -240,7 +239,7 @@ class TextCore(ScriptedCore):
     and finishes with "stop" (or "length" at its max_tokens)."""
 
     def __init__(self, tokenizer, scripts: list[str]) -> None:
-        super().__init__(tokenizer, step_delay=0.001)
+        super().__init__(tokenizer)
         self.scripts = [tokenizer.encode(s, add_special_tokens=False) for s in scripts]
         self.tokens: dict[str, list[int]] = {}
 
@@ -268,16 +267,37 @@ def hermes_tokenizer(default_model):
     return tokenizer
 
 
-def chat(core: TextCore, body: dict) -> tuple[dict, list[dict]]:
-    """The whole response and the stream's chunks for `body` on a scripted app."""
+def chat(core: TextCore, body: dict, paced: int | None = None) -> tuple[dict, list[dict]]:
+    """The whole response and the stream's chunks for `body` on a scripted app. `paced`: the
+    stream runs one step per content chunk of that choice (so no two of its tokens merge
+    into one chunk) until the choice finished, then freely."""
     app = create_app(ServerSettings(), engine=scripted_engine(core))
     with InProcessServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
         assert wait_for(lambda: http.get("/health").status_code == 200, 30)
         whole = http.post("/v1/chat/completions", json=body)
-        streamed = http.post("/v1/chat/completions", json={**body, "stream": True})
+        if paced is not None:
+            core.hold()
+            core.release(1)
+        lines = []
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as (
+                streamed):
+            assert streamed.status_code == 200, streamed.read()
+            for line in streamed.iter_lines():
+                lines.append(line)
+                if paced is not None and line.startswith("data: {"):
+                    pace(core, json.loads(line[len("data: "):]), paced)
     assert whole.status_code == 200, whole.text
-    assert streamed.status_code == 200, streamed.text
-    return whole.json(), parse_sse(streamed.content).chunks
+    return whole.json(), parse_sse(("\n".join(lines) + "\n").encode()).chunks
+
+
+def pace(core: TextCore, chunk: dict, index: int) -> None:
+    for choice in chunk["choices"]:
+        if choice["index"] != index:
+            continue
+        if choice["finish_reason"] is not None:
+            core.run_freely()
+        elif choice["delta"].get("content"):
+            core.release(1)
 
 
 def accumulate(chunks: list[dict]) -> dict[int, dict]:
@@ -318,7 +338,7 @@ def test_chat_route_reads_bare_calls_per_choice(hermes: bool, tokenizer,
     core = TextCore(hermes_tokenizer if hermes else tokenizer, scripts)
     body = {"model": "scripted-model", "messages": [{"role": "user", "content": "Paris?"}],
             "tools": [WEATHER], "n": 2}
-    whole, chunks = chat(core, body)
+    whole, chunks = chat(core, body, paced=1)
     want = {0: {"content": None, "finish_reason": "tool_calls", "tool_calls": [
                 {"name": "get_weather", "arguments": '{"city": "Paris"}'}]},
             1: {"content": "It is sunny in Paris.", "finish_reason": "stop",
@@ -328,7 +348,8 @@ def test_chat_route_reads_bare_calls_per_choice(hermes: bool, tokenizer,
     # The call's text never went out as content; the plain answer streamed token by token.
     pieces = [c["choices"][0]["delta"].get("content") for c in chunks
               if c.get("choices") and c["choices"][0]["index"] == 1]
-    assert len([p for p in pieces if p]) > 3
+    tokens = core.tokenizer.encode(scripts[1], add_special_tokens=False)
+    assert [p for p in pieces if p] == [core.tokenizer.decode([t]) for t in tokens]
 
 
 def test_chat_route_leaves_a_call_cut_by_max_tokens_as_content(hermes_tokenizer) -> None:

@@ -10,7 +10,7 @@ import json
 
 import jsonschema
 import pytest
-from server_harness import MODEL, RemoteServer, error_of
+from helpers.server import MODEL, RemoteServer, error_of
 
 from plait.server.constrained.output_plan import plan_output, render_messages
 from plait.server.prompts import chat_token_ids

@@ -9,8 +9,8 @@ import json
 
 import jsonschema
 import pytest
-from server_harness import MODEL, RemoteServer, start_server
-from tiny_model import make_tiny_model
+from helpers.server import MODEL, RemoteServer, start_server
+from helpers.tiny_model import make_tiny_model
 
 from plait.server.constrained.call_parsers import PARSERS
 from plait.server.constrained.output_plan import plan_output, render_messages

@@ -1,4 +1,4 @@
-"""The playground at /ui over HTTP (no browser; tests/test_ui_browser.py drives one): its
+"""The playground at /ui over HTTP (no browser; tests/server/test_ui_browser.py drives one): its
 files, the CSP it runs under, that it loads nothing from elsewhere and runs no inline code,
 the --ui switch, the API key, and the selectors the browser tests and README rely on."""
 
@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import re
 from html.parser import HTMLParser
-from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import API_KEY, InProcessServer, ScriptedCore, parse_sse, scripted_engine
+from helpers.paths import REPO
+from helpers.scripted import ScriptedCore, scripted_engine
+from helpers.server import API_KEY, InProcessServer, parse_sse
 
 from plait.cli import build_parser, server_settings
 from plait.server.app import create_app
 from plait.server.settings import ServerSettings
 from plait.server.ui import CONTENT_SECURITY_POLICY, UI_DIR
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = REPO / "README.md"
 # Selector -> (tag, attribute, value): each must be in index.html or created by ui.js.
 SELECTORS = {
     "textarea[name=prompt]": ("textarea", "name", "prompt"),
@@ -71,7 +72,7 @@ def parse_page(html: str) -> Page:
 
 @pytest.fixture
 def core(tokenizer) -> ScriptedCore:
-    return ScriptedCore(tokenizer, step_delay=0.001)
+    return ScriptedCore(tokenizer)
 
 
 def serve(core: ScriptedCore, **settings) -> InProcessServer:

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 import pytest
-from server_harness import MODEL, RemoteServer, error_of
+from helpers.server import MODEL, RemoteServer, error_of
 
 GREEDY = {"model": MODEL, "temperature": 0, "ignore_eos": True}
 TOOLS = [{"type": "function", "function": {

@@ -16,8 +16,8 @@ import random
 
 import httpx
 import pytest
-from server_harness import RemoteServer, start_server
-from test_kv_events import Index, Subscriber
+from helpers.kv_events import Index, Subscriber
+from helpers.server import RemoteServer, start_server
 
 BLOCK = 16
 TURNS = 4
@@ -33,16 +33,26 @@ class Replica:
             [str(tiny_path), "--block-size", str(BLOCK), "--num-kv-blocks", "512",
              "--served-model-name", "tiny", "--kv-events-endpoint", self.sub.endpoint])
         self.prefixes: set[tuple[int, ...]] = set()
+        # The last sequence this replica served, but its last token (whose K/V is never
+        # computed): its events store every full block of it.
+        self.served: list[int] = []
+        self.applied = 0  # batches of sub.live applied to the index
 
     def wait(self) -> None:
         self.server.wait_healthy()
-        self.sub.settle(0.5)
+        self.sub.settle()
 
     def follow(self) -> None:
-        """Apply the events that arrived; refresh the cached token prefixes."""
-        for _, batch in self.sub.drain(quiet=0.2):
-            self.index.apply(batch)
-        self.prefixes = self.index.prefixes()
+        """Apply the events that arrived, waiting for those that cache what this replica
+        served last; refresh the cached token prefixes."""
+        def caught_up() -> bool:
+            for _, batch in self.sub.live[self.applied:]:
+                self.index.apply(batch)
+            self.applied = len(self.sub.live)
+            self.prefixes = self.index.prefixes()
+            return self.cached_prefix(self.served) == len(self.served) // BLOCK * BLOCK
+
+        self.sub.receive(caught_up)
 
     def cached_prefix(self, ids: list[int]) -> int:
         """Tokens of `ids` this replica's events say are cached (whole blocks)."""
@@ -61,8 +71,9 @@ class Replica:
         r = httpx.post(f"{self.server.url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         data = r.json()
-        return data["choices"][0]["token_ids"], \
-            data["usage"]["prompt_tokens_details"]["cached_tokens"]
+        out_ids = data["choices"][0]["token_ids"]
+        self.served = ids + out_ids[:-1]
+        return out_ids, data["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     def stop(self) -> None:
         self.server.stop()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
@@ -23,8 +22,9 @@ from typing import Any
 
 import httpx
 import pytest
-from browser_helpers import OBSERVE_JS, PageWatch, choices, launch, skip_reason, sse_chunks
-from server_harness import RemoteServer, start_server, wait_for
+from helpers.browser import OBSERVE_JS, PageWatch, choices, launch, skip_reason, sse_chunks
+from helpers.paths import REPO
+from helpers.server import RemoteServer, start_server, wait_for
 
 _reason = skip_reason()
 if _reason and os.environ.get("PLAIT_UI_REQUIRE"):  # `make test-ui`: a skip is a failure
@@ -34,7 +34,7 @@ if _reason:
 
 from playwright.sync_api import Page, sync_playwright  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 SCREENSHOT = ROOT / "docs" / "ui-playground.png"
 KEY = "secret"
 DESKTOP = {"width": 1280, "height": 800}
@@ -217,22 +217,20 @@ def test_four_choices_stream_side_by_side(ui, server: RemoteServer, tmp_path: Pa
 
 def test_stop_mid_stream_frees_the_running_requests(ui, server: RemoteServer) -> None:
     page, _ = ui
-    assert wait_for(lambda: running(server) == 0, 10)
+    assert wait_for(lambda: running(server) == 0, 30)
     send(page, PROMPT, n=2, max_tokens=400, temperature=0.8, seed=3)
     page.wait_for_function(
         "() => [...document.querySelectorAll('[data-choice]')]"
         ".some(e => e.textContent.length > 0)")
     assert running(server) > 0  # 400 tokens take far longer than this
-    stopped_at = time.monotonic()
     page.click("button[name=stop]")
-    assert wait_for(lambda: running(server) == 0, 5, interval=0.1), server.metrics()
-    waited = time.monotonic() - stopped_at
+    assert wait_for(lambda: running(server) == 0, 30, interval=0.1), server.metrics()
     metrics = server.metrics()
     assert metrics["plait_num_requests_waiting"] == 0
     assert metrics["plait_kv_blocks_used"] == 0, metrics
     # The unfinished columns say so: the stream really was cut.
-    final = wait_finished(page, 2, timeout_ms=5_000)
-    assert "abort" in [c["finish"] for c in final], (final, waited)
+    final = wait_finished(page, 2, timeout_ms=30_000)
+    assert "abort" in [c["finish"] for c in final], final
 
 
 def test_api_key_wrong_then_right(browser: Any, keyed_server: RemoteServer) -> None:
@@ -279,7 +277,7 @@ def test_continue_from_choice_2(ui, server: RemoteServer) -> None:
     assert prompt.input_value() == "Why that one?\nAnswer briefly."
     assert len(watch.chat_bodies) == 1  # Shift+Enter sent nothing
     prompt.press("Enter")
-    assert wait_for(lambda: len(watch.chat_bodies) == 2, 10), watch.chat_bodies
+    assert wait_for(lambda: len(watch.chat_bodies) == 2, 30), watch.chat_bodies
     wait_finished(page, 3)
 
     messages = watch.chat_bodies[1]["messages"]

@@ -12,8 +12,9 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 DOCS = sorted([ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "docker" / "README.md",
                *(ROOT / "docs").rglob("*.md")])
 

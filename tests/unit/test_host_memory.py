@@ -10,7 +10,7 @@ from __future__ import annotations
 import textwrap
 
 import torch
-from test_packaging import run_python
+from helpers.paths import run_python
 
 from plait.engine.host_memory import MMAP_THRESHOLD, warm_sampler
 from plait.engine.sampler import Sampler, SamplingMetadata

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from engine_helpers import GREEDY, assert_all_free
+from helpers.engine import GREEDY, assert_all_free
 
 from plait import SamplingParams
 from plait.engine.block_pool import BlockPool

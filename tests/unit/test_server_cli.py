@@ -6,9 +6,9 @@ import re
 import subprocess
 import sys
 from dataclasses import fields
-from pathlib import Path
 
 import pytest
+from helpers.paths import REPO
 
 from plait.cli import (
     FAULT_INJECTION,
@@ -131,7 +131,7 @@ def _readme_default(value: object) -> str:
 
 
 def test_readme_documents_every_option() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     rows = [line for line in readme.splitlines() if line.startswith("| `--")]
     for option in OPTIONS:
         row = next((r for r in rows if r.startswith(f"| `{option.flag}`")), None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tool_helpers import HERMES_TEMPLATE, expected, reassemble, split
+from helpers.tools import HERMES_TEMPLATE, expected, reassemble, split
 
 from plait.engine.structured import grammar_text
 from plait.server.constrained.call_parsers import (
