@@ -4,6 +4,12 @@ For README.md, BENCHMARKS.md, docker/README.md and every docs/**/*.md: a relativ
 image target names a file or folder that exists, an `#anchor` (in the same file or another
 .md) names one of that file's headings by GitHub's slug rules, and no target climbs out of
 the repository root (`../shared/...`). http(s) and mailto links are not fetched.
+
+Repository paths written in code spans count too: a token of a code span that starts with
+one of the top-level folders (`tests/`, `engine/`, `server/`, `kernels/`, `scripts/`,
+`plait/`, `docs/`, `docker/`) and ends with a file extension or a `/` must exist (a `*`
+must match something), so a moved or renamed file leaves no stale path behind.
+docs/bench/history.md is a dated record of past runs and keeps the paths of its day.
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ INLINE_LINK = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s
 REFERENCE_DEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", re.M)
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.M)
 EXTERNAL = ("http://", "https://", "mailto:")
+TOP_FOLDERS = ("tests", "engine", "server", "kernels", "scripts", "plait", "docs", "docker")
+# A path token: a top-level folder, then path characters, ending in `.ext` or `/`.
+CODE_PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(TOP_FOLDERS)})/[\w./*-]*(?:\.\w+|/))"
+                       rf"(?![\w/*-])")
+DATED_RECORDS = {"docs/bench/history.md"}
 
 
 def slug(heading: str) -> str:
@@ -75,6 +86,18 @@ def broken_links(path: Path, root: Path = ROOT) -> list[str]:
     return problems
 
 
+def stale_code_paths(path: Path, root: Path = ROOT) -> list[str]:
+    """The repository paths in the file's code spans that name nothing in the checkout."""
+    text = FENCE.sub("", path.read_text())
+    problems = []
+    for span in CODE_SPAN.findall(text):
+        for token in CODE_PATH.findall(span):
+            found = list(root.glob(token.rstrip("/"))) if "*" in token else [root / token]
+            if not any(p.exists() and (p.is_dir() or not token.endswith("/")) for p in found):
+                problems.append(f"{token}: no such path")
+    return problems
+
+
 def test_slug_follows_github_rules() -> None:
     assert slug("Playground (/ui)") == "playground-ui"
     assert slug("`plait bench`") == "plait-bench"
@@ -94,6 +117,19 @@ def test_a_broken_link_is_caught(tmp_path) -> None:
                                   "../shared/x.md: leaves the repository"]
 
 
+def test_a_stale_code_path_is_caught(tmp_path) -> None:
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    (tmp_path / "tests" / "unit" / "test_a.py").write_text("")
+    page = tmp_path / "c.md"
+    page.write_text("`tests/unit/test_a.py` `tests/test_a.py` `tests/unit/` `tests/gone/` "
+                    "`tests/unit/test_*.py` `tests/test_*.py` `pytest tests/unit/test_a.py -x` "
+                    "`tests/unit` `mytests/x.py` `https://x.org/docs/a.md`\n"
+                    "```\n`tests/fenced.py`\n```\n")
+    assert stale_code_paths(page, root=tmp_path) == [
+        "tests/test_a.py: no such path", "tests/gone/: no such path",
+        "tests/test_*.py: no such path"]
+
+
 def test_docs_exist() -> None:
     names = {p.relative_to(ROOT).as_posix() for p in DOCS}
     assert {"README.md", "BENCHMARKS.md", "docs/ARCHITECTURE.md",
@@ -103,3 +139,10 @@ def test_docs_exist() -> None:
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_links_resolve_inside_the_repository(path: Path) -> None:
     assert broken_links(path) == []
+
+
+@pytest.mark.parametrize("path", [p for p in DOCS
+                                  if p.relative_to(ROOT).as_posix() not in DATED_RECORDS],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_code_span_paths_exist(path: Path) -> None:
+    assert stale_code_paths(path) == []
