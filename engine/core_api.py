@@ -13,7 +13,6 @@ without loading the engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,15 +28,10 @@ if TYPE_CHECKING:
 class StepResult:
     """One `step()`: its deltas, and `stalled`, set when the step found nothing it could
     compute (every live request waits for blocks that only a finish or an abort frees).
-    The core loop then blocks for a command instead of stepping again.
-
-    Iterating yields the deltas, so `for delta in core.step()` reads only those."""
+    The core loop then blocks for a command instead of stepping again."""
 
     deltas: list[RequestDelta] = field(default_factory=list)
     stalled: bool = False
-
-    def __iter__(self) -> Iterator[RequestDelta]:
-        return iter(self.deltas)
 
 
 @dataclass(frozen=True, slots=True)
