@@ -22,7 +22,18 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from plait.engine.token_text import decode_ids
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from plait.engine.core import EngineCore
+    from plait.engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
+    from plait.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
+    from plait.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("plait.engine")
 
@@ -80,24 +91,26 @@ class _RunnerFaults:
 
 
 class _SamplerFaults:
-    def __init__(self, sampler: Any, hook: Hook) -> None:
+    def __init__(self, sampler: Sampler, hook: Hook) -> None:
         self._sampler, self._hook = sampler, hook
 
-    def __call__(self, logits: Any, meta: Any) -> Any:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         for prompt, output in zip(meta.prompt_token_ids, meta.output_token_ids, strict=True):
             self._hook("sample", FaultSite(None, prompt, len(output)))
         return self._sampler(logits, meta)
 
 
 class _DetokenizerFaults:
-    def __init__(self, detokenizer: Any, prompt_token_ids: list[int], hook: Hook) -> None:
+    def __init__(self, detokenizer: IncrementalDetokenizer, prompt_token_ids: list[int],
+                 hook: Hook) -> None:
         self._detokenizer, self._prompt, self._hook = detokenizer, prompt_token_ids, hook
         self._num_steps = 0
 
-    def step(self, token_ids: list[int], **kwargs: Any) -> Any:
+    def step(self, new_token_ids: list[int], finished: bool,
+             match_stops: bool = True) -> DetokenizerStep:
         self._hook("detokenize", FaultSite(None, self._prompt, self._num_steps))
         self._num_steps += 1
-        return self._detokenizer.step(token_ids, **kwargs)
+        return self._detokenizer.step(new_token_ids, finished, match_stops)
 
 
 def install_fault_hook(core: Any, hook: Hook) -> None:
@@ -108,7 +121,8 @@ def install_fault_hook(core: Any, hook: Hook) -> None:
     core.runner = _RunnerFaults(runner, core, hook)
     make_detokenizer = core.detokenizer_factory
 
-    def faulty_detokenizer(tokenizer: Any, prompt_token_ids: list[int], params: Any) -> Any:
+    def faulty_detokenizer(tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+                           params: SamplingParams) -> _DetokenizerFaults:
         inner = make_detokenizer(tokenizer, prompt_token_ids, params)
         return _DetokenizerFaults(inner, prompt_token_ids, hook)
 
@@ -121,7 +135,7 @@ class FaultHook:
     A prompt's marker is found once (the prompt decoded) and remembered in a bounded LRU
     table keyed by the prompt's tokens."""
 
-    def __init__(self, tokenizer: Any, max_remembered: int = 4096) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_remembered: int = 4096) -> None:
         self._tokenizer = tokenizer
         self._max_remembered = max_remembered
         self._markers: OrderedDict[tuple[int, ...], tuple[str, int] | None] = OrderedDict()
@@ -140,14 +154,14 @@ class FaultHook:
         if prompt in self._markers:
             self._markers.move_to_end(prompt)
             return self._markers[prompt]
-        marker = find_marker(self._tokenizer.decode(list(prompt)))
+        marker = find_marker(decode_ids(self._tokenizer, list(prompt)))
         self._markers[prompt] = marker
         if len(self._markers) > self._max_remembered:
             self._markers.popitem(last=False)
         return marker
 
 
-def arm_engine_faults(core: Any) -> None:
+def arm_engine_faults(core: EngineCore) -> None:
     """Install the marker-driven `FaultHook` on a loaded core; call where the core runs."""
     install_fault_hook(core, FaultHook(core.tokenizer))
     logger.warning("FAULT INJECTION IS ON (test-only): engine phases fail for prompts with "

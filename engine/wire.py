@@ -21,7 +21,7 @@ id lists, and, unlike pickle, a frame can never execute code in the receiver.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import msgspec
 
@@ -107,6 +107,7 @@ class FatalEvent(msgspec.Struct, tag="fatal", array_like=True):
 
 Event = ReadyEvent | OutputsEvent | FatalEvent
 
+T = TypeVar("T")
 _encoder = msgspec.msgpack.Encoder()
 _command_decoder = msgspec.msgpack.Decoder(Command)
 _event_decoder = msgspec.msgpack.Decoder(Event)
@@ -133,7 +134,7 @@ def decode_start(frame: bytes) -> EngineStart:
     return _decode(_start_decoder, frame)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes) -> Any:
+def _decode(decoder: msgspec.msgpack.Decoder[T], frame: bytes) -> T:
     try:
         return decoder.decode(frame)
     except (msgspec.DecodeError, ValueError, TypeError) as exc:
