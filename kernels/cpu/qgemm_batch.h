@@ -4,15 +4,16 @@
  *
  * A chunk of BATCH_ROWS weight rows is decoded whole, row after row (one stream the hardware
  * prefetcher follows), into w [BATCH_ROWS, K] float32 (L2), then register tiles of 4 x rows
- * by 4 weight rows multiply it, K block by K block (<= 256 weights), each tile's 16
+ * by 4 weight rows multiply it, K block by K block (<= 1024 weights), each tile's 16
  * accumulators (vectors along k) folded into one vector of 16 sums per block:
  *
  *                  k block                          k block
  *   x rows m0..m0+3 | ..... |   .   w rows c0..c0+3 | ..... |   ->  sums[rt][ct] lane 4 r + c
  *   (8 loads, 16 FMAs per 16 k, where fused_tile loads a row of x per FMA)
  *
- * The 4 x rows of a tile stay in L1 across the chunk's column tiles, the block's 16 weight
- * rows (16 KiB) across x's row tiles. float32 accumulation of the same products as
+ * The 4 x rows of a tile's block (16 KiB) stay in L1 across the chunk's column tiles, the
+ * weights come from L2 (16 B per cycle at one FMA a cycle). Blocks of 1024 rather than 256:
+ * 5% faster (fewer folds). float32 accumulation of the same products as
  * fused_tile; the sum over k is split by lane and by block (another order of additions).
  */
 #ifndef PLAIT_CPU_QGEMM_BATCH_H
@@ -23,7 +24,7 @@
 /* Weight rows per chunk (4 column tiles), 32-weight groups per K block at most, x rows per
  * pass over a chunk (the partial sums' 6 x 4 vectors). */
 #define BATCH_ROWS 16
-#define BATCH_GROUPS 8
+#define BATCH_GROUPS 32
 #define BATCH_M 24
 /* x of fewer rows and floats than these takes fused_tile's decode in registers instead (x's
  * tile stays in L1 there). Measured, 1 thread: batched faster from M = 12 at K = 576 and 896
