@@ -168,8 +168,9 @@ class EngineCore:
             deltas = admitted + self._fail_step(out, exc)
         else:
             deltas = admitted + self._update(out, run)
-        if self.kv_events is not None:  # this step's blocks in and out of the cache
-            self.kv_events.publish(self.pool.events.take())  # type: ignore[union-attr]
+        events = self.pool.events  # recorded whenever kv_events is set
+        if self.kv_events is not None and events is not None:  # this step's blocks
+            self.kv_events.publish(events.take())
         return StepResult(deltas, stalled)
 
     def close(self) -> None:

@@ -89,12 +89,13 @@ class PromptShareTable:
         entry = self.kept.get(key)
         if entry is None:
             return None
-        block_ids = [self.pool.cached_block(h) for h in entry.block_hashes]
-        if any(b is None for b in block_ids):
+        cached = [self.pool.cached_block(h) for h in entry.block_hashes]
+        block_ids = [b for b in cached if b is not None]
+        if len(block_ids) < len(cached):
             self._drop(entry)
             return None
         self.kept.move_to_end(key)
-        return entry, block_ids  # type: ignore[return-value]
+        return entry, block_ids
 
     def reserve_slot(self) -> int | None:
         """A free kept-logits slot, evicting the least recently used entry if none is free;

@@ -349,11 +349,11 @@ class Sampler:
         if not rows:
             return processed
         device = processed.device
-        grammars = [meta.grammars[i] for i in rows]
-        broken = next((g.error for g in grammars if g.error), None)  # type: ignore[union-attr]
+        grammars = [g for i in rows if (g := meta.grammars[i]) is not None]  # every row's
+        broken = next((g.error for g in grammars if g.error), None)
         if broken:  # never happens to the runner's matchers; fails that row when alone
             raise ValueError(f"the grammar allows no token: {broken}")
-        allowed = allowed_tokens(grammars, processed.shape[1], device)  # type: ignore[arg-type]
+        allowed = allowed_tokens(grammars, processed.shape[1], device)
         idx = to_device(rows, device)
         masked = processed[idx].masked_fill(~allowed, -math.inf)  # [R, vocab]
         blocked = (masked.amax(dim=-1) == -math.inf).tolist()

@@ -70,10 +70,11 @@ def load_weights(model: LlamaForCausalLM, path: Path, keep: bool = False,
 def _lookup(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
     for fused, sources in _FUSED.items():
         if fused in name:
-            parts = [hf.get(name.replace(fused, src)) for src in sources]
-            if any(p is None for p in parts):
+            found = [hf.get(name.replace(fused, src)) for src in sources]
+            parts = [p for p in found if p is not None]
+            if len(parts) < len(found):
                 return None
-            return torch.cat(parts, dim=0)  # type: ignore[arg-type]
+            return torch.cat(parts, dim=0)
     return hf.get(name)
 
 

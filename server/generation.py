@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TypedDict
 
 from plait.engine import (
     GRAMMAR_FAILED,
@@ -34,6 +35,19 @@ from plait.server.prompts import Prompt
 from plait.server.state import ServerState
 
 logger = logging.getLogger("plait.server")
+
+class PromptTokensDetails(TypedDict):
+    cached_tokens: int
+
+
+class Usage(TypedDict):
+    """OpenAI's `usage` object of a chat or completion response."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
 
 _REFUSAL_REASONS = {"overloaded": "overloaded", "service_unavailable": "unavailable"}
 
@@ -217,7 +231,7 @@ class Generation:
                      if c.prompt_idx == prompt_idx and c.output.prompt_logprobs is not None),
                     None)
 
-    def usage(self) -> dict[str, object]:
+    def usage(self) -> Usage:
         """Prompt tokens once per prompt (not per choice); completion tokens of every sample
         generated (best_of candidates included).
 
@@ -261,5 +275,5 @@ class Generation:
             "completion_tokens=%d cached_tokens=%d finish=%s ttft=%s e2e=%.3fs",
             self.request_id, self.log_id, self._outcome, len(self.prompts),
             len(self.choices), usage["prompt_tokens"], usage["completion_tokens"],
-            usage["prompt_tokens_details"]["cached_tokens"],  # type: ignore[index]
+            usage["prompt_tokens_details"]["cached_tokens"],
             reasons, ttft, now - self.arrival)

@@ -87,8 +87,10 @@ class EnvelopeH11Protocol(H11Protocol):
         self._head_timer = self.loop.call_later(self.header_timeout, self._on_head_timeout)
 
     def _cancel_head_timer(self) -> None:
-        if getattr(self, "_head_timer", None) is not None:
-            self._head_timer.cancel()  # type: ignore[union-attr]
+        # (getattr: the timer exists only once connection_made has run)
+        timer: asyncio.TimerHandle | None = getattr(self, "_head_timer", None)
+        if timer is not None:
+            timer.cancel()
             self._head_timer = None
 
     def _on_head_timeout(self) -> None:

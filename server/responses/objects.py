@@ -142,9 +142,9 @@ class ResponseContext:
 def usage(gen: Generation) -> dict[str, Any]:
     """Chat's usage in the Responses names."""
     chat = gen.usage()
-    details: Any = chat["prompt_tokens_details"]
     return {"input_tokens": chat["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": details["cached_tokens"]},
+            "input_tokens_details": {
+                "cached_tokens": chat["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens": chat["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat["total_tokens"]}
