@@ -170,7 +170,7 @@ def test_qgemm_reads_and_writes_strided_rows() -> None:
 
 
 # --- qgemm of a batch of rows: weight rows decoded once into 16-row chunks, K in blocks ----
-# (qgemm_batch.h): from 10 rows, or from 12288 x floats (K = 6400: from 2 rows). K blocks of
+# (qgemm_batch.h): from 10 rows, or 8 of 12288 x floats (K = 6400: from 8 rows). K blocks of
 # up to 32 groups, split evenly: K = 1408 two of 22 groups, K = 6400 seven, the last of 26;
 # 37 weight rows: chunks of 16 and a tail of 5.
 BLOCK_32_TYPES = [t for t in ALL_TYPES if quant.block_shape(t)[0] in (1, 32)]

@@ -399,7 +399,7 @@ int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
   void *scratch;
   if (prepare_acts(x, M, ldx, K, &acts, &scratch) != PLAIT_OK) return PLAIT_ERR_NOMEM;
 #if QGEMM_BATCH
-  if (fused && M > 1 && (M >= BATCH_MIN_ROWS || M * K >= BATCH_MIN_FLOATS)) {
+  if (fused && (M >= BATCH_MIN_ROWS || (M >= 8 && M * K >= BATCH_MIN_FLOATS))) {
     rc = qgemm_batch(&acts, M, parts, num_parts, N, K, bias, y, ldy);
     free(scratch);
     return rc;

@@ -1,4 +1,4 @@
-/* plait_qgemm for a batch of x rows (AVX-512; M >= BATCH_MIN_ROWS, or fewer rows of long
+/* plait_qgemm for a batch of x rows (AVX-512; M >= BATCH_MIN_ROWS, or 8 or 9 rows of long
  * K): every weight row decoded once for all of x's rows. Included by qgemm.c after part_t,
  * acts_t, part_of and dequant_groups.
  *
@@ -26,9 +26,10 @@
 #define BATCH_ROWS 16
 #define BATCH_GROUPS 32
 #define BATCH_M 24
-/* x of fewer rows and floats than these takes fused_tile's decode in registers instead (x's
- * tile stays in L1 there). Measured, 1 thread: batched faster from M = 12 at K = 576 and 896
- * and M = 8 at K = 1536 and 4864, slower at M = 8 at K = 576 and 896, M = 2 at K = 4864. */
+/* x of fewer rows than BATCH_MIN_ROWS takes fused_tile's decode in registers instead (x's
+ * tile stays in L1 there), but for 8 or 9 rows of at least BATCH_MIN_FLOATS. Measured, 1
+ * thread: batched faster from M = 12 at K = 576 and 896 and M = 8 at K = 1536 and 4864,
+ * slower at M = 8 at K = 576 and 896, M = 2 at K = 4864, mixed at M = 4 at K = 4864. */
 #define BATCH_MIN_ROWS 10
 #define BATCH_MIN_FLOATS 12288
 
