@@ -132,12 +132,21 @@ def test_a_bug_while_streaming_ends_the_stream_with_an_error_event(tokenizer, mo
     app = create_app(ServerSettings(), engine=scripted_engine(core))
     body = {"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}],
             "stream": True, "max_tokens": 5}
+    core.hold()  # a step per token chunk read, so " one" and " two" come as two chunks
     with InProcessServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
         assert wait_for(lambda: http.get("/health").status_code == 200, 30)
-        response = http.post("/v1/chat/completions", json=body)
+        core.release(1)
+        lines = []
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                lines.append(line)
+                if '"content":" ' in line:
+                    core.release(1)
+        core.run_freely()
         assert wait_for(lambda: not core.live, 30)
-    assert not any(leak in response.text for leak in LEAKS)
-    events = parse_sse(response.content).events
+    text = "\n".join(lines) + "\n"
+    assert not any(leak in text for leak in LEAKS)
+    events = parse_sse(text.encode()).events
     _assert_error_event(events, "The server had an error while processing your request.")
     assert [e["choices"][0]["delta"] for e in events[:-2]] == [
         {"role": "assistant", "content": ""}, {"content": " one"}]
