@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypedDict
 
 from plait.engine import (
@@ -159,6 +159,13 @@ class Generation:
             first, self._first = self._first, None
             yield first
         async for slot, delta in self._merger:
+            if delta.finish_reason in ("error", "abort") and (delta.token_ids or delta.text):
+                # A reader that fell behind gets the failure merged with the tokens before
+                # it (RequestStream merges): those tokens go out first, then the failure.
+                yield self._apply(slot, replace(delta, finish_reason=None, stop_reason=None,
+                                                error=None))
+                delta = replace(delta, token_ids=[], text="", prompt_logprobs=None,
+                                logprobs=None if delta.logprobs is None else [])
             yield self._apply(slot, delta)
         self._outcome = "ok"
 

@@ -35,8 +35,10 @@ class ScriptedCore:
 
     Each step gives every live request the next token of `SCRIPT_TEXT`; a request finishes
     with "length" at its max_tokens (default 8). Knobs for tests: `fail_after` (emit an
-    "error" delta after that many tokens), `reject` (every add_request raises, so the request
-    fails before its first token), `die` (stats() raises: the engine loop dies),
+    "error" delta after that many tokens; with `fail_with_token` it carries one more token,
+    the shape a stream's merge gives a reader that fell behind), `reject` (every
+    add_request raises, so the request fails before its first token), `die` (stats()
+    raises: the engine loop dies),
     `hold()` / `release(n)` (steps only as the test allows). `added` / `aborted` record
     request ids; `num_steps` counts the steps that produced tokens.
     """
@@ -50,6 +52,7 @@ class ScriptedCore:
                                 max_model_len=max_model_len, vocab_size=len(tokenizer),
                                 eos_token_ids=(2,), model_name="scripted-model")
         self.fail_after: int | None = None
+        self.fail_with_token = False
         self.reject = False
         self.die = False
         self.live: dict[str, tuple[SamplingParams, int]] = {}
@@ -131,10 +134,13 @@ class ScriptedCore:
     def next_delta(self, request_id: str, params: SamplingParams, done: int) -> RequestDelta:
         """The delta of a live request that has `done` tokens (under the lock): the next
         token of `SCRIPT_TEXT`, or the scripted failure."""
+        token = self.script[done % len(self.script)]
         if self.fail_after is not None and done >= self.fail_after:
+            if self.fail_with_token:  # as a stream merges a token into the failure after it
+                return RequestDelta(request_id, [token], self.tokenizer.decode([token]),
+                                    finish_reason="error", error="scripted engine failure")
             return RequestDelta(request_id, finish_reason="error",
                                 error="scripted engine failure")
-        token = self.script[done % len(self.script)]
         delta = RequestDelta(request_id, [token], self.tokenizer.decode([token]),
                              num_prompt_tokens=3)
         if params.logprobs is not None:

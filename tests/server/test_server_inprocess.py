@@ -155,6 +155,31 @@ def test_engine_error_mid_stream_is_an_error_event_then_done(core) -> None:
                     core.release(1)
 
 
+def test_tokens_merged_into_a_failure_are_streamed_before_the_error_event(core) -> None:
+    """A reader that fell behind gets the failure merged with the tokens before it: those
+    tokens are still sent, then the error event."""
+    core.fail_after, core.fail_with_token = 2, True
+    core.hold()
+    server, _, _ = serve(core)
+    with server, httpx.Client(base_url=server.url, timeout=30) as http:
+        assert wait_for(lambda: http.get("/health").status_code == 200, 30)
+        core.release(1)
+        with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as (
+                response):
+            lines = []
+            for line in response.iter_lines():
+                lines.append(line)
+                if '"content":" one"' in line:
+                    core.release(2)  # " two", then the failure carrying " three"
+        sse = parse_sse(("\n".join(lines) + "\n").encode())
+    assert sse.events[-2:] == [{"error": {"message": "scripted engine failure",
+                                          "type": "server_error", "param": None,
+                                          "code": None}}, "[DONE]"]
+    contents = [c["choices"][0]["delta"].get("content") or "" for c in sse.chunks[:-1]]
+    assert "".join(contents) == " one two three"
+    assert all(c["choices"][0]["finish_reason"] is None for c in sse.chunks[:-1])
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_engine_error_before_the_first_byte_is_a_500_envelope(core, stream: bool) -> None:
     core.reject = True
