@@ -14,7 +14,9 @@ supported.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -167,11 +169,58 @@ def _write_float32(gguf: Path, out_dir: Path, hf_config=None) -> None:
     partial.rename(out_dir / "model.safetensors")
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """The model's own tokenizer (and chat template) from an HF-format directory."""
-    from transformers import AutoTokenizer
+# The tokenizers `load_tokenizer` builds without `AutoTokenizer`, whose module imports
+# transformers.configuration_utils and with it torch (when installed): the HTTP process of
+# `plait serve` loads a tokenizer and nothing else of transformers, and stays torch-free.
+# (tokenizer_config.json's "tokenizer_class", config.json's "model_type") -> (module, class)
+# that transformers 5's AutoTokenizer picks for that pair; qwen2 is on its list of model types
+# whose hub class is wrong, hence Qwen2Tokenizer for "TokenizersBackend" there.
+# tests/server/test_server_torch_free.py checks every entry against AutoTokenizer.
+_BACKEND = ("transformers.tokenization_utils_tokenizers", "TokenizersBackend")
+_QWEN2 = ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer")
+DIRECT_TOKENIZERS: dict[tuple[str, str], tuple[str, str]] = {
+    ("TokenizersBackend", "llama"): _BACKEND,
+    ("TokenizersBackend", "mistral"): _BACKEND,
+    ("TokenizersBackend", "qwen2"): _QWEN2,
+    ("Qwen2Tokenizer", "qwen2"): _QWEN2,
+    ("Qwen2TokenizerFast", "qwen2"): _QWEN2,
+}
 
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The model's own tokenizer (and chat template) from an HF-format directory: the class
+    `AutoTokenizer` would choose, loaded without importing torch when the directory's
+    (tokenizer class, model type) pair is in `DIRECT_TOKENIZERS` (the embedded default and
+    the supported GGUF files), else through `AutoTokenizer` itself."""
     try:
+        direct = _direct_tokenizer_class(path)
+        if direct is not None:
+            return direct.from_pretrained(path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {exc}") from None
+
+
+def _direct_tokenizer_class(path: Path) -> type[PreTrainedTokenizerBase] | None:
+    """The `DIRECT_TOKENIZERS` class for `path`, or None (then `AutoTokenizer` decides): for
+    transformers 5 only, and never for a tokenizer with its own code ("auto_map")."""
+    import transformers
+
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):  # AutoTokenizer reports what is wrong
+        return None
+    if not transformers.__version__.startswith("5.") or not isinstance(tokenizer_config, dict):
+        return None
+    tokenizer_class = tokenizer_config.get("tokenizer_class")
+    if "auto_map" in tokenizer_config or not isinstance(tokenizer_class, str):
+        return None
+    found = DIRECT_TOKENIZERS.get((tokenizer_class, str(model_type)))
+    if found is None:
+        return None
+    module, name = found
+    cls: type[PreTrainedTokenizerBase] = getattr(importlib.import_module(module), name)
+    return cls

@@ -1,6 +1,7 @@
 """`create_app(settings)`: the FastAPI application around one engine: a `ProcessEngine`
 (the core in a child process) unless `settings.engine_process` is off, then an `AsyncEngine`
-(the core in a thread of this process).
+(the core in a thread of this process). Only the second imports torch into this process:
+the default front end stays torch-free (tests/server/test_server_torch_free.py).
 
 The lifespan only *starts* loading the model (in a background thread) and returns, so the
 server socket listens while the model loads and /health answers 503 until the engine is
@@ -22,7 +23,7 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 import plait
-from plait.engine import AsyncEngine, EngineClient, EngineLoadError, ProcessEngine, TokenTextTable
+from plait.engine import EngineClient, EngineLoadError, ProcessEngine, TokenTextTable
 from plait.server import chat, completions, faults, misc, render
 from plait.server.auth import require_api_key
 from plait.server.errors import install_error_handlers
@@ -100,9 +101,12 @@ def _identity(state: ServerState) -> EngineIdentity | None:
 
 
 def default_engine(settings: ServerSettings) -> EngineClient:
-    """The engine `settings` ask for: the core in its own process, or in a thread here."""
+    """The engine `settings` ask for: the core in its own process, or in a thread here.
+    The in-thread engine (and with it torch) is imported only when it is chosen."""
     if settings.engine_process:
         return ProcessEngine(settings.engine, fault_injection=settings.fault_injection)
+    from plait.engine import AsyncEngine  # torch: only for the in-thread engine
+
     return AsyncEngine(settings.engine)
 
 
