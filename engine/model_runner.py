@@ -18,6 +18,7 @@ from plait.engine.gguf_weights import load_gguf_weights
 from plait.engine.grammar import GrammarCompiler
 from plait.engine.host_memory import (
     keep_freed_memory_mapped,
+    release_free_heap,
     warm_sampler,
     zeros_on_huge_pages,
 )
@@ -83,6 +84,8 @@ class ModelRunner:
         max_pos = config.max_model_len or resolved.config.max_position_embeddings
         # weight_bytes: what the weights hold in memory (kept format + float32 tensors)
         self.model, self.weight_bytes = self._load_model(config, resolved, max_pos)
+        if self.device.type == "cpu":
+            release_free_heap()  # what loading freed (before warm_sampler maps its own)
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(config)
         self.max_model_len = min(max_pos, self.num_blocks * self.block_size)
         # kv_cache: [layers, 2 (k|v), num_blocks, block_size, num_kv_heads, head_dim]

@@ -71,21 +71,48 @@ def test_warming_the_sampler_leaves_its_random_stream_alone() -> None:
         MMAP_THRESHOLD // (49152 * 4)
 
 
-def test_the_engine_does_both_on_cpu(tiny_path, tmp_path) -> None:
+def test_the_engine_does_all_three_on_cpu_in_order(tiny_path, tmp_path) -> None:
+    """Keep freed memory mapped, then (the model loaded) give the heap's free pages back,
+    then warm the sampler: once each, in that order."""
     code = textwrap.dedent(f"""
         from unittest import mock
         from plait.engine import model_runner
-        with mock.patch.object(model_runner, "keep_freed_memory_mapped",
-                               wraps=model_runner.keep_freed_memory_mapped) as keep, \\
-             mock.patch.object(model_runner, "warm_sampler",
-                               wraps=model_runner.warm_sampler) as warm:
+        calls = []
+        def spy(name):
+            real = getattr(model_runner, name)
+            return mock.patch.object(model_runner, name, side_effect=lambda *a, **k: (
+                calls.append((name, a[2] if name == "warm_sampler" else None)), real(*a, **k))[1])
+        with spy("keep_freed_memory_mapped"), spy("release_free_heap"), spy("warm_sampler"):
             from plait import LLM
             LLM({str(tiny_path)!r}, num_kv_blocks=16, max_num_seqs=8)
-        print(keep.call_count, warm.call_count, warm.call_args.args[2])
+        print(calls)
     """)
     result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "1 1 8"
+    assert result.stdout.strip().splitlines()[-1] == str(
+        [("keep_freed_memory_mapped", None), ("release_free_heap", None), ("warm_sampler", 8)])
+
+
+def test_release_free_heap_returns_what_was_freed(tmp_path) -> None:
+    """With the heap never trimmed (`keep_freed_memory_mapped`), 200 MB of freed small
+    allocations stay resident until `release_free_heap` gives them back."""
+    code = """
+from plait.engine.host_memory import keep_freed_memory_mapped, release_free_heap
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+assert keep_freed_memory_mapped()
+chunks = [bytearray(64 << 10) for _ in range(3200)]  # 200 MiB in 64 KiB heap blocks
+held = rss_mib()
+del chunks
+freed = rss_mib()
+assert release_free_heap()
+print(round(held - freed), round(held - rss_mib()))
+"""
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    kept_after_free, released = map(int, result.stdout.split()[-2:])
+    assert kept_after_free < 20 and released >= 180  # MiB
 
 
 def test_zeros_on_huge_pages_asks_for_them_before_the_first_touch(monkeypatch) -> None:
