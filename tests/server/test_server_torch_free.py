@@ -8,7 +8,10 @@ without, for the default model); these tests keep it out."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -54,6 +57,33 @@ def test_app_and_tokenizer_do_not_import_torch(tmp_path, default_model: Resolved
     result = run_python(code, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:2] == ["False", "True"], result.stdout
+
+
+def test_gguf_conversion_runs_in_a_child_process(tmp_path) -> None:
+    """With `isolate_conversion` (ProcessEngine.load), converting a GGUF on a cold cache
+    imports torch in a spawned child, not here; a broken file still raises the one-line
+    `ModelLoadError`."""
+    code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from plait.engine.model_loader import ModelLoadError, resolve_model
+        resolved = resolve_model(None, False, isolate_conversion=True)
+        print(sorted(p.name for p in resolved.path.iterdir()))
+        bad = Path({str(tmp_path / "bad.gguf")!r})
+        bad.write_bytes(b"GGUF" + bytes(64))
+        try:
+            resolve_model(str(bad), False, isolate_conversion=True)
+        except ModelLoadError as exc:
+            print(str(exc).startswith("cannot convert"))
+        print("torch" in sys.modules)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300,
+                            env={**os.environ, "PLAIT_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == [
+        "['chat_template.jinja', 'config.json', 'tokenizer.json', 'tokenizer_config.json']",
+        "True", "False"], result.stdout
 
 
 @pytest.mark.parametrize(("pair", "target"), sorted(DIRECT_TOKENIZERS.items()))
