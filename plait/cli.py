@@ -83,6 +83,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--block-size", int, "tokens per KV cache block"),
     Option("--num-kv-blocks", "int?", "KV cache blocks (default: sized from memory)"),
     Option("--kv-cache-memory-gb", float, "KV cache size on CPU, in GB"),
+    Option("--kv-cache-prefault", bool,
+           "make the whole CPU KV cache resident at start (default: pages as first used)"),
     Option("--gpu-memory-utilization", float, "fraction of GPU memory for weights + KV cache"),
     Option("--max-num-seqs", int, "most sequences running at once"),
     Option("--max-num-batched-tokens", int, "most tokens computed per engine step"),
