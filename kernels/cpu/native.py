@@ -110,9 +110,9 @@ def qgemm(
     """x @ W^T + bias, each of W's blocks dequantized in registers. Any M; fastest for a
     decode step's few rows (W streams once in its compact form). float32 compute: float32
     activations, weights and accumulation (exact products; no activation quantization).
-    bfloat16 compute (`weight.desc_bf16`), at 2 or more rows: x and the dequantized W rounded
-    to bfloat16 (nearest even), float32 sums and bias; one row, or a build without
-    AVX512-BF16, computes as float32."""
+    bfloat16 compute (`weight.desc_bf16`), at `quant.BF16_MIN_ROWS` or more rows: x and the
+    dequantized W rounded to bfloat16 (nearest even), float32 sums and bias; fewer rows, or
+    a build without AVX512-BF16, compute as float32 (the same bits)."""
     lib = loaded()
     if x.stride(-1) != 1:
         x = x.contiguous()

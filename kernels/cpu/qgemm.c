@@ -18,10 +18,10 @@
  * float32, register tiles of 4 x 4. One x row: qgemm_bf16.h. The type PLAIT_GGML_F32 means
  * float32 panels as plait_gemm packs them and goes to plait_gemm itself (its bits).
  *
- * A descriptor flagged PLAIT_QGEMM_BF16 (bf16 compute) takes, from BF16_BATCH_MIN_ROWS x
- * rows and K % 32 == 0, the batch path in bfloat16 (qgemm_batch_bf16.h: x and each decoded
- * weight rounded to bfloat16, vdpbf16ps); any other call of a flagged descriptor (one row,
- * K % 32 != 0, a build without AVX512-BF16) runs the float32 paths above, as unflagged.
+ * A descriptor flagged PLAIT_QGEMM_BF16 (bf16 compute) takes, from
+ * PLAIT_QGEMM_BF16_MIN_ROWS x rows and K % 32 == 0, the batch path in bfloat16 (qgemm_batch_bf16.h: x and each decoded
+ * weight rounded to bfloat16, vdpbf16ps); any other call of a flagged descriptor (fewer
+ * rows, K % 32 != 0, a build without AVX512-BF16) runs the float32 paths above, as unflagged.
  *
  * plait_dequantize stores the same decoders' vectors: gguf-py's dequantizer, bit for bit.
  */
@@ -420,7 +420,7 @@ int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
 #endif
   int round_x = 0;
 #if QGEMM_BATCH_BF16
-  round_x = bf16 && fused && M >= BF16_BATCH_MIN_ROWS;
+  round_x = bf16 && fused && M >= PLAIT_QGEMM_BF16_MIN_ROWS;
 #endif
   acts_t acts;
   void *scratch;

@@ -26,10 +26,12 @@
 
 #if QUANT_BF16
 #define QGEMM_BATCH_BF16 1
-/* Flagged descriptors take this path from this many x rows; fewer keep the float32 paths
- * (one row: qgemm_bf16.h's exact pieces, bound by reading the weights). Measured, 1
- * thread: see plait_qgemm's BF16_BATCH_MIN_ROWS note in qgemm.c. */
-#define BF16_BATCH_MIN_ROWS 2
+/* Flagged descriptors take this path from PLAIT_QGEMM_BF16_MIN_ROWS x rows; fewer keep the
+ * float32 paths (one row: qgemm_bf16.h's exact pieces). Measured, 1 thread, against the
+ * float32 paths (scripts/bench_qgemm.py, a decode step's GEMMs summed): SmolLM2's shapes
+ * 0.69x the time at 16 rows, 0.85x at 7 and 8, 0.95x at 6, 1.1x at 5, 1.15x at 4, 1.35x at
+ * 2; Qwen2.5-0.5B's 0.68x at 16, 0.84x at 8, 0.91x at 6, 1.1x at 4 (the chunk's decode,
+ * rounding and folds, which a few rows do not repay). */
 
 /* 32 float32 (lo: k 0 .. 15, hi: k 16 .. 31) -> 32 bfloat16 words, nearest even. */
 ALWAYS_INLINE __m512i round_bf16(__m512 lo, __m512 hi) {

@@ -13,7 +13,8 @@ The C kernels read a weight through `desc`, int64 [1 + 3 * parts]:
 `addr_i` is the address of part i's first byte; the tensors that own the bytes live in the
 `QuantWeight`, which must outlive any use of `desc`. `desc_bf16` is the same descriptor with
 `BF16_COMPUTE` OR-ed into its first word (plait_cpu.h's PLAIT_QGEMM_BF16): qgemm then computes
-a product of 2 or more rows in bfloat16 (x and W rounded to bf16, float32 sums);
+a product of `BF16_MIN_ROWS` or more rows in bfloat16 (x and W rounded to bf16, float32
+sums; fewer rows as float32);
 `descriptor(compute_dtype)` picks one, so modules that share a weight (a tied LM head and its
 embedding) may each compute in their own dtype.
 
@@ -47,6 +48,8 @@ Q6_K = int(GGMLQuantizationType.Q6_K)
 KEPT_TYPES: frozenset[int] = frozenset({F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K})
 # The flag of a descriptor's first word that asks qgemm for bfloat16 compute.
 BF16_COMPUTE: int = ABI.constants["PLAIT_QGEMM_BF16"]
+# The fewest rows a product of a flagged descriptor computes in bfloat16.
+BF16_MIN_ROWS: int = ABI.constants["PLAIT_QGEMM_BF16_MIN_ROWS"]
 
 
 def type_name(ggml_type: int) -> str:
@@ -140,6 +143,6 @@ def dequantize_reference(weight: QuantWeight) -> torch.Tensor:  # float32 [N, K]
     return torch.cat(rows, dim=0)
 
 
-__all__ = ["BF16", "BF16_COMPUTE", "F16", "KEPT_TYPES", "Q4_0", "Q4_1", "Q4_K", "Q5_0",
-           "Q5_K", "Q6_K", "Q8_0", "QuantPart", "QuantWeight", "block_shape",
+__all__ = ["BF16", "BF16_COMPUTE", "BF16_MIN_ROWS", "F16", "KEPT_TYPES", "Q4_0", "Q4_1",
+           "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0", "QuantPart", "QuantWeight", "block_shape",
            "dequantize_reference", "row_bytes", "type_name"]

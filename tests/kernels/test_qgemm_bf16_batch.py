@@ -1,9 +1,10 @@
 """bfloat16 compute in `native.qgemm` (kernels/cpu/qgemm_batch_bf16.h): a descriptor flagged
-PLAIT_QGEMM_BF16 (`QuantWeight.desc_bf16`) multiplies, from 2 rows, x and the dequantized W
-each rounded to bfloat16 (nearest even), in float32 sums. Checked against a float64 matmul of
-those rounded operands, for every type kept native, 2 .. 24 rows, K of 1, 2 and 7 K blocks,
-parts, bias and strides; the tolerance is tight enough that the float32 (unrounded) product
-fails it. One row and K % 32 != 0 keep the float32 paths, bit for bit."""
+PLAIT_QGEMM_BF16 (`QuantWeight.desc_bf16`) multiplies, from `quant.BF16_MIN_ROWS` rows, x and
+the dequantized W each rounded to bfloat16 (nearest even), in float32 sums. Checked against a
+float64 matmul of those rounded operands, for every type kept native, up to 24 rows, K of 1,
+2 and 7 K blocks, parts, bias and strides; the tolerance is tight enough that the float32
+(unrounded) product fails it. Fewer rows and K % 32 != 0 keep the float32 paths, bit for
+bit."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ TOLERANCE = 2e-6
 def _bf16_kernel_built() -> bool:
     """Whether this build has the bf16 batch path (AVX512-BF16): without it, flagged
     descriptors compute as float32 (plait_cpu.h), which the bf16 checks would refuse."""
-    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(quant.BF16_MIN_ROWS, 32, generator=torch.Generator().manual_seed(0))
     weight = _weight((quant.Q8_0,), (4,), 32)
     return not torch.equal(native.qgemm(x, weight, None, BF16), native.qgemm(x, weight))
 
@@ -63,12 +64,12 @@ def test_bf16_weights_are_the_rounded_reference(ggml_type: int) -> None:
     *((t, k) for t in ALL_TYPES for k in (512, 6400)),
     *((t, 1408) for t in BLOCK_32_TYPES)], ids=str)
 def test_bf16_qgemm_of_every_row_count(ggml_type: int, k: int) -> None:
-    """2 .. 24 rows (tiles of 4 rows and their tails), 37 weight rows (chunks of 16 and a
-    tail of 5), K in 1, 2 (1408) and 7 (6400) blocks; the float32 result is out of
+    """BF16_MIN_ROWS .. 24 rows (tiles of 4 rows and their tails), 37 weight rows (chunks of
+    16 and a tail of 5), K in 1, 2 (1408) and 7 (6400) blocks; the float32 result is out of
     tolerance, so the check sees whether x and W were rounded."""
     weight = _weight((ggml_type,), (37,), k)
     gen = torch.Generator().manual_seed(k)
-    for rows in range(2, 25):
+    for rows in range(quant.BF16_MIN_ROWS, 25):
         x = torch.randn(rows, k, generator=gen)
         assert _error(native.qgemm(x, weight, None, BF16), x, weight) <= TOLERANCE, rows
     assert _error(native.qgemm(x, weight), x, weight) > 10 * TOLERANCE
@@ -78,7 +79,7 @@ def test_bf16_qgemm_of_every_row_count(ggml_type: int, k: int) -> None:
 @pytest.mark.parametrize(("types", "k"), [
     ((quant.Q4_1, quant.Q8_0, quant.Q5_0, quant.F16, quant.Q4_0, quant.BF16), 576),
     ((quant.Q6_K, quant.Q4_K, quant.Q5_K, quant.Q8_0), 768)], ids=str)
-@pytest.mark.parametrize("rows", [2, 7, 16, 24, 30])
+@pytest.mark.parametrize("rows", [quant.BF16_MIN_ROWS, 7, 16, 24, 30])
 def test_bf16_qgemm_of_parts_with_bias_and_strides(types: tuple[int, ...], k: int,
                                                     rows: int) -> None:
     """Parts of different types inside one 16-row chunk, a bias (added in float32), x and y
@@ -99,12 +100,14 @@ def test_bf16_qgemm_of_parts_with_bias_and_strides(types: tuple[int, ...], k: in
     assert torch.equal(native.qgemm(x, weight, bias, BF16), y[:, 4:4 + n])
 
 
-def test_one_row_and_short_rows_compute_as_float32() -> None:
-    """One row (memory-bound: the exact bf16-pieces path) and F16 / BF16 rows of K % 32 != 0
-    take the float32 paths whatever the descriptor says: the same bits."""
+def test_few_rows_and_short_rows_compute_as_float32() -> None:
+    """Fewer than BF16_MIN_ROWS rows (one: the exact bf16-pieces path) and F16 / BF16 rows
+    of K % 32 != 0 take the float32 paths whatever the descriptor says: the same bits."""
     weight = _weight(tuple(ALL_TYPES), tuple(range(3, 3 + len(ALL_TYPES))))
-    x = torch.randn(1, weight.in_features, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(native.qgemm(x, weight, None, BF16), native.qgemm(x, weight))
+    gen = torch.Generator().manual_seed(1)
+    for rows in range(1, quant.BF16_MIN_ROWS):
+        x = torch.randn(rows, weight.in_features, generator=gen)
+        assert torch.equal(native.qgemm(x, weight, None, BF16), native.qgemm(x, weight))
     rng = np.random.default_rng(2)
     short = QuantWeight.build([_random_part(quant.F16, 5, 40, rng),
                                _random_part(quant.BF16, 4, 40, rng)], 40)
