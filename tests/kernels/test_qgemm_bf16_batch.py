@@ -8,10 +8,14 @@ bit."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import subprocess
+
 import numpy as np
 import pytest
 import torch
-from test_quant_kernels import ALL_TYPES, BLOCK_32_TYPES, _random_part, _weight
+from test_quant_kernels import ALL_TYPES, BLOCK_32_TYPES, K, _random_part, _weight
 
 from plait.kernels.cpu import build, native, quant
 from plait.kernels.cpu.quant import QuantWeight
@@ -134,3 +138,27 @@ def test_descriptors_and_flags() -> None:
     out = torch.empty(7, 512)
     assert lib.plait_dequantize(weight.desc_bf16.data_ptr(), 512, None, 7, out.data_ptr()) == 0
     assert torch.equal(out, native.dequantize(weight))
+
+
+def test_a_build_without_avx512bf16_computes_float32(tmp_path) -> None:
+    """`-mno-avx512bf16`: the kernels compile, and a flagged descriptor gives the unflagged
+    one's bits (the float32 paths) at every row count."""
+    gomp = build._torch_gomp()
+    if gomp is None or "avx512_bf16" not in build._cpu_flags():
+        pytest.skip("no libgomp from torch, or a CPU whose native build has no bf16 anyway")
+    target = tmp_path / "no_bf16.so"
+    subprocess.run([os.environ.get("CC", "cc"), *build.FLAGS, "-mno-avx512bf16", "-o",
+                    str(target), *map(str, build.SOURCES), f"-L{gomp.parent}",
+                    f"-Wl,-rpath,{gomp.parent}", "-lm"], check=True, capture_output=True,
+                   timeout=300)
+    lib = ctypes.CDLL(str(target))
+    lib.plait_qgemm.restype, lib.plait_qgemm.argtypes = build.ctypes_signature("plait_qgemm")
+    weight = _weight(tuple(ALL_TYPES), tuple(range(3, 3 + len(ALL_TYPES))))
+    n, gen = weight.out_features, torch.Generator().manual_seed(5)
+    for rows in (1, quant.BF16_MIN_ROWS, 16, 24):
+        x = torch.randn(rows, K, generator=gen)
+        ys = [torch.empty(rows, n), torch.empty(rows, n)]
+        for y, desc in zip(ys, (weight.desc, weight.desc_bf16), strict=True):
+            assert lib.plait_qgemm(x.data_ptr(), rows, K, desc.data_ptr(), K, None,
+                                   y.data_ptr(), n) == 0
+        assert torch.equal(ys[0], ys[1])
