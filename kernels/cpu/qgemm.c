@@ -18,8 +18,8 @@
  * float32, register tiles of 4 x 4. One x row: qgemm_bf16.h. The type PLAIT_GGML_F32 means
  * float32 panels as plait_gemm packs them and goes to plait_gemm itself (its bits).
  *
- * A descriptor flagged PLAIT_QGEMM_BF16 (bf16 compute) takes, from
- * PLAIT_QGEMM_BF16_MIN_ROWS x rows and K % 32 == 0, the batch path in bfloat16 (qgemm_batch_bf16.h: x and each decoded
+ * A descriptor flagged PLAIT_QGEMM_BF16 (bf16 compute) takes, from PLAIT_QGEMM_BF16_MIN_ROWS
+ * x rows and K % 32 == 0, the batch path in bfloat16 (qgemm_batch_bf16.h: x and each decoded
  * weight rounded to bfloat16, vdpbf16ps); any other call of a flagged descriptor (fewer
  * rows, K % 32 != 0, a build without AVX512-BF16) runs the float32 paths above, as unflagged.
  *
