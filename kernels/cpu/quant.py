@@ -14,9 +14,8 @@ The C kernels read a weight through `desc`, int64 [1 + 3 * parts]:
 `QuantWeight`, which must outlive any use of `desc`. `desc_bf16` is the same descriptor with
 `BF16_COMPUTE` OR-ed into its first word (plait_cpu.h's PLAIT_QGEMM_BF16): qgemm then computes
 a product of `BF16_MIN_ROWS` or more rows in bfloat16 (x and W rounded to bf16, float32
-sums; fewer rows as float32);
-`descriptor(compute_dtype)` picks one, so modules that share a weight (a tied LM head and its
-embedding) may each compute in their own dtype.
+sums; fewer rows as float32); `descriptor(compute_dtype)` picks one, so modules that share a
+weight (a tied LM head and its embedding) may each compute in their own dtype.
 
 Type ids are GGML's own (`gguf.GGMLQuantizationType`), so a tensor's type goes from the file
 to the kernel unchanged. `dequantize_reference` is the float reference the kernels are
