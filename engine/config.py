@@ -43,9 +43,13 @@ class EngineConfig:
     `weights` "auto" keeps the weights in their file's format on a float32 CPU engine (a
     GGUF's blocks, a checkpoint's bf16: the model's memory is about the file's size);
     "float32" dequantizes them at load, as on CUDA, where the weights take the model dtype.
-    `compute_dtype` "bfloat16" runs the kept weights' large GEMMs (more than NATIVE_MAX_ROWS
-    rows: prefills) as bf16 x bf16 with float32 accumulation; "float32" dequantizes to
-    float32. Products of fewer rows always run the native quantized GEMM.
+    `compute_dtype` "bfloat16" runs the kept weights' GEMMs as bf16 x bf16 with float32
+    accumulation: large ones (more than NATIVE_MAX_ROWS rows: prefills) dequantized to bf16
+    for BLAS, a decode step's 6 to NATIVE_MAX_ROWS rows in the native quantized GEMM (x and
+    each decoded weight rounded to bf16, vdpbf16ps; CPUs without AVX512-BF16 keep float32
+    there), the decoder stack's projections and the LM head alike; fewer rows stay float32
+    (bound by reading the weights). "float32" is exact: float32 products of the dequantized
+    weights.
 
     `kv_events_endpoint` (e.g. "tcp://*:5557") publishes KV-cache events as vLLM does
     (engine/kv_events.py) under `kv_events_topic`, with a replay socket at

@@ -112,8 +112,9 @@ OPTIONS: tuple[Option, ...] = (
            "auto: keep a GGUF's quantized blocks (a checkpoint's bf16) as they are on CPU, "
            "memory about the file's size; float32: dequantize at load", WEIGHT_FORMATS),
     Option("--compute-dtype", str,
-           "kept weights' GEMMs over more than a decode step's rows (prefills): float32, or "
-           "bfloat16 activations x weights with float32 accumulation", COMPUTE_DTYPES),
+           "kept weights' GEMMs: float32, or bfloat16 activations x weights with float32 "
+           "accumulation (prefills, and decode steps of 6 or more rows with AVX512-BF16)",
+           COMPUTE_DTYPES),
     Option("--kv-events-endpoint", str,
            "publish KV-cache events as vLLM does on this ZeroMQ PUB endpoint, e.g. "
            "tcp://*:5557 (default: none, off)"),

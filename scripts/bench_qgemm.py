@@ -13,8 +13,14 @@ that revision's kernels built into a second library, and its qgemm and the worki
 interleaved call for call; medians of the calling thread's CPU time (all of it with
 OMP_NUM_THREADS=1) and of wall time.
 
+`--compute-dtype bfloat16`: the working tree's qgemm given the weights' bf16 descriptors
+(`QuantWeight.desc_bf16`: bf16 products from 2 rows); with `--against`, the other revision's
+qgemm keeps the float32 descriptors (what its bf16 mode ran for these products).
+
     python scripts/bench_qgemm.py [--model qwen] [--rows 1,4,16] [--threads 2]
     OMP_NUM_THREADS=1 python scripts/bench_qgemm.py --model qwen --threads 1 --against HEAD
+    OMP_NUM_THREADS=1 python scripts/bench_qgemm.py --threads 1 --against HEAD \
+        --compute-dtype bfloat16 --rows 2,4,8,16
 """
 
 from __future__ import annotations
@@ -102,21 +108,24 @@ def _library_of(source: str) -> ctypes.CDLL:
     return lib
 
 
-def _pass(lib: ctypes.CDLL, x: torch.Tensor, weights: list, y: torch.Tensor) -> tuple[float,
-                                                                                      float]:
-    """(thread CPU s, wall s) of one pass of lib's qgemm over the weights."""
+def _pass(lib: ctypes.CDLL, x: torch.Tensor, weights: list, y: torch.Tensor,
+          dtype: torch.dtype) -> tuple[float, float]:
+    """(thread CPU s, wall s) of one pass of lib's qgemm over the weights, computing in
+    `dtype` (the descriptor it is given)."""
     cpu, wall = time.thread_time(), time.perf_counter()
     for w in weights:
-        rc = lib.plait_qgemm(x.data_ptr(), x.shape[0], x.shape[1], w.desc.data_ptr(),
+        rc = lib.plait_qgemm(x.data_ptr(), x.shape[0], x.shape[1],
+                             w.descriptor(dtype).data_ptr(),
                              x.shape[1], None, y.data_ptr(), y.shape[1])
         if rc:
             raise RuntimeError(f"plait_qgemm returned {rc}")
     return time.thread_time() - cpu, time.perf_counter() - wall
 
 
-def _against(model: str, libs: dict[str, ctypes.CDLL], row_counts: list[int],
-             repeats: int) -> None:
-    """Each lib's qgemm interleaved per repetition; medians per weight, GB/s, step sums."""
+def _against(model: str, libs: dict[str, tuple[ctypes.CDLL, torch.dtype]],
+             row_counts: list[int], repeats: int) -> None:
+    """Each lib's qgemm (in its compute dtype) interleaved per repetition; medians per
+    weight, GB/s, step sums."""
     layers, shapes = MODELS[model]
     rng = np.random.default_rng(0)
     names = list(libs)
@@ -131,7 +140,8 @@ def _against(model: str, libs: dict[str, ctypes.CDLL], row_counts: list[int],
             times = {name: [] for name in names}
             for _ in range(repeats):
                 for name in names:
-                    times[name].append(_pass(libs[name], x, weights, y))
+                    lib, dtype = libs[name]
+                    times[name].append(_pass(lib, x, weights, y, dtype))
             cols = []
             for name in names:
                 cpu, wall = (statistics.median(t[i] for t in times[name]) / len(weights)
@@ -146,8 +156,10 @@ def _against(model: str, libs: dict[str, ctypes.CDLL], row_counts: list[int],
         print(f"decode step GEMMs, M={m:3}, {name:8}: cpu {cpu:8.2f} ms, wall {wall:8.2f} ms")
 
 
-def _versus_panels(model: str, row_counts: list[int], repeats: int, threads: int) -> None:
-    """qgemm against float32 panels and dequantize + torch.mm; ms per weight, GB/s."""
+def _versus_panels(model: str, row_counts: list[int], repeats: int, threads: int,
+                   dtype: torch.dtype) -> None:
+    """qgemm (computing in `dtype`) against float32 panels and dequantize + torch.mm; ms
+    per weight, GB/s."""
     layers, shapes = MODELS[model]
     rng = np.random.default_rng(0)
     step = {m: [0.0, 0.0, 0.0] for m in row_counts}
@@ -159,7 +171,8 @@ def _versus_panels(model: str, row_counts: list[int], repeats: int, threads: int
         panels = [native.pack_weight(native.dequantize(w)) for w in weights]
         for m in row_counts:
             x = torch.randn(m, k)
-            times = (_best_ms(native.qgemm, weights, x, repeats),
+            times = (_best_ms(lambda x, w: native.qgemm(x, w, None, dtype), weights, x,
+                              repeats),
                      _best_ms(lambda x, p, n=n: native.gemm(x, p, n), panels, x, repeats),
                      _best_ms(lambda x, w: x @ native.dequantize(w).T, weights, x, repeats))
             print(f"{label:9} {f'{n} x {k}':>13} {weights[0].describe():14} {m:4} "
@@ -181,16 +194,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--against", metavar="REV_OR_DIR",
                         help="compare qgemm with the kernels of this git revision or folder")
+    parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the working tree's qgemm computes in this dtype")
     args = parser.parse_args()
+    dtype = getattr(torch, args.compute_dtype)
     torch.set_num_threads(args.threads)
     if not build.available():
         raise SystemExit(f"native kernels unavailable: {build.unavailable_reason()}")
     row_counts = [int(r) for r in args.rows.split(",")]
     if args.against:
-        libs = {args.against[:8]: _library_of(args.against), "tree": build.loaded()}
+        libs = {args.against[:8]: (_library_of(args.against), torch.float32),
+                "tree": (build.loaded(), dtype)}
         _against(args.model, libs, row_counts, args.repeats)
     else:
-        _versus_panels(args.model, row_counts, args.repeats, args.threads)
+        _versus_panels(args.model, row_counts, args.repeats, args.threads, dtype)
 
 
 if __name__ == "__main__":

@@ -142,11 +142,14 @@ class PanelLinear(Linear):
 
 class QuantLinear(Linear):
     """y = x @ W^T + bias with W a `QuantWeight` held as the file stores it (float32 CPU
-    activations): `qgemm` for at most `NATIVE_MAX_ROWS` rows (decode steps read the blocks
-    once); for more rows (prefills) `quant_ops.matmul_dequantized`: W dequantized into a
-    process-wide scratch of `compute_dtype` (in row chunks past its cap) and multiplied by
-    oneDNN (bf16: bf16 x bf16 with float32 accumulation, output rounded to bf16). No float32
-    copy of W is kept. A tied LM head shares its embedding's weight."""
+    activations): `qgemm` in `compute_dtype` for at most `NATIVE_MAX_ROWS` rows (decode steps
+    read the blocks once; bf16: x and W rounded to bf16, float32 sums, from
+    `quant.BF16_MIN_ROWS` rows); for more
+    rows (prefills) `quant_ops.matmul_dequantized`: W dequantized into a process-wide scratch
+    of `compute_dtype` (in row chunks past its cap) and multiplied by oneDNN (bf16: bf16 x
+    bf16 with float32 accumulation, output rounded to bf16). No float32 copy of W is kept. A
+    tied LM head shares its embedding's weight. The native decoder stack reads
+    `qweight.descriptor(compute_dtype)`, the descriptor `qgemm` is given here."""
 
     format: ClassVar[str] = "gguf"
     qweight: QuantWeight
@@ -167,7 +170,7 @@ class QuantLinear(Linear):
         if rows == 0:
             return x.new_empty(0, self.out_features)
         if rows <= NATIVE_MAX_ROWS:
-            return native.qgemm(x, self.qweight, self.bias)
+            return native.qgemm(x, self.qweight, self.bias, self.compute_dtype)
         return matmul_dequantized(x, self.qweight, self.bias, self.compute_dtype, self.scratch)
 
     def extra_repr(self) -> str:

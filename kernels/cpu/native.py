@@ -105,10 +105,14 @@ def qgemm(
     x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
     weight: QuantWeight,  # W [N, K] in GGML blocks
     bias: torch.Tensor | None = None,  # [N] float32
+    compute_dtype: torch.dtype = torch.float32,  # or torch.bfloat16
 ) -> torch.Tensor:  # [M, N] float32
-    """x @ W^T + bias, each of W's blocks dequantized in registers (float32 activations and
-    accumulation; no activation quantization). Any M; fastest for a decode step's few rows
-    (W streams once in its compact form)."""
+    """x @ W^T + bias, each of W's blocks dequantized in registers. Any M; fastest for a
+    decode step's few rows (W streams once in its compact form). float32 compute: float32
+    activations, weights and accumulation (exact products; no activation quantization).
+    bfloat16 compute (`weight.desc_bf16`), at `quant.BF16_MIN_ROWS` or more rows: x and the
+    dequantized W rounded to bfloat16 (nearest even), float32 sums and bias; fewer rows, or
+    a build without AVX512-BF16, compute as float32 (the same bits)."""
     lib = loaded()
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -123,7 +127,8 @@ def qgemm(
             raise ValueError(f"qgemm: bias {tuple(bias.shape)}, W has {weight.out_features} rows")
     if rows == 0:
         return y
-    _check(lib.plait_qgemm(x.data_ptr(), rows, x.stride(0), weight.desc.data_ptr(), k,
+    desc = weight.descriptor(compute_dtype)
+    _check(lib.plait_qgemm(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
                            None if bias is None else bias.data_ptr(), y.data_ptr(),
                            weight.out_features), "qgemm", f" ({weight.describe()})")
     return y

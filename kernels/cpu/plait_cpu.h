@@ -50,6 +50,15 @@
 #define PLAIT_GGML_BF16 30
 /* The most parts one weight descriptor holds. */
 #define PLAIT_MAX_PARTS 16
+/* A flag OR-ed into a descriptor's desc[0] (num_parts | PLAIT_QGEMM_BF16): plait_qgemm
+ * computes in bfloat16 (the engine's compute_dtype "bfloat16"): for M >=
+ * PLAIT_QGEMM_BF16_MIN_ROWS rows and K % 32 == 0, x and every dequantized weight rounded to
+ * bfloat16 (nearest even; the weight's bits those of plait_dequantize_bf16), products summed
+ * in float32, bias added in float32. Fewer rows (bound by reading the weights, where bf16
+ * gains nothing; measured slower below 6 rows), other K, or a build without AVX512-BF16: the
+ * float32 paths, the same bits as without the flag. plait_dequantize(_bf16) ignore it. */
+#define PLAIT_QGEMM_BF16 256
+#define PLAIT_QGEMM_BF16_MIN_ROWS 6
 
 /* The pointers of one layer in plait_decoder_stack's table, in this order (as int64). */
 enum plait_stack_pointer {
@@ -77,9 +86,10 @@ int plait_gemm(const float *x, long M, long ldx, const float *w, long N, long K,
  * W [N, K] given by the int64 descriptor desc = [num_parts, (address, PLAIT_GGML_* type,
  * rows) per part], its parts stacked along N (N = the sum of their rows), each part's rows
  * dense in their GGML block format. float32 activations and accumulation, each block
- * dequantized on the fly; any M. A type it does not read, K not a whole number of the
- * type's blocks, F32 panels beside other parts, more than PLAIT_MAX_PARTS parts:
- * PLAIT_ERR_SHAPES. PLAIT_ERR_NOMEM. */
+ * dequantized on the fly (exact: float32 products of the dequantized values); any M;
+ * desc[0] may carry PLAIT_QGEMM_BF16 (above). A type it does not read, K not a whole number
+ * of the type's blocks, F32 panels beside other parts, more than PLAIT_MAX_PARTS parts,
+ * another flag: PLAIT_ERR_SHAPES. PLAIT_ERR_NOMEM. */
 int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
                 const float *bias, float *y, long ldy);
 

@@ -18,6 +18,11 @@
  * float32, register tiles of 4 x 4. One x row: qgemm_bf16.h. The type PLAIT_GGML_F32 means
  * float32 panels as plait_gemm packs them and goes to plait_gemm itself (its bits).
  *
+ * A descriptor flagged PLAIT_QGEMM_BF16 (bf16 compute) takes, from PLAIT_QGEMM_BF16_MIN_ROWS
+ * x rows and K % 32 == 0, the batch path in bfloat16 (qgemm_batch_bf16.h: x and each decoded
+ * weight rounded to bfloat16, vdpbf16ps); any other call of a flagged descriptor (fewer
+ * rows, K % 32 != 0, a build without AVX512-BF16) runs the float32 paths above, as unflagged.
+ *
  * plait_dequantize stores the same decoders' vectors: gguf-py's dequantizer, bit for bit.
  */
 #include "plait_cpu.h"
@@ -113,13 +118,17 @@ static void type_shape(int type, long *per_block, long *bytes) {
 /* Descriptors                                                                           */
 /* ------------------------------------------------------------------------------------ */
 
-/* desc's parts into parts[], their total rows into *N; PLAIT_ERR_SHAPES for a descriptor
- * this file cannot read with K (a type it does not know, K not a whole number of blocks,
- * F32 panels beside other parts, more than PLAIT_MAX_PARTS parts, negative rows, rows at
- * address 0). */
-static int read_desc(const int64_t *desc, long K, part_t *parts, int *num_parts, long *N) {
-  if (!desc || desc[0] < 1 || desc[0] > PLAIT_MAX_PARTS || K <= 0) return PLAIT_ERR_SHAPES;
-  *num_parts = (int)desc[0];
+/* desc's parts into parts[], their total rows into *N, its PLAIT_QGEMM_BF16 flag into
+ * *bf16; PLAIT_ERR_SHAPES for a descriptor this file cannot read with K (another flag, a type
+ * it does not know, K not a whole number of blocks, F32 panels beside other parts, more than
+ * PLAIT_MAX_PARTS parts, negative rows, rows at address 0). */
+static int read_desc(const int64_t *desc, long K, part_t *parts, int *num_parts, long *N,
+                     int *bf16) {
+  if (!desc || K <= 0) return PLAIT_ERR_SHAPES;
+  *bf16 = (desc[0] & PLAIT_QGEMM_BF16) != 0;
+  int64_t count = desc[0] & ~(int64_t)PLAIT_QGEMM_BF16;
+  if (count < 1 || count > PLAIT_MAX_PARTS) return PLAIT_ERR_SHAPES;
+  *num_parts = (int)count;
   *N = 0;
   for (int i = 0; i < *num_parts; i++) {
     part_t *p = &parts[i];
@@ -270,12 +279,14 @@ static void fused_row(int type, const float *x, int R, long ldx, const uint8_t *
 /* x as plait_qgemm's row functions read it: x [M, K] rows ldx apart; xsum [M, K / 32] its
  * 32-element group sums (the min terms of Q4_1 / Q4_K / Q5_K) or NULL; pieces [M, K / 32,
  * 3, 32] bfloat16 (split_row) or NULL: when set, every part of a type bf16_quants reads
- * takes bf16_tile. */
+ * takes bf16_tile; xb [M, K] x rounded to bfloat16 (dense) or NULL: when set, qgemm_batch
+ * computes in bfloat16. */
 typedef struct {
   const float *x;
   long ldx;
   const float *xsum;
   const uint16_t *pieces;
+  const uint16_t *xb;
 } acts_t;
 
 #include "qgemm_batch.h"
@@ -322,9 +333,9 @@ static void qgemm_rows(const acts_t *a, long M, const part_t *parts, int num_par
       int R = (int)(M - m < tile ? M - m : tile);
       acts_t at = {a->x + m * a->ldx, a->ldx, a->xsum ? a->xsum + m * G : NULL,
 #if QUANT_BF16
-                   a->pieces ? a->pieces + m * G * SPLIT_WORDS : NULL};
+                   a->pieces ? a->pieces + m * G * SPLIT_WORDS : NULL, NULL};
 #else
-                   NULL};
+                   NULL, NULL};
 #endif
 #if QUANT_BF16
       if (fused && M == 1 && a->pieces) {
@@ -345,13 +356,25 @@ static void qgemm_rows(const acts_t *a, long M, const part_t *parts, int num_par
 }
 
 /* x's group sums and (bf16 path) pieces for acts_t, in one buffer the caller frees: sums of
- * one x row for factored_dot, of every row with the pieces when M <= BF16_ROWS. *scratch =
- * NULL when none is needed; PLAIT_ERR_NOMEM. */
-static int prepare_acts(const float *x, long M, long ldx, long K, acts_t *a, void **scratch) {
+ * one x row for factored_dot, of every row with the pieces when M <= BF16_ROWS; with
+ * round_x, x rounded to bfloat16 (xb) instead. *scratch = NULL when none is needed;
+ * PLAIT_ERR_NOMEM. */
+static int prepare_acts(const float *x, long M, long ldx, long K, int round_x, acts_t *a,
+                        void **scratch) {
   long G = K / 32;
-  *a = (acts_t){x, ldx, NULL, NULL};
+  *a = (acts_t){x, ldx, NULL, NULL, NULL};
   *scratch = NULL;
   if (K % 32) return PLAIT_OK;
+#if QGEMM_BATCH_BF16
+  if (round_x) {
+    uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * (size_t)(M * K));
+    if (!xb) return PLAIT_ERR_NOMEM;
+    round_rows(x, M, ldx, K, xb);
+    *a = (acts_t){x, ldx, NULL, NULL, xb};
+    *scratch = xb;
+    return PLAIT_OK;
+  }
+#endif
 #if QUANT_BF16
   if (M <= BF16_ROWS) {
     /* the pieces first, on cache lines (a group's are 3 whole lines), then the sums */
@@ -362,7 +385,7 @@ static int prepare_acts(const float *x, long M, long ldx, long K, acts_t *a, voi
     float *sums = (float *)((char *)pieces + piece_bytes);
     for (long m = 0; m < M; m++)
       split_row(x + m * ldx, K, pieces + m * G * SPLIT_WORDS, sums + m * G);
-    *a = (acts_t){x, ldx, sums, pieces};
+    *a = (acts_t){x, ldx, sums, pieces, NULL};
     *scratch = pieces;
     return PLAIT_OK;
   }
@@ -375,7 +398,7 @@ static int prepare_acts(const float *x, long M, long ldx, long K, acts_t *a, voi
     for (int j = 1; j < 32 / LANES; j++) t += *(const vf *)(x + 32 * g + j * LANES);
     sums[g] = hsum(t);
   }
-  *a = (acts_t){x, ldx, sums, NULL};
+  *a = (acts_t){x, ldx, sums, NULL, NULL};
   *scratch = sums;
   return PLAIT_OK;
 }
@@ -383,9 +406,9 @@ static int prepare_acts(const float *x, long M, long ldx, long K, acts_t *a, voi
 int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
                 const float *bias, float *y, long ldy) {
   part_t parts[PLAIT_MAX_PARTS];
-  int num_parts;
+  int num_parts, bf16;
   long N;
-  int rc = read_desc(desc, K, parts, &num_parts, &N);
+  int rc = read_desc(desc, K, parts, &num_parts, &N, &bf16);
   if (rc != PLAIT_OK || M < 0) return PLAIT_ERR_SHAPES;
   if (parts[0].type == PLAIT_GGML_F32)
     return plait_gemm(x, M, ldx, (const float *)parts[0].data, N, K, bias, y, ldy);
@@ -395,11 +418,15 @@ int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
 #if QUANT_BF16
   if (fused && M == 1) rows = WROWS;
 #endif
+  int round_x = 0;
+#if QGEMM_BATCH_BF16
+  round_x = bf16 && fused && M >= PLAIT_QGEMM_BF16_MIN_ROWS;
+#endif
   acts_t acts;
   void *scratch;
-  if (prepare_acts(x, M, ldx, K, &acts, &scratch) != PLAIT_OK) return PLAIT_ERR_NOMEM;
+  if (prepare_acts(x, M, ldx, K, round_x, &acts, &scratch) != PLAIT_OK) return PLAIT_ERR_NOMEM;
 #if QGEMM_BATCH
-  if (fused && (M >= BATCH_MIN_ROWS || (M >= 8 && M * K >= BATCH_MIN_FLOATS))) {
+  if (round_x || (fused && (M >= BATCH_MIN_ROWS || (M >= 8 && M * K >= BATCH_MIN_FLOATS)))) {
     rc = qgemm_batch(&acts, M, parts, num_parts, N, K, bias, y, ldy);
     free(scratch);
     return rc;
@@ -429,7 +456,8 @@ int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
 static int read_rows(const int64_t *desc, long K, const int64_t *rows, long num_rows,
                      part_t *parts, int *num_parts) {
   long N;
-  if (read_desc(desc, K, parts, num_parts, &N) != PLAIT_OK || num_rows < 0 ||
+  int bf16;
+  if (read_desc(desc, K, parts, num_parts, &N, &bf16) != PLAIT_OK || num_rows < 0 ||
       (!rows && num_rows != N))
     return PLAIT_ERR_SHAPES;
   for (long i = 0; rows && i < num_rows; i++)

@@ -97,11 +97,13 @@ static void batch_tile_rows(int R, const float *x, long ldx, const float *w, lon
   }
 }
 
+#include "qgemm_batch_bf16.h"
+
 /* y[m0 .. m0 + mb) x [n0 .. n0 + nr) (mb <= BATCH_M, nr <= BATCH_ROWS) + bias from the
- * chunk's decoded rows w [BATCH_ROWS, K] (rows nr.. of a last chunk: any finite floats, their
- * lanes dropped). */
+ * chunk's decoded rows w [BATCH_ROWS, K]: float32, or with a->xb set bfloat16 bits against
+ * a->xb (rows nr.. of a last chunk: any finite values, their lanes dropped). */
 static void batch_chunk(const acts_t *a, long m0, long mb, long n0, long nr, long K,
-                        const float *bias, float *y, long ldy, const float *w) {
+                        const float *bias, float *y, long ldy, const void *w) {
   const long G = K / 32, blocks = (G + BATCH_GROUPS - 1) / BATCH_GROUPS,
              per = (G + blocks - 1) / blocks, col_tiles = (nr + 3) / 4;
   vf sums[BATCH_M / 4][BATCH_ROWS / 4];
@@ -109,10 +111,19 @@ static void batch_chunk(const acts_t *a, long m0, long mb, long n0, long nr, lon
   for (long g0 = 0; g0 < G; g0 += per) {
     long ng = G - g0 < per ? G - g0 : per;
     for (long rt = 0; 4 * rt < mb; rt++) {
-      const float *x = a->x + (m0 + 4 * rt) * a->ldx + 32 * g0;
       int R = (int)(mb - 4 * rt < 4 ? mb - 4 * rt : 4);
-      for (long ct = 0; ct < col_tiles; ct++)
-        batch_tile_rows(R, x, a->ldx, w + 4 * ct * K + 32 * g0, K, 32 * ng, &sums[rt][ct]);
+      for (long ct = 0; ct < col_tiles; ct++) {
+        long at = 4 * ct * K + 32 * g0;
+#if QGEMM_BATCH_BF16
+        if (a->xb) {
+          batch_tile_bf16_rows(R, a->xb + (m0 + 4 * rt) * K + 32 * g0, K,
+                               (const uint16_t *)w + at, K, 32 * ng, &sums[rt][ct]);
+          continue;
+        }
+#endif
+        batch_tile_rows(R, a->x + (m0 + 4 * rt) * a->ldx + 32 * g0, a->ldx,
+                        (const float *)w + at, K, 32 * ng, &sums[rt][ct]);
+      }
     }
   }
   for (long rt = 0; 4 * rt < mb; rt++)
@@ -126,28 +137,36 @@ static void batch_chunk(const acts_t *a, long m0, long mb, long n0, long nr, lon
 }
 
 /* y[M, N] = x[M, K] @ W^T + bias (K % 32 == 0, M >= 2): each thread owns chunks of
- * BATCH_ROWS weight rows (a w buffer of its own), each chunk decoded once and met by x's rows
- * BATCH_M at a time. PLAIT_ERR_NOMEM or PLAIT_OK. */
+ * BATCH_ROWS weight rows (a w buffer of its own), each chunk decoded once (to bfloat16 when
+ * a->xb is set, x rounded there: qgemm_batch_bf16.h) and met by x's rows BATCH_M at a time.
+ * PLAIT_ERR_NOMEM or PLAIT_OK. */
 static int qgemm_batch(const acts_t *a, long M, const part_t *parts, int num_parts, long N,
                        long K, const float *bias, float *y, long ldy) {
   const long chunks = (N + BATCH_ROWS - 1) / BATCH_ROWS;
   int rc = PLAIT_OK;
 #pragma omp parallel
   {
-    float *w = aligned_alloc(64, sizeof(float) * (size_t)(BATCH_ROWS * K));
+    const size_t bytes = (a->xb ? sizeof(uint16_t) : sizeof(float)) * (size_t)(BATCH_ROWS * K);
+    void *w = aligned_alloc(64, bytes);
     if (!w) {
 #pragma omp atomic write
       rc = PLAIT_ERR_NOMEM;
     }
 #pragma omp barrier
     if (rc == PLAIT_OK) {
-      memset(w, 0, sizeof(float) * (size_t)(BATCH_ROWS * K));
+      memset(w, 0, bytes);
 #pragma omp for schedule(static)
       for (long c = 0; c < chunks; c++) {
         long n0 = c * BATCH_ROWS, nr = N - n0 < BATCH_ROWS ? N - n0 : BATCH_ROWS;
         for (long i = 0; i < nr; i++) {
           const part_t *p = part_of(parts, num_parts, n0 + i);
-          dequant_groups(p, n0 + i - p->first, 0, K / 32, w + i * K);
+#if QGEMM_BATCH_BF16
+          if (a->xb) {
+            dequant_row_bf16(p, n0 + i - p->first, K, (uint16_t *)w + i * K);
+            continue;
+          }
+#endif
+          dequant_groups(p, n0 + i - p->first, 0, K / 32, (float *)w + i * K);
         }
         for (long m0 = 0; m0 < M; m0 += BATCH_M)
           batch_chunk(a, m0, M - m0 < BATCH_M ? M - m0 : BATCH_M, n0, nr, K, bias, y, ldy, w);

@@ -11,7 +11,11 @@ The C kernels read a weight through `desc`, int64 [1 + 3 * parts]:
     desc = [num_parts, addr_0, ggml_type_0, rows_0, addr_1, ggml_type_1, rows_1, ...]
 
 `addr_i` is the address of part i's first byte; the tensors that own the bytes live in the
-`QuantWeight`, which must outlive any use of `desc`.
+`QuantWeight`, which must outlive any use of `desc`. `desc_bf16` is the same descriptor with
+`BF16_COMPUTE` OR-ed into its first word (plait_cpu.h's PLAIT_QGEMM_BF16): qgemm then computes
+a product of `BF16_MIN_ROWS` or more rows in bfloat16 (x and W rounded to bf16, float32
+sums; fewer rows as float32); `descriptor(compute_dtype)` picks one, so modules that share a
+weight (a tied LM head and its embedding) may each compute in their own dtype.
 
 Type ids are GGML's own (`gguf.GGMLQuantizationType`), so a tensor's type goes from the file
 to the kernel unchanged. `dequantize_reference` is the float reference the kernels are
@@ -27,6 +31,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from plait.kernels.cpu.build import ABI
+
 # GGML type ids of the formats kept as they are (the C kernels compute from them); a file's
 # other types are dequantized at load.
 F16 = int(GGMLQuantizationType.F16)
@@ -39,6 +45,10 @@ Q4_K = int(GGMLQuantizationType.Q4_K)
 Q5_K = int(GGMLQuantizationType.Q5_K)
 Q6_K = int(GGMLQuantizationType.Q6_K)
 KEPT_TYPES: frozenset[int] = frozenset({F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K})
+# The flag of a descriptor's first word that asks qgemm for bfloat16 compute.
+BF16_COMPUTE: int = ABI.constants["PLAIT_QGEMM_BF16"]
+# The fewest rows a product of a flagged descriptor computes in bfloat16.
+BF16_MIN_ROWS: int = ABI.constants["PLAIT_QGEMM_BF16_MIN_ROWS"]
 
 
 def type_name(ggml_type: int) -> str:
@@ -71,12 +81,14 @@ class QuantPart:
 @dataclass(frozen=True, slots=True)
 class QuantWeight:
     """W [out_features, in_features] as `parts` stacked along out_features (see the module
-    docstring); `desc` is what the C kernels read."""
+    docstring); `desc` (float32 compute) and `desc_bf16` (bfloat16 compute) are what the C
+    kernels read."""
 
     parts: tuple[QuantPart, ...]
     in_features: int
     out_features: int
     desc: torch.Tensor  # int64 [1 + 3 * len(parts)]
+    desc_bf16: torch.Tensor  # int64 [1 + 3 * len(parts)]: desc, first word | BF16_COMPUTE
 
     @staticmethod
     def build(parts: list[QuantPart] | tuple[QuantPart, ...], in_features: int) -> QuantWeight:
@@ -94,8 +106,20 @@ class QuantWeight:
                                  f"{list(want)}, not {part.data.dtype} "
                                  f"{list(part.data.shape)}")
             flat += [part.data.data_ptr(), part.ggml_type, part.rows]
-        return QuantWeight(tuple(parts), in_features, sum(p.rows for p in parts),
-                           torch.tensor(flat, dtype=torch.int64))
+        desc = torch.tensor(flat, dtype=torch.int64)
+        desc_bf16 = desc.clone()
+        desc_bf16[0] |= BF16_COMPUTE
+        return QuantWeight(tuple(parts), in_features, sum(p.rows for p in parts), desc,
+                           desc_bf16)
+
+    def descriptor(self, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The descriptor for products in `compute_dtype`: `desc` for torch.float32 (exact),
+        `desc_bf16` for torch.bfloat16."""
+        if compute_dtype == torch.float32:
+            return self.desc
+        if compute_dtype == torch.bfloat16:
+            return self.desc_bf16
+        raise ValueError(f"compute dtype {compute_dtype} (float32 or bfloat16)")
 
     @property
     def nbytes(self) -> int:
@@ -118,6 +142,6 @@ def dequantize_reference(weight: QuantWeight) -> torch.Tensor:  # float32 [N, K]
     return torch.cat(rows, dim=0)
 
 
-__all__ = ["BF16", "F16", "KEPT_TYPES", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0",
-           "QuantPart", "QuantWeight", "block_shape", "dequantize_reference", "row_bytes",
-           "type_name"]
+__all__ = ["BF16", "BF16_COMPUTE", "BF16_MIN_ROWS", "F16", "KEPT_TYPES", "Q4_0", "Q4_1",
+           "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0", "QuantPart", "QuantWeight", "block_shape",
+           "dequantize_reference", "row_bytes", "type_name"]
