@@ -25,6 +25,7 @@ from plait.engine import (
     ATTENTION_BACKENDS,
     COMPUTE_DTYPES,
     CPU_GEMMS,
+    KV_CACHE_DTYPES,
     KV_EVENTS_ENCODINGS,
     VALID_DTYPES,
     WEIGHT_FORMATS,
@@ -112,6 +113,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--compute-dtype", str,
            "kept weights' GEMMs over more than a decode step's rows (prefills): float32, or "
            "bfloat16 activations x weights with float32 accumulation", COMPUTE_DTYPES),
+    Option("--kv-cache-dtype", str,
+           "the KV cache's element type: auto (the model dtype) or bfloat16 (half the bytes "
+           "of a float32 CPU engine's, so twice the blocks; attention still in float32)",
+           KV_CACHE_DTYPES),
     Option("--kv-events-endpoint", str,
            "publish KV-cache events as vLLM does on this ZeroMQ PUB endpoint, e.g. "
            "tcp://*:5557 (default: none, off)"),
