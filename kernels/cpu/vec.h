@@ -9,10 +9,11 @@
  *
  *   gemm.c       plait_gemm: y[M, N] = x[M, K] @ W^T (+ bias), W pre-packed in column
  *                panels of LANES: the decode GEMM (few rows, weights streamed)
- *   attention.c  plait_decode_attention: one query token per sequence over its paged K/V,
- *                read in place from the cache (no gather); rows sharing a prompt's blocks
- *                read them once (cascade attention, no merge); the engine also feeds it
- *                prefill chunks as tiles of positions
+ *   attention.c  plait_decode_attention: one query token per sequence over its paged K/V
+ *                (float32 or bfloat16, widened as read), read in place from the cache (no
+ *                gather); rows sharing a prompt's blocks read them once (cascade
+ *                attention, no merge); the engine also feeds it prefill chunks as tiles
+ *                of positions
  *   rowwise.c    plait_rope_write_kv, plait_add_rms_norm, plait_silu_mul,
  *                plait_sample_inverse_cdf: a layer's small per-row operations and the
  *                sampler, one pass each
