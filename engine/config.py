@@ -15,6 +15,8 @@ ATTENTION_BACKENDS = ("auto", "reference")
 WEIGHT_FORMATS = ("auto", "float32")
 # The activations x weights of the kept-format GEMMs over more than NATIVE_MAX_ROWS rows.
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# The KV cache's element type: "auto" the model dtype, or bfloat16 (see EngineConfig).
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 # KV-cache events: vLLM's tagged-map events (vLLM >= 0.24) or tagged arrays (older).
 KV_EVENTS_ENCODINGS = ("map", "array")
 
@@ -51,6 +53,14 @@ class EngineConfig:
     (bound by reading the weights). "float32" is exact: float32 products of the dequantized
     weights.
 
+    `kv_cache_dtype` "auto" stores K and V in the model dtype (float32 on a float32 CPU
+    engine); "bfloat16" stores them as bf16, rounded to nearest even when written and widened
+    to float32 (exactly) inside the attention, which still computes in float32: half the
+    bytes per block, so the same `kv_cache_memory_gb` holds twice the blocks (vLLM's
+    `--kv-cache-dtype`). On CUDA the cache takes the model dtype: "bfloat16" is accepted
+    there only with a bfloat16 model (`dtype` "auto" or "bfloat16"; ModelRunner raises at
+    startup otherwise).
+
     `kv_events_endpoint` (e.g. "tcp://*:5557") publishes KV-cache events as vLLM does
     (engine/kv_events.py) under `kv_events_topic`, with a replay socket at
     `kv_events_replay_endpoint`; `kv_events_encoding` "map" or "array" (older vLLM).
@@ -77,6 +87,7 @@ class EngineConfig:
     cpu_gemm: str = "auto"
     weights: str = "auto"
     compute_dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
     # KV-cache events (engine/kv_events.py): off unless an endpoint is given.
     kv_events_endpoint: str | None = None
     kv_events_topic: str = ""
@@ -109,6 +120,9 @@ class EngineConfig:
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, "
                              f"got {self.compute_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.kv_events_encoding not in KV_EVENTS_ENCODINGS:
             raise ValueError(f"kv_events_encoding must be one of {KV_EVENTS_ENCODINGS}, "
                              f"got {self.kv_events_encoding!r}")

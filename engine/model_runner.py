@@ -53,6 +53,21 @@ def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
     return _DTYPES[requested]
 
 
+def resolve_kv_dtype(requested: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's element type for `EngineConfig.kv_cache_dtype` on an engine of
+    `dtype` activations: "auto" is `dtype`; "bfloat16" on the CPU, where every op writes and
+    reads a bf16 cache whatever the activations' dtype; on CUDA the Triton kernels keep the
+    cache in the model dtype, so "bfloat16" needs a bfloat16 model (ValueError otherwise)."""
+    if requested == "auto":
+        return dtype
+    kv_dtype = _DTYPES[requested]
+    if device.type == "cuda" and kv_dtype != dtype:
+        raise ValueError(f"--kv-cache-dtype {requested} on CUDA needs a {requested} model "
+                         f"(--dtype auto or {requested}): the CUDA KV cache takes the model "
+                         f"dtype, here {str(dtype).removeprefix('torch.')}")
+    return kv_dtype
+
+
 def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
@@ -69,6 +84,7 @@ class ModelRunner:
                  eos_token_ids: tuple[int, ...] = ()) -> None:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()  # step temporaries reuse mapped pages
         self.model_config: ModelConfig = resolved.config
@@ -88,12 +104,16 @@ class ModelRunner:
             release_free_heap()  # what loading freed (before warm_sampler maps its own)
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(config)
         self.max_model_len = min(max_pos, self.num_blocks * self.block_size)
-        # kv_cache: [layers, 2 (k|v), num_blocks, block_size, num_kv_heads, head_dim]
+        # kv_cache: [layers, 2 (k|v), num_blocks, block_size, num_kv_heads, head_dim] kv_dtype
         shape = (cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
                  cfg.head_dim)
-        self.kv_cache = (zeros_on_huge_pages(shape, self.dtype, config.kv_cache_prefault)
+        self.kv_cache = (zeros_on_huge_pages(shape, self.kv_dtype, config.kv_cache_prefault)
                          if self.device.type == "cpu"
-                         else torch.zeros(shape, dtype=self.dtype, device=self.device))
+                         else torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+        logger.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB%s", self.num_blocks,
+                    self.block_size, str(self.kv_dtype).removeprefix("torch."),
+                    self.num_blocks * self._block_bytes() / 2**20,
+                    ", resident from the start" if config.kv_cache_prefault else "")
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.model.bind(self.kv_caches)
         self.eos_token_ids = tuple(eos_token_ids)
@@ -136,8 +156,9 @@ class ModelRunner:
         return model.eval(), kept + dense
 
     def _block_bytes(self) -> int:
+        """Bytes one KV block holds over every layer (K and V, `kv_dtype` elements)."""
         cfg = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return cfg.num_layers * 2 * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
     def _blocks_from_memory(self, config: EngineConfig) -> int:

@@ -25,6 +25,7 @@ from plait.engine import (
     ATTENTION_BACKENDS,
     COMPUTE_DTYPES,
     CPU_GEMMS,
+    KV_CACHE_DTYPES,
     KV_EVENTS_ENCODINGS,
     VALID_DTYPES,
     WEIGHT_FORMATS,
@@ -115,6 +116,10 @@ OPTIONS: tuple[Option, ...] = (
            "kept weights' GEMMs: float32, or bfloat16 activations x weights with float32 "
            "accumulation (prefills, and decode steps of 6 or more rows with AVX512-BF16)",
            COMPUTE_DTYPES),
+    Option("--kv-cache-dtype", str,
+           "the KV cache's element type: auto (the model dtype) or bfloat16 (half the bytes "
+           "of a float32 CPU engine's, so twice the blocks; attention still in float32)",
+           KV_CACHE_DTYPES),
     Option("--kv-events-endpoint", str,
            "publish KV-cache events as vLLM does on this ZeroMQ PUB endpoint, e.g. "
            "tcp://*:5557 (default: none, off)"),

@@ -10,6 +10,7 @@ layers and the sampler call them through the module, so they reach the wrappers)
 
     python scripts/profile_step.py [--n 16] [--tokens 32] [--unique] [--model FILE.gguf]
         [--weights auto|float32] [--compute-dtype float32|bfloat16]
+        [--kv-cache-dtype auto|bfloat16]
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     parser.add_argument("--weights", default="auto", help="auto (the file's format) or float32")
     parser.add_argument("--compute-dtype", default="float32")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (float32) or bfloat16")
     args = parser.parse_args()
     _label_native_kernels()
-    llm = LLM(args.model, weights=args.weights, compute_dtype=args.compute_dtype)
+    llm = LLM(args.model, weights=args.weights, compute_dtype=args.compute_dtype,
+              kv_cache_dtype=args.kv_cache_dtype)
     if args.unique:
         _profile_unique(llm, args)
         return

@@ -183,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
     def _native_stack(self) -> native.NativeStack | None:
         """The layers' addresses for `native.decoder_stack`, or None when a layer does not
         fit it (every projection in native panels or kept in a format the native kernels
-        take, no bias but q|k|v's, float32 dense)."""
+        take, no bias but q|k|v's, float32 dense; KV caches the kernels take)."""
         cfg = self.config
 
         def dense(t: torch.Tensor | None) -> bool:
@@ -204,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
                 return None
             bias = attn.qkv_proj.bias
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if not all(dense(t) for t in (*norms, k, v)) \
+            if not all(dense(t) for t in norms) or not native.kv_caches_fit(k, v) \
                     or any(lin.bias is not None for lin in linears[1:]) \
                     or (bias is not None and not dense(bias)):
                 return None
@@ -220,10 +220,11 @@ class LlamaForCausalLM(nn.Module):
             return None
         shape = native.StackShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                                   cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+        k_cache, v_cache = self.kv_caches[0]
         return native.NativeStack(
             torch.tensor(rows, dtype=torch.int64), shape, self.norm.weight.detach(),
-            self.cos_sin, self.kv_caches[0][0].shape[1], layers[0].self_attn.scale,
-            tuple(tensors))
+            self.cos_sin, native.kv_dtype_code(k_cache, v_cache), k_cache.shape[1],
+            layers[0].self_attn.scale, tuple(tensors))
 
 
 def _stack_weight(linear: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]] | None:

@@ -2,6 +2,23 @@
 #include "plait_cpu.h"
 #include "vec.h"
 
+/* The caches hold float32 or bfloat16 (plait_cpu.h's PLAIT_KV_*); every function below that
+ * reads them takes `const int bf16`, a constant where it is inlined: each runs as two
+ * copies, one per element type, entered once per task (attend_task_f32 / _bf16), so the
+ * float32 copy is the code it was. bfloat16 elements are widened to float32 (exact) as they
+ * are loaded; the arithmetic is float32 either way. */
+#define INLINE static inline __attribute__((always_inline))
+
+/* The address of element i of a cache of bfloat16 (bf16) or float32. */
+INLINE const void *kv_at(const void *p, long i, const int bf16) {
+  return (const char *)p + i * (bf16 ? 2 : 4);
+}
+
+/* LANES elements of a cache row from element i, as float32. */
+INLINE vf load_kv(const void *row, long i, const int bf16) {
+  return bf16 ? widen_bf16((const uint16_t *)row + i) : *(const vf *)((const float *)row + i);
+}
+
 /* PLAIT_MAX_QUERIES (plait_cpu.h): query vectors one task holds: rows of a chunk x heads
  * per KV head; PLAIT_MAX_HEAD_DIM; PLAIT_MAX_BLOCK: tokens per cache block. */
 /* Split a chunk into pieces when chunks x KV heads < PIECE_TASKS tasks per thread; a piece
@@ -68,35 +85,44 @@ static inline __attribute__((always_inline)) vf update_query(state_t *st, long a
 }
 
 /* Where token t's rows of KV head h are in the caches (k, v; the next tokens of its block
- * follow at a stride of H_kv * D floats), and where the same rows of the block PF_BLOCKS
+ * follow at a stride of H_kv * D elements), and where the same rows of the block PF_BLOCKS
  * ahead are (kp, vp; NULL when [t, t_to) does not reach that far): the loops prefetch
  * those a token at a time, as they go (one burst per block overflowed the miss queues). */
 typedef struct {
-  const float *k, *v, *kp, *vp;
+  const void *k, *v, *kp, *vp;
 } span_t;
 
-static inline span_t locate(const int32_t *table, long t, long t_to, const float *k_cache,
-                            const float *v_cache, long block_size, long num_kv_heads, long h,
-                            long head_dim) {
+INLINE span_t locate(const int32_t *table, long t, long t_to, const void *k_cache,
+                     const void *v_cache, long block_size, long num_kv_heads, long h,
+                     long head_dim, const int bf16) {
   const long blk = table[t / block_size], off = t % block_size;
   const long at = ((blk * block_size + off) * num_kv_heads + h) * head_dim;
-  span_t sp = {k_cache + at, v_cache + at, NULL, NULL};
+  span_t sp = {kv_at(k_cache, at, bf16), kv_at(v_cache, at, bf16), NULL, NULL};
   if (t - off + PF_BLOCKS * block_size < t_to) {
     const long ahead = table[t / block_size + PF_BLOCKS];
     const long pat = ((ahead * block_size + off) * num_kv_heads + h) * head_dim;
-    sp.kp = k_cache + pat;
-    sp.vp = v_cache + pat;
+    sp.kp = kv_at(k_cache, pat, bf16);
+    sp.vp = kv_at(v_cache, pat, bf16);
   }
   return sp;
 }
 
-/* Prefetches token j's K and V rows (head_dim floats each) of the block ahead into L2. */
-static inline void prefetch_rows(const span_t *sp, long j, long stride, long head_dim) {
+/* Prefetches token j's K and V rows (head_dim elements each) of the block ahead into L2. */
+INLINE void prefetch_rows(const span_t *sp, long j, long stride, long head_dim,
+                          const int bf16) {
   if (!sp->kp) return;
-  for (long d = 0; d < head_dim; d += 64 / (long)sizeof(float)) {
-    __builtin_prefetch(sp->kp + j * stride + d, 0, 2);
-    __builtin_prefetch(sp->vp + j * stride + d, 0, 2);
+  const char *kp = kv_at(sp->kp, j * stride, bf16), *vp = kv_at(sp->vp, j * stride, bf16);
+  for (long b = 0; b < head_dim * (bf16 ? 2 : 4); b += 64) {
+    __builtin_prefetch(kp + b, 0, 2);
+    __builtin_prefetch(vp + b, 0, 2);
   }
+}
+
+/* Rows [0, n) of a bfloat16 span (a stride of `stride` elements) widened into dst [n, D]. */
+INLINE void widen_rows(const void *src, long n, long stride, long head_dim, float *dst) {
+  for (long j = 0; j < n; j++)
+    for (long d = 0; d < head_dim; d += LANES)
+      *(vf *)(dst + j * head_dim + d) = widen_bf16((const uint16_t *)src + j * stride + d);
 }
 
 /* Every query of `st` attends tokens [t_from, t_to) of KV head h through `table`, with the
@@ -106,9 +132,9 @@ static inline void prefetch_rows(const span_t *sp, long j, long stride, long hea
  * tokens (at most one block). The
  * keys are read once for all the queries (the rows of a chunk sharing a prefix, times the
  * heads of a KV group). */
-static void attend_shared(state_t *st, const int32_t *table, long t_from, long t_to,
-                          const float *k_cache, const float *v_cache, long block_size,
-                          long num_kv_heads, long h, long head_dim) {
+INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t_to,
+                          const void *k_cache, const void *v_cache, long block_size,
+                          long num_kv_heads, long h, long head_dim, const int bf16) {
   /* QMAX query vectors; TB tokens' partial scores: TB * QMAX accumulators in registers */
   enum { QMAX = PLAIT_MAX_QUERIES / LANES, TB = LANES == 16 ? 8 : 1 };
   const long stride = num_kv_heads * head_dim, dv = st->dv, nq = st->nq;
@@ -117,6 +143,9 @@ static void attend_shared(state_t *st, const int32_t *table, long t_from, long t
   /* +4: the value pass reads 4 queries at a time, past nq in its last group */
   float prob[LANES][QMAX * LANES + 4] __attribute__((aligned(64)));
   float scale_by[QMAX * LANES] __attribute__((aligned(64)));
+  /* bf16: the LANES tokens' K and V rows widened, read by the loops below as float32 rows */
+  float kw[LANES * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
+  float vw[LANES * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
   vf m[QMAX], l[QMAX];
   for (long d = 0; d < head_dim; d++)
     for (long a = 0; a < QMAX * LANES; a++)
@@ -132,16 +161,25 @@ static void attend_shared(state_t *st, const int32_t *table, long t_from, long t
     const long block_end = t - off + block_size < t_to ? t - off + block_size : t_to;
     const long n = block_end - t < LANES ? block_end - t : LANES;
     const span_t sp = locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, h,
-                             head_dim);
+                             head_dim, bf16);
+    /* the rows as float32 (rs floats from token to token) */
     const float *kb = sp.k, *vb = sp.v;
+    long rs = stride;
+    if (bf16) {
+      widen_rows(sp.k, n, stride, head_dim, kw);
+      widen_rows(sp.v, n, stride, head_dim, vw);
+      kb = kw;
+      vb = vw;
+      rs = head_dim;
+    }
     vf sc[LANES][QMAX];
     for (long j0 = 0; j0 < n; j0 += TB) {  /* scores: TB tokens x QMAX vectors in registers */
       const float *kr[TB];
       vf part[TB][QMAX];
       for (int j = 0; j < TB; j++) {  /* past n: the last token again, ignored */
-        kr[j] = kb + (j0 + j < n ? j0 + j : n - 1) * stride;
+        kr[j] = kb + (j0 + j < n ? j0 + j : n - 1) * rs;
         for (int v = 0; v < QMAX; v++) part[j][v] = (vf){0};
-        if (j0 + j < n) prefetch_rows(&sp, j0 + j, stride, head_dim);
+        if (j0 + j < n) prefetch_rows(&sp, j0 + j, stride, head_dim, bf16);
       }
       for (long d = 0; d < head_dim; d++) {
         vf qd[QMAX];
@@ -165,7 +203,7 @@ static void attend_shared(state_t *st, const int32_t *table, long t_from, long t
         for (int u = 0; u < 4; u++)
           r[u] = u < na ? st->acc[(a0 + u) * dv + d] * scale_by[a0 + u] : (vf){0};
         for (long j = 0; j < n; j++) {
-          const vf vv = *(const vf *)(vb + j * stride + d * LANES);
+          const vf vv = *(const vf *)(vb + j * rs + d * LANES);
           _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) r[u] += prob[j][a0 + u] * vv;
         }
         for (int u = 0; u < na; u++) st->acc[(a0 + u) * dv + d] = r[u];
@@ -180,13 +218,14 @@ static void attend_shared(state_t *st, const int32_t *table, long t_from, long t
 }
 
 /* Queries [a0, a0 + G) of `st` attend the n tokens of one block whose rows of their KV
- * head start at kb / vb (a stride of `stride` floats from token to token), token by token:
+ * head start at sp->k / sp->v (a stride of `stride` elements from token to token), token by
+ * token:
  * one dot product per token and query (for the few queries of one row the transpose of
  * `attend_shared` costs more than it saves). */
 #define OWN_GMAX 4  /* the largest G and DV `own_block` specialises for */
 #define OWN_DVMAX 8
-static inline __attribute__((always_inline)) void own_block_fixed(
-    state_t *st, long a0, const int G, const int DV, const span_t *sp, long n, long stride) {
+INLINE void own_block_fixed(state_t *st, long a0, const int G, const int DV, const span_t *sp,
+                            long n, long stride, const int bf16) {
   /* own_block for G queries of DV vectors known at compile time: the queries and the
    * weighted sums stay in registers for the whole block */
   const long head_dim = DV * LANES;
@@ -197,10 +236,10 @@ static inline __attribute__((always_inline)) void own_block_fixed(
   for (int g = 0; g < G; g++)
     for (int d = 0; d < DV; d++) qr[g][d] = *(const vf *)(st->q + (a0 + g) * head_dim + d * LANES);
   for (long j = 0; j < n; j++) {  /* scores */
-    const float *kj = sp->k + j * stride;
-    prefetch_rows(sp, j, stride, head_dim);
+    const void *kj = kv_at(sp->k, j * stride, bf16);
+    prefetch_rows(sp, j, stride, head_dim, bf16);
     vf kv[OWN_DVMAX];
-    for (int d = 0; d < DV; d++) kv[d] = *(const vf *)(kj + d * LANES);
+    for (int d = 0; d < DV; d++) kv[d] = load_kv(kj, d * LANES, bf16);
     for (int g = 0; g < G; g++) {
       vf dot = qr[g][0] * kv[0];
       for (int d = 1; d < DV; d++) dot += qr[g][d] * kv[d];
@@ -217,9 +256,9 @@ static inline __attribute__((always_inline)) void own_block_fixed(
   for (int g = 0; g < G; g++)
     for (int d = 0; d < DV; d++) r[g][d] = st->acc[(a0 + g) * DV + d] * alpha[g];
   for (long j = 0; j < n; j++) {
-    const float *vj = sp->v + j * stride;
+    const void *vj = kv_at(sp->v, j * stride, bf16);
     for (int d = 0; d < DV; d++) {
-      const vf vv = *(const vf *)(vj + d * LANES);
+      const vf vv = load_kv(vj, d * LANES, bf16);
       for (int g = 0; g < G; g++) r[g][d] += s[g][j] * vv;
     }
   }
@@ -227,26 +266,25 @@ static inline __attribute__((always_inline)) void own_block_fixed(
     for (int d = 0; d < DV; d++) st->acc[(a0 + g) * DV + d] = r[g][d];
 }
 
-static void own_block(state_t *st, long a0, long G, const span_t *sp, long n, long stride,
-                      long head_dim) {
+INLINE void own_block(state_t *st, long a0, long G, const span_t *sp, long n, long stride,
+                      long head_dim, const int bf16) {
   const long dv = st->dv;
 #define OWN_FIXED(g, d)                                    \
   if (G == g && dv == d) {                                 \
-    own_block_fixed(st, a0, g, d, sp, n, stride);          \
+    own_block_fixed(st, a0, g, d, sp, n, stride, bf16);    \
     return;                                                \
   }
   OWN_FIXED(1, 4) OWN_FIXED(2, 4) OWN_FIXED(3, 4) OWN_FIXED(4, 4) OWN_FIXED(1, 8) OWN_FIXED(2, 8)
 #undef OWN_FIXED
-  const float *kb = sp->k, *vb = sp->v;
   float s[PLAIT_MAX_QUERIES][PLAIT_MAX_BLOCK + LANES] __attribute__((aligned(64)));
   for (long j = 0; j < n; j++) {  /* scores */
-    const float *kj = kb + j * stride;
-    prefetch_rows(sp, j, stride, head_dim);
+    const void *kj = kv_at(sp->k, j * stride, bf16);
+    prefetch_rows(sp, j, stride, head_dim, bf16);
     for (long g = 0; g < G; g++) {
       const float *qa = st->q + (a0 + g) * head_dim;
       vf dot = (vf){0};
       for (long d = 0; d < dv; d++)
-        dot += *(const vf *)(qa + d * LANES) * *(const vf *)(kj + d * LANES);
+        dot += *(const vf *)(qa + d * LANES) * load_kv(kj, d * LANES, bf16);
       s[g][j] = hsum(dot);
     }
   }
@@ -258,9 +296,9 @@ static void own_block(state_t *st, long a0, long G, const span_t *sp, long n, lo
       for (long d = 0; d < dv; d++) st->acc[(a0 + g) * dv + d] *= alpha;
   }
   for (long j = 0; j < n; j++) {  /* acc += p V */
-    const float *vj = vb + j * stride;
+    const void *vj = kv_at(sp->v, j * stride, bf16);
     for (long d = 0; d < dv; d++) {
-      const vf vv = *(const vf *)(vj + d * LANES);
+      const vf vv = load_kv(vj, d * LANES, bf16);
       for (long g = 0; g < G; g++) st->acc[(a0 + g) * dv + d] += s[g][j] * vv;
     }
   }
@@ -269,16 +307,16 @@ static void own_block(state_t *st, long a0, long G, const span_t *sp, long n, lo
 /* One row's queries attend tokens [t_from, t_to), block by block: those of KV heads
  * [h, h + nh) are `st`'s queries a0 + (hh - h) * G + g. With every KV head (a row alone),
  * each block's K and V rows are read whole, in order. */
-static void attend_own(state_t *st, long a0, long G, const int32_t *table, long t_from,
-                       long t_to, const float *k_cache, const float *v_cache, long block_size,
-                       long num_kv_heads, long h, long nh, long head_dim) {
+INLINE void attend_own(state_t *st, long a0, long G, const int32_t *table, long t_from,
+                       long t_to, const void *k_cache, const void *v_cache, long block_size,
+                       long num_kv_heads, long h, long nh, long head_dim, const int bf16) {
   for (long t = t_from; t < t_to;) {
     const long off = t % block_size;
     const long n = t - off + block_size < t_to ? block_size - off : t_to - t;
     for (long hh = h; hh < h + nh; hh++) {
       const span_t sp = locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, hh,
-                               head_dim);
-      own_block(st, a0 + (hh - h) * G, G, &sp, n, num_kv_heads * head_dim, head_dim);
+                               head_dim, bf16);
+      own_block(st, a0 + (hh - h) * G, G, &sp, n, num_kv_heads * head_dim, head_dim, bf16);
     }
     t += n;
   }
@@ -290,6 +328,44 @@ static inline long main_range(long shared, long rows, long ctx_first) {
   return shared > 0 ? shared : rows == 1 ? ctx_first : 0;
 }
 
+/* What one task of plait_decode_attention attends: tokens [from, to) of its chunk's main
+ * range (shared > 0: read once for all the queries of `st`; else a lone row's context), and
+ * when `last` (the chunk's last piece) each of the chunk's `rows` rows' own tokens [main,
+ * ctx_len[r]) through its table, block_tables + table_rows[r] * table_stride. The queries of
+ * `st` are those of KV heads [h0, h0 + nh), G per head and row. */
+INLINE void attend_task(state_t *st, long shared, long main, long from, long to, int last,
+                        long rows, long G, const int32_t *block_tables, long table_stride,
+                        const int64_t *table_rows, const int32_t *ctx_len, const void *k_cache,
+                        const void *v_cache, long block_size, long num_kv_heads, long h0,
+                        long nh, long head_dim, const int bf16) {
+  const int32_t *table = block_tables + table_rows[0] * table_stride;
+  if (shared > 0)
+    attend_shared(st, table, from, to, k_cache, v_cache, block_size, num_kv_heads, h0,
+                  head_dim, bf16);
+  else if (main > 0)
+    attend_own(st, 0, G, table, from, to, k_cache, v_cache, block_size, num_kv_heads, h0, nh,
+               head_dim, bf16);
+  if (last)
+    for (long r = 0; r < rows; r++)
+      attend_own(st, r * nh * G, G, block_tables + table_rows[r] * table_stride, main,
+                 ctx_len[r], k_cache, v_cache, block_size, num_kv_heads, h0, nh, head_dim,
+                 bf16);
+}
+
+/* attend_task over float32 caches, and over bfloat16 caches. */
+#define TASK_PARAMS                                                                          \
+  state_t *st, long shared, long main, long from, long to, int last, long rows, long G,      \
+      const int32_t *block_tables, long table_stride, const int64_t *table_rows,             \
+      const int32_t *ctx_len, const void *k_cache, const void *v_cache, long block_size,     \
+      long num_kv_heads, long h0, long nh, long head_dim
+#define TASK_ARGS                                                                            \
+  st, shared, main, from, to, last, rows, G, block_tables, table_stride, table_rows, ctx_len, \
+      k_cache, v_cache, block_size, num_kv_heads, h0, nh, head_dim
+static void attend_task_f32(TASK_PARAMS) { attend_task(TASK_ARGS, 0); }
+static void attend_task_bf16(TASK_PARAMS) { attend_task(TASK_ARGS, 1); }
+#undef TASK_PARAMS
+#undef TASK_ARGS
+
 /* Decode attention: one query token per sequence over its paged K/V, read in place.
  *
  * Sequences come in chunks: chunk c is sequences chunk_start[c] .. chunk_start[c+1] - 1,
@@ -297,8 +373,9 @@ static inline long main_range(long shared, long rows, long ctx_first) {
  * sequence's table; 0 for a chunk of one). Sequence i's query row is q[q_rows[i]] ([H, D],
  * row stride q_stride floats); it attends its tokens 0 .. ctx_len[i] - 1, whose blocks are
  * block_tables[table_rows[i] * table_stride + t / block_size] (int32), in the caches
- * k_cache / v_cache [num_blocks, block_size, H_kv, D] (contiguous); query head h reads KV
- * head h / (H / H_kv). A task is one piece of one chunk and one KV head: it reads the
+ * k_cache / v_cache [num_blocks, block_size, H_kv, D] (contiguous) of kv_dtype elements
+ * (PLAIT_KV_F32, or PLAIT_KV_BF16: widened to float32, exactly, as they are read; the
+ * arithmetic is float32 either way); query head h reads KV head h / (H / H_kv). A task is one piece of one chunk and one KV head: it reads the
  * shared tokens once for all the chunk's queries (cascade attention: one online softmax
  * continues over each row's own tokens). When chunks x KV heads are too few to keep every
  * thread busy (one long prompt's n choices, or a single stream), a chunk's main range (its
@@ -309,17 +386,19 @@ static inline long main_range(long shared, long rows, long ctx_first) {
  * D must be a multiple of LANES and every sequence must attend at least one token.
  * Returns 0, -1 if the shapes exceed this kernel's limits, -2 if out of memory. */
 #define OUT_ROW(i) (out_rows ? out_rows[i] : (i))
-int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
-                           const float *v_cache, long block_size, long num_kv_heads,
+int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
+                           const void *v_cache, int kv_dtype, long block_size, long num_kv_heads,
                            long num_heads, long head_dim, const int32_t *block_tables,
                            long table_stride, long num_chunks, const int64_t *chunk_start,
                            const int32_t *chunk_shared, const int64_t *q_rows,
                            const int64_t *table_rows, const int32_t *ctx_len, float scale,
                            float *out, const int64_t *out_rows) {
   if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % LANES ||
-      head_dim > PLAIT_MAX_HEAD_DIM || block_size > PLAIT_MAX_BLOCK)
+      head_dim > PLAIT_MAX_HEAD_DIM || block_size > PLAIT_MAX_BLOCK ||
+      (kv_dtype != PLAIT_KV_F32 && kv_dtype != PLAIT_KV_BF16))
     return PLAIT_ERR_SHAPES;
   const long G = num_heads / num_kv_heads;
+  const int bf16 = kv_dtype == PLAIT_KV_BF16;
   for (long c = 0; c < num_chunks; c++)
     if ((chunk_start[c + 1] - chunk_start[c]) * G > PLAIT_MAX_QUERIES)
       return PLAIT_ERR_SHAPES;
@@ -381,18 +460,10 @@ int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
       const long main_blocks = (main + block_size - 1) / block_size;
       const long from = p * main_blocks / pieces * block_size;
       const long to = p + 1 == pieces ? main : (p + 1) * main_blocks / pieces * block_size;
-      const int32_t *table = block_tables + table_rows[first] * table_stride;
-      if (shared > 0)
-        attend_shared(&st, table, from, to, k_cache, v_cache, block_size, num_kv_heads, h,
-                      head_dim);
-      else if (main > 0)
-        attend_own(&st, 0, G, table, from, to, k_cache, v_cache, block_size, num_kv_heads, h0,
-                   nh, head_dim);
-      if (p + 1 == pieces)
-        for (long r = 0; r < rows; r++)
-          attend_own(&st, r * nh * G, G, block_tables + table_rows[first + r] * table_stride,
-                     main, ctx_len[first + r], k_cache, v_cache, block_size, num_kv_heads, h0,
-                     nh, head_dim);
+      (bf16 ? attend_task_bf16 : attend_task_f32)(
+          &st, shared, main, from, to, p + 1 == pieces, rows, G, block_tables, table_stride,
+          table_rows + first, ctx_len + first, k_cache, v_cache, block_size, num_kv_heads, h0,
+          nh, head_dim);
       if (pieces == 1) {
         for (long a = 0; a < st.nq; a++) {
           const long r = a / (nh * G), head = (h0 + a / G % nh) * G + a % G;

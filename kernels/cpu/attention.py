@@ -241,14 +241,14 @@ def plan_cascade(
 
 def native_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim] float32, heads dense
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] f32 or bf16
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] as k_cache
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, padding = -1
     rows: NativeRows,  # `plan_native` of this batch
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32
     """The batch's attention (the contract of `paged_attention_reference`) in one native
-    call, from the cache blocks in place."""
+    call, from the cache blocks in place (bfloat16 caches widened to float32 as read)."""
     in_order = rows.token_rows == slice(0, query.shape[0])  # every row, in chunk order
     return native.decode_attention(
         query, k_cache, v_cache, block_tables.int().contiguous(), rows.chunk_start,

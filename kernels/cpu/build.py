@@ -73,7 +73,7 @@ class Abi:
 # pass data_ptr() addresses, or None for NULL).
 _SCALARS = {"long": ctypes.c_long, "int": ctypes.c_int, "float": ctypes.c_float}
 _RETURNS = {**_SCALARS, "void": None}
-_POINTEES = ("float", "int32_t", "int64_t", "uint16_t")
+_POINTEES = ("float", "int32_t", "int64_t", "uint16_t", "void")
 _PARAM = re.compile(r"(?:(?P<const>const)\s+)?(?P<base>\w+)\s*(?P<ptr>\*)?\s*(?P<name>\w+)")
 _PROTOTYPE = re.compile(r"(?P<ret>\w+)\s+(?P<name>plait_\w+)\s*\((?P<params>[^()]*)\)")
 _ENUM = re.compile(r"enum\s+\w+\s*\{(?P<body>[^{}]*)\}")

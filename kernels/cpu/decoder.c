@@ -21,7 +21,8 @@ static int linear(const float *x, long rows, long k, const int64_t *desc, long n
  * PLAIT_STACK_POINTERS + PLAIT_STACK_*], plait_cpu.h):
  *
  *   x, h = x + m, rms_norm(x + m)       (layer 0: h = rms_norm(x); m = the last MLP out)
- *   q|k|v = h @ Wqkv^T (+ bias); rope of q and k; k, v written at slot_mapping
+ *   q|k|v = h @ Wqkv^T (+ bias); rope of q and k; k, v written at slot_mapping (caches of
+ *       kv_dtype elements, PLAIT_KV_*)
  *   a = attention of q over the cache (the chunks of plait_decode_attention, written to
  *       their token rows, q_rows)
  *   x, h = x + a @ Wo^T, rms_norm(...);  m = down(silu(gate) * up) of h
@@ -34,7 +35,8 @@ static int linear(const float *x, long rows, long k, const int64_t *desc, long n
 int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long hidden,
                         long num_heads, long num_kv_heads, long head_dim, long inter,
                         float eps, const float *final_norm, float *x, const float *cos_sin,
-                        const int64_t *positions, const int64_t *slot_mapping, long block_size,
+                        const int64_t *positions, const int64_t *slot_mapping, int kv_dtype,
+                        long block_size,
                         const int32_t *block_tables, long table_stride, long num_chunks,
                         const int64_t *chunk_start, const int32_t *chunk_shared,
                         const int64_t *q_rows, const int64_t *table_rows,
@@ -54,6 +56,7 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
   for (long l = 0; l < num_layers && rc == PLAIT_OK; l++) {
     const int64_t *p = layers + l * PLAIT_STACK_POINTERS;
 #define PTR(i) ((float *)(intptr_t)p[i])
+#define CACHE(i) ((void *)(intptr_t)p[i])
 #define DESC(i) ((const int64_t *)(intptr_t)p[i])
 #define RUN(call) \
   if ((rc = (call)) != PLAIT_OK) break
@@ -63,12 +66,13 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
                PTR(PLAIT_STACK_QKV_BIAS), qkv));
     float *q = qkv, *k = qkv + q_dim, *v = k + kv_dim;
     RUN(plait_rope_write_kv(q, qkv_dim, k, qkv_dim, v, qkv_dim, rows, num_heads, num_kv_heads,
-                            head_dim, cos_sin, positions, PTR(PLAIT_STACK_K_CACHE),
-                            PTR(PLAIT_STACK_V_CACHE), slot_mapping));
-    RUN(plait_decode_attention(q, qkv_dim, PTR(PLAIT_STACK_K_CACHE), PTR(PLAIT_STACK_V_CACHE),
-                               block_size, num_kv_heads, num_heads, head_dim, block_tables,
-                               table_stride, num_chunks, chunk_start, chunk_shared, q_rows,
-                               table_rows, ctx_len, scale, att, q_rows));
+                            head_dim, cos_sin, positions, CACHE(PLAIT_STACK_K_CACHE),
+                            CACHE(PLAIT_STACK_V_CACHE), kv_dtype, slot_mapping));
+    RUN(plait_decode_attention(q, qkv_dim, CACHE(PLAIT_STACK_K_CACHE),
+                               CACHE(PLAIT_STACK_V_CACHE), kv_dtype, block_size,
+                               num_kv_heads, num_heads, head_dim, block_tables, table_stride,
+                               num_chunks, chunk_start, chunk_shared, q_rows, table_rows,
+                               ctx_len, scale, att, q_rows));
     RUN(linear(att, rows, q_dim, DESC(PLAIT_STACK_O_WEIGHT), hidden, NULL, m));
     RUN(plait_add_rms_norm(x, hidden, m, hidden, PTR(PLAIT_STACK_POST_NORM), rows, hidden, eps,
                            x, h));
@@ -77,6 +81,7 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
     RUN(linear(act, rows, inter, DESC(PLAIT_STACK_DOWN_WEIGHT), hidden, NULL, m));
 #undef RUN
 #undef PTR
+#undef CACHE
 #undef DESC
   }
   if (rc == PLAIT_OK)

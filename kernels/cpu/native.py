@@ -39,6 +39,27 @@ from plait.kernels.cpu.quant import KEPT_TYPES, QuantWeight
 F32_PANELS = ABI.constants["PLAIT_GGML_F32"]
 # The GGML types `qgemm` and `dequantize` read: every type quant.py keeps.
 QUANT_TYPES: frozenset[int] = KEPT_TYPES
+# The KV-cache element types the kernels write and read, as plait_cpu.h's PLAIT_KV_* codes:
+# bfloat16 is rounded to nearest even when written, widened to float32 (exact) when read.
+KV_DTYPES: dict[torch.dtype, int] = {torch.float32: ABI.constants["PLAIT_KV_F32"],
+                                     torch.bfloat16: ABI.constants["PLAIT_KV_BF16"]}
+
+
+def kv_caches_fit(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernels take this pair of caches: contiguous CPU tensors, both of one
+    `KV_DTYPES` type."""
+    return (k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES
+            and k_cache.device.type == v_cache.device.type == "cpu"
+            and k_cache.is_contiguous() and v_cache.is_contiguous())
+
+
+def kv_dtype_code(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The PLAIT_KV_* code of a pair of caches the kernels take (`kv_caches_fit`);
+    ValueError otherwise."""
+    if not kv_caches_fit(k_cache, v_cache):
+        raise ValueError(f"KV caches of {k_cache.dtype} / {v_cache.dtype}: the native kernels "
+                         f"take contiguous CPU {' or '.join(map(str, KV_DTYPES))}, both alike")
+    return KV_DTYPES[k_cache.dtype]
 
 
 def _check(rc: int, kernel: str, limits: str = "") -> None:
@@ -176,8 +197,8 @@ def dequantize_bf16(
 
 def decode_attention(
     query: torch.Tensor,  # [T, H, D] float32; rows may be strided, heads and dims dense
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] float32 contiguous
-    v_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] float32 contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] float32 or bf16 contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] as k_cache
     block_tables: torch.Tensor,  # [num_seqs, W] int32 contiguous
     chunk_start: torch.Tensor,  # [C + 1] int64: chunk c is sequences start[c]..start[c+1]-1
     chunk_shared: torch.Tensor,  # [C] int32: leading tokens the chunk's sequences share
@@ -193,7 +214,9 @@ def decode_attention(
     read once for all of them; at most `max_chunk_rows(H / H_kv)` sequences per chunk. A
     sequence may be one query position of a prefill (its context ends at that position).
     With `out_rows`, sequence i's result is row out_rows[i] of a [T, H, D] output (T the
-    query's rows; rows no sequence names are left unwritten), as the caller orders them."""
+    query's rows; rows no sequence names are left unwritten), as the caller orders them.
+    bfloat16 caches (`KV_DTYPES`) are widened to float32 as they are read: the result is
+    that of float32 caches holding the same values."""
     lib = loaded()
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -209,8 +232,7 @@ def decode_attention(
                              else ())):
         if t.dtype != dtype or not t.is_contiguous():
             raise ValueError(f"decode_attention: {name} must be contiguous {dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("decode_attention: the caches must be contiguous")
+    kv_dtype = kv_dtype_code(k_cache, v_cache)
     if out_rows is not None and (out_rows.shape != q_rows.shape or (
             out_rows.numel() and not 0 <= int(out_rows.min()) <= int(out_rows.max())
             < query.shape[0])):
@@ -218,7 +240,7 @@ def decode_attention(
     rows = q_rows.shape[0] if out_rows is None else query.shape[0]
     out = torch.empty(rows, num_heads, head_dim, dtype=torch.float32)
     rc = lib.plait_decode_attention(
-        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_dtype,
         block_size, num_kv_heads, num_heads, head_dim, block_tables.data_ptr(),
         block_tables.stride(0), chunk_shared.shape[0], chunk_start.data_ptr(),
         chunk_shared.data_ptr(), q_rows.data_ptr(), table_rows.data_ptr(),
@@ -253,6 +275,7 @@ class NativeStack:
     shape: StackShape
     final_norm: torch.Tensor  # [hidden] float32
     cos_sin: torch.Tensor  # [max_positions, D] float32 contiguous: cos | sin halves
+    kv_dtype: int  # the caches' PLAIT_KV_* code (`KV_DTYPES`)
     block_size: int
     scale: float
     tensors: tuple[torch.Tensor, ...]
@@ -285,7 +308,7 @@ def decoder_stack(
         stack.layers.shape[0], stack.layers.data_ptr(), rows, shape.hidden, shape.num_heads,
         shape.num_kv_heads, shape.head_dim, shape.intermediate, shape.eps,
         stack.final_norm.data_ptr(), x.data_ptr(), stack.cos_sin.data_ptr(),
-        positions.data_ptr(), slot_mapping.data_ptr(), stack.block_size,
+        positions.data_ptr(), slot_mapping.data_ptr(), stack.kv_dtype, stack.block_size,
         block_tables.data_ptr(), block_tables.stride(0), chunk_shared.shape[0],
         chunk_start.data_ptr(), chunk_shared.data_ptr(), q_rows.data_ptr(),
         table_rows.data_ptr(), ctx_lens.data_ptr(), stack.scale, out.data_ptr())
@@ -296,10 +319,10 @@ def decoder_stack(
 def rope_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor) -> bool:
     """Whether `rope_write_kv` takes these tensors (float32 CPU, heads and dims dense, the
-    caches contiguous) and the kernels are available."""
-    return (available() and q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
-            == torch.float32 and q.device.type == "cpu" and k_cache.is_contiguous()
-            and v_cache.is_contiguous() and q.shape[-1] % 2 == 0
+    caches contiguous, both float32 or both bfloat16) and the kernels are available."""
+    return (available() and q.dtype == k.dtype == v.dtype == torch.float32
+            and q.device.type == "cpu" and kv_caches_fit(k_cache, v_cache)
+            and q.shape[-1] % 2 == 0
             and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v)))
 
 
@@ -309,12 +332,13 @@ def rope_write_kv(
     v: torch.Tensor,  # [T, H_kv, D] float32
     cos_sin: torch.Tensor,  # [max_positions, D] float32: cos | sin halves
     positions: torch.Tensor,  # [T] int64
-    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] float32 contiguous
-    v_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] float32 contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] float32 or bf16 contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] as k_cache
     slot_mapping: torch.Tensor,  # [T] int64, -1 = not written
 ) -> torch.Tensor:  # q
     """`apply_rope` (neox style) of q in place and of k, then `write_kv` of the rotated k and
-    of v, in one pass over the step's tokens; the same bits as the plain-torch path."""
+    of v, in one pass over the step's tokens; the same bits as the plain-torch path (into a
+    bfloat16 cache: the float32 values rounded to nearest even, as `.to(torch.bfloat16)`)."""
     if not rope_fits(q, k, v, k_cache, v_cache):
         raise ValueError("rope_write_kv: tensors do not fit (see rope_fits)")
     positions = positions.to(torch.int64).contiguous()
@@ -323,8 +347,8 @@ def rope_write_kv(
     _check(loaded().plait_rope_write_kv(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         q.shape[0], q.shape[1], k.shape[1], q.shape[2], cos_sin.data_ptr(),
-        positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr()),
-        "rope_write_kv")
+        positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        KV_DTYPES[k_cache.dtype], slot_mapping.data_ptr()), "rope_write_kv")
     return q
 
 
@@ -404,8 +428,9 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
             and head_dim % lanes() == 0 and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK)
 
 
-__all__ = ["F32_PANELS", "MAX_QUERIES", "QUANT_TYPES", "STACK_POINTERS", "NativeStack",
-           "StackShape", "add_rms_norm", "available", "decode_attention", "decoder_stack",
-           "dequantize", "dequantize_bf16", "gemm", "lanes", "max_chunk_rows", "pack_weight",
-           "panels_desc", "qgemm", "rope_fits", "rope_write_kv", "rows_fit",
-           "sample_inverse_cdf", "silu_mul", "supports_attention"]
+__all__ = ["F32_PANELS", "KV_DTYPES", "MAX_QUERIES", "QUANT_TYPES", "STACK_POINTERS",
+           "NativeStack", "StackShape", "add_rms_norm", "available", "decode_attention",
+           "decoder_stack", "dequantize", "dequantize_bf16", "gemm", "kv_caches_fit",
+           "kv_dtype_code", "lanes", "max_chunk_rows", "pack_weight", "panels_desc", "qgemm",
+           "rope_fits", "rope_write_kv", "rows_fit", "sample_inverse_cdf", "silu_mul",
+           "supports_attention"]

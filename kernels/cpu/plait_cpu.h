@@ -9,9 +9,9 @@
  * anything else rather than skipping it): comments, the include guard, `#include <...>`,
  * `#define PLAIT_<NAME> <integer>`, the one `enum` of PLAIT_STACK_* names (no values), and
  * one prototype per function, `int plait_<name>(<parameters>);`, whose parameters are
- * `long`, `int`, `float`, a pointer to `float`, `int32_t`, `int64_t` or `uint16_t`
- * (`const` or not), or a lone `void`. Activations are float32, row-major; strides count
- * elements.
+ * `long`, `int`, `float`, a pointer to `float`, `int32_t`, `int64_t`, `uint16_t` or `void`
+ * (`const` or not; `void`: elements of a type another parameter names), or a lone `void`.
+ * Activations are float32, row-major; strides count elements.
  *
  * Return codes, every function alike: PLAIT_OK, PLAIT_ERR_SHAPES when the shapes exceed the
  * kernel's limits (nothing written), PLAIT_ERR_NOMEM when a buffer could not be allocated.
@@ -30,6 +30,10 @@
 #define PLAIT_MAX_QUERIES 48
 #define PLAIT_MAX_HEAD_DIM 256
 #define PLAIT_MAX_BLOCK 256
+/* The element type of a KV cache (the kv_dtype parameters): float32, or bfloat16 (written
+ * rounded to nearest even, read widened to float32: exact). */
+#define PLAIT_KV_F32 0
+#define PLAIT_KV_BF16 1
 /* The most rows the engine sends through plait_gemm / plait_decoder_stack (a decode step's
  * few rows; more go to BLAS). */
 #define PLAIT_NATIVE_MAX_ROWS 24
@@ -69,8 +73,8 @@ enum plait_stack_pointer {
   PLAIT_STACK_POST_NORM,      /* [hidden] */
   PLAIT_STACK_GATE_UP_WEIGHT, /* descriptor of [2 I, hidden] */
   PLAIT_STACK_DOWN_WEIGHT,    /* descriptor of [hidden, I] */
-  PLAIT_STACK_K_CACHE,        /* [num_blocks, block_size, H_kv, D] */
-  PLAIT_STACK_V_CACHE,        /* [num_blocks, block_size, H_kv, D] */
+  PLAIT_STACK_K_CACHE,        /* [num_blocks, block_size, H_kv, D] of the stack's kv_dtype */
+  PLAIT_STACK_V_CACHE,        /* [num_blocks, block_size, H_kv, D] of the stack's kv_dtype */
   PLAIT_STACK_POINTERS
 };
 
@@ -104,24 +108,25 @@ int plait_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_
 int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long num_rows,
                           uint16_t *out);
 
-/* attention.c: one query per sequence over its paged K/V, read in place; the sequences of
- * a chunk read their chunk_shared[c] common tokens once. Limits: PLAIT_MAX_HEAD_DIM,
- * PLAIT_MAX_BLOCK, chunk rows x (H / H_kv) <= PLAIT_MAX_QUERIES, D a multiple of lanes
- * (PLAIT_ERR_SHAPES). PLAIT_ERR_NOMEM. */
-int plait_decode_attention(const float *q, long q_stride, const float *k_cache,
-                           const float *v_cache, long block_size, long num_kv_heads,
+/* attention.c: one query per sequence over its paged K/V (PLAIT_KV_* kv_dtype elements),
+ * read in place; the sequences of a chunk read their chunk_shared[c] common tokens once.
+ * Limits: PLAIT_MAX_HEAD_DIM, PLAIT_MAX_BLOCK, chunk rows x (H / H_kv) <= PLAIT_MAX_QUERIES,
+ * D a multiple of lanes, kv_dtype a PLAIT_KV_* (PLAIT_ERR_SHAPES). PLAIT_ERR_NOMEM. */
+int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
+                           const void *v_cache, int kv_dtype, long block_size, long num_kv_heads,
                            long num_heads, long head_dim, const int32_t *block_tables,
                            long table_stride, long num_chunks, const int64_t *chunk_start,
                            const int32_t *chunk_shared, const int64_t *q_rows,
                            const int64_t *table_rows, const int32_t *ctx_len, float scale,
                            float *out, const int64_t *out_rows);
 
-/* rowwise.c: neox RoPE of q (in place) and k, k and v written to the caches at slots
- * (-1: not written); the same bits as the torch path. Odd D: PLAIT_ERR_SHAPES. */
+/* rowwise.c: neox RoPE of q (in place) and k, k and v written to the caches (PLAIT_KV_*
+ * kv_dtype elements; bfloat16 rounded to nearest even) at slots (-1: not written); the same
+ * bits as the torch path. Odd D, another kv_dtype: PLAIT_ERR_SHAPES. */
 int plait_rope_write_kv(float *q, long q_stride, const float *k, long k_stride, const float *v,
                         long v_stride, long num_tokens, long num_heads, long num_kv_heads,
                         long head_dim, const float *cos_sin, const int64_t *positions,
-                        float *k_cache, float *v_cache, const int64_t *slots);
+                        void *k_cache, void *v_cache, int kv_dtype, const int64_t *slots);
 
 /* rowwise.c: sum_out = x + add (add NULL: nothing added, sum_out unused), out =
  * rms_norm(sum) * w, row by row. Negative sizes: PLAIT_ERR_SHAPES. */
@@ -142,12 +147,13 @@ int plait_sample_inverse_cdf(const float *logits, long rows, long vocab, long st
 /* decoder.c: every layer of a Llama decoder over a step's rows in one call, through the
  * kernels above in the eager forward's order; layers [num_layers, PLAIT_STACK_POINTERS]
  * addresses (the four projections as plait_qgemm descriptors whose rows must match the
- * shapes, else PLAIT_ERR_SHAPES); x [rows, hidden] updated in place, out = the final norm. Propagates the
- * first failing kernel's code. */
+ * shapes, else PLAIT_ERR_SHAPES; the caches of kv_dtype elements); x [rows, hidden] updated
+ * in place, out = the final norm. Propagates the first failing kernel's code. */
 int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long hidden,
                         long num_heads, long num_kv_heads, long head_dim, long inter,
                         float eps, const float *final_norm, float *x, const float *cos_sin,
-                        const int64_t *positions, const int64_t *slot_mapping, long block_size,
+                        const int64_t *positions, const int64_t *slot_mapping, int kv_dtype,
+                        long block_size,
                         const int32_t *block_tables, long table_stride, long num_chunks,
                         const int64_t *chunk_start, const int32_t *chunk_shared,
                         const int64_t *q_rows, const int64_t *table_rows,

@@ -485,15 +485,9 @@ int plait_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_
   return PLAIT_OK;
 }
 
-/* float32 -> bfloat16, rounded to nearest even (torch's .to(torch.bfloat16)); a NaN stays a
- * quiet NaN. */
+/* float32 -> bfloat16 (vec.h's f32_to_bf16), K values. */
 static void to_bf16(const float *src, long K, uint16_t *dst) {
-  for (long k = 0; k < K; k++) {
-    uint32_t b;
-    memcpy(&b, src + k, sizeof b);
-    dst[k] = (b & 0x7fffffff) > 0x7f800000 ? (uint16_t)(b >> 16 | 0x40)
-                                            : (uint16_t)((b + 0x7fff + (b >> 16 & 1)) >> 16);
-  }
+  for (long k = 0; k < K; k++) dst[k] = f32_to_bf16(src[k]);
 }
 
 int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long num_rows,

@@ -24,7 +24,6 @@
 
 typedef uint8_t u8v __attribute__((vector_size(LANES), aligned(1)));
 typedef int8_t i8v __attribute__((vector_size(LANES), aligned(1)));
-typedef uint16_t u16v __attribute__((vector_size(2 * LANES), aligned(2)));
 
 
 /* ------------------------------------------------------------------------------------ */
@@ -80,15 +79,6 @@ static inline vi load_i8(const uint8_t *p) {
 #endif
 }
 
-static inline vi load_u16(const uint8_t *p) {
-#if LANES == 16
-  return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-#elif LANES == 8
-  return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-#else
-  return __builtin_convertvector(*(const u16v *)p, vi);
-#endif
-}
 static inline vf to_f(vi q) { return __builtin_convertvector(q, vf); }
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 

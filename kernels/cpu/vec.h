@@ -9,10 +9,11 @@
  *
  *   gemm.c       plait_gemm: y[M, N] = x[M, K] @ W^T (+ bias), W pre-packed in column
  *                panels of LANES: the decode GEMM (few rows, weights streamed)
- *   attention.c  plait_decode_attention: one query token per sequence over its paged K/V,
- *                read in place from the cache (no gather); rows sharing a prompt's blocks
- *                read them once (cascade attention, no merge); the engine also feeds it
- *                prefill chunks as tiles of positions
+ *   attention.c  plait_decode_attention: one query token per sequence over its paged K/V
+ *                (float32 or bfloat16, widened as read), read in place from the cache (no
+ *                gather); rows sharing a prompt's blocks read them once (cascade
+ *                attention, no merge); the engine also feeds it prefill chunks as tiles
+ *                of positions
  *   rowwise.c    plait_rope_write_kv, plait_add_rms_norm, plait_silu_mul,
  *                plait_sample_inverse_cdf: a layer's small per-row operations and the
  *                sampler, one pass each
@@ -121,6 +122,34 @@ static inline float hmax(vf v) {
     for (int i = 0; i < w; i++) t[i] = t[i + w] > t[i] ? t[i + w] : t[i];
   return t[0];
 #endif
+}
+
+typedef uint16_t u16v __attribute__((vector_size(2 * LANES), aligned(2)));
+
+/* LANES little-endian 16-bit integers at p (any alignment), zero-extended to 32 bits. */
+static inline vi load_u16(const uint8_t *p) {
+#if LANES == 16
+  return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+#elif LANES == 8
+  return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+  return __builtin_convertvector(*(const u16v *)p, vi);
+#endif
+}
+
+/* The LANES bfloat16 values at p (the high 16 bits of a float32 each) as float32, exactly:
+ * zero-extended to 32 bits and shifted left 16. */
+static inline vf widen_bf16(const uint16_t *p) {
+  return (vf)(load_u16((const uint8_t *)p) << 16);
+}
+
+/* x as bfloat16 bits, rounded to nearest even (torch's .to(torch.bfloat16)); a NaN stays a
+ * quiet NaN. */
+static inline uint16_t f32_to_bf16(float x) {
+  uint32_t b;
+  memcpy(&b, &x, sizeof b);
+  return (b & 0x7fffffff) > 0x7f800000 ? (uint16_t)(b >> 16 | 0x40)
+                                        : (uint16_t)((b + 0x7fff + (b >> 16 & 1)) >> 16);
 }
 
 #endif /* PLAIT_CPU_VEC_H */

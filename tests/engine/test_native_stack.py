@@ -18,7 +18,7 @@ from helpers.tiny_model import make_tiny_model
 
 from plait.engine.models.linear import NATIVE_MAX_ROWS
 from plait.engine.models.llama import LlamaForCausalLM
-from plait.kernels.cpu import build, quant
+from plait.kernels.cpu import build, native, quant
 from plait.kernels.cpu.native import STACK_POINTERS
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="native kernels unavailable")
@@ -41,9 +41,11 @@ def _sequences() -> list[tuple[list[int], list[int]]]:
     return seqs
 
 
-def _prefilled(model: LlamaForCausalLM) -> PagedHarness:
-    """Every sequence's tokens but its last in the cache (the shared prompt computed once)."""
-    harness = PagedHarness(model.config, num_blocks=48, block_size=4)
+def _prefilled(model: LlamaForCausalLM,
+               kv_dtype: torch.dtype = torch.float32) -> PagedHarness:
+    """Every sequence's tokens but its last in the cache (the shared prompt computed once),
+    a cache of `kv_dtype`."""
+    harness = PagedHarness(model.config, num_blocks=48, block_size=4, kv_dtype=kv_dtype)
     seqs = _sequences()
     harness.run(model, [(seqs[0][0][:-1], 0, seqs[0][1])])
     harness.run(model, [(t[:-1], SHARED, table) for t, table in seqs[1:4]])
@@ -60,17 +62,22 @@ def _both(model: LlamaForCausalLM, harness: PagedHarness, ids, positions, meta):
     return (stacked, kv_stack), (looped, kv_loop)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: a q|k|v bias
-def test_decode_step_is_the_layer_loop_bit_for_bit(tmp_path, default_model, model_type) -> None:
+@pytest.mark.parametrize(("model_type", "kv_dtype"), [
+    ("llama", torch.float32), ("qwen2", torch.float32),  # qwen2: a q|k|v bias
+    ("llama", torch.bfloat16)])  # --kv-cache-dtype bfloat16
+def test_decode_step_is_the_layer_loop_bit_for_bit(tmp_path, default_model, model_type,
+                                                   kv_dtype) -> None:
     """Six decode rows in an order that interleaves the shared group with rows alone, so
-    the attention's chunk order differs from the token order."""
+    the attention's chunk order differs from the token order; the caches float32 or
+    bfloat16 (the stack writes and reads them as the loop's kernels do)."""
     model = _model(tmp_path, default_model, model_type)
-    harness = _prefilled(model)
+    harness = _prefilled(model, kv_dtype)
     seqs = _sequences()
     order = [4, 0, 1, 5, 2, 3]
     ids, positions, meta = harness.step([(seqs[i][0], len(seqs[i][0]) - 1, seqs[i][1])
                                          for i in order])
     (stacked, kv_stack), (looped, kv_loop) = _both(model, harness, ids, positions, meta)
+    assert model.stack is not None and model.stack.kv_dtype == native.KV_DTYPES[kv_dtype]
     assert stacked is not None and stacked.shape == (6, model.config.hidden_size)
     assert torch.equal(stacked, looped)
     for (k, v), (k_ref, v_ref) in zip(kv_stack, kv_loop, strict=True):

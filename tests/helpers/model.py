@@ -39,10 +39,12 @@ def load_model(path: Path, max_positions: int = 4096, block_size: int = 4,
 class PagedHarness:
     """A KV cache with hand-written block tables, to drive the model directly."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int = 64, block_size: int = 4) -> None:
+    def __init__(self, cfg: ModelConfig, num_blocks: int = 64, block_size: int = 4,
+                 kv_dtype: torch.dtype = torch.float32) -> None:
         self.block_size = block_size
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+        self.kv = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+                   for _ in range(cfg.num_layers)]
 
     def run(self, model: LlamaForCausalLM,
             seqs: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:

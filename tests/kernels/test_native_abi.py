@@ -92,8 +92,8 @@ def test_library_exports_exactly_the_declared_functions_with_generated_signature
         assert list(fn.argtypes) == [ctypes.c_void_p if p.endswith("*") else c_types[p]
                                      for p in params], name
     # spot checks against the C, independent of the parser
-    assert len(lib.plait_decode_attention.argtypes) == 19
-    assert len(lib.plait_decoder_stack.argtypes) == 25
+    assert len(lib.plait_decode_attention.argtypes) == 20
+    assert len(lib.plait_decoder_stack.argtypes) == 26
     assert lib.plait_lanes.argtypes == []
     assert len(lib.plait_qgemm.argtypes) == 8 and len(lib.plait_dequantize.argtypes) == 5
     assert ABI.functions["plait_silu_mul"] == (
@@ -110,7 +110,7 @@ _GOOD = HEADER_TEXT
     _GOOD.replace("long inter,", "double inter,"),
     _GOOD.replace("long inter,", "long,"),  # a parameter without a name
     _GOOD.replace("int64_t *out);", "char *out);"),  # pointer to another type
-    _GOOD.replace("const int64_t *desc, long K,", "const void *desc, long K,"),
+    _GOOD.replace("const int64_t *desc, long K,", "const double *desc, long K,"),
     _GOOD.replace("const int64_t *desc, long K,", "const uint8_t *desc, long K,"),
     _GOOD.replace("int plait_lanes(void);", "int plait_lanes(void)"),  # missing ';'
     _GOOD.replace("int plait_lanes(void);", "int plait_lanes(void); int helper(long x);"),
@@ -224,12 +224,18 @@ def test_return_codes_follow_the_header_convention() -> None:
     assert lib.plait_silu_mul(out.data_ptr(), 8, -1, 4, out.data_ptr()) == shapes
     assert lib.plait_add_rms_norm(out.data_ptr(), 8, None, 0, out.data_ptr(), 1, -1, 1e-6, None,
                                   out.data_ptr()) == shapes
-    assert lib.plait_rope_write_kv(*(None, 0) * 3, 0, 1, 1, 3, *(None,) * 5) == shapes
+    f32, bf16 = ABI.constants["PLAIT_KV_F32"], ABI.constants["PLAIT_KV_BF16"]
+    assert lib.plait_rope_write_kv(*(None, 0) * 3, 0, 1, 1, 3, *(None,) * 4, f32, None) == shapes
+    # a KV element type the kernels do not know: refused before anything is read
+    assert lib.plait_rope_write_kv(*(None, 0) * 3, 0, 1, 1, 2, *(None,) * 4, 7, None) == shapes
     # attention: a head_dim beyond PLAIT_MAX_HEAD_DIM is refused before anything is read
     lanes = native.lanes()
     assert lib.plait_decode_attention(
-        None, 0, None, None, 16, 1, 1, build.MAX_HEAD_DIM + lanes, None, 0, 0, None, None,
-        None, None, None, 1.0, None, None) == shapes
+        None, 0, None, None, bf16, 16, 1, 1, build.MAX_HEAD_DIM + lanes, None, 0, 0, None,
+        None, None, None, None, 1.0, None, None) == shapes
+    assert lib.plait_decode_attention(
+        None, 0, None, None, 7, 16, 1, 1, lanes, None, 0, 0, None, None, None, None, None,
+        1.0, None, None) == shapes
 
 
 # --- (e) the build refuses warnings and a definition that disagrees with the header ------
