@@ -10,7 +10,7 @@ layers and the sampler call them through the module, so they reach the wrappers)
 
     python scripts/profile_step.py [--n 16] [--tokens 32] [--unique] [--model FILE.gguf]
         [--weights auto|float32] [--compute-dtype float32|bfloat16]
-        [--kv-cache-dtype auto|bfloat16]
+        [--kv-cache-dtype auto|bfloat16] [--kv-cache-prefault]
 """
 
 from __future__ import annotations
@@ -49,10 +49,12 @@ def main() -> None:
     parser.add_argument("--weights", default="auto", help="auto (the file's format) or float32")
     parser.add_argument("--compute-dtype", default="float32")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (float32) or bfloat16")
+    parser.add_argument("--kv-cache-prefault", action="store_true",
+                        help="make the whole KV pool resident at start")
     args = parser.parse_args()
     _label_native_kernels()
     llm = LLM(args.model, weights=args.weights, compute_dtype=args.compute_dtype,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, kv_cache_prefault=args.kv_cache_prefault)
     if args.unique:
         _profile_unique(llm, args)
         return
