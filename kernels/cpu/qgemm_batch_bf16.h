@@ -35,9 +35,10 @@
  * few rows do not repay). With them (--against the float32 paths, the threshold lowered to
  * measure): SmolLM2 0.57x at 16, 0.66x at 8, 0.77x at 6, 0.83x at 5, 0.82x at 4, 0.85x at
  * 3, 0.90x at 2; Qwen 0.56x at 16, 0.64x at 8, 0.68x at 6, 0.77x at 5, 0.78x at 4, 0.80x at
- * 3, 0.84x at 2. The tables and prefetch against the previous bf16 decode (--against-dtype
- * bfloat16): SmolLM2 38.0 -> 33.4 ms a step at 16 rows, 26.9 -> 22.3 at 8; Qwen 165.0 ->
- * 150.7 at 16, 108.5 -> 92.0 at 8 (a noisy host: one code's step differs by up to 20%
+ * 3, 0.84x at 2: the threshold went from 6 to 2 (one row keeps qgemm_bf16.h). The tables
+ * and prefetch against the previous bf16 decode (--against-dtype bfloat16): SmolLM2 38.0
+ * -> 33.4 ms a step at 16 rows, 26.9 -> 22.3 at 8; Qwen 165.0 -> 150.7 at 16, 108.5 ->
+ * 92.0 at 8 (a noisy host: one code's step differs by up to 20%
  * from run to run; each ratio is of calls interleaved in one run). */
 
 /* 32 float32 (lo: k 0 .. 15, hi: k 16 .. 31) -> 32 bfloat16 words, nearest even. */
