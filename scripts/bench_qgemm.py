@@ -14,13 +14,14 @@ interleaved call for call; medians of the calling thread's CPU time (all of it w
 OMP_NUM_THREADS=1) and of wall time.
 
 `--compute-dtype bfloat16`: the working tree's qgemm given the weights' bf16 descriptors
-(`QuantWeight.desc_bf16`: bf16 products from 2 rows); with `--against`, the other revision's
-qgemm keeps the float32 descriptors (what its bf16 mode ran for these products).
+(`QuantWeight.desc_bf16`: bf16 products from `quant.BF16_MIN_ROWS` rows); with `--against`,
+the other revision's qgemm is given `--against-dtype`'s descriptors (float32 by default:
+what a revision without the bf16 batch path ran for these products).
 
     python scripts/bench_qgemm.py [--model qwen] [--rows 1,4,16] [--threads 2]
     OMP_NUM_THREADS=1 python scripts/bench_qgemm.py --model qwen --threads 1 --against HEAD
     OMP_NUM_THREADS=1 python scripts/bench_qgemm.py --threads 1 --against HEAD \
-        --compute-dtype bfloat16 --rows 2,4,8,16
+        --compute-dtype bfloat16 --rows 2,4,8,16 [--against-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -196,6 +197,8 @@ def main() -> None:
                         help="compare qgemm with the kernels of this git revision or folder")
     parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the working tree's qgemm computes in this dtype")
+    parser.add_argument("--against-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the --against revision's qgemm computes in this dtype")
     args = parser.parse_args()
     dtype = getattr(torch, args.compute_dtype)
     torch.set_num_threads(args.threads)
@@ -203,7 +206,8 @@ def main() -> None:
         raise SystemExit(f"native kernels unavailable: {build.unavailable_reason()}")
     row_counts = [int(r) for r in args.rows.split(",")]
     if args.against:
-        libs = {args.against[:8]: (_library_of(args.against), torch.float32),
+        libs = {args.against[:8]: (_library_of(args.against),
+                                   getattr(torch, args.against_dtype)),
                 "tree": (build.loaded(), dtype)}
         _against(args.model, libs, row_counts, args.repeats)
     else:

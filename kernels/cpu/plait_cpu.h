@@ -58,11 +58,12 @@
  * computes in bfloat16 (the engine's compute_dtype "bfloat16"): for M >=
  * PLAIT_QGEMM_BF16_MIN_ROWS rows and K % 32 == 0, x and every dequantized weight rounded to
  * bfloat16 (nearest even; the weight's bits those of plait_dequantize_bf16), products summed
- * in float32, bias added in float32. Fewer rows (bound by reading the weights, where bf16
- * gains nothing; measured slower below 6 rows), other K, or a build without AVX512-BF16: the
- * float32 paths, the same bits as without the flag. plait_dequantize(_bf16) ignore it. */
+ * in float32, bias added in float32. One row (qgemm_bf16.h's exact bf16 pieces; from 2
+ * rows the bf16 batch path measured faster: qgemm_batch_bf16.h), other K, or a build
+ * without AVX512-BF16: the float32 paths, the same bits as without the flag.
+ * plait_dequantize(_bf16) ignore it. */
 #define PLAIT_QGEMM_BF16 256
-#define PLAIT_QGEMM_BF16_MIN_ROWS 6
+#define PLAIT_QGEMM_BF16_MIN_ROWS 2
 
 /* The pointers of one layer in plait_decoder_stack's table, in this order (as int64). */
 enum plait_stack_pointer {

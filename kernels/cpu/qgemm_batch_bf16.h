@@ -28,10 +28,18 @@
 #define QGEMM_BATCH_BF16 1
 /* Flagged descriptors take this path from PLAIT_QGEMM_BF16_MIN_ROWS x rows; fewer keep the
  * float32 paths (one row: qgemm_bf16.h's exact pieces). Measured, 1 thread, against the
- * float32 paths (scripts/bench_qgemm.py, a decode step's GEMMs summed): SmolLM2's shapes
- * 0.69x the time at 16 rows, 0.85x at 7 and 8, 0.95x at 6, 1.1x at 5, 1.15x at 4, 1.35x at
- * 2; Qwen2.5-0.5B's 0.68x at 16, 0.84x at 8, 0.91x at 6, 1.1x at 4 (the chunk's decode,
- * rounding and folds, which a few rows do not repay). */
+ * float32 paths (scripts/bench_qgemm.py, a decode step's GEMMs summed), before the group
+ * tables and the next chunk's prefetch below: SmolLM2's shapes 0.69x the time at 16 rows,
+ * 0.85x at 7 and 8, 0.95x at 6, 1.1x at 5, 1.15x at 4, 1.35x at 2; Qwen2.5-0.5B's 0.68x at
+ * 16, 0.84x at 8, 0.91x at 6, 1.1x at 4 (the chunk's decode, rounding and folds, which a
+ * few rows do not repay). With them (--against the float32 paths, the threshold lowered to
+ * measure): SmolLM2 0.57x at 16, 0.66x at 8, 0.77x at 6, 0.83x at 5, 0.82x at 4, 0.85x at
+ * 3, 0.90x at 2; Qwen 0.56x at 16, 0.64x at 8, 0.68x at 6, 0.77x at 5, 0.78x at 4, 0.80x at
+ * 3, 0.84x at 2: the threshold went from 6 to 2 (one row keeps qgemm_bf16.h). The tables
+ * and prefetch against the previous bf16 decode (--against-dtype bfloat16): SmolLM2 38.0
+ * -> 33.4 ms a step at 16 rows, 26.9 -> 22.3 at 8; Qwen 165.0 -> 150.7 at 16, 108.5 ->
+ * 92.0 at 8 (a noisy host: one code's step differs by up to 20%
+ * from run to run; each ratio is of calls interleaved in one run). */
 
 /* 32 float32 (lo: k 0 .. 15, hi: k 16 .. 31) -> 32 bfloat16 words, nearest even. */
 ALWAYS_INLINE __m512i round_bf16(__m512 lo, __m512 hi) {
@@ -46,16 +54,99 @@ static void round_rows(const float *x, long M, long ldx, long K, uint16_t *xb) {
                                                      _mm512_loadu_ps(x + m * ldx + k + 16)));
 }
 
-/* Row `row` of part p (K % 32 == 0) into dst [K] (64-byte aligned) bfloat16 bits: each
- * 32-weight group decoded to float32 in registers (dequant_groups' vectors), then rounded;
- * a BF16 row copied. */
+/* Group tables: within a group (a K-quant sub-block) every weight is f(q) for a quant q of
+ * 4 or 5 bits and the group's scale and min, so the group's 16 or 32 values of f are
+ * computed as float32 vectors over all q (decode_group's operations in its order: the same
+ * float32 bits), rounded to bfloat16 once, and the quants mapped through them by vpermw
+ * (which reads an index's low 5 bits: a 16-entry table is stored twice, so a nibble needs
+ * no mask). Per group one or two float32 vectors and one rounding, where decode_group
+ * widens, converts and scales 32 quants in two vectors. Q6_K (two scales per group, 64
+ * values each), Q8_0 (256 values) and F16 keep decode_group. */
+static const float TAB_IOTA[32] __attribute__((aligned(64))) = {
+    0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+    16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+
+/* q, q + 16 for q = 0 .. 15 (the table vectors' quants), less `off`. */
+ALWAYS_INLINE vf tab_q(int high, float off) {
+  return *(const vf *)(TAB_IOTA + 16 * high) - off;
+}
+
+/* Row `row` of part p (K % 32 == 0) into dst [K] (64-byte aligned) bfloat16 bits: groups
+ * through their tables (above), or decoded to float32 in registers (dequant_groups'
+ * vectors) then rounded; a BF16 row copied. */
 static void dequant_row_bf16(const part_t *p, long row, long K, uint16_t *dst) {
   const uint8_t *src = p->data + row * p->row_bytes;
+  /* this row of the next chunk (this thread's next one under qgemm_batch's static
+   * schedule), in flight while this chunk's tiles run; past a part's end, a prefetch of
+   * nothing (it does not fault) */
+  for (long o = 0; o < p->row_bytes; o += 64)
+    _mm_prefetch((const char *)src + BATCH_ROWS * p->row_bytes + o, _MM_HINT_T1);
   vf w[2];
   switch (p->type) {
     case PLAIT_GGML_BF16:
       memcpy(dst, src, sizeof(uint16_t) * (size_t)K);
       return;
+    case PLAIT_GGML_Q4_0: {
+      const vf q = tab_q(0, 8.0f);
+      for (long g = 0; g < K / 32; g++) {
+        const uint8_t *b = src + g * 18;
+        vf t = vsplat(load_f16(b)) * q;
+        _mm512_store_si512(dst + 32 * g, _mm512_permutexvar_epi16(
+            nibble_words(b + 2), round_bf16((__m512)t, (__m512)t)));
+      }
+      return;
+    }
+    case PLAIT_GGML_Q4_1: {
+      const vf q = tab_q(0, 0.0f);
+      for (long g = 0; g < K / 32; g++) {
+        const uint8_t *b = src + g * 20;
+        vf t = mul_add_2r(vsplat(load_f16(b)), q, vsplat(load_f16(b + 2)));
+        _mm512_store_si512(dst + 32 * g, _mm512_permutexvar_epi16(
+            nibble_words(b + 4), round_bf16((__m512)t, (__m512)t)));
+      }
+      return;
+    }
+    case PLAIT_GGML_Q5_0: {
+      const vf q0 = tab_q(0, 16.0f), q1 = tab_q(1, 16.0f);
+      for (long g = 0; g < K / 32; g++) {
+        const uint8_t *b = src + g * 22;
+        uint32_t qh;
+        memcpy(&qh, b + 2, sizeof qh);
+        vf d = vsplat(load_f16(b));
+        __m512i q = _mm512_and_si512(nibble_words(b + 6), _mm512_set1_epi16(15));
+        q = _mm512_mask_add_epi16(q, (__mmask32)qh, q, _mm512_set1_epi16(16));
+        _mm512_store_si512(dst + 32 * g, _mm512_permutexvar_epi16(
+            q, round_bf16((__m512)(d * q0), (__m512)(d * q1))));
+      }
+      return;
+    }
+    case PLAIT_GGML_Q4_K:
+    case PLAIT_GGML_Q5_K: {
+      const int five = p->type == PLAIT_GGML_Q5_K;
+      const long bytes = five ? 176 : 144;
+      const vf q0 = tab_q(0, 0.0f), q1 = tab_q(1, 0.0f);
+      for (long blk = 0; blk < K / 256; blk++) {
+        const uint8_t *b = src + blk * bytes;
+        const float d = load_f16(b), dmin = load_f16(b + 2);
+        _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+          float sc, mn;
+          scale_min_k4(b + 4, s, &sc, &mn);
+          vf ds = vsplat(d * sc), dm = vsplat(-(dmin * mn));
+          vf lo = mul_add_2r(ds, q0, dm);
+          __m512i tab, q;
+          if (five) {
+            tab = round_bf16((__m512)lo, (__m512)mul_add_2r(ds, q1, dm));
+            q = low4_high(byte_words(b + 48 + 32 * (s / 2), s & 1 ? 4 : 0),
+                          shift_words(byte_words(b + 16, 0), 4 - s));
+          } else {
+            tab = round_bf16((__m512)lo, (__m512)lo);
+            q = byte_words(b + 16 + 32 * (s / 2), s & 1 ? 4 : 0);
+          }
+          _mm512_store_si512(dst + 256 * blk + 32 * s, _mm512_permutexvar_epi16(q, tab));
+        }
+      }
+      return;
+    }
 #define GROUPS(type)                                                            \
   case type:                                                                    \
     for (long g = 0; g < K / 32; g++) {                                         \
@@ -63,9 +154,7 @@ static void dequant_row_bf16(const part_t *p, long row, long K, uint16_t *dst) {
       _mm512_store_si512(dst + 32 * g, round_bf16((__m512)w[0], (__m512)w[1])); \
     }                                                                           \
     return;
-    GROUPS(PLAIT_GGML_F16) GROUPS(PLAIT_GGML_Q4_0) GROUPS(PLAIT_GGML_Q4_1)
-    GROUPS(PLAIT_GGML_Q5_0) GROUPS(PLAIT_GGML_Q8_0) GROUPS(PLAIT_GGML_Q4_K)
-    GROUPS(PLAIT_GGML_Q5_K) GROUPS(PLAIT_GGML_Q6_K)
+    GROUPS(PLAIT_GGML_F16) GROUPS(PLAIT_GGML_Q8_0) GROUPS(PLAIT_GGML_Q6_K)
 #undef GROUPS
     default: return;
   }

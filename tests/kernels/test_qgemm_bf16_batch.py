@@ -64,6 +64,22 @@ def test_bf16_weights_are_the_rounded_reference(ggml_type: int) -> None:
 
 
 @needs_bf16
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=quant.type_name)
+def test_bf16_chunk_words_are_dequantize_bf16(ggml_type: int) -> None:
+    """The decoded chunk's bfloat16 words (group tables or decode_group then rounding) are
+    `native.dequantize(weight, None, bfloat16)`'s, bit for bit but a zero's sign (which a
+    sum of products does not keep): x the identity (K rows of one 1.0 each), so y[k, n] is
+    1 x w[n, k], exact, plus zeros. Weights span the K types' sub-blocks and 37 rows (chunks
+    of 16 and a tail)."""
+    k = 512
+    weight = _weight((ggml_type,), (37,), k, seed=ggml_type)
+    want = native.dequantize(weight, None, BF16)
+    got = native.qgemm(torch.eye(k), weight, None, BF16)
+    assert got.dtype == torch.float32 and torch.equal(got.T.to(BF16).float(), got.T)
+    assert torch.equal(got.T.to(BF16), want)
+
+
+@needs_bf16
 @pytest.mark.parametrize(("ggml_type", "k"), [
     *((t, k) for t in ALL_TYPES for k in (512, 6400)),
     *((t, 1408) for t in BLOCK_32_TYPES)], ids=str)
