@@ -144,12 +144,12 @@ class QuantLinear(Linear):
     """y = x @ W^T + bias with W a `QuantWeight` held as the file stores it (float32 CPU
     activations): `qgemm` in `compute_dtype` for at most `NATIVE_MAX_ROWS` rows (decode steps
     read the blocks once; bf16: x and W rounded to bf16, float32 sums, from
-    `quant.BF16_MIN_ROWS` rows); for more
-    rows (prefills) `quant_ops.matmul_dequantized`: W dequantized into a process-wide scratch
-    of `compute_dtype` (in row chunks past its cap) and multiplied by oneDNN (bf16: bf16 x
-    bf16 with float32 accumulation, output rounded to bf16). No float32 copy of W is kept. A
-    tied LM head shares its embedding's weight. The native decoder stack reads
-    `qweight.descriptor(compute_dtype)`, the descriptor `qgemm` is given here."""
+    `quant.BF16_MIN_ROWS` rows); for more rows (prefills) `quant_ops.matmul_dequantized`: W
+    dequantized into a process-wide scratch of `compute_dtype` (in row chunks past its cap)
+    and multiplied by oneDNN (bf16: bf16 x bf16 with float32 accumulation, output rounded to
+    bf16). No float32 copy of W is kept. A tied LM head shares its embedding's weight. The
+    native decoder stack reads `qweight.descriptor(compute_dtype)`, the descriptor `qgemm`
+    is given here."""
 
     format: ClassVar[str] = "gguf"
     qweight: QuantWeight
