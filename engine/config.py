@@ -47,11 +47,11 @@ class EngineConfig:
     "float32" dequantizes them at load, as on CUDA, where the weights take the model dtype.
     `compute_dtype` "bfloat16" runs the kept weights' GEMMs as bf16 x bf16 with float32
     accumulation: large ones (more than NATIVE_MAX_ROWS rows: prefills) dequantized to bf16
-    for BLAS, a decode step's 6 to NATIVE_MAX_ROWS rows in the native quantized GEMM (x and
-    each decoded weight rounded to bf16, vdpbf16ps; CPUs without AVX512-BF16 keep float32
-    there), the decoder stack's projections and the LM head alike; fewer rows stay float32
-    (bound by reading the weights). "float32" is exact: float32 products of the dequantized
-    weights.
+    for BLAS, a decode step's 2 (quant.BF16_MIN_ROWS) to NATIVE_MAX_ROWS rows in the native
+    quantized GEMM (x and each decoded weight rounded to bf16, vdpbf16ps; CPUs without
+    AVX512-BF16 keep float32 there), the decoder stack's projections and the LM head alike;
+    one row stays exact (bound by reading the weights). "float32" is exact: float32
+    products of the dequantized weights.
 
     `kv_cache_dtype` "auto" stores K and V in the model dtype (float32 on a float32 CPU
     engine); "bfloat16" stores them as bf16, rounded to nearest even when written and widened
