@@ -4,6 +4,7 @@
     model         a model built as the runner builds it, driven over a hand-written paged cache
     tiny_model    a tiny random-weight checkpoint on the default model's tokenizer
     kernel_cases  attention batches and dense references for the kernel tests
+    quant_cases   random GGUF weights and a strided qgemm call for the quant kernel tests
     server        real `plait serve` processes (plait/bench/launch.py), in-process uvicorn, SSE
     scripted      a scripted engine core whose steps the test can hold and release
     requests      chat / completion request bodies

@@ -15,7 +15,16 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from test_quant_kernels import ALL_TYPES, BLOCK_32_TYPES, K, _random_part, _weight
+from helpers.quant_cases import (
+    ALL_TYPES,
+    BLOCK_32_TYPES,
+    MIXED_PARTS,
+    MIXED_SIZES,
+    K,
+    qgemm_in_wide_buffers,
+    random_part,
+    random_weight,
+)
 
 from plait.kernels.cpu import build, native, quant
 from plait.kernels.cpu.quant import QuantWeight
@@ -34,7 +43,7 @@ def _bf16_kernel_built() -> bool:
     """Whether this build has the bf16 batch path (AVX512-BF16): without it, flagged
     descriptors compute as float32 (plait_cpu.h), which the bf16 checks would refuse."""
     x = torch.randn(quant.BF16_MIN_ROWS, 32, generator=torch.Generator().manual_seed(0))
-    weight = _weight((quant.Q8_0,), (4,), 32)
+    weight = random_weight((quant.Q8_0,), (4,), 32)
     return not torch.equal(native.qgemm(x, weight, None, BF16), native.qgemm(x, weight))
 
 
@@ -58,7 +67,7 @@ def _error(y: torch.Tensor, x: torch.Tensor, weight: QuantWeight,
 def test_bf16_weights_are_the_rounded_reference(ggml_type: int) -> None:
     """The bf16 weights the reference uses: gguf-py's float32 values rounded to nearest
     even by torch (the kernel rounds its decoded float32 vectors the same way)."""
-    weight = _weight((ggml_type,), (37,), 512)
+    weight = random_weight((ggml_type,), (37,), 512)
     assert torch.equal(native.dequantize(weight, None, BF16),
                        quant.dequantize_reference(weight).to(BF16))
 
@@ -72,7 +81,7 @@ def test_bf16_chunk_words_are_dequantize_bf16(ggml_type: int) -> None:
     1 x w[n, k], exact, plus zeros. Weights span the K types' sub-blocks and 37 rows (chunks
     of 16 and a tail)."""
     k = 512
-    weight = _weight((ggml_type,), (37,), k, seed=ggml_type)
+    weight = random_weight((ggml_type,), (37,), k, seed=ggml_type)
     want = native.dequantize(weight, None, BF16)
     got = native.qgemm(torch.eye(k), weight, None, BF16)
     assert got.dtype == torch.float32 and torch.equal(got.T.to(BF16).float(), got.T)
@@ -87,7 +96,7 @@ def test_bf16_qgemm_of_every_row_count(ggml_type: int, k: int) -> None:
     """BF16_MIN_ROWS .. 24 rows (tiles of 4 rows and their tails), 37 weight rows (chunks of
     16 and a tail of 5), K in 1, 2 (1408) and 7 (6400) blocks; the float32 result is out of
     tolerance, so the check sees whether x and W were rounded."""
-    weight = _weight((ggml_type,), (37,), k)
+    weight = random_weight((ggml_type,), (37,), k)
     gen = torch.Generator().manual_seed(k)
     for rows in range(quant.BF16_MIN_ROWS, 25):
         x = torch.randn(rows, k, generator=gen)
@@ -96,41 +105,31 @@ def test_bf16_qgemm_of_every_row_count(ggml_type: int, k: int) -> None:
 
 
 @needs_bf16
-@pytest.mark.parametrize(("types", "k"), [
-    ((quant.Q4_1, quant.Q8_0, quant.Q5_0, quant.F16, quant.Q4_0, quant.BF16), 576),
-    ((quant.Q6_K, quant.Q4_K, quant.Q5_K, quant.Q8_0), 768)], ids=str)
+@pytest.mark.parametrize(("types", "k"), MIXED_PARTS, ids=str)
 @pytest.mark.parametrize("rows", [quant.BF16_MIN_ROWS, 7, 16, 24, 30])
 def test_bf16_qgemm_of_parts_with_bias_and_strides(types: tuple[int, ...], k: int,
                                                     rows: int) -> None:
     """Parts of different types inside one 16-row chunk, a bias (added in float32), x and y
     rows inside wider buffers, the rest of y untouched; 30 rows: two passes over a chunk."""
-    sizes = (5, 16, 3, 20, 1, 7)[:len(types)]
-    weight = _weight(types, sizes, k, seed=rows)
-    n = sum(sizes)
-    gen = torch.Generator().manual_seed(rows)
-    wide_x, bias = torch.randn(rows, k + 24, generator=gen), torch.randn(n, generator=gen)
-    x = wide_x[:, 8:8 + k]
-    y = torch.full((rows, n + 9), 7.0)
-    rc = build.loaded().plait_qgemm(x.data_ptr(), rows, wide_x.stride(0),
-                                    weight.desc_bf16.data_ptr(), k, bias.data_ptr(),
-                                    y[:, 4:].data_ptr(), y.stride(0))
+    weight = random_weight(types, MIXED_SIZES[:len(types)], k, seed=rows)
+    rc, x, bias, y, y_wide = qgemm_in_wide_buffers(weight, weight.desc_bf16, rows, seed=rows)
     assert rc == 0
-    assert _error(y[:, 4:4 + n], x, weight, bias) <= TOLERANCE
-    assert (y[:, :4] == 7).all() and (y[:, 4 + n:] == 7).all()
-    assert torch.equal(native.qgemm(x, weight, bias, BF16), y[:, 4:4 + n])
+    assert _error(y, x, weight, bias) <= TOLERANCE
+    assert (y_wide[:, :4] == 7).all() and (y_wide[:, 4 + y.shape[1]:] == 7).all()
+    assert torch.equal(native.qgemm(x, weight, bias, BF16), y)
 
 
 def test_few_rows_and_short_rows_compute_as_float32() -> None:
     """Fewer than BF16_MIN_ROWS rows (one: the exact bf16-pieces path) and F16 / BF16 rows
     of K % 32 != 0 take the float32 paths whatever the descriptor says: the same bits."""
-    weight = _weight(tuple(ALL_TYPES), tuple(range(3, 3 + len(ALL_TYPES))))
+    weight = random_weight(tuple(ALL_TYPES), tuple(range(3, 3 + len(ALL_TYPES))))
     gen = torch.Generator().manual_seed(1)
     for rows in range(1, quant.BF16_MIN_ROWS):
         x = torch.randn(rows, weight.in_features, generator=gen)
         assert torch.equal(native.qgemm(x, weight, None, BF16), native.qgemm(x, weight))
     rng = np.random.default_rng(2)
-    short = QuantWeight.build([_random_part(quant.F16, 5, 40, rng),
-                               _random_part(quant.BF16, 4, 40, rng)], 40)
+    short = QuantWeight.build([random_part(quant.F16, 5, 40, rng),
+                               random_part(quant.BF16, 4, 40, rng)], 40)
     x = torch.randn(6, 40, generator=torch.Generator().manual_seed(3))
     assert torch.equal(native.qgemm(x, short, None, BF16), native.qgemm(x, short))
 
@@ -138,7 +137,7 @@ def test_few_rows_and_short_rows_compute_as_float32() -> None:
 def test_descriptors_and_flags() -> None:
     """`desc_bf16` is `desc` with the flag in its first word; `descriptor` picks by dtype;
     an unknown flag is refused; dequantize reads a flagged descriptor as its parts."""
-    weight = _weight((quant.Q4_0, quant.Q8_0), (3, 4))
+    weight = random_weight((quant.Q4_0, quant.Q8_0), (3, 4))
     assert weight.desc_bf16[0] == weight.desc[0] | quant.BF16_COMPUTE
     assert torch.equal(weight.desc_bf16[1:], weight.desc[1:])
     assert weight.descriptor(torch.float32) is weight.desc
@@ -169,7 +168,7 @@ def test_a_build_without_avx512bf16_computes_float32(tmp_path) -> None:
                    timeout=300)
     lib = ctypes.CDLL(str(target))
     lib.plait_qgemm.restype, lib.plait_qgemm.argtypes = build.ctypes_signature("plait_qgemm")
-    weight = _weight(tuple(ALL_TYPES), tuple(range(3, 3 + len(ALL_TYPES))))
+    weight = random_weight(tuple(ALL_TYPES), tuple(range(3, 3 + len(ALL_TYPES))))
     n, gen = weight.out_features, torch.Generator().manual_seed(5)
     for rows in (1, quant.BF16_MIN_ROWS, 16, 24):
         x = torch.randn(rows, K, generator=gen)

@@ -11,7 +11,17 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import quantize
+from helpers.quant_cases import (
+    ALL_TYPES,
+    BLOCK_32_TYPES,
+    MIXED_PARTS,
+    MIXED_SIZES,
+    QUANTIZABLE,
+    K,
+    qgemm_in_wide_buffers,
+    random_part,
+    random_weight,
+)
 
 from plait.engine.model_loader import default_gguf_path
 from plait.kernels.cpu import build, native, quant
@@ -20,42 +30,6 @@ from plait.kernels.cpu.quant import QuantPart, QuantWeight
 pytestmark = pytest.mark.skipif(not build.available(), reason="native kernels unavailable")
 
 SHAPES = build.ABI.constants["PLAIT_ERR_SHAPES"]
-K = 512  # two super-blocks of 256, sixteen blocks of 32
-# Byte offsets of each block type's fp16 fields (scale d, min m / dmin): random bytes there
-# would be inf / nan, so they get finite random values.
-FP16_FIELDS = {quant.Q4_0: (0,), quant.Q4_1: (0, 2), quant.Q5_0: (0,), quant.Q8_0: (0,),
-               quant.Q4_K: (0, 2), quant.Q5_K: (0, 2), quant.Q6_K: (208,)}
-# The types gguf-py can quantize (the others' blocks are random bytes only).
-QUANTIZABLE = (quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q8_0, quant.BF16)
-ALL_TYPES = sorted(quant.KEPT_TYPES)
-
-
-def _random_part(ggml_type: int, rows: int, k: int, rng: np.random.Generator,
-                 quantized: bool = False) -> QuantPart:
-    """`rows` rows of valid blocks: gguf-py's quantization of normal floats (`quantized`),
-    else random bytes (every bit pattern of the quants) with finite random fp16 scales."""
-    if ggml_type == quant.F16:
-        raw = rng.standard_normal((rows, k)).astype(np.float16).view(np.uint8)
-    elif ggml_type == quant.BF16 or quantized:
-        raw = quantize(rng.standard_normal((rows, k)).astype(np.float32),
-                       GGMLQuantizationType(ggml_type))
-    else:
-        per_block, nbytes = quant.block_shape(ggml_type)
-        raw = rng.integers(0, 256, size=(rows, k // per_block, nbytes), dtype=np.uint8)
-        for at in FP16_FIELDS[ggml_type]:
-            scale = rng.uniform(-0.05, 0.05, size=(rows, k // per_block, 1)).astype(np.float16)
-            raw[..., at:at + 2] = scale.view(np.uint8)
-    data = torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, -1))
-    return QuantPart(data, ggml_type, rows)
-
-
-def _weight(types: tuple[int, ...], rows: tuple[int, ...], k: int = K,
-            seed: int = 0) -> QuantWeight:
-    rng = np.random.default_rng(seed)
-    return QuantWeight.build([_random_part(t, n, k, rng) for t, n in zip(types, rows,
-                                                                          strict=True)], k)
-
-
 def _assert_gemm_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
                        bias: torch.Tensor | None = None) -> None:
     """y against x @ w^T + bias in float64, each element within 1e-5 of its magnitude
@@ -73,7 +47,7 @@ def _assert_gemm_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
 
 @pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=quant.type_name)
 def test_dequantize_is_the_reference_bit_for_bit(ggml_type: int) -> None:
-    weight = _weight((ggml_type,), (37,))
+    weight = random_weight((ggml_type,), (37,))
     ref = quant.dequantize_reference(weight)
     assert torch.isfinite(ref).all()
     assert torch.equal(native.dequantize(weight), ref)
@@ -84,13 +58,13 @@ def test_dequantize_is_the_reference_bit_for_bit(ggml_type: int) -> None:
 @pytest.mark.parametrize("ggml_type", QUANTIZABLE, ids=quant.type_name)
 def test_dequantize_of_gguf_quantized_floats(ggml_type: int) -> None:
     rng = np.random.default_rng(1)
-    weight = QuantWeight.build([_random_part(ggml_type, 9, K, rng, quantized=True)], K)
+    weight = QuantWeight.build([random_part(ggml_type, 9, K, rng, quantized=True)], K)
     assert torch.equal(native.dequantize(weight), quant.dequantize_reference(weight))
 
 
 @pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=quant.type_name)
 def test_dequantize_to_bfloat16_rounds_the_float32_rows(ggml_type: int) -> None:
-    weight = _weight((ggml_type,), (13,))
+    weight = random_weight((ggml_type,), (13,))
     ref = quant.dequantize_reference(weight).to(torch.bfloat16)
     got = native.dequantize(weight, dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16),
@@ -119,7 +93,7 @@ def test_bfloat16_rounding_ties_and_nan() -> None:
 
 
 def test_dequantize_rows_across_parts() -> None:
-    weight = _weight((quant.Q5_0, quant.Q5_0, quant.Q8_0), (8, 8, 4))
+    weight = random_weight((quant.Q5_0, quant.Q5_0, quant.Q8_0), (8, 8, 4))
     ref = quant.dequantize_reference(weight)
     rows = torch.tensor([19, 0, 8, 7, 16, 15])  # each part's edges
     assert torch.equal(native.dequantize(weight, rows), ref[rows])
@@ -131,7 +105,7 @@ def test_dequantize_rows_across_parts() -> None:
 @pytest.mark.parametrize("rows", [1, 3, 16, 24, 40])
 @pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=quant.type_name)
 def test_qgemm_matches_a_float64_matmul(ggml_type: int, rows: int) -> None:
-    weight = _weight((ggml_type,), (45,))
+    weight = random_weight((ggml_type,), (45,))
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     _assert_gemm_close(native.qgemm(x, weight), x, quant.dequantize_reference(weight))
 
@@ -139,7 +113,7 @@ def test_qgemm_matches_a_float64_matmul(ggml_type: int, rows: int) -> None:
 @pytest.mark.parametrize("rows", [1, 7, 40])
 def test_qgemm_of_several_parts_with_bias(rows: int) -> None:
     """q|k in Q5_0, v in Q8_0: Qwen2.5's Q4_K_M fused projection."""
-    weight = _weight((quant.Q5_0, quant.Q5_0, quant.Q8_0), (64, 16, 16))
+    weight = random_weight((quant.Q5_0, quant.Q5_0, quant.Q8_0), (64, 16, 16))
     gen = torch.Generator().manual_seed(2)
     x, bias = torch.randn(rows, K, generator=gen), torch.randn(96, generator=gen)
     _assert_gemm_close(native.qgemm(x, weight, bias), x, quant.dequantize_reference(weight),
@@ -148,7 +122,7 @@ def test_qgemm_of_several_parts_with_bias(rows: int) -> None:
 
 def test_qgemm_of_every_type_in_one_weight() -> None:
     types = tuple(ALL_TYPES)
-    weight = _weight(types, tuple(range(3, 3 + len(types))))
+    weight = random_weight(types, tuple(range(3, 3 + len(types))))
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(3))
     _assert_gemm_close(native.qgemm(x, weight), x, quant.dequantize_reference(weight))
 
@@ -156,7 +130,7 @@ def test_qgemm_of_every_type_in_one_weight() -> None:
 def test_qgemm_reads_and_writes_strided_rows() -> None:
     """ldx, ldy: x rows inside a wider buffer, y rows written into a wider one, the rest of
     it untouched."""
-    weight = _weight((quant.Q4_1,), (33,))
+    weight = random_weight((quant.Q4_1,), (33,))
     gen = torch.Generator().manual_seed(4)
     wide_x = torch.randn(20, K + 40, generator=gen)
     x = wide_x[:, 8:8 + K]
@@ -173,14 +147,13 @@ def test_qgemm_reads_and_writes_strided_rows() -> None:
 # (qgemm_batch.h): from 10 rows, or 8 of 12288 x floats (K = 6400: from 8 rows). K blocks of
 # up to 32 groups, split evenly: K = 1408 two of 22 groups, K = 6400 seven, the last of 26;
 # 37 weight rows: chunks of 16 and a tail of 5.
-BLOCK_32_TYPES = [t for t in ALL_TYPES if quant.block_shape(t)[0] in (1, 32)]
 
 
 @pytest.mark.parametrize(("ggml_type", "k"), [
     *((t, k) for t in ALL_TYPES for k in (512, 6400)),
     *((t, 1408) for t in BLOCK_32_TYPES)], ids=str)
 def test_batched_qgemm_of_every_row_count(ggml_type: int, k: int) -> None:
-    weight = _weight((ggml_type,), (37,), k)
+    weight = random_weight((ggml_type,), (37,), k)
     w = quant.dequantize_reference(weight)
     gen = torch.Generator().manual_seed(k)
     for rows in range(2, 25):
@@ -188,34 +161,24 @@ def test_batched_qgemm_of_every_row_count(ggml_type: int, k: int) -> None:
         _assert_gemm_close(native.qgemm(x, weight), x, w)
 
 
-@pytest.mark.parametrize(("types", "k"), [
-    ((quant.Q4_1, quant.Q8_0, quant.Q5_0, quant.F16, quant.Q4_0, quant.BF16), 576),
-    ((quant.Q6_K, quant.Q4_K, quant.Q5_K, quant.Q8_0), 768)], ids=str)
+@pytest.mark.parametrize(("types", "k"), MIXED_PARTS, ids=str)
 @pytest.mark.parametrize("rows", [2, 12, 17, 24, 30])
 def test_batched_qgemm_of_parts_with_bias_and_strides(types: tuple[int, ...], k: int,
                                                        rows: int) -> None:
     """Parts of different types meeting inside a 16-row chunk, a bias, x and y rows inside
     wider buffers (the rest of y untouched)."""
-    sizes = (5, 16, 3, 20, 1, 7)[:len(types)]
-    weight = _weight(types, sizes, k, seed=rows)
-    n = sum(sizes)
-    gen = torch.Generator().manual_seed(rows)
-    wide_x, bias = torch.randn(rows, k + 24, generator=gen), torch.randn(n, generator=gen)
-    x = wide_x[:, 8:8 + k]
-    y = torch.full((rows, n + 9), 7.0)
-    rc = build.loaded().plait_qgemm(x.data_ptr(), rows, wide_x.stride(0),
-                                    weight.desc.data_ptr(), k, bias.data_ptr(),
-                                    y[:, 4:].data_ptr(), y.stride(0))
+    weight = random_weight(types, MIXED_SIZES[:len(types)], k, seed=rows)
+    rc, x, bias, y, y_wide = qgemm_in_wide_buffers(weight, weight.desc, rows, seed=rows)
     assert rc == 0
-    _assert_gemm_close(y[:, 4:4 + n], x, quant.dequantize_reference(weight), bias)
-    assert (y[:, :4] == 7).all() and (y[:, 4 + n:] == 7).all()
+    _assert_gemm_close(y, x, quant.dequantize_reference(weight), bias)
+    assert (y_wide[:, :4] == 7).all() and (y_wide[:, 4 + y.shape[1]:] == 7).all()
 
 
 def test_f16_and_bf16_rows_of_any_length() -> None:
     """Block size 1: K need not be a multiple of the vector width (nor of 32: rows decoded
     into a float buffer rather than fused)."""
     for ggml_type in (quant.F16, quant.BF16):
-        weight = _weight((ggml_type,), (11,), k=37)
+        weight = random_weight((ggml_type,), (11,), k=37)
         ref = quant.dequantize_reference(weight)
         assert torch.equal(native.dequantize(weight), ref)
         for rows in (3, 40):  # 40: tiles of the float buffer path
@@ -249,7 +212,7 @@ def _desc(*parts: tuple[int, int, int]) -> torch.Tensor:
 
 def test_descriptors_the_kernels_cannot_read_are_refused() -> None:
     lib = build.loaded()
-    weight = _weight((quant.Q4_1,), (4,))
+    weight = random_weight((quant.Q4_1,), (4,))
     addr = weight.parts[0].data.data_ptr()
     x, y = torch.zeros(2, K), torch.full((2, 4), 3.0)
     bad = [
@@ -351,7 +314,7 @@ def _assert_float32_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
 def test_qgemm_keeps_every_bit_of_float32_x(ggml_type: int, rows: int) -> None:
     """Every type at one row (a decode step) and a few, x over 2^-40 .. 2^40 with full
     mantissas: the result within float32 rounding of the float64 product."""
-    weight = _weight((ggml_type,), (21,), seed=rows)
+    weight = random_weight((ggml_type,), (21,), seed=rows)
     w = quant.dequantize_reference(weight)
     x = _full_mantissa_x(rows, w, -40, 40, seed=rows)
     _assert_float32_close(native.qgemm(x, weight), x, w)
@@ -361,7 +324,7 @@ def test_qgemm_keeps_every_bit_of_float32_x(ggml_type: int, rows: int) -> None:
 def test_qgemm_keeps_tiny_and_huge_x(low_exp: int) -> None:
     """x near 2^-100 (its third piece near 2^-116, still a normal number) and near 2^60."""
     for ggml_type in BLOCK_TYPES:
-        weight = _weight((ggml_type,), (9,))
+        weight = random_weight((ggml_type,), (9,))
         w = quant.dequantize_reference(weight)
         x = _full_mantissa_x(1, w, low_exp, low_exp + 4, seed=8)
         _assert_float32_close(native.qgemm(x, weight), x, w)
@@ -373,7 +336,7 @@ def test_qgemm_of_short_rows_with_bias_and_strides(rows: int) -> None:
     inside a wider buffer and y rows written into a wider one (the rest untouched)."""
     k = 96
     rng = np.random.default_rng(9)
-    parts = [_random_part(t, n, k, rng) for t, n in ((quant.Q5_0, 10), (quant.Q8_0, 3),
+    parts = [random_part(t, n, k, rng) for t, n in ((quant.Q5_0, 10), (quant.Q8_0, 3),
                                                       (quant.Q4_1, 6), (quant.Q4_0, 5))]
     weight = QuantWeight.build(parts, k)
     w = quant.dequantize_reference(weight)
@@ -393,7 +356,7 @@ def test_qgemm_of_short_rows_with_bias_and_strides(rows: int) -> None:
 def test_qgemm_of_nonfinite_x() -> None:
     """inf and NaN in x give the float64 product's inf / NaN."""
     for ggml_type in BLOCK_TYPES:
-        weight = _weight((ggml_type,), (12,))
+        weight = random_weight((ggml_type,), (12,))
         w = quant.dequantize_reference(weight)
         x = torch.randn(3, K, generator=torch.Generator().manual_seed(12))
         x[0, 7], x[1, 300], x[2, 3] = float("inf"), float("-inf"), float("nan")
