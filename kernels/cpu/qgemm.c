@@ -59,8 +59,8 @@ static void deq_f16_row(const uint8_t *src, long K, float *dst) {
 static void deq_bf16_row(const uint8_t *src, long K, float *dst) {  /* the high 16 bits */
   long k = 0;
   for (; k + LANES <= K; k += LANES) {
-    vi bits = load_u16(src + 2 * k) << 16;
-    memcpy(dst + k, &bits, sizeof bits);
+    const vf v = widen_bf16((const uint16_t *)(src + 2 * k));
+    memcpy(dst + k, &v, sizeof v);
   }
   for (; k < K; k++) {
     uint32_t bits = (uint32_t)(src[2 * k] | src[2 * k + 1] << 8) << 16;

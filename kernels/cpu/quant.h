@@ -205,7 +205,7 @@ ALWAYS_INLINE void grp_f16(const uint8_t *row, long g, vf *w) {
 
 ALWAYS_INLINE void grp_bf16(const uint8_t *row, long g, vf *w) {  /* the high 16 bits */
   const uint8_t *b = row + g * 64;
-  for (int j = 0; j < 32 / LANES; j++) w[j] = (vf)(load_u16(b + 2 * j * LANES) << 16);
+  for (int j = 0; j < 32 / LANES; j++) w[j] = widen_bf16((const uint16_t *)b + j * LANES);
 }
 
 /* The group decoder of a type read here, by a constant type once inlined. */
