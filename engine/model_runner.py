@@ -9,20 +9,21 @@ input_batch.py) and the sampler. It knows nothing of queues or policy: `execute`
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from plait.engine.config import EngineConfig
 from plait.engine.gguf_weights import load_gguf_weights
 from plait.engine.grammar import GrammarCompiler
-from plait.engine.host_memory import (
-    keep_freed_memory_mapped,
-    release_free_heap,
-    warm_sampler,
-    zeros_on_huge_pages,
-)
+from plait.engine.host_memory import keep_freed_memory_mapped, release_free_heap, warm_sampler
 from plait.engine.input_batch import CachedRequestState, InputBatch
+from plait.engine.kv_cache import (
+    DTYPES,
+    allocate_kv_cache,
+    block_bytes,
+    blocks_from_memory,
+    resolve_kv_dtype,
+)
 from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import ResolvedModel, ensure_float32_weights
 from plait.engine.models.linear import convert_linears, resolve_cpu_gemm, weight_bytes
@@ -36,9 +37,6 @@ from plait.kernels import AttentionMetadata, AttentionShape, TorchOps, select_op
 
 logger = logging.getLogger("plait.engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_device(requested: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -50,22 +48,7 @@ def resolve_device(requested: str) -> torch.device:
 def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
     if requested == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[requested]
-
-
-def resolve_kv_dtype(requested: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's element type for `EngineConfig.kv_cache_dtype` on an engine of
-    `dtype` activations: "auto" is `dtype`; "bfloat16" on the CPU, where every op writes and
-    reads a bf16 cache whatever the activations' dtype; on CUDA the Triton kernels keep the
-    cache in the model dtype, so "bfloat16" needs a bfloat16 model (ValueError otherwise)."""
-    if requested == "auto":
-        return dtype
-    kv_dtype = _DTYPES[requested]
-    if device.type == "cuda" and kv_dtype != dtype:
-        raise ValueError(f"--kv-cache-dtype {requested} on CUDA needs a {requested} model "
-                         f"(--dtype auto or {requested}): the CUDA KV cache takes the model "
-                         f"dtype, here {str(dtype).removeprefix('torch.')}")
-    return kv_dtype
+    return DTYPES[requested]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -102,18 +85,12 @@ class ModelRunner:
         self.model, self.weight_bytes = self._load_model(config, resolved, max_pos)
         if self.device.type == "cpu":
             release_free_heap()  # what loading freed (before warm_sampler maps its own)
-        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(config)
+        self.num_blocks = config.num_kv_blocks or blocks_from_memory(
+            config, self.device, block_bytes(cfg, self.block_size, self.kv_dtype),
+            self.weight_bytes)
         self.max_model_len = min(max_pos, self.num_blocks * self.block_size)
-        # kv_cache: [layers, 2 (k|v), num_blocks, block_size, num_kv_heads, head_dim] kv_dtype
-        shape = (cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
-                 cfg.head_dim)
-        self.kv_cache = (zeros_on_huge_pages(shape, self.kv_dtype, config.kv_cache_prefault)
-                         if self.device.type == "cpu"
-                         else torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-        logger.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB%s", self.num_blocks,
-                    self.block_size, str(self.kv_dtype).removeprefix("torch."),
-                    self.num_blocks * self._block_bytes() / 2**20,
-                    ", resident from the start" if config.kv_cache_prefault else "")
+        self.kv_cache = allocate_kv_cache(cfg, self.num_blocks, self.block_size, self.kv_dtype,
+                                          self.device, config.kv_cache_prefault)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.model.bind(self.kv_caches)
         self.eos_token_ids = tuple(eos_token_ids)
@@ -137,7 +114,7 @@ class ModelRunner:
         # kept weights compute through the native kernels: without them, float32 weights
         keep = config.weights == "auto" and self.device.type == "cpu" \
             and self.dtype == torch.float32 and self.ops.native
-        compute_dtype = _DTYPES[config.compute_dtype]
+        compute_dtype = DTYPES[config.compute_dtype]
         if config.weights == "auto" and not keep:
             logger.info("weights: dequantized to %s (the file's format is kept only on a "
                         "float32 CPU engine with the native kernels)",
@@ -154,31 +131,6 @@ class ModelRunner:
         logger.info("weights: %.1f MiB (%.1f MiB kept in the file's format, %.1f MiB "
                     "float)", (kept + dense) / 2**20, kept / 2**20, dense / 2**20)
         return model.eval(), kept + dense
-
-    def _block_bytes(self) -> int:
-        """Bytes one KV block holds over every layer (K and V, `kv_dtype` elements)."""
-        cfg = self.model_config
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return cfg.num_layers * 2 * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
-
-    def _blocks_from_memory(self, config: EngineConfig) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            reserve = 2 << 30  # activations, logits and the allocator's slack
-            budget = total * config.gpu_memory_utilization - (total - free) - reserve
-        else:
-            budget = config.kv_cache_memory_gb * (1 << 30)
-            # the weights and the cache share host memory: never plan past it
-            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            if self.weight_bytes + budget > host:
-                budget = host - self.weight_bytes - (1 << 30)
-                logger.warning("KV cache cut to %.2f GiB: the weights take %.2f of %.2f GiB",
-                               budget / 2**30, self.weight_bytes / 2**30, host / 2**30)
-        num = int(budget // self._block_bytes())
-        if num < 2:
-            raise ValueError("not enough memory for the KV cache; lower the model size or "
-                             "raise --gpu-memory-utilization / --kv-cache-memory-gb")
-        return num
 
     # ---------------------------------------------------------------- one step
     @torch.inference_mode()

@@ -24,6 +24,7 @@ from plait.engine.config import EngineConfig
 from plait.engine.core import eos_token_ids
 from plait.engine.gguf_file import read_gguf
 from plait.engine.gguf_weights import load_gguf_weights
+from plait.engine.kv_cache import block_bytes, blocks_from_memory
 from plait.engine.model_config import ModelConfig, ModelLoadError
 from plait.engine.model_loader import default_gguf_path, resolve_model
 from plait.engine.model_runner import ModelRunner
@@ -412,9 +413,11 @@ def test_a_gguf_of_other_shapes_is_one_clear_error(tmp_path, default_model) -> N
 def test_cpu_kv_budget_leaves_room_for_the_weights(kept, caplog) -> None:
     """A KV budget past host memory is cut to what the weights leave (minus 1 GiB)."""
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    block = kept._block_bytes()
-    assert kept._blocks_from_memory(EngineConfig(kv_cache_memory_gb=1.0)) == (1 << 30) // block
+    block = block_bytes(kept.model_config, kept.block_size, kept.kv_dtype)
+    assert blocks_from_memory(EngineConfig(kv_cache_memory_gb=1.0), kept.device, block,
+                              kept.weight_bytes) == (1 << 30) // block
     with caplog.at_level("WARNING", logger="plait.engine"):
-        num = kept._blocks_from_memory(EngineConfig(kv_cache_memory_gb=host / 2**30))
+        num = blocks_from_memory(EngineConfig(kv_cache_memory_gb=host / 2**30), kept.device,
+                                 block, kept.weight_bytes)
     assert num == (host - kept.weight_bytes - (1 << 30)) // block
     assert "KV cache cut to" in caplog.text

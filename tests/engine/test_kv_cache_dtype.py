@@ -13,8 +13,8 @@ from helpers.engine import SHARING, make_llm, prompt, solo_tokens
 
 from plait import SamplingParams
 from plait.engine.config import EngineConfig
+from plait.engine.kv_cache import resolve_kv_dtype
 from plait.engine.llm import LLM
-from plait.engine.model_runner import resolve_kv_dtype
 
 PROMPT_LEN = 60  # block_size 16: 3 full blocks + a partial one (copied on write)
 BF16 = dict(kv_cache_dtype="bfloat16")
