@@ -217,17 +217,24 @@ def run_core_loop(core: Core, receive: Receive, emit: Emit) -> None:
     Exceptions from the core propagate: the caller decides what a dead loop means.
 
     The loop alone keeps `stalled`: set by a step that could compute nothing, cleared by
-    any command (a new or a freed request may make progress possible again).
+    any command (a new or a freed request may make progress possible again). While idle
+    (stalled, or nothing unfinished) it gives the core's `idle_work` one slice at a time,
+    looking for a command between slices, and blocks only once the core says none is left
+    (asked again after any command or step).
     """
-    stalled = False
+    stalled, more_idle_work = False, True
     while True:
         idle = stalled or not core.has_unfinished()
+        if idle and more_idle_work:
+            more_idle_work = core.idle_work()
         deltas: list[RequestDelta] = []
-        command = receive(idle)
+        command = receive(idle and not more_idle_work)
+        if command is None and idle and more_idle_work:
+            continue  # nothing came: the next slice (no step can run, nothing to emit)
         while command is not None:
             if isinstance(command, ShutdownCommand):
                 return
-            stalled = False
+            stalled, more_idle_work = False, True
             batch = command.requests if isinstance(command, AddBatchCommand) else [command]
             for one in batch:
                 delta = apply_command(core, one)
@@ -237,7 +244,7 @@ def run_core_loop(core: Core, receive: Receive, emit: Emit) -> None:
         if core.has_unfinished():
             result = core.step()
             deltas.extend(result.deltas)
-            stalled = result.stalled
+            stalled, more_idle_work = result.stalled, True
         emit(deltas, core.stats())
 
 

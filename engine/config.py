@@ -31,9 +31,12 @@ class EngineConfig:
     `gpu_memory_utilization` of the device on CUDA. On CPU the pool's pages become resident
     as blocks are first used; `kv_cache_prefault` makes the whole pool resident at start
     (engine/host_memory.py: no page faults inside steps, memory reserved up front as vLLM
-    and llama.cpp do). `max_prefill_tokens_with_decodes` caps the prefill tokens of a step
-    that also decodes (0: only `max_num_batched_tokens`), so running streams are not stalled
-    behind a long prefill chunk.
+    and llama.cpp do). Without it, `kv_cache_warm_tokens` tokens' worth of the blocks the
+    pool hands out next are made resident while the engine is idle (engine/kv_warm.py;
+    None: `max_num_batched_tokens`, one step's prompt tokens; 0: off), so a prompt after a
+    pause does not pay their first write. `max_prefill_tokens_with_decodes` caps the prefill
+    tokens of a step that also decodes (0: only `max_num_batched_tokens`), so running
+    streams are not stalled behind a long prefill chunk.
 
     The kernels below the model runner, chosen once when it starts (kernels/ops.py):
     `native` uses the native CPU kernels (float32 CPU, where they build); `cascade` attends
@@ -73,6 +76,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
     kv_cache_prefault: bool = False
+    kv_cache_warm_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -103,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.kv_cache_warm_tokens is not None and self.kv_cache_warm_tokens < 0:
+            raise ValueError("kv_cache_warm_tokens must be >= 0 (0: off)")
         if self.max_prefill_tokens_with_decodes < 0:
             raise ValueError("max_prefill_tokens_with_decodes must be >= 0 (0: no cap)")
         if self.dtype not in VALID_DTYPES:

@@ -24,6 +24,7 @@ from plait.engine.core_api import EngineStats, StepResult
 from plait.engine.detokenizer import IncrementalDetokenizer
 from plait.engine.grammar import GrammarCompiler, GrammarError
 from plait.engine.kv_events import KVEventPublisher
+from plait.engine.kv_warm import KVWarmer
 from plait.engine.model_loader import ResolvedModel, load_tokenizer, resolve_model
 from plait.engine.model_runner import ModelRunner
 from plait.engine.outputs import RequestDelta, TokenLogprob
@@ -34,6 +35,7 @@ from plait.engine.scheduler import Scheduler
 from plait.engine.structured import GRAMMAR_FAILED
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("plait.engine")
@@ -74,6 +76,19 @@ def eos_token_ids(resolved: ResolvedModel, tokenizer: PreTrainedTokenizerBase) -
     return tuple(sorted(eos))
 
 
+def _kv_warmer(config: EngineConfig, kv_cache: torch.Tensor | None,
+               pool: BlockPool) -> KVWarmer | None:
+    """The idle-time warmer of a lazily resident CPU cache (`kv_cache_warm_tokens`, whose
+    None is max_num_batched_tokens), or None: no cache here (a test's runner), a CUDA
+    cache, a prefaulted one, or a window of 0 tokens."""
+    if kv_cache is None or kv_cache.device.type != "cpu" or config.kv_cache_prefault:
+        return None
+    tokens = config.kv_cache_warm_tokens
+    tokens = config.max_num_batched_tokens if tokens is None else tokens
+    window = -(-tokens // config.block_size)
+    return KVWarmer(kv_cache, pool, window) if window > 0 else None
+
+
 class EngineCore:
     """Owns the scheduler, the model runner and every live request (by id).
 
@@ -99,6 +114,7 @@ class EngineCore:
             self.kv_events = KVEventPublisher(
                 config.kv_events_endpoint, config.kv_events_topic,
                 config.kv_events_replay_endpoint, config.block_size, config.kv_events_encoding)
+        self.warmer = _kv_warmer(config, getattr(self.runner, "kv_cache", None), self.pool)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.runner.max_model_len,
                                    config.max_shared_logits,
@@ -147,6 +163,12 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def idle_work(self) -> bool:
+        """One short slice of work for an idle engine (warming the KV cache's next blocks,
+        engine/kv_warm.py); True while more remains. The loop calls it only while no
+        request is unfinished and no command is waiting."""
+        return self.warmer is not None and self.warmer.step()
 
     # ---------------------------------------------------------------- one step
     def step(self) -> StepResult:

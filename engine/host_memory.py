@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 import mmap
@@ -33,14 +34,15 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20
 
 
-def _libc_function(name: str, argtypes: list[Any]) -> Any | None:
+@functools.cache
+def _libc_function(name: str, argtypes: tuple[Any, ...]) -> Any | None:
     """The C library's function `name` (returning int) via ctypes, or None where the C
-    library or the function is missing (not glibc / not Linux)."""
+    library or the function is missing (not glibc / not Linux). Looked up once."""
     try:
         function = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), name)
     except (OSError, AttributeError, TypeError):
         return None
-    function.argtypes = argtypes
+    function.argtypes = list(argtypes)
     function.restype = ctypes.c_int
     return function
 
@@ -48,7 +50,7 @@ def _libc_function(name: str, argtypes: list[Any]) -> Any | None:
 def keep_freed_memory_mapped() -> bool:
     """Raise glibc's mmap and trim thresholds for this process (see the module docstring).
     Returns False, changing nothing, where the C library has no `mallopt` (not glibc)."""
-    mallopt = _libc_function("mallopt", [ctypes.c_int, ctypes.c_int])
+    mallopt = _libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
     if mallopt is None:
         return False
     # a trim threshold of -1: never trim
@@ -65,7 +67,7 @@ def release_free_heap() -> bool:
     under `keep_freed_memory_mapped` (109 MB on the default model). Call it before
     `warm_sampler`, whose mapped pages it would also release. False where the C library has
     no `malloc_trim` (not glibc) or nothing could be released."""
-    malloc_trim = _libc_function("malloc_trim", [ctypes.c_size_t])
+    malloc_trim = _libc_function("malloc_trim", (ctypes.c_size_t,))
     return malloc_trim is not None and malloc_trim(0) == 1
 
 
@@ -79,8 +81,18 @@ HUGE_PAGE = 2 << 20
 def _madvise(address: int, length: int, advice: int) -> bool:
     """madvise(address, length, advice); False where the C library or the kernel refuses
     (not Linux, transparent huge pages compiled out, a kernel older than the advice)."""
-    madvise = _libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+    madvise = _libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
     return madvise is not None and madvise(address, length, advice) == 0
+
+
+def populate_writable(address: int, length: int) -> bool:
+    """Make the pages of [address, address + length) resident and writable now (Linux
+    MADV_POPULATE_WRITE, 5.14+), without changing their contents: what a first write would
+    fault in, paid here instead. The range is widened to whole pages. False where the
+    kernel or the C library refuses (nothing is touched then)."""
+    start = address // mmap.PAGESIZE * mmap.PAGESIZE
+    end = -(-(address + length) // mmap.PAGESIZE) * mmap.PAGESIZE
+    return end == start or _madvise(start, end - start, _MADV_POPULATE_WRITE)
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
@@ -135,5 +147,5 @@ def warm_sampler(sampler: Sampler, vocab_size: int, max_rows: int) -> int:
     return rows
 
 
-__all__ = ["HUGE_PAGE", "keep_freed_memory_mapped", "release_free_heap", "warm_sampler",
-           "zeros_on_huge_pages"]
+__all__ = ["HUGE_PAGE", "keep_freed_memory_mapped", "populate_writable", "release_free_heap",
+           "warm_sampler", "zeros_on_huge_pages"]

@@ -86,6 +86,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--kv-cache-memory-gb", float, "KV cache size on CPU, in GB"),
     Option("--kv-cache-prefault", bool,
            "make the whole CPU KV cache resident at start (default: pages as first used)"),
+    Option("--kv-cache-warm-tokens", "int?",
+           "CPU KV cache tokens made resident ahead, while idle (default: "
+           "--max-num-batched-tokens; 0: off)"),
     Option("--gpu-memory-utilization", float, "fraction of GPU memory for weights + KV cache"),
     Option("--max-num-seqs", int, "most sequences running at once"),
     Option("--max-num-batched-tokens", int, "most tokens computed per engine step"),

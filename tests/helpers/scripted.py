@@ -102,6 +102,9 @@ class ScriptedCore:
     def has_unfinished(self) -> bool:
         return bool(self.live)
 
+    def idle_work(self) -> bool:
+        return False
+
     def step(self) -> StepResult:
         with self.lock:
             if not self._take_permit():

@@ -27,6 +27,9 @@ class StallingCore:
     def has_unfinished(self) -> bool:
         return bool(self.live)
 
+    def idle_work(self) -> bool:
+        return False
+
     def step(self) -> StepResult:
         self.num_steps += 1
         return StepResult([], stalled=True)
@@ -55,3 +58,58 @@ def test_a_stalled_step_blocks_the_loop_until_a_command_comes() -> None:
     # with a request live, only the stall makes the loop block (blocks[2] and blocks[3])
     assert blocks == [True, False, True, True, False, True]
     assert emitted == [[], [], ["a"]]
+
+
+class IdleWorkCore(StallingCore):
+    """`slices` slices of idle work; a step finishes every live request. `events` is the
+    order of the loop's calls."""
+
+    def __init__(self, slices: int) -> None:
+        super().__init__()
+        self.slices = slices
+        self.events: list[str] = []
+
+    def idle_work(self) -> bool:
+        assert not self.live, "idle work while a request can step"
+        self.events.append("slice")
+        self.slices -= 1
+        return self.slices > 0
+
+    def step(self) -> StepResult:
+        self.events.append("step")
+        done = [RequestDelta(r, finish_reason="stop") for r in sorted(self.live)]
+        self.live.clear()
+        return StepResult(done, stalled=False)
+
+
+def _run_scripted(core: IdleWorkCore, script: list[Command | None]) -> list[bool]:
+    blocks: list[bool] = []
+
+    def receive(block: bool) -> Command | None:
+        blocks.append(block)
+        core.events.append("receive")
+        return script.pop(0)
+
+    run_core_loop(core, receive, lambda deltas, _: None)
+    assert not script
+    return blocks
+
+
+def test_idle_work_runs_slice_by_slice_and_the_loop_blocks_once_none_is_left() -> None:
+    core = IdleWorkCore(slices=2)
+    add = AddBatchCommand([AddCommand("a", [1, 2], SamplingParams())])
+    blocks = _run_scripted(core, [None, add, None, ShutdownCommand()])
+    # slice 1, a look for a command (none), slice 2 says it was the last: block for one
+    assert core.events == ["slice", "receive", "slice", "receive", "receive", "step",
+                           "slice", "receive"]
+    assert blocks == [False, True, False, True]
+
+
+def test_a_command_between_idle_slices_is_served_before_the_next_slice() -> None:
+    core = IdleWorkCore(slices=10)
+    add = AddBatchCommand([AddCommand("a", [1, 2], SamplingParams())])
+    blocks = _run_scripted(core, [None, add, None, ShutdownCommand()])
+    assert core.events == ["slice", "receive", "slice", "receive", "receive", "step",
+                           "slice", "receive"]
+    assert blocks == [False, False, False, False]  # idle work was left every time
+    assert core.slices == 7
