@@ -165,13 +165,22 @@ class QuantLinear(Linear):
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(),
                                                            requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out]
+    def rounds_to_bf16(self, rows: int) -> bool:
+        """Whether a product of `rows` rows goes through bf16 BLAS (its input and its output
+        rounded to bf16): bf16 compute and more than NATIVE_MAX_ROWS rows."""
+        return self.compute_dtype == torch.bfloat16 and rows > NATIVE_MAX_ROWS
+
+    def forward(self, x: torch.Tensor,  # [T, in] float32 (or bf16 where rounds_to_bf16)
+                widen: bool = True) -> torch.Tensor:  # [T, out] float32
+        """`widen=False`: where `rounds_to_bf16(T)`, the bf16 product as BLAS rounded it
+        (no float32 copy; `matmul_dequantized`); float32 otherwise either way."""
         rows = x.shape[0]
         if rows == 0:
-            return x.new_empty(0, self.out_features)
+            return x.new_empty(0, self.out_features, dtype=torch.float32)
         if rows <= NATIVE_MAX_ROWS:
-            return native.qgemm(x, self.qweight, self.bias, self.compute_dtype)
-        return matmul_dequantized(x, self.qweight, self.bias, self.compute_dtype, self.scratch)
+            return native.qgemm(x.float(), self.qweight, self.bias, self.compute_dtype)
+        return matmul_dequantized(x, self.qweight, self.bias, self.compute_dtype, self.scratch,
+                                  widen=widen)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", types={self.qweight.describe()}, " \

@@ -88,7 +88,15 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        gate_up, down, rows = self.gate_up_proj, self.down_proj, x.shape[0]
+        if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear) \
+                and gate_up.rounds_to_bf16(rows) and down.rounds_to_bf16(rows):
+            # both products in bf16 BLAS: gate_up's bf16 output goes to the native silu_mul
+            # as it is and its bf16 result to down_proj, which rounds its input to bf16
+            # anyway: the bits of the float32 path below with the native ops, without two
+            # float32 copies of [T, 2 I] and [T, I] (QuantLinear implies the native kernels)
+            return down(native.silu_mul(gate_up(x, widen=False)))
+        return down(self.ops.silu_mul(gate_up(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -81,12 +81,16 @@ def row_chunks(weight: QuantWeight, chunk_rows: int,
 
 
 def _dense_product(x: torch.Tensor, w: torch.Tensor,  # x: [M, K], w: [c, K] same dtype
-                   bias: torch.Tensor | None) -> torch.Tensor:  # [M, c] float32
+                   bias: torch.Tensor | None,  # [c] float32
+                   widen: bool) -> torch.Tensor:  # [M, c] float32, or w's dtype (not widen)
     if _MKLDNN and w.dtype == torch.float32:
         # oneDNN on the plain weight: measured faster than torch.mm (BLAS) at prefill sizes
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-    out = torch.mm(x, w.t()).float()
-    return out if bias is None else out.add_(bias)
+    out = torch.mm(x, w.t())  # rounded to w's dtype
+    if bias is None:
+        return out.float() if widen else out
+    out = out.float().add_(bias)  # the bias added in float32
+    return out if widen else out.to(w.dtype)
 
 
 def matmul_dequantized(x: torch.Tensor, weight: QuantWeight,  # x: [M, K] float32
@@ -94,11 +98,14 @@ def matmul_dequantized(x: torch.Tensor, weight: QuantWeight,  # x: [M, K] float3
                        compute_dtype: torch.dtype = torch.float32,  # or torch.bfloat16
                        cache: ChunkCache | None = None,
                        scratch_bytes: int = SCRATCH_BYTES,
-                       ) -> torch.Tensor:  # [M, N] float32 dense
+                       widen: bool = True,
+                       ) -> torch.Tensor:  # [M, N] float32 dense (or compute_dtype)
     """x @ W^T + bias with W dequantized to `compute_dtype` (bf16: x rounded to bf16, float32
     accumulation, the product rounded to bf16) into the shared scratch, in row chunks of at
     most `scratch_bytes` (see the module docstring). `cache`: the caller's, for the chunks'
-    descriptors."""
+    descriptors. `widen=False` returns the product in `compute_dtype` as BLAS rounded it
+    (bf16: what a following bf16 product would take, with no float32 copy between; a bias
+    is added in float32 and the sum rounded)."""
     x = x.to(compute_dtype).contiguous()
     num_out, k = weight.out_features, weight.in_features
     chunk_rows = max(1, min(num_out, scratch_bytes // (k * compute_dtype.itemsize)))
@@ -109,12 +116,12 @@ def matmul_dequantized(x: torch.Tensor, weight: QuantWeight,  # x: [M, K] float3
     def product(start: int, end: int, part: QuantWeight) -> torch.Tensor:  # [M, end - start]
         w = native.dequantize(part, None, compute_dtype,
                               out=scratch.view(end - start, k, compute_dtype))
-        return _dense_product(x, w, None if bias is None else bias[start:end])
+        return _dense_product(x, w, None if bias is None else bias[start:end], widen)
 
     try:
         if len(chunks) == 1:
-            return product(*chunks[0]).float()
-        out = x.new_empty(x.shape[0], num_out, dtype=torch.float32)
+            return product(*chunks[0])
+        out = x.new_empty(x.shape[0], num_out, dtype=torch.float32 if widen else compute_dtype)
         for start, end, part in chunks:
             out[:, start:end] = product(start, end, part)
         return out

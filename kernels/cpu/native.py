@@ -402,13 +402,20 @@ def add_rms_norm(
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
-    """silu(gate) * up of a fused gate|up projection's output, in one pass."""
-    if not rows_fit(gate_up) or gate_up.shape[1] % 2:
-        raise ValueError("silu_mul: gate_up must be [T, 2 I] float32 with unit stride")
+    """silu(gate) * up of a fused gate|up projection's output, in one pass. float32 in,
+    float32 out; bfloat16 in, bfloat16 out (float32 arithmetic on the widened values, the
+    result rounded to nearest even: `silu_mul(gate_up.float()).bfloat16()`, bit for bit)."""
+    bf16 = gate_up.dtype == torch.bfloat16
+    fits = available() and gate_up.device.type == "cpu" and gate_up.dim() == 2 \
+        and gate_up.stride(1) == 1 and gate_up.dtype in (torch.float32, torch.bfloat16)
+    if not fits or gate_up.shape[1] % 2:
+        raise ValueError("silu_mul: gate_up must be [T, 2 I] float32 or bfloat16 with unit "
+                         "stride")
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, inter, dtype=torch.float32)
-    _check(loaded().plait_silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, inter,
-                                   out.data_ptr()), "silu_mul")
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    kernel = loaded().plait_silu_mul_bf16 if bf16 else loaded().plait_silu_mul
+    _check(kernel(gate_up.data_ptr(), gate_up.stride(0), rows, inter, out.data_ptr()),
+           "silu_mul")
     return out
 
 

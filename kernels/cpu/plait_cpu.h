@@ -140,6 +140,11 @@ int plait_add_rms_norm(const float *x, long x_stride, const float *add, long add
 int plait_silu_mul(const float *gate_up, long gu_stride, long num_tokens, long inter,
                    float *out);
 
+/* rowwise.c: plait_silu_mul over bfloat16 gate_up and out (bf16 bits; float32 arithmetic,
+ * the result rounded to nearest even). Negative sizes: PLAIT_ERR_SHAPES. */
+int plait_silu_mul_bf16(const uint16_t *gate_up, long gu_stride, long num_tokens, long inter,
+                        uint16_t *out);
+
 /* rowwise.c: one token per row of logits [rows, vocab] by inverse-CDF sampling at u[r],
  * weights exp(logit - max); scratch [rows, vocab] floats; out [rows]. */
 int plait_sample_inverse_cdf(const float *logits, long rows, long vocab, long stride,

@@ -191,3 +191,26 @@ int plait_silu_mul(const float *gate_up, long gu_stride, long num_tokens, long i
   }
   return PLAIT_OK;
 }
+
+/* plait_silu_mul over bfloat16: gate_up and out hold bf16 bits; each element widened
+ * (exactly), the same float32 arithmetic as plait_silu_mul, the result rounded to nearest
+ * even: the bits of plait_silu_mul on the widened input, then rounded. */
+int plait_silu_mul_bf16(const uint16_t *gate_up, long gu_stride, long num_tokens, long inter,
+                        uint16_t *out) {
+  if (num_tokens < 0 || inter < 0) return PLAIT_ERR_SHAPES;
+#pragma omp parallel for schedule(static) if (num_tokens >= 16)
+  for (long t = 0; t < num_tokens; t++) {
+    const uint16_t *g = gate_up + t * gu_stride, *u = g + inter;
+    uint16_t *o = out + t * inter;
+    long i = 0;
+    for (; i + LANES <= inter; i += LANES) {
+      const vf gv = widen_bf16(g + i);
+      store_bf16(o + i, gv / (1.0f + vexp(-gv)) * widen_bf16(u + i));
+    }
+    for (; i < inter; i++) {
+      const float gi = bf16_to_f32(g[i]);
+      o[i] = f32_to_bf16(gi / (1.0f + expf(-gi)) * bf16_to_f32(u[i]));
+    }
+  }
+  return PLAIT_OK;
+}

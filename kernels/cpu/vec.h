@@ -152,4 +152,24 @@ static inline uint16_t f32_to_bf16(float x) {
                                         : (uint16_t)((b + 0x7fff + (b >> 16 & 1)) >> 16);
 }
 
+/* bfloat16 bits as float32, exactly (the scalar widen_bf16). */
+static inline float bf16_to_f32(uint16_t h) {
+  const uint32_t b = (uint32_t)h << 16;
+  float x;
+  memcpy(&x, &b, sizeof x);
+  return x;
+}
+
+typedef uint32_t vu __attribute__((vector_size(LANES * 4), aligned(4)));
+
+/* The LANES floats of x stored at p (any alignment) as bfloat16 bits, each rounded to
+ * nearest even as f32_to_bf16 rounds it (a NaN stays a quiet NaN). */
+static inline void store_bf16(uint16_t *p, vf x) {
+  const vu b = (vu)x;
+  const vu rounded = (b + 0x7fff + (b >> 16 & 1)) >> 16;
+  const vu is_nan = (vu)((b & 0x7fffffff) > 0x7f800000);  /* all ones where NaN */
+  const vu out = ((b >> 16 | 0x40) & is_nan) | (rounded & ~is_nan);
+  *(u16v *)p = __builtin_convertvector(out, u16v);
+}
+
 #endif /* PLAIT_CPU_VEC_H */

@@ -57,9 +57,9 @@ def _source_exports() -> set[str]:
 
 def test_header_declares_every_function_the_sources_define() -> None:
     expected = {"plait_lanes", "plait_gemm", "plait_decode_attention", "plait_rope_write_kv",
-                "plait_add_rms_norm", "plait_silu_mul", "plait_sample_inverse_cdf",
-                "plait_decoder_stack", "plait_qgemm", "plait_dequantize",
-                "plait_dequantize_bf16"}
+                "plait_add_rms_norm", "plait_silu_mul", "plait_silu_mul_bf16",
+                "plait_sample_inverse_cdf", "plait_decoder_stack", "plait_qgemm",
+                "plait_dequantize", "plait_dequantize_bf16"}
     assert set(ABI.functions) == expected
     assert _source_exports() == expected
 
@@ -222,6 +222,7 @@ def test_return_codes_follow_the_header_convention() -> None:
     shapes = ABI.constants["PLAIT_ERR_SHAPES"]
     out = torch.empty(8)
     assert lib.plait_silu_mul(out.data_ptr(), 8, -1, 4, out.data_ptr()) == shapes
+    assert lib.plait_silu_mul_bf16(out.data_ptr(), 8, 2, -4, out.data_ptr()) == shapes
     assert lib.plait_add_rms_norm(out.data_ptr(), 8, None, 0, out.data_ptr(), 1, -1, 1e-6, None,
                                   out.data_ptr()) == shapes
     f32, bf16 = ABI.constants["PLAIT_KV_F32"], ABI.constants["PLAIT_KV_BF16"]
