@@ -36,7 +36,9 @@ class EngineConfig:
     None: `max_num_batched_tokens`, one step's prompt tokens; 0: off), so a prompt after a
     pause does not pay their first write. `max_prefill_tokens_with_decodes` caps the prefill
     tokens of a step that also decodes (0: only `max_num_batched_tokens`), so running
-    streams are not stalled behind a long prefill chunk.
+    streams are not stalled behind a long prefill chunk. `warm_up_tokens`: the model runs a
+    dummy prompt of that many tokens once at start (ModelRunner.warm_up), so the first real
+    prefill does not pay one-time costs (0: none).
 
     The kernels below the model runner, chosen once when it starts (kernels/ops.py):
     `native` uses the native CPU kernels (float32 CPU, where they build); `cascade` attends
@@ -77,6 +79,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     kv_cache_prefault: bool = False
     kv_cache_warm_tokens: int | None = None
+    warm_up_tokens: int = 512
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -107,6 +110,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.warm_up_tokens < 0:
+            raise ValueError("warm_up_tokens must be >= 0 (0: no warm-up)")
         if self.kv_cache_warm_tokens is not None and self.kv_cache_warm_tokens < 0:
             raise ValueError("kv_cache_warm_tokens must be >= 0 (0: off)")
         if self.max_prefill_tokens_with_decodes < 0:

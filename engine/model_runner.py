@@ -104,6 +104,33 @@ class ModelRunner:
         # kept_logits: [max_shared_logits, vocab] float32, rows addressed by kept slot
         self.kept_logits = torch.zeros(config.max_shared_logits, cfg.vocab_size,
                                        dtype=torch.float32, device=self.device)
+        self.warm_up(config.warm_up_tokens)
+
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int) -> int:
+        """One forward pass of a dummy prompt of `num_tokens` tokens (at most the context)
+        into the cache's first blocks, which no request reads before writing them: the
+        first prefill's one-time costs (oneDNN generating its kernels, the heap growing to
+        a prefill's temporaries, kept mapped by host_memory; those blocks' pages) are paid
+        at start rather than by the first prompt, as vLLM's warm-up run does. Returns the
+        tokens run (0: none)."""
+        n = min(num_tokens, self.max_model_len)
+        if n <= 0:
+            return 0
+        positions = list(range(n))  # block b holds positions [b * block_size, ...): slot = p
+        meta = AttentionMetadata(
+            slot_mapping=self.to_device(positions, torch.int64),  # [n]
+            cu_seqlens_q=self.to_device([0, n], torch.int32),
+            context_lens=self.to_device([n], torch.int32),
+            block_tables=self._move(torch.arange(cdiv(n, self.block_size),
+                                                 dtype=torch.int32)[None]),  # [1, blocks]
+            max_query_len=n, max_context_len=n)
+        meta.keep = self.to_device([n - 1], torch.int64)  # only the last row's state
+        vocab = self.model_config.vocab_size
+        input_ids = self.to_device([7919 * p % vocab for p in positions], torch.int64)
+        pos = self.to_device(positions, torch.int64)
+        self.model.compute_logits(self.model(input_ids, pos, self.ops.plan(meta, pos)))
+        return n
 
     def _load_model(self, config: EngineConfig, resolved: ResolvedModel,
                     max_pos: int) -> tuple[LlamaForCausalLM, int]:

@@ -89,6 +89,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--kv-cache-warm-tokens", "int?",
            "CPU KV cache tokens made resident ahead, while idle (default: "
            "--max-num-batched-tokens; 0: off)"),
+    Option("--warm-up-tokens", int,
+           "tokens of the dummy prompt run once at start, so the first real prefill does "
+           "not pay one-time costs (0: none)"),
     Option("--gpu-memory-utilization", float, "fraction of GPU memory for weights + KV cache"),
     Option("--max-num-seqs", int, "most sequences running at once"),
     Option("--max-num-batched-tokens", int, "most tokens computed per engine step"),

@@ -191,10 +191,12 @@ print(round(allocated - before))
 @pytest.mark.parametrize("prefault", [False, True])
 def test_the_engine_prefaults_its_kv_pool_when_asked(tiny_path, tmp_path, prefault) -> None:
     """`kv_cache_prefault`: the engine's KV mapping is wholly resident once the engine is
-    up; by default only what was written is (nothing, before a request)."""
+    up; by default only what was written is (nothing, before a request and without the
+    start-up warm-up)."""
     code = textwrap.dedent(f"""
         from plait import LLM
-        llm = LLM({str(tiny_path)!r}, num_kv_blocks=2048, kv_cache_prefault={prefault})
+        llm = LLM({str(tiny_path)!r}, num_kv_blocks=2048, kv_cache_prefault={prefault},
+                  warm_up_tokens=0)
         kv = llm.engine.runner.kv_cache
         address = kv.data_ptr()
         with open("/proc/self/smaps") as f:

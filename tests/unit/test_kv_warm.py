@@ -155,7 +155,7 @@ def test_an_idle_engine_thread_warms_the_window(tiny_path) -> None:
     """The engine loop (AsyncEngine's thread) warms the window with no request: not
     resident after loading, resident once the loop has been idle."""
     engine = AsyncEngine(EngineConfig(model=str(tiny_path), num_kv_blocks=4096,
-                                      kv_cache_warm_tokens=64 * 16))
+                                      kv_cache_warm_tokens=64 * 16, warm_up_tokens=0))
     engine.load()
     core = engine.core
     assert core is not None and core.warmer is not None
