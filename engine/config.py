@@ -55,12 +55,15 @@ class EngineConfig:
     for BLAS, a decode step's 2 (quant.BF16_MIN_ROWS) to NATIVE_MAX_ROWS rows in the native
     quantized GEMM (x and each decoded weight rounded to bf16, vdpbf16ps; CPUs without
     AVX512-BF16 keep float32 there), the decoder stack's projections and the LM head alike;
-    one row stays exact (bound by reading the weights). "float32" is exact: float32
-    products of the dequantized weights.
+    one row stays exact (bound by reading the weights). With a bfloat16 KV cache it also
+    covers the native attention's shared tokens (a prefill's tiles, n choices' prompt):
+    bf16 dot products (kernels/cpu/attention_bf16.h; AVX512-BF16, else float32). "float32"
+    is exact: float32 products of the dequantized weights.
 
     `kv_cache_dtype` "auto" stores K and V in the model dtype (float32 on a float32 CPU
     engine); "bfloat16" stores them as bf16, rounded to nearest even when written and widened
-    to float32 (exactly) inside the attention, which still computes in float32: half the
+    to float32 (exactly) inside the attention, which still computes in float32 (but for
+    `compute_dtype` "bfloat16", above): half the
     bytes per block, so the same `kv_cache_memory_gb` holds twice the blocks (vLLM's
     `--kv-cache-dtype`). On CUDA the cache takes the model dtype: "bfloat16" is accepted
     there only with a bfloat16 model (`dtype` "auto" or "bfloat16"; ModelRunner raises at

@@ -79,7 +79,7 @@ class ModelRunner:
             native_kernels=config.native, cascade=config.cascade,
             attention_backend=config.attention_backend,
             cpu_gemm=resolve_cpu_gemm(config.cpu_gemm) if self.device.type == "cpu"
-            else "none")
+            else "none", compute_dtype=DTYPES[config.compute_dtype])
         max_pos = config.max_model_len or resolved.config.max_position_embeddings
         # weight_bytes: what the weights hold in memory (kept format + float32 tensors)
         self.model, self.weight_bytes = self._load_model(config, resolved, max_pos)

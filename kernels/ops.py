@@ -86,6 +86,9 @@ class TorchOps:
     name = "torch"
     native = False  # whether the linear layers get native panels
     stack_rows = 0  # most tokens `decoder_stack` takes (0: it is not offered)
+    # the dtype of the attention's dot products over a bfloat16 KV cache: float32 but in
+    # CpuNativeOps built with compute_dtype bfloat16 (`native.kv_dtype_code`)
+    compute_dtype = torch.float32
 
     def __init__(self, shape: AttentionShape, cascade: bool = True,
                  cpu_gemm: str = "none") -> None:
@@ -173,14 +176,18 @@ class TorchOps:
 class CpuNativeOps(TorchOps):
     """float32 CPU through the native kernels: every per-row op is one C pass, attention
     reads the cache in place (with `cascade`; else the plain torch reference), and a step
-    of at most `stack_rows` tokens can run every layer in one call."""
+    of at most `stack_rows` tokens can run every layer in one call. `compute_dtype`
+    bfloat16 (the engine's): over a bfloat16 KV cache, the native attention's shared tokens
+    (prefill tiles' prefixes, n choices' prompt) with bf16 dot products, here and in the
+    model's native stack."""
 
     name = "cpu-native"
     native = True
 
     def __init__(self, shape: AttentionShape, cascade: bool = True,
-                 cpu_gemm: str = "none") -> None:
+                 cpu_gemm: str = "none", compute_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(shape, cascade, cpu_gemm)
+        self.compute_dtype = compute_dtype
         self.native_attention = cascade and native.supports_attention(
             shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size)
         self.stack_rows = build.NATIVE_MAX_ROWS if self.native_attention \
@@ -224,7 +231,8 @@ class CpuNativeOps(TorchOps):
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not self.native_attention:
             return super().attention(q, k_cache, v_cache, meta, scale)
-        return native_attention(q, k_cache, v_cache, meta.block_tables, meta.plan, scale)
+        return native_attention(q, k_cache, v_cache, meta.block_tables, meta.plan, scale,
+                                self.compute_dtype)
 
     def decoder_stack(self, stack: NativeStack, x: torch.Tensor,
                       positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -271,7 +279,8 @@ class TritonOps(TorchOps):
 
 def select_ops(device: torch.device, dtype: torch.dtype, shape: AttentionShape, *,
                native_kernels: bool = True, cascade: bool = True,
-               attention_backend: str = "auto", cpu_gemm: str = "none") -> TorchOps:
+               attention_backend: str = "auto", cpu_gemm: str = "none",
+               compute_dtype: torch.dtype = torch.float32) -> TorchOps:
     """The ops table for an engine on `device` with weights and activations of `dtype`:
 
     * CUDA with triton importable and `attention_backend` "auto": `TritonOps`;
@@ -280,7 +289,8 @@ def select_ops(device: torch.device, dtype: torch.dtype, shape: AttentionShape, 
       "reference" or `cascade` False, else the torch cascade).
 
     `cpu_gemm` is the BLAS format the CPU linear layers get (a resolved `linear.FORMATS`
-    name). Logged once; never changes afterwards."""
+    name); `compute_dtype` the engine's (`CpuNativeOps`' attention over bf16 caches). Logged
+    once; never changes afterwards."""
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                          f"not {attention_backend!r}")
@@ -289,7 +299,7 @@ def select_ops(device: torch.device, dtype: torch.dtype, shape: AttentionShape, 
         ops: TorchOps = TritonOps(shape, cpu_gemm=cpu_gemm)
     elif device.type == "cpu" and dtype == torch.float32 and native_kernels \
             and build.available():
-        ops = CpuNativeOps(shape, cascade, cpu_gemm)
+        ops = CpuNativeOps(shape, cascade, cpu_gemm, compute_dtype)
     else:
         ops = TorchOps(shape, cascade, cpu_gemm)
     logger.info("%s", ops.describe())

@@ -120,11 +120,14 @@ OPTIONS: tuple[Option, ...] = (
            "memory about the file's size; float32: dequantize at load", WEIGHT_FORMATS),
     Option("--compute-dtype", str,
            "kept weights' GEMMs: float32, or bfloat16 activations x weights with float32 "
-           "accumulation (prefills, and decode steps of 6 or more rows with AVX512-BF16)",
+           "accumulation (prefills, and decode steps of 2 or more rows with AVX512-BF16); "
+           "with a bfloat16 KV cache also the attention over shared tokens (prefills, n "
+           "choices' prompt)",
            COMPUTE_DTYPES),
     Option("--kv-cache-dtype", str,
            "the KV cache's element type: auto (the model dtype) or bfloat16 (half the bytes "
-           "of a float32 CPU engine's, so twice the blocks; attention still in float32)",
+           "of a float32 CPU engine's, so twice the blocks; attention in float32 unless "
+           "--compute-dtype bfloat16)",
            KV_CACHE_DTYPES),
     Option("--kv-events-endpoint", str,
            "publish KV-cache events as vLLM does on this ZeroMQ PUB endpoint, e.g. "

@@ -231,8 +231,8 @@ class LlamaForCausalLM(nn.Module):
         k_cache, v_cache = self.kv_caches[0]
         return native.NativeStack(
             torch.tensor(rows, dtype=torch.int64), shape, self.norm.weight.detach(),
-            self.cos_sin, native.kv_dtype_code(k_cache, v_cache), k_cache.shape[1],
-            layers[0].self_attn.scale, tuple(tensors))
+            self.cos_sin, native.kv_dtype_code(k_cache, v_cache, self.ops.compute_dtype),
+            k_cache.shape[1], layers[0].self_attn.scale, tuple(tensors))
 
 
 def _stack_weight(linear: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]] | None:

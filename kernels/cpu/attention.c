@@ -6,7 +6,9 @@
  * reads them takes `const int bf16`, a constant where it is inlined: each runs as two
  * copies, one per element type, entered once per task (attend_task_f32 / _bf16), so the
  * float32 copy is the code it was. bfloat16 elements are widened to float32 (exact) as they
- * are loaded; the arithmetic is float32 either way. */
+ * are loaded; the arithmetic is float32 either way. With PLAIT_ATTN_BF16_DOT (a third copy,
+ * attend_task_bf16_dot) the shared tokens go through attention_bf16.h's vdpbf16ps loops
+ * instead; without AVX512-BF16 that flag takes the bfloat16 copy. */
 #define INLINE static inline __attribute__((always_inline))
 
 /* The address of element i of a cache of bfloat16 (bf16) or float32. */
@@ -42,11 +44,21 @@ typedef struct {
   vf *acc;     /* [nq, dv] */
 } state_t;
 
+/* x (finite, >= 0) rounded to the nearest bfloat16 value, ties to even, kept as float32
+ * (its low 16 bits zero): f32_to_bf16's rounding, lane by lane. */
+static inline vf round_to_bf16(vf x) {
+  const vi b = (vi)x;
+  return (vf)((b + 0x7fff + (b >> 16 & 1)) & (int32_t)0xffff0000);
+}
+
 /* The online-softmax update, the one every path runs: a running max m and normaliser l
  * meet n new score vectors s[j * s_stride] (floats; pre-scaled): m' = max(m, s), the
  * weights p[j * p_stride] = e^(s_j - m') are written (p may be s), l' = l e^(m - m') +
  * sum_j p_j; returns alpha = e^(m - m'), by which the caller scales the query's weighted sum
- * of values before adding sum_j p_j V_j. Two layouts, `across` a compile-time constant:
+ * of values before adding sum_j p_j V_j. With `round_p` (a constant) each p_j is rounded to
+ * a bfloat16 value first (round_to_bf16), the weight vdpbf16ps then multiplies V by
+ * (attention_bf16.h), so l sums the weights actually applied. Two layouts, `across` a
+ * compile-time constant:
  *   across = 0: one query per lane (m, l, alpha lane by lane), one token per vector;
  *   across = 1: one query, its tokens across the lanes (m, l broadcast over the lanes;
  *               the max and the sum reduce over them too); pad past the tokens with -inf.
@@ -55,7 +67,7 @@ typedef struct {
  * Inlined, `across` folded: it is the hot loop of decode attention. */
 static inline __attribute__((always_inline)) vf softmax_update(
     vf *m, vf *l, const float *s, long s_stride, float *p, long p_stride, long n,
-    const int across) {
+    const int across, const int round_p) {
   vf mx = *m;
   for (long j = 0; j < n; j++) {  /* the same max either way; each the faster where used */
     const vf sj = *(const vf *)(s + j * s_stride);
@@ -65,7 +77,8 @@ static inline __attribute__((always_inline)) vf softmax_update(
   const vf alpha = vexp(*m - mx);
   vf sum = (vf){0};
   for (long j = 0; j < n; j++) {
-    const vf e = vexp(*(const vf *)(s + j * s_stride) - mx);
+    vf e = vexp(*(const vf *)(s + j * s_stride) - mx);
+    if (round_p) e = round_to_bf16(e);
     *(vf *)(p + j * p_stride) = e;
     sum += e;
   }
@@ -78,7 +91,7 @@ static inline __attribute__((always_inline)) vf softmax_update(
 static inline __attribute__((always_inline)) vf update_query(state_t *st, long a, float *s,
                                                              long padded) {
   vf m = vsplat(st->m[a]), l = vsplat(st->l[a]);
-  const vf alpha = softmax_update(&m, &l, s, LANES, s, LANES, padded / LANES, 1);
+  const vf alpha = softmax_update(&m, &l, s, LANES, s, LANES, padded / LANES, 1, 0);
   st->m[a] = m[0];
   st->l[a] = l[0];
   return alpha;
@@ -195,7 +208,7 @@ INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t
     for (long v = 0; v < qv; v++)  /* online softmax, all queries at once */
       *(vf *)&scale_by[v * LANES] = softmax_update(&m[v], &l[v], (const float *)&sc[0][v],
                                                    QMAX * LANES, &prob[0][v * LANES],
-                                                   QMAX * LANES + 4, n, 0);
+                                                   QMAX * LANES + 4, n, 0, 0);
     for (long d = 0; d < dv; d++) {  /* acc = acc * alpha + sum_j p_j V_j, 4 queries a pass */
       for (long a0 = 0; a0 < nq; a0 += 4) {
         vf r[4];
@@ -216,6 +229,8 @@ INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t
     st->l[a] = l[a / LANES][a % LANES];
   }
 }
+
+#include "attention_bf16.h"
 
 /* Queries [a0, a0 + G) of `st` attend the n tokens of one block whose rows of their KV
  * head start at sp->k / sp->v (a stride of `stride` elements from token to token), token by
@@ -332,14 +347,18 @@ static inline long main_range(long shared, long rows, long ctx_first) {
  * range (shared > 0: read once for all the queries of `st`; else a lone row's context), and
  * when `last` (the chunk's last piece) each of the chunk's `rows` rows' own tokens [main,
  * ctx_len[r]) through its table, block_tables + table_rows[r] * table_stride. The queries of
- * `st` are those of KV heads [h0, h0 + nh), G per head and row. */
+ * `st` are those of KV heads [h0, h0 + nh), G per head and row. `dot` (a constant, with
+ * bf16): the shared tokens through attention_bf16.h. */
 INLINE void attend_task(state_t *st, long shared, long main, long from, long to, int last,
                         long rows, long G, const int32_t *block_tables, long table_stride,
                         const int64_t *table_rows, const int32_t *ctx_len, const void *k_cache,
                         const void *v_cache, long block_size, long num_kv_heads, long h0,
-                        long nh, long head_dim, const int bf16) {
+                        long nh, long head_dim, const int bf16, const int dot) {
   const int32_t *table = block_tables + table_rows[0] * table_stride;
-  if (shared > 0)
+  if (dot && shared > 0)
+    attend_shared_dot(st, table, from, to, k_cache, v_cache, block_size, num_kv_heads, h0,
+                      head_dim);
+  else if (shared > 0)
     attend_shared(st, table, from, to, k_cache, v_cache, block_size, num_kv_heads, h0,
                   head_dim, bf16);
   else if (main > 0)
@@ -352,7 +371,8 @@ INLINE void attend_task(state_t *st, long shared, long main, long from, long to,
                  bf16);
 }
 
-/* attend_task over float32 caches, and over bfloat16 caches. */
+/* attend_task over float32 caches, over bfloat16 caches, and over bfloat16 caches with
+ * bfloat16 dot products (PLAIT_ATTN_BF16_DOT; builds without AVX512-BF16: the second). */
 #define TASK_PARAMS                                                                          \
   state_t *st, long shared, long main, long from, long to, int last, long rows, long G,      \
       const int32_t *block_tables, long table_stride, const int64_t *table_rows,             \
@@ -361,8 +381,14 @@ INLINE void attend_task(state_t *st, long shared, long main, long from, long to,
 #define TASK_ARGS                                                                            \
   st, shared, main, from, to, last, rows, G, block_tables, table_stride, table_rows, ctx_len, \
       k_cache, v_cache, block_size, num_kv_heads, h0, nh, head_dim
-static void attend_task_f32(TASK_PARAMS) { attend_task(TASK_ARGS, 0); }
-static void attend_task_bf16(TASK_PARAMS) { attend_task(TASK_ARGS, 1); }
+typedef void attend_task_fn(TASK_PARAMS);
+static void attend_task_f32(TASK_PARAMS) { attend_task(TASK_ARGS, 0, 0); }
+static void attend_task_bf16(TASK_PARAMS) { attend_task(TASK_ARGS, 1, 0); }
+#if ATTN_BF16_DOT
+static void attend_task_bf16_dot(TASK_PARAMS) { attend_task(TASK_ARGS, 1, 1); }
+#else
+#define attend_task_bf16_dot attend_task_bf16
+#endif
 #undef TASK_PARAMS
 #undef TASK_ARGS
 
@@ -375,9 +401,11 @@ static void attend_task_bf16(TASK_PARAMS) { attend_task(TASK_ARGS, 1); }
  * block_tables[table_rows[i] * table_stride + t / block_size] (int32), in the caches
  * k_cache / v_cache [num_blocks, block_size, H_kv, D] (contiguous) of kv_dtype elements
  * (PLAIT_KV_F32, or PLAIT_KV_BF16: widened to float32, exactly, as they are read; the
- * arithmetic is float32 either way); query head h reads KV head h / (H / H_kv). A task is one piece of one chunk and one KV head: it reads the
- * shared tokens once for all the chunk's queries (cascade attention: one online softmax
- * continues over each row's own tokens). When chunks x KV heads are too few to keep every
+ * arithmetic is float32 either way; PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT: the shared tokens
+ * with bfloat16 products, plait_cpu.h); query head h reads KV head h / (H / H_kv). A task
+ * is one piece of one chunk and one KV head: it reads the shared tokens once for all the
+ * chunk's queries (cascade attention: one online softmax continues over each row's own
+ * tokens). When chunks x KV heads are too few to keep every
  * thread busy (one long prompt's n choices, or a single stream), a chunk's main range (its
  * shared tokens, or a lone row's context) is split into pieces of whole blocks attended in
  * parallel, whose partial softmaxes are then merged (flash-decoding); the rows' own tokens
@@ -395,10 +423,13 @@ int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
                            float *out, const int64_t *out_rows) {
   if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % LANES ||
       head_dim > PLAIT_MAX_HEAD_DIM || block_size > PLAIT_MAX_BLOCK ||
-      (kv_dtype != PLAIT_KV_F32 && kv_dtype != PLAIT_KV_BF16))
+      (kv_dtype != PLAIT_KV_F32 && kv_dtype != PLAIT_KV_BF16 &&
+       kv_dtype != (PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT)))
     return PLAIT_ERR_SHAPES;
   const long G = num_heads / num_kv_heads;
-  const int bf16 = kv_dtype == PLAIT_KV_BF16;
+  attend_task_fn *const task_fn =
+      kv_dtype == PLAIT_KV_F32 ? attend_task_f32
+      : kv_dtype == PLAIT_KV_BF16 ? attend_task_bf16 : attend_task_bf16_dot;
   for (long c = 0; c < num_chunks; c++)
     if ((chunk_start[c + 1] - chunk_start[c]) * G > PLAIT_MAX_QUERIES)
       return PLAIT_ERR_SHAPES;
@@ -460,7 +491,7 @@ int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
       const long main_blocks = (main + block_size - 1) / block_size;
       const long from = p * main_blocks / pieces * block_size;
       const long to = p + 1 == pieces ? main : (p + 1) * main_blocks / pieces * block_size;
-      (bf16 ? attend_task_bf16 : attend_task_f32)(
+      task_fn(
           &st, shared, main, from, to, p + 1 == pieces, rows, G, block_tables, table_stride,
           table_rows + first, ctx_len + first, k_cache, v_cache, block_size, num_kv_heads, h0,
           nh, head_dim);

@@ -24,7 +24,7 @@ static int linear(const float *x, long rows, long k, const int64_t *desc, long n
  *   q|k|v = h @ Wqkv^T (+ bias); rope of q and k; k, v written at slot_mapping (caches of
  *       kv_dtype elements, PLAIT_KV_*)
  *   a = attention of q over the cache (the chunks of plait_decode_attention, written to
- *       their token rows, q_rows)
+ *       their token rows, q_rows; kv_dtype's PLAIT_ATTN_BF16_DOT flag, if set, is its alone)
  *   x, h = x + a @ Wo^T, rms_norm(...);  m = down(silu(gate) * up) of h
  *
  * and at the end x += m, out = rms_norm(x) with final_norm. x [rows, hidden] (dense) is the
@@ -67,7 +67,8 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
     float *q = qkv, *k = qkv + q_dim, *v = k + kv_dim;
     RUN(plait_rope_write_kv(q, qkv_dim, k, qkv_dim, v, qkv_dim, rows, num_heads, num_kv_heads,
                             head_dim, cos_sin, positions, CACHE(PLAIT_STACK_K_CACHE),
-                            CACHE(PLAIT_STACK_V_CACHE), kv_dtype, slot_mapping));
+                            CACHE(PLAIT_STACK_V_CACHE), kv_dtype & ~PLAIT_ATTN_BF16_DOT,
+                            slot_mapping));
     RUN(plait_decode_attention(q, qkv_dim, CACHE(PLAIT_STACK_K_CACHE),
                                CACHE(PLAIT_STACK_V_CACHE), kv_dtype, block_size,
                                num_kv_heads, num_heads, head_dim, block_tables, table_stride,

@@ -43,6 +43,9 @@ QUANT_TYPES: frozenset[int] = KEPT_TYPES
 # bfloat16 is rounded to nearest even when written, widened to float32 (exact) when read.
 KV_DTYPES: dict[torch.dtype, int] = {torch.float32: ABI.constants["PLAIT_KV_F32"],
                                      torch.bfloat16: ABI.constants["PLAIT_KV_BF16"]}
+# OR-ed into a bfloat16 cache's code for bfloat16 compute: the attention's shared tokens
+# with bf16 dot products (plait_cpu.h's PLAIT_ATTN_BF16_DOT).
+ATTN_BF16_DOT = ABI.constants["PLAIT_ATTN_BF16_DOT"]
 
 
 def kv_caches_fit(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -53,13 +56,21 @@ def kv_caches_fit(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
             and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
-def kv_dtype_code(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
-    """The PLAIT_KV_* code of a pair of caches the kernels take (`kv_caches_fit`);
-    ValueError otherwise."""
+def kv_dtype_code(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  compute_dtype: torch.dtype = torch.float32) -> int:
+    """The attention's kv_dtype code for a pair of caches the kernels take (`kv_caches_fit`;
+    ValueError otherwise): their PLAIT_KV_* code, with `ATTN_BF16_DOT` for bfloat16 caches
+    and a `compute_dtype` of torch.bfloat16 (float32 caches compute in float32 whatever
+    `compute_dtype` says)."""
     if not kv_caches_fit(k_cache, v_cache):
         raise ValueError(f"KV caches of {k_cache.dtype} / {v_cache.dtype}: the native kernels "
                          f"take contiguous CPU {' or '.join(map(str, KV_DTYPES))}, both alike")
-    return KV_DTYPES[k_cache.dtype]
+    if compute_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"compute dtype {compute_dtype} (float32 or bfloat16)")
+    code = KV_DTYPES[k_cache.dtype]
+    if k_cache.dtype == compute_dtype == torch.bfloat16:
+        code |= ATTN_BF16_DOT
+    return code
 
 
 def _check(rc: int, kernel: str, limits: str = "") -> None:
@@ -207,6 +218,7 @@ def decode_attention(
     ctx_lens: torch.Tensor,  # [S] int32 tokens each sequence attends
     scale: float,
     out_rows: torch.Tensor | None = None,  # [S] int64 distinct: output row of each sequence
+    compute_dtype: torch.dtype = torch.float32,  # or torch.bfloat16 (bf16 caches only)
 ) -> torch.Tensor:  # [S, H, D] float32 in chunk order; [T, H, D] with out_rows
     """Softmax attention of each sequence's one query over its tokens [0, ctx_len), read
     from the paged cache in place. The sequences of a chunk share their first
@@ -216,7 +228,10 @@ def decode_attention(
     With `out_rows`, sequence i's result is row out_rows[i] of a [T, H, D] output (T the
     query's rows; rows no sequence names are left unwritten), as the caller orders them.
     bfloat16 caches (`KV_DTYPES`) are widened to float32 as they are read: the result is
-    that of float32 caches holding the same values."""
+    that of float32 caches holding the same values. With `compute_dtype` torch.bfloat16 over
+    bfloat16 caches (`kv_dtype_code`), the tokens a chunk shares are attended with bf16 dot
+    products (queries and softmax weights rounded to bf16, float32 sums; AVX512-BF16 builds,
+    else float32 as without it); the rows' own tokens stay float32."""
     lib = loaded()
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -232,7 +247,7 @@ def decode_attention(
                              else ())):
         if t.dtype != dtype or not t.is_contiguous():
             raise ValueError(f"decode_attention: {name} must be contiguous {dtype}")
-    kv_dtype = kv_dtype_code(k_cache, v_cache)
+    kv_dtype = kv_dtype_code(k_cache, v_cache, compute_dtype)
     if out_rows is not None and (out_rows.shape != q_rows.shape or (
             out_rows.numel() and not 0 <= int(out_rows.min()) <= int(out_rows.max())
             < query.shape[0])):
@@ -275,7 +290,7 @@ class NativeStack:
     shape: StackShape
     final_norm: torch.Tensor  # [hidden] float32
     cos_sin: torch.Tensor  # [max_positions, D] float32 contiguous: cos | sin halves
-    kv_dtype: int  # the caches' PLAIT_KV_* code (`KV_DTYPES`)
+    kv_dtype: int  # `kv_dtype_code` of the caches (and the compute dtype)
     block_size: int
     scale: float
     tensors: tuple[torch.Tensor, ...]
@@ -435,9 +450,9 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
             and head_dim % lanes() == 0 and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK)
 
 
-__all__ = ["F32_PANELS", "KV_DTYPES", "MAX_QUERIES", "QUANT_TYPES", "STACK_POINTERS",
-           "NativeStack", "StackShape", "add_rms_norm", "available", "decode_attention",
-           "decoder_stack", "dequantize", "dequantize_bf16", "gemm", "kv_caches_fit",
-           "kv_dtype_code", "lanes", "max_chunk_rows", "pack_weight", "panels_desc", "qgemm",
-           "rope_fits", "rope_write_kv", "rows_fit", "sample_inverse_cdf", "silu_mul",
-           "supports_attention"]
+__all__ = ["ATTN_BF16_DOT", "F32_PANELS", "KV_DTYPES", "MAX_QUERIES", "QUANT_TYPES",
+           "STACK_POINTERS", "NativeStack", "StackShape", "add_rms_norm", "available",
+           "decode_attention", "decoder_stack", "dequantize", "dequantize_bf16", "gemm",
+           "kv_caches_fit", "kv_dtype_code", "lanes", "max_chunk_rows", "pack_weight",
+           "panels_desc", "qgemm", "rope_fits", "rope_write_kv", "rows_fit",
+           "sample_inverse_cdf", "silu_mul", "supports_attention"]

@@ -34,6 +34,15 @@
  * rounded to nearest even, read widened to float32: exact). */
 #define PLAIT_KV_F32 0
 #define PLAIT_KV_BF16 1
+/* A flag OR-ed into plait_decode_attention's kv_dtype (PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT;
+ * the engine's compute_dtype "bfloat16" over a bfloat16 cache): the tokens a chunk's rows
+ * share (a prefill tile's prefix, the common prompt of n choices) are attended with
+ * vdpbf16ps: the pre-scaled queries rounded to bfloat16 (nearest even) once, scores summed
+ * in float32; each token's softmax weight p rounded to bfloat16 (nearest even), the
+ * weighted sum of V in float32; the online softmax (max, exp, normaliser) float32. The
+ * rows' own tokens, and every token in a build without AVX512-BF16, as PLAIT_KV_BF16
+ * alone (the same bits). With PLAIT_KV_F32: PLAIT_ERR_SHAPES. */
+#define PLAIT_ATTN_BF16_DOT 256
 /* The most rows the engine sends through plait_gemm / plait_decoder_stack (a decode step's
  * few rows; more go to BLAS). */
 #define PLAIT_NATIVE_MAX_ROWS 24
@@ -109,10 +118,11 @@ int plait_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_
 int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long num_rows,
                           uint16_t *out);
 
-/* attention.c: one query per sequence over its paged K/V (PLAIT_KV_* kv_dtype elements),
- * read in place; the sequences of a chunk read their chunk_shared[c] common tokens once.
- * Limits: PLAIT_MAX_HEAD_DIM, PLAIT_MAX_BLOCK, chunk rows x (H / H_kv) <= PLAIT_MAX_QUERIES,
- * D a multiple of lanes, kv_dtype a PLAIT_KV_* (PLAIT_ERR_SHAPES). PLAIT_ERR_NOMEM. */
+/* attention.c: one query per sequence over its paged K/V (PLAIT_KV_* kv_dtype elements,
+ * PLAIT_KV_BF16 possibly with PLAIT_ATTN_BF16_DOT), read in place; the sequences of a chunk
+ * read their chunk_shared[c] common tokens once. Limits: PLAIT_MAX_HEAD_DIM,
+ * PLAIT_MAX_BLOCK, chunk rows x (H / H_kv) <= PLAIT_MAX_QUERIES, D a multiple of lanes,
+ * kv_dtype one of those (PLAIT_ERR_SHAPES). PLAIT_ERR_NOMEM. */
 int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
                            const void *v_cache, int kv_dtype, long block_size, long num_kv_heads,
                            long num_heads, long head_dim, const int32_t *block_tables,
@@ -153,7 +163,8 @@ int plait_sample_inverse_cdf(const float *logits, long rows, long vocab, long st
 /* decoder.c: every layer of a Llama decoder over a step's rows in one call, through the
  * kernels above in the eager forward's order; layers [num_layers, PLAIT_STACK_POINTERS]
  * addresses (the four projections as plait_qgemm descriptors whose rows must match the
- * shapes, else PLAIT_ERR_SHAPES; the caches of kv_dtype elements); x [rows, hidden] updated
+ * shapes, else PLAIT_ERR_SHAPES; the caches of kv_dtype elements, its PLAIT_ATTN_BF16_DOT
+ * flag, if set, for plait_decode_attention alone); x [rows, hidden] updated
  * in place, out = the final norm. Propagates the first failing kernel's code. */
 int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long hidden,
                         long num_heads, long num_kv_heads, long head_dim, long inter,

@@ -1,0 +1,278 @@
+/* attention.c's attend_shared in bfloat16 (AVX512-BF16), for kv_dtype PLAIT_KV_BF16 |
+ * PLAIT_ATTN_BF16_DOT (plait_cpu.h): the tokens a chunk's rows share, read once for all
+ * their queries, with the two products by vdpbf16ps, 32 bfloat16 products a vector where
+ * the float32 loop's FMA takes 16. Included by attention.c after attend_shared, whose state,
+ * block walk (locate, prefetch_rows) and online softmax (softmax_update) it reads.
+ *
+ * vdpbf16ps adds, in float32 lane i, the products of bfloat16 words 2 i and 2 i + 1 of its
+ * two operands (each product exact: 8 x 8 significant bits), so each operand pairs its
+ * elements along the dimension the sum runs over:
+ *
+ *   scores s[t][a] = sum_d q[a][d] k[t][d]    pairs along d:
+ *     qp [D/2][queries]: word (q[a][2 i], q[a][2 i + 1]), 16 queries a vector (the queries
+ *        across the lanes, as attend_shared's transpose), rounded once per call;
+ *     k: a token's row is pairs along d already; word i broadcast to every lane.
+ *   sums o[a][d] += sum_t p[t][a] v[t][d]    pairs along t (two tokens):
+ *     pp [tokens/2][queries]: word (p[2 j][a], p[2 j + 1][a]), 16 queries a vector (an odd
+ *        block's last pair: p = 0);
+ *     vp [tokens/2][D]: word (v[2 j][d], v[2 j + 1][d]), the two rows interleaved by vpermw
+ *        once per block (an odd block's last pair: a zero row), word d broadcast;
+ *     so the sums run with the queries across the lanes too: acc_t [D][queries], the
+ *     state's [queries][D] transposed (16 x 16 tiles) once on entry and once on exit.
+ *
+ * Rounding: q (already scaled) to nearest even by vcvtne2ps2bf16 (a float32 denormal reads
+ * as zero; vdpbf16ps would read a bfloat16 denormal as zero anyway); the weights p to
+ * nearest even by softmax_update's round_p, which also sums the rounded weights into l, so
+ * the output is sum p~ v / sum p~ with the same p~ on both sides: a convex combination of
+ * the V rows whose weights are off by at most 2^-8 relative each (a constant V comes out as
+ * itself to float32 rounding, and an error common to all the weights cancels); l summing
+ * the unrounded p would leave the output's scale off by the rounding errors' weighted mean.
+ * K and V are the cache's bfloat16 values, exact. The running max, exp and normaliser stay
+ * float32. */
+#ifndef PLAIT_CPU_ATTENTION_BF16_H
+#define PLAIT_CPU_ATTENTION_BF16_H
+
+#if LANES == 16 && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define ATTN_BF16_DOT 1
+
+/* A chunk's query vectors at most (attend_shared's QMAX), query columns of qp, pp, acc_t. */
+#define DOT_QV (PLAIT_MAX_QUERIES / LANES)
+#define DOT_QW (DOT_QV * LANES)
+/* Tokens per pass of the score loop: DOT_TB x QV accumulators in registers. */
+#define DOT_TB 8
+
+typedef uint32_t word_t __attribute__((may_alias, aligned(4)));  /* a bfloat16 pair */
+
+/* vpermw's indices that interleave a 512-bit [a 0..15 | b 0..15] into words (a[i], b[i]). */
+static const uint16_t PAIR_WORDS[32] __attribute__((aligned(64))) = {
+    0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+static const uint16_t ZERO_ROW[PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
+
+/* out[k] lane i = in[i] lane k: a 16 x 16 transpose of 32-bit elements in registers. */
+static inline void transpose16(const __m512 in[16], __m512 out[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; i++) {  /* pairs of rows interleaved, then quads, then 128-bit */
+    t[2 * i] = _mm512_unpacklo_ps(in[2 * i], in[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i], in[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_f32x4(u[i], u[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(u[i], u[4 + i], 0xdd);
+    t[8 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0xdd);
+  }
+  for (int i = 0; i < 4; i++) {
+    out[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    out[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+    out[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+    out[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
+  }
+}
+
+/* qp[i * DOT_QW + a] = the pair (2 i, 2 i + 1) of query a of `st` rounded to bfloat16, for
+ * a < qv * LANES (zero past nq), i < D / 2: per 16 queries and 32 dimensions, each query's
+ * 16 pairs (one vcvtne2ps2bf16) transposed to 16 pair vectors. */
+static inline void round_queries(const state_t *st, long qv, long head_dim, word_t *qp) {
+  for (long a0 = 0; a0 < qv * LANES; a0 += LANES)
+    for (long d = 0; d < head_dim; d += 2 * LANES) {
+      const int half = d + LANES == head_dim;  /* D an odd multiple of 16: its last 16 */
+      __m512 in[16], out[16];
+      for (int i = 0; i < 16; i++) {
+        const float *q = st->q + (a0 + i) * head_dim + d;
+        in[i] = _mm512_setzero_ps();
+        if (a0 + i < st->nq) {
+          const __m512 hi = half ? _mm512_setzero_ps() : _mm512_load_ps(q + LANES);
+          in[i] = (__m512)_mm512_cvtne2ps_pbh(hi, _mm512_load_ps(q));
+        }
+      }
+      transpose16(in, out);
+      for (int k = 0; k < (half ? 8 : 16); k++)
+        _mm512_store_ps((float *)(qp + (d / 2 + k) * DOT_QW + a0), out[k]);
+    }
+}
+
+/* The weighted sums of `st` transposed, to or from acc_t [D][DOT_QW] (query a in column a:
+ * queries across the lanes, as the value loop adds them; zero past nq), qv query vectors,
+ * a 16 x 16 tile at a time. */
+static inline void transpose_sums(state_t *st, float *acc_t, long qv, long head_dim,
+                                  int to_t) {
+  const long dv = st->dv, nq = st->nq;
+  for (long a0 = 0; a0 < qv * LANES; a0 += LANES)
+    for (long dd = 0; dd < dv; dd++) {
+      __m512 in[16], out[16];
+      float *tile = acc_t + dd * LANES * DOT_QW + a0;  /* rows dd * 16 + k, DOT_QW apart */
+      for (int i = 0; i < 16; i++)
+        in[i] = to_t ? (a0 + i < nq ? (__m512)st->acc[(a0 + i) * dv + dd] : _mm512_setzero_ps())
+                     : _mm512_load_ps(tile + i * DOT_QW);
+      transpose16(in, out);
+      for (int k = 0; k < 16; k++)
+        if (to_t)
+          _mm512_store_ps(tile + k * DOT_QW, out[k]);
+        else if (a0 + k < nq)
+          st->acc[(a0 + k) * dv + dd] = (vf)out[k];
+    }
+}
+
+/* sc[j][v] = the scores of tokens j < n of one block (K rows from sp->k, `stride` elements
+ * apart) for query vectors v < QV (a constant), float32 sums of exact products. */
+INLINE void block_scores(const int QV, const word_t *qp, const span_t *sp, long n,
+                         long stride, long head_dim, vf sc[LANES][DOT_QV]) {
+  for (long j0 = 0; j0 < n; j0 += DOT_TB) {
+    const word_t *kr[DOT_TB];
+    __m512 part[DOT_TB][DOT_QV];
+    for (int j = 0; j < DOT_TB; j++) {  /* past n: the last token again, ignored */
+      kr[j] = kv_at(sp->k, (j0 + j < n ? j0 + j : n - 1) * stride, 1);
+      for (int v = 0; v < QV; v++) part[j][v] = _mm512_setzero_ps();
+      if (j0 + j < n) prefetch_rows(sp, j0 + j, stride, head_dim, 1);
+    }
+    for (long i = 0; i < head_dim / 2; i++) {
+      __m512bh qd[DOT_QV];
+      for (int v = 0; v < QV; v++) qd[v] = (__m512bh)_mm512_load_si512(qp + i * DOT_QW + v * LANES);
+      _Pragma("GCC unroll 8") for (int j = 0; j < DOT_TB; j++) {
+        const __m512bh kd = (__m512bh)_mm512_set1_epi32((int)kr[j][i]);
+        _Pragma("GCC unroll 3") for (int v = 0; v < QV; v++)
+          part[j][v] = _mm512_dpbf16_ps(part[j][v], qd[v], kd);
+      }
+    }
+    for (long j = 0; j < DOT_TB && j0 + j < n; j++)
+      for (int v = 0; v < QV; v++) sc[j0 + j][v] = (vf)part[j][v];
+  }
+}
+
+/* vp[j * D + d] = (v[2 j][d], v[2 j + 1][d]) for the block's n V rows (`stride` apart),
+ * pairs j < (n + 1) / 2; an odd n's last pair takes a zero row. */
+static inline void pair_values(const void *v, long n, long stride, long head_dim,
+                               word_t *vp) {
+  const __m512i idx = _mm512_load_si512(PAIR_WORDS);
+  for (long j = 0; 2 * j < n; j++) {
+    const uint16_t *a = kv_at(v, 2 * j * stride, 1);
+    const uint16_t *b = 2 * j + 1 < n ? kv_at(v, (2 * j + 1) * stride, 1) : ZERO_ROW;
+    for (long d = 0; d < head_dim; d += LANES) {
+      const __m512i ab = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + d))),
+          _mm256_loadu_si256((const __m256i *)(b + d)), 1);
+      _mm512_store_si512(vp + j * head_dim + d, _mm512_permutexvar_epi16(idx, ab));
+    }
+  }
+}
+
+/* pp[j * DOT_QW + a] = (p[2 j][a], p[2 j + 1][a]) of the rounded weights prob [n][DOT_QW]
+ * (their low halves zero, so a pair is a shift and an or), query vectors v < qv; an odd n's
+ * last pair takes p = 0. */
+static inline void pair_weights(const float *prob, long n, long qv, word_t *pp) {
+  for (long j = 0; 2 * j < n; j++)
+    for (long v = 0; v < qv; v++) {
+      const __m512i lo = _mm512_load_si512(prob + 2 * j * DOT_QW + v * LANES);
+      const __m512i hi = 2 * j + 1 < n
+                             ? _mm512_load_si512(prob + (2 * j + 1) * DOT_QW + v * LANES)
+                             : _mm512_setzero_si512();
+      _mm512_store_si512(pp + j * DOT_QW + v * LANES,
+                         _mm512_or_si512(hi, _mm512_srli_epi32(lo, 16)));
+    }
+}
+
+/* acc_t[d][a] = acc_t[d][a] * scale_by[a] + sum_j p[j][a] v[j][d] over the block's pairs
+ * j < np, for query vectors v < QV (a constant): the score loop's shape with the roles
+ * swapped (weight pairs across the lanes, a V pair broadcast), DT dimensions x QV vectors
+ * of accumulators in registers a pass. */
+INLINE void add_values(const int QV, float *acc_t, const float *scale_by, const word_t *vp,
+                       const word_t *pp, long np, long head_dim) {
+  enum { DT = 8 };
+  __m512 alpha[DOT_QV];
+  for (int v = 0; v < QV; v++) alpha[v] = _mm512_load_ps(scale_by + v * LANES);
+  for (long d0 = 0; d0 < head_dim; d0 += DT) {
+    __m512 r[DT][DOT_QV];
+    for (int dt = 0; dt < DT; dt++)
+      for (int v = 0; v < QV; v++)
+        r[dt][v] = _mm512_mul_ps(_mm512_load_ps(acc_t + (d0 + dt) * DOT_QW + v * LANES),
+                                 alpha[v]);
+    for (long j = 0; j < np; j++) {
+      __m512bh pv[DOT_QV];
+      for (int v = 0; v < QV; v++) pv[v] = (__m512bh)_mm512_load_si512(pp + j * DOT_QW + v * LANES);
+      _Pragma("GCC unroll 8") for (int dt = 0; dt < DT; dt++) {
+        const __m512bh vd = (__m512bh)_mm512_set1_epi32((int)vp[j * head_dim + d0 + dt]);
+        _Pragma("GCC unroll 3") for (int v = 0; v < QV; v++)
+          r[dt][v] = _mm512_dpbf16_ps(r[dt][v], pv[v], vd);
+      }
+    }
+    for (int dt = 0; dt < DT; dt++)
+      for (int v = 0; v < QV; v++)
+        _mm512_store_ps(acc_t + (d0 + dt) * DOT_QW + v * LANES, r[dt][v]);
+  }
+}
+
+/* attend_shared's contract (every query of `st` attends tokens [t_from, t_to) of KV head h
+ * through `table`, once for all of them) over a bfloat16 cache, with QV = ceil(nq / LANES)
+ * query vectors (a constant: a decode chunk of a few rows computes no empty vector). */
+INLINE void attend_shared_dot_qv(const int QV, state_t *st, const int32_t *table,
+                                 long t_from, long t_to, const void *k_cache,
+                                 const void *v_cache, long block_size, long num_kv_heads,
+                                 long h, long head_dim) {
+  const long stride = num_kv_heads * head_dim, nq = st->nq;
+  word_t qp[PLAIT_MAX_HEAD_DIM / 2 * DOT_QW] __attribute__((aligned(64)));
+  float acc_t[PLAIT_MAX_HEAD_DIM * DOT_QW] __attribute__((aligned(64)));
+  word_t vp[LANES / 2 * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
+  word_t pp[LANES / 2 * DOT_QW] __attribute__((aligned(64)));
+  float prob[LANES * DOT_QW] __attribute__((aligned(64)));
+  float scale_by[DOT_QW] __attribute__((aligned(64)));
+  vf m[DOT_QV], l[DOT_QV];
+  round_queries(st, QV, head_dim, qp);
+  transpose_sums(st, acc_t, QV, head_dim, 1);
+  for (long v = 0; v < QV; v++)
+    for (int lane = 0; lane < LANES; lane++) {
+      const long a = v * LANES + lane;
+      m[v][lane] = a < nq ? st->m[a] : 0.0f;
+      l[v][lane] = a < nq ? st->l[a] : 0.0f;
+    }
+  for (long t = t_from; t < t_to;) {
+    const long off = t % block_size;
+    const long block_end = t - off + block_size < t_to ? t - off + block_size : t_to;
+    const long n = block_end - t < LANES ? block_end - t : LANES;
+    const span_t sp = locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, h,
+                             head_dim, 1);
+    vf sc[LANES][DOT_QV];
+    block_scores(QV, qp, &sp, n, stride, head_dim, sc);
+    for (long v = 0; v < QV; v++)  /* online softmax, the weights rounded to bfloat16 */
+      *(vf *)&scale_by[v * LANES] = softmax_update(&m[v], &l[v], (const float *)&sc[0][v],
+                                                   DOT_QW, prob + v * LANES, DOT_QW, n, 0, 1);
+    pair_values(sp.v, n, stride, head_dim, vp);
+    pair_weights(prob, n, QV, pp);
+    add_values(QV, acc_t, scale_by, vp, pp, (n + 1) / 2, head_dim);
+    t += n;
+  }
+  transpose_sums(st, acc_t, QV, head_dim, 0);
+  for (long a = 0; a < nq; a++) {
+    st->m[a] = m[a / LANES][a % LANES];
+    st->l[a] = l[a / LANES][a % LANES];
+  }
+}
+
+static void attend_shared_dot(state_t *st, const int32_t *table, long t_from, long t_to,
+                              const void *k_cache, const void *v_cache, long block_size,
+                              long num_kv_heads, long h, long head_dim) {
+#define DOT_ARGS st, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads, h, head_dim
+  switch ((st->nq + LANES - 1) / LANES) {
+    case 1: attend_shared_dot_qv(1, DOT_ARGS); return;
+    case 2: attend_shared_dot_qv(2, DOT_ARGS); return;
+    default: attend_shared_dot_qv(DOT_QV, DOT_ARGS); return;
+  }
+#undef DOT_ARGS
+}
+#else
+#define ATTN_BF16_DOT 0
+/* No AVX512-BF16: never called (attend_task passes dot = 0; the flag takes the bfloat16
+ * copy). */
+static inline void attend_shared_dot(state_t *st, const int32_t *table, long t_from,
+                                     long t_to, const void *k_cache, const void *v_cache,
+                                     long block_size, long num_kv_heads, long h,
+                                     long head_dim) {}
+#endif
+
+#endif /* PLAIT_CPU_ATTENTION_BF16_H */

@@ -1,0 +1,261 @@
+"""bf16 dot products in the native attention (kernels/cpu/attention_bf16.h): over a bf16 KV
+cache with compute_dtype bfloat16 (kv_dtype PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT), the tokens
+a chunk's rows share (prefill tiles' prefixes, n choices' prompt) are attended with
+vdpbf16ps: the scaled queries rounded once to bf16 (nearest even), each softmax weight p
+rounded to bf16 (nearest even) and summed as rounded into the normaliser; the rows' own
+tokens, and every token in a build without AVX512-BF16, compute in float32.
+
+The tolerance against float64: the reference takes the kernel's bf16 K/V and, for the
+shared tokens, its rounded queries, so what is left is the rounding of p. With p~_t = p_t
+(1 + d_t), |d_t| <= u = 2^-8 (bf16's 8 significant bits, nearest) for shared tokens and d_t
+= 0 for own ones, and weights w = p / sum p, the output sum p~ v / sum p~ is off by
+sum_t w_t d_t (v_t - out) / (1 + sum_t w_t d_t), at most u / (1 - u) sum_shared w_t
+|v_t - out| per element, plus float32 rounding (1e-5)."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import subprocess
+from contextlib import contextmanager
+
+import pytest
+import torch
+from helpers.kernel_cases import BatchSpec, PagedBatch, build_batch, share_prefix
+
+from plait.kernels.cpu import build, native
+from plait.kernels.cpu.attention import NativeRows, native_attention, plan_native
+
+HAS_DOT = build.available() and "avx512_bf16" in build._cpu_flags()
+needs_native = pytest.mark.skipif(not build.available(), reason="native kernels unavailable")
+needs_dot = pytest.mark.skipif(not HAS_DOT, reason="no AVX512-BF16: the flag computes float32")
+BF16 = torch.bfloat16
+U = 2.0**-8  # bf16's unit roundoff (round to nearest)
+
+
+@contextmanager
+def _threads(count: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _batch(group: int, head_dim: int, block_size: int, seed: int = 0) -> PagedBatch:
+    """Every path of the kernel, bf16 caches: 12 decode rows sharing 4 blocks (chunks of
+    up to 48 query heads), 2 more sharing 5, a lone row long enough to be split into pieces,
+    a prefill chunk after a cached prefix and one from position 0 (causal tiles: prefixes of
+    any length, odd ones included)."""
+    kv_heads = 3 if group == 3 else 2
+    seqs = (*((1, 4 * block_size + 5 + 3 * i) for i in range(12)),
+            (1, 5 * block_size + 1), (1, 5 * block_size + 9), (1, 333), (45, 173), (30, 30))
+    batch = build_batch(BatchSpec(seqs=seqs, num_heads=group * kv_heads, num_kv_heads=kv_heads,
+                                  head_dim=head_dim, block_size=block_size, seed=seed))
+    share_prefix(batch, list(range(12)), 4, block_size)
+    share_prefix(batch, [12, 13], 5, block_size)
+    batch.k_cache, batch.v_cache = batch.k_cache.to(BF16), batch.v_cache.to(BF16)
+    batch.keys = [k.to(BF16).double() for k in batch.keys]
+    batch.values = [v.to(BF16).double() for v in batch.values]
+    return batch
+
+
+def _plan(batch: PagedBatch) -> NativeRows:
+    _, block_size, num_kv_heads, _ = batch.k_cache.shape
+    return plan_native(batch.cu_seqlens_q, batch.context_lens, batch.block_tables, block_size,
+                       batch.query.shape[1] // num_kv_heads, batch.max_query_len,
+                       batch.max_context_len)
+
+
+def _attend(batch: PagedBatch, rows: NativeRows, compute_dtype: torch.dtype,
+            query: torch.Tensor | None = None) -> torch.Tensor:
+    return native_attention(batch.query if query is None else query, batch.k_cache,
+                            batch.v_cache, batch.block_tables, rows, batch.scale,
+                            compute_dtype)
+
+
+def _shared_of(batch: PagedBatch, rows: NativeRows) -> list[int]:
+    """Tokens each query row reads as its chunk's shared prefix."""
+    shared = [0] * batch.query.shape[0]
+    starts = rows.chunk_start.tolist()
+    for c, count in enumerate(rows.chunk_shared.tolist()):
+        for i in range(starts[c], starts[c + 1]):
+            shared[int(rows.q_rows[i])] = count
+    return shared
+
+
+def _reference(batch: PagedBatch, shared_of: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 attention, the per-element bound of p's rounding): each row's shared tokens
+    scored with its scaled query rounded to bf16, its own ones with the float32 query."""
+    num_tokens, num_heads, head_dim = batch.query.shape
+    scaled = batch.query * torch.tensor(batch.scale, dtype=torch.float32)  # [T, H, D]
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float64)
+    bound = torch.zeros_like(out)
+    starts = batch.cu_seqlens_q.tolist()
+    for s, (key, value) in enumerate(zip(batch.keys, batch.values, strict=True)):
+        group = num_heads // key.shape[1]
+        k = key.repeat_interleave(group, dim=1)  # [ctx, H, D]
+        v = value.repeat_interleave(group, dim=1)  # [ctx, H, D]
+        ctx = k.shape[0]
+        for row in range(starts[s], starts[s + 1]):
+            pos = ctx - (starts[s + 1] - row)  # the row's position: it attends [0, pos]
+            exact = torch.einsum("hd,khd->hk", scaled[row].double(), k[:pos + 1])
+            rounded = torch.einsum("hd,khd->hk", scaled[row].to(BF16).double(), k[:pos + 1])
+            is_shared = torch.arange(pos + 1) < shared_of[row]  # [pos + 1]
+            w = torch.where(is_shared, rounded, exact).softmax(-1)  # [H, pos + 1]
+            out[row] = torch.einsum("hk,khd->hd", w, v[:pos + 1])
+            spread = (v[:pos + 1].permute(1, 0, 2) - out[row][:, None]).abs()  # [H, k, D]
+            bound[row] = torch.einsum("hk,hkd->hd", w * is_shared, spread) * U / (1 - U)
+    return out, bound
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("group", "head_dim", "block_size"),
+                         [(3, 64, 16), (7, 64, 16), (3, 128, 16), (7, 128, 16), (3, 64, 32),
+                          (3, 80, 16)])
+def test_bf16_dot_is_within_the_rounding_of_p(group, head_dim, block_size, threads) -> None:
+    """Every row within the bound of p's rounding of float64 attention (module docstring);
+    rows without a shared prefix (a lone row, split into pieces or not) the float32 kernel's
+    bits; the shared rows measurably not (the flag took the bf16 path)."""
+    batch = _batch(group, head_dim, block_size)
+    rows = _plan(batch)
+    with _threads(threads):
+        out = _attend(batch, rows, BF16)
+        f32 = _attend(batch, rows, torch.float32)
+    shared_of = _shared_of(batch, rows)
+    expected, bound = _reference(batch, shared_of)
+    excess = (out.double() - expected).abs() - bound
+    assert excess.max().item() <= 1e-5
+    alone = [r for r, count in enumerate(shared_of) if count == 0]
+    assert torch.equal(out[alone], f32[alone])
+    if HAS_DOT:
+        assert (out - f32).abs().max().item() > 1e-4
+
+
+@needs_dot
+@pytest.mark.parametrize("group", [3, 7])
+def test_queries_are_rounded_once_to_nearest_even(group) -> None:
+    """With the own tokens' K zero (their scores 0 whatever the query), the output depends on
+    the query only through its scaled value rounded to bf16: a query already rounded to
+    nearest even gives the same bits (scale 1/8: rounding commutes with it); truncation
+    would not."""
+    batch = _batch(group, 64, 16, seed=3)
+    rows = _plan(batch)
+    shared_of = _shared_of(batch, rows)
+    flat_k = batch.k_cache.view(-1, *batch.k_cache.shape[2:])  # [slots, H_kv, D]
+    starts, block_size = batch.cu_seqlens_q.tolist(), batch.k_cache.shape[1]
+    decode_rows = list(range(14))  # the rows sharing a prefix, one query each
+    for s in decode_rows:
+        table = batch.block_tables[s].long()
+        for t in range(shared_of[starts[s]], int(batch.context_lens[s])):
+            flat_k[table[t // block_size] * block_size + t % block_size] = 0
+    query = batch.query[decode_rows]  # [14, H, D]
+    rounded = (query * batch.scale).to(BF16).float() / batch.scale
+    assert not torch.equal(rounded, query)
+    sub = PagedBatch(query, batch.k_cache, batch.v_cache, batch.cu_seqlens_q[:15],
+                     batch.context_lens[:14], batch.block_tables[:14], [], [], batch.scale,
+                     1, int(batch.context_lens[:14].max()))
+    sub_rows = _plan(sub)
+    out = _attend(sub, sub_rows, BF16)
+    assert torch.equal(out, _attend(sub, sub_rows, BF16, rounded.contiguous()))
+    assert not torch.equal(out, _attend(sub, sub_rows, torch.float32))
+
+
+@needs_dot
+@pytest.mark.parametrize("group", [3, 7])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_weights_are_rounded_to_nearest_even_and_summed_rounded(group, threads) -> None:
+    """Scores of exactly 0 (token A: K = 0, V = 0) or -1.25 (token B: K = -1.25 e_0, V = 1),
+    queries 1 / scale e_0, every block starting with an A (the running max is 0 from the
+    first block on): a shared B token weighs p~ = bf16(e^-1.25) = 147 / 512 (nearest; 146 /
+    512 truncated), an own one e^-1.25, an A 1, and each row's output is (B weight) / (A +
+    B weight) in every element, as rounded weights summed into the normaliser give it."""
+    batch = _batch(group, 64, 16, seed=5)
+    rows = _plan(batch)
+    _, block_size, kv_heads, head_dim = batch.k_cache.shape
+    is_b = [[t % 3 == 1 for t in range(int(ctx))] for ctx in batch.context_lens]
+    for s, marks in enumerate(is_b):
+        table = batch.block_tables[s].long()
+        for t, b in enumerate(marks):
+            slot = table[t // block_size] * block_size + t % block_size
+            batch.k_cache.view(-1, kv_heads, head_dim)[slot] = 0
+            batch.k_cache.view(-1, kv_heads, head_dim)[slot, :, 0] = -1.25 if b else 0.0
+            batch.v_cache.view(-1, kv_heads, head_dim)[slot] = 1.0 if b else 0.0
+    query = torch.zeros_like(batch.query)
+    query[:, :, 0] = 1 / batch.scale
+    with _threads(threads):
+        out = _attend(batch, rows, BF16, query)
+    p_shared = torch.tensor(math.exp(-1.25)).to(BF16).item()
+    assert p_shared == 147 / 512
+    shared_of, starts = _shared_of(batch, rows), batch.cu_seqlens_q.tolist()
+    expected = torch.empty(query.shape[0], dtype=torch.float64)
+    for s, marks in enumerate(is_b):
+        for row in range(starts[s], starts[s + 1]):
+            pos = len(marks) - (starts[s + 1] - row)
+            weights = [(p_shared if t < shared_of[row] else math.exp(-1.25)) if marks[t]
+                       else 0.0 for t in range(pos + 1)]
+            num_a = sum(not marks[t] for t in range(pos + 1))
+            expected[row] = sum(weights) / (num_a + sum(weights))
+    torch.testing.assert_close(out.double(), expected[:, None, None].expand(out.shape),
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_the_flag_is_set_for_bf16_caches_with_bf16_compute() -> None:
+    f32, bf16 = torch.zeros(2, 16, 1, 16), torch.zeros(2, 16, 1, 16, dtype=BF16)
+    kv_f32, kv_bf16 = native.KV_DTYPES[torch.float32], native.KV_DTYPES[BF16]
+    assert native.kv_dtype_code(f32, f32) == kv_f32
+    assert native.kv_dtype_code(f32, f32, BF16) == kv_f32  # float32 caches: float32 math
+    assert native.kv_dtype_code(bf16, bf16) == kv_bf16
+    assert native.kv_dtype_code(bf16, bf16, BF16) == kv_bf16 | native.ATTN_BF16_DOT
+    assert native.ATTN_BF16_DOT & (kv_f32 | kv_bf16) == 0
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        native.kv_dtype_code(bf16, bf16, torch.float16)
+
+
+def _raw_attention(lib: ctypes.CDLL, batch: PagedBatch, rows: NativeRows,
+                   kv_dtype: int) -> tuple[int, torch.Tensor]:
+    """plait_decode_attention of `batch` with this kv_dtype code as given: (rc, output)."""
+    _, num_heads, head_dim = batch.query.shape
+    _, block_size, num_kv_heads, _ = batch.k_cache.shape
+    out = torch.zeros(batch.query.shape)
+    rc = lib.plait_decode_attention(
+        batch.query.data_ptr(), batch.query.stride(0), batch.k_cache.data_ptr(),
+        batch.v_cache.data_ptr(), kv_dtype, block_size, num_kv_heads, num_heads, head_dim,
+        batch.block_tables.data_ptr(), batch.block_tables.stride(0),
+        rows.chunk_shared.shape[0], rows.chunk_start.data_ptr(), rows.chunk_shared.data_ptr(),
+        rows.q_rows.data_ptr(), rows.table_rows.data_ptr(), rows.ctx_lens.data_ptr(),
+        batch.scale, out.data_ptr(), rows.q_rows.data_ptr())
+    return rc, out
+
+
+@needs_native
+def test_the_flag_with_float32_caches_is_refused() -> None:
+    batch = _batch(3, 64, 16)
+    batch.k_cache, batch.v_cache = batch.k_cache.float(), batch.v_cache.float()
+    rows = _plan(batch)
+    kv_f32 = native.KV_DTYPES[torch.float32]
+    assert _raw_attention(build.loaded(), batch, rows, kv_f32 | native.ATTN_BF16_DOT)[0] == -1
+    rc, out = _raw_attention(build.loaded(), batch, rows, kv_f32)
+    assert rc == 0 and torch.equal(out, _attend(batch, rows, torch.float32))
+
+
+def test_a_build_without_avx512bf16_computes_float32(tmp_path, monkeypatch) -> None:
+    """`-mno-avx512bf16`: the flag is taken and computes the float32 path's bits."""
+    gomp = build._torch_gomp()
+    if gomp is None or "avx512_bf16" not in build._cpu_flags():
+        pytest.skip("no libgomp from torch, or a CPU whose native build has no bf16 anyway")
+    target = tmp_path / "no_bf16.so"
+    subprocess.run([os.environ.get("CC", "cc"), *build.FLAGS, "-mno-avx512bf16", "-o",
+                    str(target), *map(str, build.SOURCES), f"-L{gomp.parent}",
+                    f"-Wl,-rpath,{gomp.parent}", "-lm"], check=True, capture_output=True,
+                   timeout=300)
+    lib = build._declare(ctypes.CDLL(str(target)))
+    monkeypatch.setattr(native, "loaded", lambda: lib)
+    for group in (3, 7):
+        batch = _batch(group, 64, 16)
+        rows = _plan(batch)
+        with _threads(2):
+            assert torch.equal(_attend(batch, rows, BF16), _attend(batch, rows, torch.float32))
