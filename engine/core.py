@@ -166,8 +166,9 @@ class EngineCore:
 
     def idle_work(self) -> bool:
         """One short slice of work for an idle engine (warming the KV cache's next blocks,
-        engine/kv_warm.py); True while more remains. The loop calls it only while no
-        request is unfinished and no command is waiting."""
+        engine/kv_warm.py); True while more remains. The loop calls it only while no step
+        can make progress (nothing unfinished, or the last step stalled) and no command is
+        waiting."""
         return self.warmer is not None and self.warmer.step()
 
     # ---------------------------------------------------------------- one step
