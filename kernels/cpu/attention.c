@@ -138,6 +138,31 @@ INLINE void widen_rows(const void *src, long n, long stride, long head_dim, floa
       *(vf *)(dst + j * head_dim + d) = widen_bf16((const uint16_t *)src + j * stride + d);
 }
 
+/* The running max and normaliser of `st`'s queries as qv vectors of LANES (lanes past nq
+ * hold 0), and back into `st`. */
+INLINE void load_running(const state_t *st, long qv, vf *m, vf *l) {
+  for (long v = 0; v < qv; v++)
+    for (int lane = 0; lane < LANES; lane++) {
+      const long a = v * LANES + lane;
+      m[v][lane] = a < st->nq ? st->m[a] : 0.0f;
+      l[v][lane] = a < st->nq ? st->l[a] : 0.0f;
+    }
+}
+INLINE void store_running(state_t *st, const vf *m, const vf *l) {
+  for (long a = 0; a < st->nq; a++) {
+    st->m[a] = m[a / LANES][a % LANES];
+    st->l[a] = l[a / LANES][a % LANES];
+  }
+}
+
+/* How many of tokens [t, t_to) the shared loops take at once: up to LANES, within t's
+ * block. */
+INLINE long slice_len(long t, long t_to, long block_size) {
+  const long off = t % block_size;
+  const long block_end = t - off + block_size < t_to ? t - off + block_size : t_to;
+  return block_end - t < LANES ? block_end - t : LANES;
+}
+
 /* Every query of `st` attends tokens [t_from, t_to) of KV head h through `table`, with the
  * queries across the vector lanes: the queries are transposed once ([D][QMAX * LANES],
  * zero past nq), a token's scores for all of them are qv vectors (D FMAs each, the key's
@@ -163,16 +188,9 @@ INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t
   for (long d = 0; d < head_dim; d++)
     for (long a = 0; a < QMAX * LANES; a++)
       qt[d * QMAX * LANES + a] = a < nq ? st->q[a * head_dim + d] : 0.0f;
-  for (long v = 0; v < qv; v++)
-    for (int lane = 0; lane < LANES; lane++) {
-      const long a = v * LANES + lane;
-      m[v][lane] = a < nq ? st->m[a] : 0.0f;
-      l[v][lane] = a < nq ? st->l[a] : 0.0f;
-    }
+  load_running(st, qv, m, l);
   for (long t = t_from; t < t_to;) {
-    const long off = t % block_size;
-    const long block_end = t - off + block_size < t_to ? t - off + block_size : t_to;
-    const long n = block_end - t < LANES ? block_end - t : LANES;
+    const long n = slice_len(t, t_to, block_size);
     const span_t sp = locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, h,
                              head_dim, bf16);
     /* the rows as float32 (rs floats from token to token) */
@@ -224,10 +242,7 @@ INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t
     }
     t += n;
   }
-  for (long a = 0; a < nq; a++) {
-    st->m[a] = m[a / LANES][a % LANES];
-    st->l[a] = l[a / LANES][a % LANES];
-  }
+  store_running(st, m, l);
 }
 
 #include "attention_bf16.h"

@@ -215,7 +215,7 @@ INLINE void attend_shared_dot_qv(const int QV, state_t *st, const int32_t *table
                                  long t_from, long t_to, const void *k_cache,
                                  const void *v_cache, long block_size, long num_kv_heads,
                                  long h, long head_dim) {
-  const long stride = num_kv_heads * head_dim, nq = st->nq;
+  const long stride = num_kv_heads * head_dim;
   word_t qp[PLAIT_MAX_HEAD_DIM / 2 * DOT_QW] __attribute__((aligned(64)));
   float acc_t[PLAIT_MAX_HEAD_DIM * DOT_QW] __attribute__((aligned(64)));
   word_t vp[LANES / 2 * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
@@ -225,16 +225,9 @@ INLINE void attend_shared_dot_qv(const int QV, state_t *st, const int32_t *table
   vf m[DOT_QV], l[DOT_QV];
   round_queries(st, QV, head_dim, qp);
   transpose_sums(st, acc_t, QV, head_dim, 1);
-  for (long v = 0; v < QV; v++)
-    for (int lane = 0; lane < LANES; lane++) {
-      const long a = v * LANES + lane;
-      m[v][lane] = a < nq ? st->m[a] : 0.0f;
-      l[v][lane] = a < nq ? st->l[a] : 0.0f;
-    }
+  load_running(st, QV, m, l);
   for (long t = t_from; t < t_to;) {
-    const long off = t % block_size;
-    const long block_end = t - off + block_size < t_to ? t - off + block_size : t_to;
-    const long n = block_end - t < LANES ? block_end - t : LANES;
+    const long n = slice_len(t, t_to, block_size);
     const span_t sp = locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, h,
                              head_dim, 1);
     vf sc[LANES][DOT_QV];
@@ -248,10 +241,7 @@ INLINE void attend_shared_dot_qv(const int QV, state_t *st, const int32_t *table
     t += n;
   }
   transpose_sums(st, acc_t, QV, head_dim, 0);
-  for (long a = 0; a < nq; a++) {
-    st->m[a] = m[a / LANES][a % LANES];
-    st->l[a] = l[a / LANES][a % LANES];
-  }
+  store_running(st, m, l);
 }
 
 static void attend_shared_dot(state_t *st, const int32_t *table, long t_from, long t_to,

@@ -2,7 +2,8 @@
 #include "plait_cpu.h"
 #include "vec.h"
 
-/* Element i of a cache of bfloat16 (bf16) or float32 set to x (rounded to nearest even). */
+/* Element i of a cache (or row) of bfloat16 (bf16) or float32 set to x (rounded to nearest
+ * even). */
 static inline __attribute__((always_inline)) void put_kv(void *cache, long i, float x,
                                                          const int bf16) {
   if (bf16)
@@ -172,23 +173,48 @@ int plait_add_rms_norm(const float *x, long x_stride, const float *add, long add
   return PLAIT_OK;
 }
 
+/* Element i of a row of bfloat16 (bf16) or float32, as float32; LANES of them from i. */
+static inline __attribute__((always_inline)) float get_elem(const void *row, long i,
+                                                            const int bf16) {
+  return bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+static inline __attribute__((always_inline)) vf get_lanes(const void *row, long i,
+                                                          const int bf16) {
+  return bf16 ? widen_bf16((const uint16_t *)row + i) : *(const vf *)((const float *)row + i);
+}
+
+/* silu_mul over float32 (bf16 = 0) or bfloat16 rows (bf16 = 1: widened as loaded, the
+ * float32 result rounded to nearest even as stored), a constant in each entry point's copy:
+ * the arithmetic is the same float32 either way. */
+static inline __attribute__((always_inline)) void silu_mul(const void *gate_up, long gu_stride,
+                                                           long num_tokens, long inter,
+                                                           void *out, const int bf16) {
+#pragma omp parallel for schedule(static) if (num_tokens >= 16)
+  for (long t = 0; t < num_tokens; t++) {
+    const long g = t * gu_stride, u = g + inter, o = t * inter;
+    long i = 0;
+    for (; i + LANES <= inter; i += LANES) {
+      const vf gv = get_lanes(gate_up, g + i, bf16);
+      const vf y = gv / (1.0f + vexp(-gv)) * get_lanes(gate_up, u + i, bf16);
+      if (bf16)
+        store_bf16((uint16_t *)out + o + i, y);
+      else
+        *(vf *)((float *)out + o + i) = y;
+    }
+    for (; i < inter; i++) {
+      const float gi = get_elem(gate_up, g + i, bf16);
+      put_kv(out, o + i, gi / (1.0f + expf(-gi)) * get_elem(gate_up, u + i, bf16), bf16);
+    }
+  }
+}
+
 /* out[t] = silu(g) * u for the row t of gate_up [T, 2 I] = g | u (row stride gu_stride):
  * g / (1 + exp(-g)) * u, out [T, I] dense. Returns PLAIT_OK, or PLAIT_ERR_SHAPES for a
  * negative size. */
 int plait_silu_mul(const float *gate_up, long gu_stride, long num_tokens, long inter,
                    float *out) {
   if (num_tokens < 0 || inter < 0) return PLAIT_ERR_SHAPES;
-#pragma omp parallel for schedule(static) if (num_tokens >= 16)
-  for (long t = 0; t < num_tokens; t++) {
-    const float *g = gate_up + t * gu_stride, *u = g + inter;
-    float *o = out + t * inter;
-    long i = 0;
-    for (; i + LANES <= inter; i += LANES) {
-      const vf gv = *(const vf *)(g + i);
-      *(vf *)(o + i) = gv / (1.0f + vexp(-gv)) * *(const vf *)(u + i);
-    }
-    for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-  }
+  silu_mul(gate_up, gu_stride, num_tokens, inter, out, 0);
   return PLAIT_OK;
 }
 
@@ -198,19 +224,6 @@ int plait_silu_mul(const float *gate_up, long gu_stride, long num_tokens, long i
 int plait_silu_mul_bf16(const uint16_t *gate_up, long gu_stride, long num_tokens, long inter,
                         uint16_t *out) {
   if (num_tokens < 0 || inter < 0) return PLAIT_ERR_SHAPES;
-#pragma omp parallel for schedule(static) if (num_tokens >= 16)
-  for (long t = 0; t < num_tokens; t++) {
-    const uint16_t *g = gate_up + t * gu_stride, *u = g + inter;
-    uint16_t *o = out + t * inter;
-    long i = 0;
-    for (; i + LANES <= inter; i += LANES) {
-      const vf gv = widen_bf16(g + i);
-      store_bf16(o + i, gv / (1.0f + vexp(-gv)) * widen_bf16(u + i));
-    }
-    for (; i < inter; i++) {
-      const float gi = bf16_to_f32(g[i]);
-      o[i] = f32_to_bf16(gi / (1.0f + expf(-gi)) * bf16_to_f32(u[i]));
-    }
-  }
+  silu_mul(gate_up, gu_stride, num_tokens, inter, out, 1);
   return PLAIT_OK;
 }

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-import subprocess
 from contextlib import contextmanager
 
 import pytest
 import torch
 from helpers.kernel_cases import BatchSpec, PagedBatch, build_batch, share_prefix
+from helpers.native_builds import library_without_avx512bf16
 
 from plait.kernels.cpu import build, native
 from plait.kernels.cpu.attention import NativeRows, native_attention, plan_native
@@ -244,15 +243,7 @@ def test_the_flag_with_float32_caches_is_refused() -> None:
 
 def test_a_build_without_avx512bf16_computes_float32(tmp_path, monkeypatch) -> None:
     """`-mno-avx512bf16`: the flag is taken and computes the float32 path's bits."""
-    gomp = build._torch_gomp()
-    if gomp is None or "avx512_bf16" not in build._cpu_flags():
-        pytest.skip("no libgomp from torch, or a CPU whose native build has no bf16 anyway")
-    target = tmp_path / "no_bf16.so"
-    subprocess.run([os.environ.get("CC", "cc"), *build.FLAGS, "-mno-avx512bf16", "-o",
-                    str(target), *map(str, build.SOURCES), f"-L{gomp.parent}",
-                    f"-Wl,-rpath,{gomp.parent}", "-lm"], check=True, capture_output=True,
-                   timeout=300)
-    lib = build._declare(ctypes.CDLL(str(target)))
+    lib = library_without_avx512bf16(tmp_path)
     monkeypatch.setattr(native, "loaded", lambda: lib)
     for group in (3, 7):
         batch = _batch(group, 64, 16)

@@ -8,13 +8,10 @@ bit."""
 
 from __future__ import annotations
 
-import ctypes
-import os
-import subprocess
-
 import numpy as np
 import pytest
 import torch
+from helpers.native_builds import library_without_avx512bf16
 from helpers.quant_cases import (
     ALL_TYPES,
     BLOCK_32_TYPES,
@@ -158,16 +155,7 @@ def test_descriptors_and_flags() -> None:
 def test_a_build_without_avx512bf16_computes_float32(tmp_path) -> None:
     """`-mno-avx512bf16`: the kernels compile, and a flagged descriptor gives the unflagged
     one's bits (the float32 paths) at every row count."""
-    gomp = build._torch_gomp()
-    if gomp is None or "avx512_bf16" not in build._cpu_flags():
-        pytest.skip("no libgomp from torch, or a CPU whose native build has no bf16 anyway")
-    target = tmp_path / "no_bf16.so"
-    subprocess.run([os.environ.get("CC", "cc"), *build.FLAGS, "-mno-avx512bf16", "-o",
-                    str(target), *map(str, build.SOURCES), f"-L{gomp.parent}",
-                    f"-Wl,-rpath,{gomp.parent}", "-lm"], check=True, capture_output=True,
-                   timeout=300)
-    lib = ctypes.CDLL(str(target))
-    lib.plait_qgemm.restype, lib.plait_qgemm.argtypes = build.ctypes_signature("plait_qgemm")
+    lib = library_without_avx512bf16(tmp_path)
     weight = random_weight(tuple(ALL_TYPES), tuple(range(3, 3 + len(ALL_TYPES))))
     n, gen = weight.out_features, torch.Generator().manual_seed(5)
     for rows in (1, quant.BF16_MIN_ROWS, 16, 24):
