@@ -31,10 +31,10 @@ class EngineConfig:
     `gpu_memory_utilization` of the device on CUDA. On CPU the pool's pages become resident
     as blocks are first used; `kv_cache_prefault` makes the whole pool resident at start
     (engine/host_memory.py: no page faults inside steps, memory reserved up front as vLLM
-    and llama.cpp do). Without it, `kv_cache_warm_tokens` tokens' worth of the blocks the
-    pool hands out next are made resident while the engine is idle (engine/kv_warm.py;
-    None: `max_num_batched_tokens`, one step's prompt tokens; 0: off), so a prompt after a
-    pause does not pay their first write. `max_prefill_tokens_with_decodes` caps the prefill
+    and llama.cpp do). Without it, `kv_cache_warm_tokens` > 0 makes that many tokens' worth
+    of the blocks the pool hands out next resident while the engine is idle
+    (engine/kv_warm.py; 0, the default: off), so a burst after a pause does not pay their
+    first write. `max_prefill_tokens_with_decodes` caps the prefill
     tokens of a step that also decodes (0: only `max_num_batched_tokens`), so running
     streams are not stalled behind a long prefill chunk. `warm_up_tokens`: the model runs a
     dummy prompt of that many tokens once at start (ModelRunner.warm_up), so the first real
@@ -81,7 +81,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
     kv_cache_prefault: bool = False
-    kv_cache_warm_tokens: int | None = None
+    kv_cache_warm_tokens: int = 0
     warm_up_tokens: int = 512
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
@@ -115,7 +115,7 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.warm_up_tokens < 0:
             raise ValueError("warm_up_tokens must be >= 0 (0: no warm-up)")
-        if self.kv_cache_warm_tokens is not None and self.kv_cache_warm_tokens < 0:
+        if self.kv_cache_warm_tokens < 0:
             raise ValueError("kv_cache_warm_tokens must be >= 0 (0: off)")
         if self.max_prefill_tokens_with_decodes < 0:
             raise ValueError("max_prefill_tokens_with_decodes must be >= 0 (0: no cap)")

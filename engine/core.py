@@ -78,14 +78,12 @@ def eos_token_ids(resolved: ResolvedModel, tokenizer: PreTrainedTokenizerBase) -
 
 def _kv_warmer(config: EngineConfig, kv_cache: torch.Tensor | None,
                pool: BlockPool) -> KVWarmer | None:
-    """The idle-time warmer of a lazily resident CPU cache (`kv_cache_warm_tokens`, whose
-    None is max_num_batched_tokens), or None: no cache here (a test's runner), a CUDA
-    cache, a prefaulted one, or a window of 0 tokens."""
+    """The idle-time warmer of a lazily resident CPU cache (a window of
+    `kv_cache_warm_tokens`), or None: no cache here (a test's runner), a CUDA cache, a
+    prefaulted one, or a window of 0 tokens (the default)."""
     if kv_cache is None or kv_cache.device.type != "cpu" or config.kv_cache_prefault:
         return None
-    tokens = config.kv_cache_warm_tokens
-    tokens = config.max_num_batched_tokens if tokens is None else tokens
-    window = -(-tokens // config.block_size)
+    window = -(-config.kv_cache_warm_tokens // config.block_size)
     return KVWarmer(kv_cache, pool, window) if window > 0 else None
 
 

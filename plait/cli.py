@@ -86,9 +86,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--kv-cache-memory-gb", float, "KV cache size on CPU, in GB"),
     Option("--kv-cache-prefault", bool,
            "make the whole CPU KV cache resident at start (default: pages as first used)"),
-    Option("--kv-cache-warm-tokens", "int?",
-           "CPU KV cache tokens made resident ahead, while idle (default: "
-           "--max-num-batched-tokens; 0: off)"),
+    Option("--kv-cache-warm-tokens", int,
+           "CPU KV cache tokens made resident ahead of use while the engine is idle (0: off)"),
     Option("--warm-up-tokens", int,
            "tokens of the dummy prompt run once at start, so the first real prefill does "
            "not pay one-time costs (0: none)"),

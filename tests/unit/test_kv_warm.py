@@ -135,15 +135,16 @@ def test_warming_keeps_what_the_blocks_hold() -> None:
 
 
 @pytest.mark.parametrize(("warm_tokens", "prefault", "window"),
-                         [(None, False, 2048 // 16), (100, False, 7), (0, False, None),
-                          (None, True, None)])
+                         [(2048, False, 2048 // 16), (100, False, 7), (0, False, None),
+                          (2048, True, None)])
 def test_the_engine_warms_a_window_of_kv_cache_warm_tokens(
-        warm_tokens: int | None, prefault: bool, window: int | None) -> None:
+        warm_tokens: int, prefault: bool, window: int | None) -> None:
     config = EngineConfig(kv_cache_warm_tokens=warm_tokens, kv_cache_prefault=prefault)
     pool = BlockPool(4096)
     warmer = _kv_warmer(config, _cache(4096), pool)
     assert (warmer.window if warmer else None) == window
-    assert _kv_warmer(EngineConfig(), None, pool) is None  # a runner without a cache
+    assert _kv_warmer(EngineConfig(kv_cache_warm_tokens=64), None, pool) is None  # no cache
+    assert _kv_warmer(EngineConfig(), _cache(4096), pool) is None  # off by default
 
 
 def test_kv_cache_warm_tokens_is_validated() -> None:
