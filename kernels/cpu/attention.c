@@ -45,10 +45,9 @@ typedef struct {
 } state_t;
 
 /* x (finite, >= 0) rounded to the nearest bfloat16 value, ties to even, kept as float32
- * (its low 16 bits zero): f32_to_bf16's rounding, lane by lane. */
+ * (its low 16 bits zero): vec.h's round_bf16_high, the low half cleared. */
 static inline vf round_to_bf16(vf x) {
-  const vi b = (vi)x;
-  return (vf)((b + 0x7fff + (b >> 16 & 1)) & (int32_t)0xffff0000);
+  return (vf)(round_bf16_high(x) & 0xffff0000u);
 }
 
 /* The online-softmax update, the one every path runs: a running max m and normaliser l

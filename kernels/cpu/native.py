@@ -388,10 +388,11 @@ def sample_inverse_cdf(
     return out
 
 
-def rows_fit(*tensors: torch.Tensor) -> bool:
+def rows_fit(*tensors: torch.Tensor,
+             dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
     """Whether the row-wise kernels (`add_rms_norm`, `silu_mul`) take these [T, D] tensors:
-    float32 on the CPU, unit stride along D, and the kernels available."""
-    return available() and all(t.dtype == torch.float32 and t.device.type == "cpu"
+    one of `dtypes` on the CPU, unit stride along D, and the kernels available."""
+    return available() and all(t.dtype in dtypes and t.device.type == "cpu"
                                and t.dim() == 2 and t.stride(1) == 1 for t in tensors)
 
 
@@ -421,9 +422,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
     float32 out; bfloat16 in, bfloat16 out (float32 arithmetic on the widened values, the
     result rounded to nearest even: `silu_mul(gate_up.float()).bfloat16()`, bit for bit)."""
     bf16 = gate_up.dtype == torch.bfloat16
-    fits = available() and gate_up.device.type == "cpu" and gate_up.dim() == 2 \
-        and gate_up.stride(1) == 1 and gate_up.dtype in (torch.float32, torch.bfloat16)
-    if not fits or gate_up.shape[1] % 2:
+    if not rows_fit(gate_up, dtypes=(torch.float32, torch.bfloat16)) or gate_up.shape[1] % 2:
         raise ValueError("silu_mul: gate_up must be [T, 2 I] float32 or bfloat16 with unit "
                          "stride")
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2

@@ -62,10 +62,7 @@ static void deq_bf16_row(const uint8_t *src, long K, float *dst) {  /* the high 
     const vf v = widen_bf16((const uint16_t *)(src + 2 * k));
     memcpy(dst + k, &v, sizeof v);
   }
-  for (; k < K; k++) {
-    uint32_t bits = (uint32_t)(src[2 * k] | src[2 * k + 1] << 8) << 16;
-    memcpy(dst + k, &bits, sizeof bits);
-  }
+  for (; k < K; k++) dst[k] = bf16_to_f32((uint16_t)(src[2 * k] | src[2 * k + 1] << 8));
 }
 
 /* 32-weight groups g0 .. g0 + num_groups - 1 of row `row` of part p (K % 32 == 0) into dst

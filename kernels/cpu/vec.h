@@ -163,13 +163,19 @@ static inline float bf16_to_f32(uint16_t h) {
 
 typedef uint32_t vu __attribute__((vector_size(LANES * 4), aligned(4)));
 
+/* The bits of each (non-NaN) lane of x rounded to the nearest bfloat16, ties to even, in
+ * their high 16 bits (the low 16 are not cleared): f32_to_bf16's rounding, lane by lane. */
+static inline vu round_bf16_high(vf x) {
+  const vu b = (vu)x;
+  return b + 0x7fff + (b >> 16 & 1);
+}
+
 /* The LANES floats of x stored at p (any alignment) as bfloat16 bits, each rounded to
  * nearest even as f32_to_bf16 rounds it (a NaN stays a quiet NaN). */
 static inline void store_bf16(uint16_t *p, vf x) {
   const vu b = (vu)x;
-  const vu rounded = (b + 0x7fff + (b >> 16 & 1)) >> 16;
   const vu is_nan = (vu)((b & 0x7fffffff) > 0x7f800000);  /* all ones where NaN */
-  const vu out = ((b >> 16 | 0x40) & is_nan) | (rounded & ~is_nan);
+  const vu out = ((b >> 16 | 0x40) & is_nan) | (round_bf16_high(x) >> 16 & ~is_nan);
   *(u16v *)p = __builtin_convertvector(out, u16v);
 }
 
