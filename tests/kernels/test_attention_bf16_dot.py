@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-from contextlib import contextmanager
 
 import pytest
 import torch
 from helpers.kernel_cases import BatchSpec, PagedBatch, build_batch, share_prefix
 from helpers.native_builds import library_without_avx512bf16
+from helpers.threads import torch_threads
 
 from plait.kernels.cpu import build, native
 from plait.kernels.cpu.attention import NativeRows, native_attention, plan_native
@@ -33,14 +33,6 @@ BF16 = torch.bfloat16
 U = 2.0**-8  # bf16's unit roundoff (round to nearest)
 
 
-@contextmanager
-def _threads(count: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _batch(group: int, head_dim: int, block_size: int, seed: int = 0) -> PagedBatch:
@@ -121,7 +113,7 @@ def test_bf16_dot_is_within_the_rounding_of_p(group, head_dim, block_size, threa
     bits; the shared rows measurably not (the flag took the bf16 path)."""
     batch = _batch(group, head_dim, block_size)
     rows = _plan(batch)
-    with _threads(threads):
+    with torch_threads(threads):
         out = _attend(batch, rows, BF16)
         f32 = _attend(batch, rows, torch.float32)
     shared_of = _shared_of(batch, rows)
@@ -185,7 +177,7 @@ def test_weights_are_rounded_to_nearest_even_and_summed_rounded(group, threads) 
             batch.v_cache.view(-1, kv_heads, head_dim)[slot] = 1.0 if b else 0.0
     query = torch.zeros_like(batch.query)
     query[:, :, 0] = 1 / batch.scale
-    with _threads(threads):
+    with torch_threads(threads):
         out = _attend(batch, rows, BF16, query)
     p_shared = torch.tensor(math.exp(-1.25)).to(BF16).item()
     assert p_shared == 147 / 512
@@ -248,5 +240,5 @@ def test_a_build_without_avx512bf16_computes_float32(tmp_path, monkeypatch) -> N
     for group in (3, 7):
         batch = _batch(group, 64, 16)
         rows = _plan(batch)
-        with _threads(2):
+        with torch_threads(2):
             assert torch.equal(_attend(batch, rows, BF16), _attend(batch, rows, torch.float32))

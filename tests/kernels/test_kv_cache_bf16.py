@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.kernel_cases import BatchSpec, build_batch, dense_attention, share_prefix
+from helpers.threads import torch_threads
 
 from plait.engine.models.rope import rope_cos_sin
 from plait.kernels import AttentionMetadata, AttentionShape, select_ops
@@ -72,14 +73,10 @@ def test_native_attention_over_bf16_is_float32_over_the_rounded_values(threads) 
     the comparison sees whether the cache was rounded."""
     batch = _mixed_batch()
     k16, v16 = batch.k_cache.to(torch.bfloat16), batch.v_cache.to(torch.bfloat16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = _native(batch, k16, v16)
         widened = _native(batch, k16.float(), v16.float())
         unrounded = _native(batch, batch.k_cache, batch.v_cache)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(out, widened)
     batch.keys = [k.to(torch.bfloat16).float() for k in batch.keys]
     batch.values = [v.to(torch.bfloat16).float() for v in batch.values]

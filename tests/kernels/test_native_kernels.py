@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.kernel_cases import BatchSpec, build_batch, dense_attention, share_prefix
+from helpers.threads import torch_threads
 from torch import nn
 
 from plait.engine.models.linear import (
@@ -178,12 +179,8 @@ def test_decode_attention_split_into_pieces_equals_float64(heads, kv_heads, rows
                 chunk_shared=torch.tensor([shared_blocks * block_size], dtype=torch.int32),
                 q_rows=torch.arange(rows), table_rows=torch.arange(rows),
                 ctx_lens=torch.tensor(ctx, dtype=torch.int32))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = native.decode_attention(query, k_cache, v_cache, tables, scale=0.125, **args)
-    finally:
-        torch.set_num_threads(before)
     for r in range(rows):
         ref = _reference(query[r], k_cache, v_cache, tables[r], ctx[r], 0.125)
         torch.testing.assert_close(out[r].double(), ref, rtol=1e-5, atol=2e-6)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from plait.engine.client import run_core_loop
 from plait.engine.core_api import StepResult
 from plait.engine.outputs import RequestDelta
@@ -95,21 +97,18 @@ def _run_scripted(core: IdleWorkCore, script: list[Command | None]) -> list[bool
     return blocks
 
 
-def test_idle_work_runs_slice_by_slice_and_the_loop_blocks_once_none_is_left() -> None:
-    core = IdleWorkCore(slices=2)
+@pytest.mark.parametrize(("slices", "blocks", "left"), [
+    # slice 2 says it was the last: the loop blocks for the command, and after the step
+    (2, [False, True, False, True], -1),
+    # idle work is left every time: the loop never blocks
+    (10, [False, False, False, False], 7)])
+def test_idle_work_runs_slice_by_slice_and_a_command_between_slices_comes_first(
+        slices: int, blocks: list[bool], left: int) -> None:
+    """One slice, a look for a command; a command that came is served (and its step run)
+    before the next slice; the loop blocks only once the core says no work is left."""
+    core = IdleWorkCore(slices=slices)
     add = AddBatchCommand([AddCommand("a", [1, 2], SamplingParams())])
-    blocks = _run_scripted(core, [None, add, None, ShutdownCommand()])
-    # slice 1, a look for a command (none), slice 2 says it was the last: block for one
+    assert _run_scripted(core, [None, add, None, ShutdownCommand()]) == blocks
     assert core.events == ["slice", "receive", "slice", "receive", "receive", "step",
                            "slice", "receive"]
-    assert blocks == [False, True, False, True]
-
-
-def test_a_command_between_idle_slices_is_served_before_the_next_slice() -> None:
-    core = IdleWorkCore(slices=10)
-    add = AddBatchCommand([AddCommand("a", [1, 2], SamplingParams())])
-    blocks = _run_scripted(core, [None, add, None, ShutdownCommand()])
-    assert core.events == ["slice", "receive", "slice", "receive", "receive", "step",
-                           "slice", "receive"]
-    assert blocks == [False, False, False, False]  # idle work was left every time
-    assert core.slices == 7
+    assert core.slices == left
