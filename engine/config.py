@@ -34,11 +34,11 @@ class EngineConfig:
     and llama.cpp do). Without it, `kv_cache_warm_tokens` > 0 makes that many tokens' worth
     of the blocks the pool hands out next resident while the engine is idle
     (engine/kv_warm.py; 0, the default: off), so a burst after a pause does not pay their
-    first write. `max_prefill_tokens_with_decodes` caps the prefill
-    tokens of a step that also decodes (0: only `max_num_batched_tokens`), so running
-    streams are not stalled behind a long prefill chunk. `warm_up_tokens`: the model runs a
-    dummy prompt of that many tokens once at start (ModelRunner.warm_up), so the first real
-    prefill does not pay one-time costs (0: none).
+    first write. `warm_up_tokens`: the model runs a dummy prompt of that many tokens once
+    at start (ModelRunner.warm_up), so the first real prefill does not pay one-time costs
+    (0: none). `max_prefill_tokens_with_decodes` caps the prefill tokens of a step that
+    also decodes (0: only `max_num_batched_tokens`), so running streams are not stalled
+    behind a long prefill chunk.
 
     The kernels below the model runner, chosen once when it starts (kernels/ops.py):
     `native` uses the native CPU kernels (float32 CPU, where they build); `cascade` attends
@@ -63,11 +63,10 @@ class EngineConfig:
     `kv_cache_dtype` "auto" stores K and V in the model dtype (float32 on a float32 CPU
     engine); "bfloat16" stores them as bf16, rounded to nearest even when written and widened
     to float32 (exactly) inside the attention, which still computes in float32 (but for
-    `compute_dtype` "bfloat16", above): half the
-    bytes per block, so the same `kv_cache_memory_gb` holds twice the blocks (vLLM's
-    `--kv-cache-dtype`). On CUDA the cache takes the model dtype: "bfloat16" is accepted
-    there only with a bfloat16 model (`dtype` "auto" or "bfloat16"; ModelRunner raises at
-    startup otherwise).
+    `compute_dtype` "bfloat16", above): half the bytes per block, so the same
+    `kv_cache_memory_gb` holds twice the blocks (vLLM's `--kv-cache-dtype`). On CUDA the
+    cache takes the model dtype: "bfloat16" is accepted there only with a bfloat16 model
+    (`dtype` "auto" or "bfloat16"; ModelRunner raises at startup otherwise).
 
     `kv_events_endpoint` (e.g. "tcp://*:5557") publishes KV-cache events as vLLM does
     (engine/kv_events.py) under `kv_events_topic`, with a replay socket at

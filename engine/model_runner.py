@@ -37,6 +37,7 @@ from plait.kernels import AttentionMetadata, AttentionShape, TorchOps, select_op
 
 logger = logging.getLogger("plait.engine")
 
+
 def resolve_device(requested: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
