@@ -25,6 +25,13 @@ from plait.kernels.cpu.quant import QuantPart, QuantWeight
 # head (vocab x hidden) goes in chunks of about this size.
 SCRATCH_BYTES = 64 << 20
 _MKLDNN = torch.backends.mkldnn.is_available()
+# oneDNN's bf16 GEMM keeps its rate (about 400 GFLOP/s on the 2-core AVX512-BF16 host) when
+# x's rows are a multiple of 16, and loses 10-25% at many other counts above a few hundred
+# (533 rows: 330 against 400 at 532 or 544; docs/bench/history.md, "Rows padded to 16"). A
+# bf16 product of at least PAD_FROM_ROWS rows runs on x padded with zero rows to the next
+# multiple of PAD_ROWS (under 6% more rows); the padding's output rows are dropped.
+PAD_ROWS = 16
+PAD_FROM_ROWS = 256
 
 RowChunks = list[tuple[int, int, QuantWeight]]  # (start, end, W[start:end]) per chunk
 ChunkCache = dict[tuple[str, int], RowChunks]  # a weight's row chunks, per chunk size
@@ -80,6 +87,19 @@ def row_chunks(weight: QuantWeight, chunk_rows: int,
     return chunks
 
 
+def padded_rows(x: torch.Tensor,  # [M, K]
+                compute_dtype: torch.dtype) -> torch.Tensor:  # [M', K] compute_dtype dense
+    """x in `compute_dtype`, contiguous; in bfloat16 with at least PAD_FROM_ROWS rows, followed
+    by zero rows up to the next multiple of PAD_ROWS (M' >= M; rows [0, M) are x's)."""
+    rows = x.shape[0]
+    if compute_dtype != torch.bfloat16 or rows < PAD_FROM_ROWS or rows % PAD_ROWS == 0:
+        return x.to(compute_dtype).contiguous()
+    out = x.new_empty(-(-rows // PAD_ROWS) * PAD_ROWS, x.shape[1], dtype=compute_dtype)
+    out[:rows].copy_(x)
+    out[rows:].zero_()
+    return out
+
+
 def _dense_product(x: torch.Tensor, w: torch.Tensor,  # x: [M, K], w: [c, K] same dtype
                    bias: torch.Tensor | None,  # [c] float32
                    widen: bool) -> torch.Tensor:  # [M, c] float32, or w's dtype (not widen)
@@ -106,7 +126,8 @@ def matmul_dequantized(x: torch.Tensor, weight: QuantWeight,  # x: [M, K] float3
     descriptors. `widen=False` returns the product in `compute_dtype` as BLAS rounded it
     (bf16: what a following bf16 product would take, with no float32 copy between; a bias
     is added in float32 and the sum rounded)."""
-    x = x.to(compute_dtype).contiguous()
+    rows = x.shape[0]
+    x = padded_rows(x, compute_dtype)
     num_out, k = weight.out_features, weight.in_features
     chunk_rows = max(1, min(num_out, scratch_bytes // (k * compute_dtype.itemsize)))
     chunks = row_chunks(weight, chunk_rows, cache) if chunk_rows < num_out \
@@ -116,12 +137,12 @@ def matmul_dequantized(x: torch.Tensor, weight: QuantWeight,  # x: [M, K] float3
     def product(start: int, end: int, part: QuantWeight) -> torch.Tensor:  # [M, end - start]
         w = native.dequantize(part, None, compute_dtype,
                               out=scratch.view(end - start, k, compute_dtype))
-        return _dense_product(x, w, None if bias is None else bias[start:end], widen)
+        return _dense_product(x, w, None if bias is None else bias[start:end], widen)[:rows]
 
     try:
         if len(chunks) == 1:
             return product(*chunks[0])
-        out = x.new_empty(x.shape[0], num_out, dtype=torch.float32 if widen else compute_dtype)
+        out = x.new_empty(rows, num_out, dtype=torch.float32 if widen else compute_dtype)
         for start, end, part in chunks:
             out[:, start:end] = product(start, end, part)
         return out
@@ -130,5 +151,5 @@ def matmul_dequantized(x: torch.Tensor, weight: QuantWeight,  # x: [M, K] float3
             scratch.lock.release()
 
 
-__all__ = ["SCRATCH_BYTES", "ChunkCache", "RowChunks", "check_native", "matmul_dequantized",
-           "row_chunks"]
+__all__ = ["PAD_FROM_ROWS", "PAD_ROWS", "SCRATCH_BYTES", "ChunkCache", "RowChunks", "check_native",
+           "matmul_dequantized", "padded_rows", "row_chunks"]

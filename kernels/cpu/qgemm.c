@@ -487,6 +487,24 @@ static void to_bf16(const float *src, long K, uint16_t *dst) {
   for (long k = 0; k < K; k++) dst[k] = f32_to_bf16(src[k]);
 }
 
+/* Row n of desc's parts into dst [K] as bfloat16 bits; buf [K] float32 scratch. A block,
+ * F16 or BF16 row (K % 32 == 0, dst 64-byte aligned) goes through qgemm_batch_bf16.h's
+ * decoder, which rounds in registers: the same bits as row_to_f32 then to_bf16, as no value
+ * of those types is a float32 denormal (see that file). F32 panels and the rest take the
+ * float32 row. */
+static void row_to_bf16(const part_t *parts, int num_parts, long n, long K, uint16_t *dst,
+                        float *buf) {
+#if QGEMM_BATCH_BF16
+  const part_t *p = part_of(parts, num_parts, n);
+  if (p->type != PLAIT_GGML_F32 && K % 32 == 0 && ((uintptr_t)dst & 63) == 0) {
+    dequant_row_bf16(p, n - p->first, K, dst);
+    return;
+  }
+#endif
+  row_to_f32(parts, num_parts, n, K, buf);
+  to_bf16(buf, K, dst);
+}
+
 int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long num_rows,
                           uint16_t *out) {
   part_t parts[PLAIT_MAX_PARTS];
@@ -503,10 +521,8 @@ int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long
 #pragma omp barrier
     if (rc == PLAIT_OK) {
 #pragma omp for schedule(static)
-      for (long i = 0; i < num_rows; i++) {
-        row_to_f32(parts, num_parts, rows ? rows[i] : i, K, buf);
-        to_bf16(buf, K, out + i * K);
-      }
+      for (long i = 0; i < num_rows; i++)
+        row_to_bf16(parts, num_parts, rows ? rows[i] : i, K, out + i * K, buf);
     }
     free(buf);
   }

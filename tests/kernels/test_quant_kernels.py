@@ -72,22 +72,31 @@ def test_dequantize_to_bfloat16_rounds_the_float32_rows(ggml_type: int) -> None:
     rows = torch.tensor([12, 0, 3])
     assert torch.equal(native.dequantize(weight, rows, torch.bfloat16).view(torch.int16),
                        ref[rows].view(torch.int16))
+    # an `out` two bytes off 64-byte alignment takes the float32 row then rounding, an
+    # aligned one (above) the block decoder's rounding in registers: the same bits
+    buf = torch.empty(ref.numel() + 1, dtype=torch.bfloat16)
+    shifted = buf[1:].view(ref.shape)
+    native.dequantize(weight, None, torch.bfloat16, out=shifted)
+    assert torch.equal(shifted.view(torch.int16), ref.view(torch.int16))
 
 
-def test_bfloat16_rounding_ties_and_nan() -> None:
-    """Round to nearest even on exact ties, and a NaN stays a NaN (F16 rows hold any bits)."""
+@pytest.mark.parametrize("copies", [1, 4])
+def test_bfloat16_rounding_ties_and_nan(copies: int) -> None:
+    """Round to nearest even on exact ties, and a NaN stays a NaN (F16 rows hold any bits);
+    8 values (the float32 row's rounding) and 32 (K % 32 == 0: the block decoder's)."""
     # 1 + 2^-8 and 1 + 3 2^-8: ties between bfloat16 neighbours (to 1 and 1 + 2^-6, the
     # even ones); 1 + 5 2^-10, 1 + 3 2^-10: above, below a half; nan, -inf, the least
     # subnormal, -0
     halves = np.array([[0x3C04, 0x3C0C, 0x3C05, 0x3C03, 0x7E00, 0xFC00, 0x0001, 0x8000]],
-                      dtype=np.uint16)
+                      dtype=np.uint16).repeat(copies, axis=1)
     part = QuantPart(torch.from_numpy(halves.view(np.uint8).copy()), quant.F16, 1)
-    weight = QuantWeight.build([part], 8)
+    weight = QuantWeight.build([part], 8 * copies)
     ref = quant.dequantize_reference(weight)
     got = native.dequantize(weight, dtype=torch.bfloat16)
-    assert torch.isnan(got[0, 4]) and torch.isnan(ref[0, 4])
-    assert got[0, :2].tolist() == [1.0, 1.015625]
-    keep = [0, 1, 2, 3, 5, 6, 7]
+    nan = torch.arange(8 * copies) // copies == 4  # each value repeated `copies` times
+    assert torch.isnan(got[0, nan]).all() and torch.isnan(ref[0, nan]).all()
+    assert got[0, [0, copies]].tolist() == [1.0, 1.015625]
+    keep = ~nan
     assert torch.equal(got[:, keep].view(torch.int16),
                        ref[:, keep].to(torch.bfloat16).view(torch.int16))
 
