@@ -1,5 +1,5 @@
 """Host memory for the CPU engine: keep freed memory mapped, so a step's large temporaries
-do not page-fault, and back the KV cache with transparent huge pages.
+do not page-fault, and map the KV cache so that its pages become resident as it is used.
 
 glibc serves an allocation above its mmap threshold (128 KiB at start, raised only as such
 blocks are freed) with a fresh `mmap`, and returns freed heap tops to the OS past its trim
@@ -71,9 +71,10 @@ def release_free_heap() -> bool:
     return malloc_trim is not None and malloc_trim(0) == 1
 
 
-# madvise(2) advice (linux/mman.h): transparent huge pages; fault every page in, writable
-# (Linux 5.14+); and the huge page size (x86-64).
+# madvise(2) advice (linux/mman.h): transparent huge pages, or none; fault every page in,
+# writable (Linux 5.14+); and the huge page size (x86-64).
 _MADV_HUGEPAGE = 14
+_MADV_NOHUGEPAGE = 15
 _MADV_POPULATE_WRITE = 23
 HUGE_PAGE = 2 << 20
 
@@ -95,23 +96,29 @@ def populate_writable(address: int, length: int) -> bool:
     return end == start or _madvise(start, end - start, _MADV_POPULATE_WRITE)
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
-                        prefault: bool = False) -> torch.Tensor:
-    """`torch.zeros(shape, dtype=dtype)` on the CPU, starting on a 2 MiB boundary, in a
-    private anonymous mapping of its own, with Linux asked to back it with transparent huge
-    pages before it is first touched (the setting `madvise`, the usual default, gives them
-    only to memory that asks). The decode attention reads K/V blocks scattered over the
-    pool, a TLB miss per 4 KiB page otherwise: 16 streams x 576 tokens, attention per step
-    24.6-31.3 -> 21.3-23.2 ms (BENCHMARKS.md). Where the advice is refused, ordinary pages.
+def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype,
+             prefault: bool = False) -> torch.Tensor:
+    """`torch.zeros(shape, dtype=dtype)` on the CPU for the KV cache, starting on a 2 MiB
+    boundary, in a private anonymous mapping of its own.
 
     The kernel hands out an anonymous mapping zeroed, so by default nothing writes it here:
-    a page of the cache becomes resident when K/V is first written to it, and the process's
-    resident memory grows with the blocks the engine has used, not with the pool's size.
-    That first write pays the page fault inside a step; on a VM whose host backs guest
-    memory lazily it is slow (measured on the benchmark VM: about 10 ms per 2 MiB page
-    never touched before, 2.1 s of a 16.7 s run of 16 fresh 523-token prompts). `prefault`
-    faults every page in now instead (MADV_POPULATE_WRITE, else writing zeros), as vLLM and
-    llama.cpp reserve their caches: the whole pool is resident from the start.
+    a 4 KiB page of the cache becomes resident when K/V is first written to it, and the
+    process's resident memory grows with the blocks the engine has used, not with the
+    pool's size. That first write pays a page fault inside a step. Transparent huge pages
+    are declined then (MADV_NOHUGEPAGE, whatever the system's setting): with them a first
+    write makes 2 MiB of each (layer, K|V) region resident at once, and on a VM whose host
+    backs guest memory lazily a fresh 2 MiB page is slow (about 10 ms), where 4 KiB faults
+    mostly land on guest pages the host already backs. Measured on the benchmark VM (16
+    fresh 523-token prompts x 128 tokens of the default model in bf16, in-process,
+    docs/bench/history.md "KV pages of 4 KiB"): `rope_write_kv`, where the first writes
+    happen, 1.16-1.28 s with huge pages, 0.13 s without; the attention's time did not
+    change.
+
+    `prefault` faults every page in now instead (MADV_POPULATE_WRITE, else writing zeros),
+    as vLLM and llama.cpp reserve their caches: the whole pool is resident from the start.
+    Only then are huge pages asked for (the setting `madvise`, the usual default, gives them
+    only to memory that asks), before the first touch: they cost no fault inside a step
+    there and spare the attention's scattered block reads TLB misses.
 
     A view of a mapping up to 2 MiB longer; the tensor keeps the mapping alive."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -122,13 +129,16 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
     offset = start - raw.data_ptr()
     out = raw[offset:offset + nbytes].view(dtype).view(shape)
     length = nbytes // HUGE_PAGE * HUGE_PAGE
+    if not prefault:
+        if length:  # 4 KiB pages even where the system's setting is `always`
+            _madvise(start, length, _MADV_NOHUGEPAGE)
+        return out
     if length and not _madvise(start, length, _MADV_HUGEPAGE):
         logger.info("transparent huge pages refused for the KV cache; ordinary pages")
-    if prefault and nbytes:
-        # the whole pages the tensor spans (the mapping extends at least 2 MiB past `start`)
-        span = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-        if not _madvise(start, span, _MADV_POPULATE_WRITE):
-            out.view(torch.uint8).view(-1)[::mmap.PAGESIZE].zero_()  # one write per page
+    # the whole pages the tensor spans (the mapping extends at least 2 MiB past `start`)
+    span = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    if not _madvise(start, span, _MADV_POPULATE_WRITE):
+        out.view(torch.uint8).view(-1)[::mmap.PAGESIZE].zero_()  # one write per page
     return out
 
 
@@ -147,5 +157,5 @@ def warm_sampler(sampler: Sampler, vocab_size: int, max_rows: int) -> int:
     return rows
 
 
-__all__ = ["HUGE_PAGE", "keep_freed_memory_mapped", "populate_writable", "release_free_heap",
-           "warm_sampler", "zeros_on_huge_pages"]
+__all__ = ["HUGE_PAGE", "keep_freed_memory_mapped", "kv_zeros", "populate_writable",
+           "release_free_heap", "warm_sampler"]

@@ -2,8 +2,9 @@
 
     kv_cache: [layers, 2 (k|v), num_blocks, block_size, num_kv_heads, head_dim] of kv_dtype
 
-On CPU it is one mapping (host_memory.zeros_on_huge_pages) whose pages become resident as
-blocks are first written, or all at start with `kv_cache_prefault`; on CUDA a zeroed tensor.
+On CPU it is one mapping (host_memory.kv_zeros) whose 4 KiB pages become resident as blocks
+are first written, or all at start (on huge pages) with `kv_cache_prefault`; on CUDA a zeroed
+tensor.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import torch
 
 from plait.engine.config import EngineConfig
-from plait.engine.host_memory import zeros_on_huge_pages
+from plait.engine.host_memory import kv_zeros
 from plait.engine.model_config import ModelConfig
 
 logger = logging.getLogger("plait.engine")
@@ -73,7 +74,7 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
     """The zeroed cache (module docstring's shape), logged with its size; `prefault`: on
     CPU, resident from the start."""
     shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    cache = (zeros_on_huge_pages(shape, kv_dtype, prefault) if device.type == "cpu"
+    cache = (kv_zeros(shape, kv_dtype, prefault) if device.type == "cpu"
              else torch.zeros(shape, dtype=kv_dtype, device=device))
     logger.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB%s", num_blocks, block_size,
                 str(kv_dtype).removeprefix("torch."), cache.nbytes / 2**20,

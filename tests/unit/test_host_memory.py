@@ -7,10 +7,12 @@ sampler's randomness. Both are done by the engine on CPU."""
 
 from __future__ import annotations
 
+import mmap
 import textwrap
 
 import pytest
 import torch
+from helpers.pages import resident_pages
 from helpers.paths import run_python
 
 from plait.engine.host_memory import MMAP_THRESHOLD, warm_sampler
@@ -115,10 +117,12 @@ print(round(held - freed), round(held - rss_mib()))
     assert kept_after_free < 20 and released >= 180  # MiB
 
 
-def test_zeros_on_huge_pages_asks_for_them_before_the_first_touch(monkeypatch) -> None:
-    """The KV-cache buffer: zeros of the shape and dtype, starting on a 2 MiB boundary, and
-    MADV_HUGEPAGE asked for its whole 2 MiB pages (whether the kernel grants them is its
-    setting's business); refused advice still gives the zeros."""
+@pytest.mark.parametrize("prefault", [False, True])
+def test_kv_zeros_asks_for_huge_pages_only_when_prefaulting(monkeypatch, prefault) -> None:
+    """The KV-cache buffer: zeros of the shape and dtype, starting on a 2 MiB boundary. By
+    default its whole 2 MiB pages are declined huge pages (MADV_NOHUGEPAGE) and nothing is
+    faulted in; with `prefault` MADV_HUGEPAGE is asked for before MADV_POPULATE_WRITE of
+    every 4 KiB page it spans. Refused advice still gives the zeros."""
     from plait.engine import host_memory
 
     calls = []
@@ -127,15 +131,31 @@ def test_zeros_on_huge_pages_asks_for_them_before_the_first_touch(monkeypatch) -
                         lambda address, length, advice: calls.append((address, length, advice))
                         or real(address, length, advice))
     shape = (3, 2, 100, 16, 3, 64)  # 7.03 MiB float32: 3 whole huge pages
-    kv = host_memory.zeros_on_huge_pages(shape, torch.float32)
+    kv = host_memory.kv_zeros(shape, torch.float32, prefault)
     assert kv.shape == shape and kv.dtype == torch.float32 and kv.is_contiguous()
     assert not kv.any()
     assert kv.data_ptr() % host_memory.HUGE_PAGE == 0
-    # whole pages only, and nothing faulted in unless asked
-    assert calls == [(kv.data_ptr(), 3 * host_memory.HUGE_PAGE, host_memory._MADV_HUGEPAGE)]
+    huge = (kv.data_ptr(), 3 * host_memory.HUGE_PAGE)
+    if prefault:
+        span = -(-kv.numel() * 4 // mmap.PAGESIZE) * mmap.PAGESIZE
+        assert calls == [(*huge, host_memory._MADV_HUGEPAGE),
+                         (kv.data_ptr(), span, host_memory._MADV_POPULATE_WRITE)]
+    else:
+        assert calls == [(*huge, host_memory._MADV_NOHUGEPAGE)]
     monkeypatch.setattr(host_memory, "_madvise", lambda address, length, advice: False)
-    small = host_memory.zeros_on_huge_pages((5, 7), torch.bfloat16)
+    small = host_memory.kv_zeros((5, 7), torch.bfloat16, prefault)
     assert small.shape == (5, 7) and small.dtype == torch.bfloat16 and not small.any()
+
+
+def test_a_first_write_makes_one_4k_page_resident() -> None:
+    """Without prefault a write to the cache faults in its own 4 KiB page, not the 2 MiB
+    around it (which a huge page would), whatever the system's THP setting."""
+    from plait.engine import host_memory
+
+    kv = host_memory.kv_zeros((4, 1024, 1024), torch.float32)  # 16 MiB, 8 huge pages
+    kv[1, 512, 7] = 1.0
+    assert sum(resident_pages(kv.data_ptr(), kv.numel() * 4)) == 1
+    assert resident_pages(kv[1, 512].data_ptr(), 4) == [True]
 
 
 def test_the_kv_cache_is_resident_only_where_written(tmp_path) -> None:
@@ -143,12 +163,12 @@ def test_the_kv_cache_is_resident_only_where_written(tmp_path) -> None:
     about that much resident (the engine's cache grows with the blocks it uses)."""
     code = """
 import resource, torch
-from plait.engine.host_memory import zeros_on_huge_pages
+from plait.engine.host_memory import kv_zeros
 def rss_mib():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
 before = rss_mib()
-kv = zeros_on_huge_pages((256, 1024, 1024), torch.float32)  # 1 GiB
+kv = kv_zeros((256, 1024, 1024), torch.float32)  # 1 GiB
 allocated = rss_mib()
 assert float(kv[255, 1023, 1023]) == 0.0
 kv[:16] = 1.0  # 64 MiB written
@@ -178,7 +198,7 @@ def rss_mib():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
 before = rss_mib()
-kv = host_memory.zeros_on_huge_pages((64, 1024, 1024), torch.float32, prefault=True)
+kv = host_memory.kv_zeros((64, 1024, 1024), torch.float32, prefault=True)
 allocated = rss_mib()
 assert not kv.any()
 print(round(allocated - before))

@@ -15,7 +15,7 @@ from plait.engine.async_engine import AsyncEngine
 from plait.engine.block_pool import BlockPool
 from plait.engine.config import EngineConfig
 from plait.engine.core import _kv_warmer
-from plait.engine.host_memory import zeros_on_huge_pages
+from plait.engine.host_memory import kv_zeros
 from plait.engine.kv_warm import RUN_BLOCKS, KVWarmer
 
 LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 64, 16, 2, 32
@@ -24,7 +24,7 @@ BLOCK_BYTES = BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4
 
 
 def _cache(blocks: int = BLOCKS) -> torch.Tensor:
-    return zeros_on_huge_pages((LAYERS, 2, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM),
+    return kv_zeros((LAYERS, 2, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM),
                                torch.float32)
 
 
