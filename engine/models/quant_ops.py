@@ -25,11 +25,12 @@ from plait.kernels.cpu.quant import QuantPart, QuantWeight
 # head (vocab x hidden) goes in chunks of about this size.
 SCRATCH_BYTES = 64 << 20
 _MKLDNN = torch.backends.mkldnn.is_available()
-# oneDNN's bf16 GEMM keeps its rate (about 400 GFLOP/s on the 2-core AVX512-BF16 host) when
-# x's rows are a multiple of 16, and loses 10-25% at many other counts above a few hundred
-# (533 rows: 330 against 400 at 532 or 544; docs/bench/history.md, "Rows padded to 16"). A
-# bf16 product of at least PAD_FROM_ROWS rows runs on x padded with zero rows to the next
-# multiple of PAD_ROWS (under 6% more rows); the padding's output rows are dropped.
+# oneDNN's bf16 GEMM keeps its rate (about 390-415 GFLOP/s on the 2-core AVX512-BF16 host)
+# when x's rows are a multiple of 16, and loses up to a quarter of it at many other counts
+# above a few hundred (Qwen2.5-0.5B's layer shapes: 284 GFLOP/s at 533 rows, 364-380 at 532,
+# 534 and 544; docs/bench/history.md, "Rows padded to 16"). A bf16 product of at least
+# PAD_FROM_ROWS rows runs on x padded with zero rows to the next multiple of PAD_ROWS (under
+# 6% more rows); the padding's output rows are dropped.
 PAD_ROWS = 16
 PAD_FROM_ROWS = 256
 
