@@ -13,7 +13,7 @@ ATTENTION_BACKENDS = ("auto", "reference")
 # How weights are held: "auto" keeps a GGUF's blocks (or a checkpoint's bf16) as they are on
 # CPU (engine/gguf_weights.py); "float32" dequantizes everything at load.
 WEIGHT_FORMATS = ("auto", "float32")
-# The activations x weights of the kept-format GEMMs over more than NATIVE_MAX_ROWS rows.
+# The activations x weights of the kept-format GEMMs (EngineConfig's docstring).
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # The KV cache's element type: "auto" the model dtype, or bfloat16 (see EngineConfig).
 KV_CACHE_DTYPES = ("auto", "bfloat16")
@@ -51,8 +51,8 @@ class EngineConfig:
     GGUF's blocks, a checkpoint's bf16: the model's memory is about the file's size);
     "float32" dequantizes them at load, as on CUDA, where the weights take the model dtype.
     `compute_dtype` "bfloat16" runs the kept weights' GEMMs as bf16 x bf16 with float32
-    accumulation: large ones (more than NATIVE_MAX_ROWS rows: prefills) dequantized to bf16
-    for BLAS, a decode step's 2 (quant.BF16_MIN_ROWS) to NATIVE_MAX_ROWS rows in the native
+    accumulation: large ones (more than linear.QGEMM_MAX_ROWS rows, 256: prefills)
+    dequantized to bf16 for BLAS, from 2 (quant.BF16_MIN_ROWS) to 256 rows in the native
     quantized GEMM (x and each decoded weight rounded to bf16, vdpbf16ps; CPUs without
     AVX512-BF16 keep float32 there), the decoder stack's projections and the LM head alike;
     one row stays exact (bound by reading the weights). With a bfloat16 KV cache it also

@@ -36,6 +36,20 @@ _MKL_ROW_HINT = 128
 # oneDNN's row hint, and the row count below which plain weights run as W @ x^T on CPU
 # (faster than x @ W^T for skinny batches in BLAS).
 _SKINNY_ROWS = 32
+# The most rows a `QuantLinear` product takes through `qgemm` (blocks decoded in registers
+# and L1, weight rows decoded once for all x rows) where the AVX-512 batch kernel is built,
+# per compute dtype; more go to `matmul_dequantized` (a dequantized copy, then oneDNN).
+# Measured on the 2-core AVX512-BF16 host over every linear weight of a model's layers
+# (docs/bench/history.md, "qgemm up to 256 rows"): in bf16 qgemm took 0.34-0.91x the time
+# from 24 to 256 rows and broke even at 320-384; in float32 0.71-0.94x up to 128.
+QGEMM_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 256}
+
+
+def qgemm_max_rows(compute_dtype: torch.dtype) -> int:
+    """The most rows a kept weight's product in `compute_dtype` computes through `qgemm`:
+    `QGEMM_MAX_ROWS` with the AVX-512 batch kernel (16 lanes), NATIVE_MAX_ROWS without it.
+    Needs the native kernels."""
+    return QGEMM_MAX_ROWS[compute_dtype] if native.lanes() == 16 else NATIVE_MAX_ROWS
 
 
 class Linear(nn.Module):
@@ -142,8 +156,8 @@ class PanelLinear(Linear):
 
 class QuantLinear(Linear):
     """y = x @ W^T + bias with W a `QuantWeight` held as the file stores it (float32 CPU
-    activations): `qgemm` in `compute_dtype` for at most `NATIVE_MAX_ROWS` rows (decode steps
-    read the blocks once; bf16: x and W rounded to bf16, float32 sums, from
+    activations): `qgemm` in `compute_dtype` for at most `qgemm_rows` rows (decode steps and
+    short prefills read the blocks once; bf16: x and W rounded to bf16, float32 sums, from
     `quant.BF16_MIN_ROWS` rows); for more rows (prefills) `quant_ops.matmul_dequantized`: W
     dequantized into a process-wide scratch of `compute_dtype` (in row chunks past its cap)
     and multiplied by oneDNN (bf16: bf16 x bf16 with float32 accumulation, output rounded to
@@ -160,6 +174,7 @@ class QuantLinear(Linear):
         check_native(qweight)
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
         self.qweight, self.compute_dtype = qweight, compute_dtype
+        self.qgemm_rows = qgemm_max_rows(compute_dtype)
         self.register_parameter("weight", None)  # no float copy: `qweight` is the weight
         self.scratch: ChunkCache = {}  # quant_ops.matmul_dequantized's row chunks
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(),
@@ -167,8 +182,8 @@ class QuantLinear(Linear):
 
     def rounds_to_bf16(self, rows: int) -> bool:
         """Whether a product of `rows` rows goes through bf16 BLAS (its input and its output
-        rounded to bf16): bf16 compute and more than NATIVE_MAX_ROWS rows."""
-        return self.compute_dtype == torch.bfloat16 and rows > NATIVE_MAX_ROWS
+        rounded to bf16): bf16 compute and more than `qgemm_rows` rows."""
+        return self.compute_dtype == torch.bfloat16 and rows > self.qgemm_rows
 
     def forward(self, x: torch.Tensor,  # [T, in] float32 (or bf16 where rounds_to_bf16)
                 widen: bool = True) -> torch.Tensor:  # [T, out] float32
@@ -177,7 +192,7 @@ class QuantLinear(Linear):
         rows = x.shape[0]
         if rows == 0:
             return x.new_empty(0, self.out_features, dtype=torch.float32)
-        if rows <= NATIVE_MAX_ROWS:
+        if rows <= self.qgemm_rows:
             return native.qgemm(x.float(), self.qweight, self.bias, self.compute_dtype)
         return matmul_dequantized(x, self.qweight, self.bias, self.compute_dtype, self.scratch,
                                   widen=widen)
@@ -262,11 +277,12 @@ def convert_linears(model: nn.Module, cpu_gemm: str, panels: bool) -> str:
     resolved name of `FORMATS`), under native panels when `panels` (which needs the native
     kernels). Returns a description of what was chosen. Other Linears keep torch's GEMM."""
     fmt = FORMATS[cpu_gemm]
-    converted, kept = 0, set()
+    converted, kept, qgemm_rows = 0, set(), set()
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, QuantLinear):
                 kept.add(child.qweight.describe())
+                qgemm_rows.add(child.qgemm_rows)
             if type(child) is not Linear or child.weight.device.type != "cpu" \
                     or child.weight.dtype != torch.float32:
                 continue
@@ -276,10 +292,11 @@ def convert_linears(model: nn.Module, cpu_gemm: str, panels: bool) -> str:
         else cpu_gemm
     if kept:
         chosen = f"{chosen} ({converted} float32 linears); kept {', '.join(sorted(kept))}: " \
-            f"qgemm up to {NATIVE_MAX_ROWS} rows, then dequantized per product"
+            f"qgemm up to {'/'.join(map(str, sorted(qgemm_rows)))} rows, then dequantized " \
+            "per product"
     return chosen
 
 
-__all__ = ["CPU_GEMMS", "FORMATS", "NATIVE_MAX_ROWS", "Linear", "MklLinear", "OneDnnLinear",
-           "PanelLinear", "QuantEmbedding", "QuantLinear", "convert_linears", "cpu_vendor",
-           "resolve_cpu_gemm", "weight_bytes"]
+__all__ = ["CPU_GEMMS", "FORMATS", "NATIVE_MAX_ROWS", "QGEMM_MAX_ROWS", "Linear", "MklLinear",
+           "OneDnnLinear", "PanelLinear", "QuantEmbedding", "QuantLinear", "convert_linears",
+           "cpu_vendor", "qgemm_max_rows", "resolve_cpu_gemm", "weight_bytes"]

@@ -30,6 +30,7 @@ from plait.engine.model_loader import default_gguf_path, resolve_model
 from plait.engine.model_runner import ModelRunner
 from plait.engine.models.linear import (
     NATIVE_MAX_ROWS,
+    QGEMM_MAX_ROWS,
     Linear,
     QuantEmbedding,
     QuantLinear,
@@ -39,7 +40,7 @@ from plait.engine.models.linear import (
 from plait.engine.models.llama import LlamaForCausalLM
 from plait.engine.models.quant_ops import matmul_dequantized
 from plait.engine.weights import load_weights
-from plait.kernels.cpu import build
+from plait.kernels.cpu import build, native
 from plait.kernels.cpu.quant import BF16_MIN_ROWS, QuantWeight, dequantize_reference, type_name
 
 PROMPTS = ["The capital of France is",
@@ -122,10 +123,12 @@ def test_kept_linears_hold_the_files_types_in_its_size(kept, file_types) -> None
     assert kept.weight_bytes <= 1.1 * size, (kept.weight_bytes, size)
 
 
-@pytest.mark.parametrize("rows", [1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 9])
+@pytest.mark.parametrize("rows", [1, NATIVE_MAX_ROWS, QGEMM_MAX_ROWS[torch.float32],
+                                  QGEMM_MAX_ROWS[torch.float32] + 9])
 def test_quant_linear_equals_x_times_dequantized_weight(kept, rows) -> None:
-    """Every format of the first and last layer, and the tied head, at decode and prefill
-    row counts: x @ dequantize_reference(W)^T (float64) within float32 summation noise."""
+    """Every format of the first and last layer, and the tied head, at decode, short and
+    long prefill row counts (qgemm, then dequantized for oneDNN): x @
+    dequantize_reference(W)^T (float64) within float32 summation noise."""
     gen = torch.Generator().manual_seed(rows)
     model = kept.model
     linears = [layer.get_submodule(n) for layer in (model.layers[0], model.layers[-1])
@@ -143,12 +146,17 @@ def test_bf16_compute_of_large_products(kept) -> None:
     bf16 rounding, the output's), within bf16 error of the float product."""
     src = kept.model.layers[0].mlp.gate_up_proj
     linear = QuantLinear(src.qweight, compute_dtype=torch.bfloat16)
-    x = torch.randn(NATIVE_MAX_ROWS + 40, linear.in_features,
+    x = torch.randn(QGEMM_MAX_ROWS[torch.bfloat16] + 40, linear.in_features,
                     generator=torch.Generator().manual_seed(1))
     ref = x @ dequantize_reference(src.qweight).t()
     out = linear(x)
     assert out.dtype == torch.float32
     assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
+    # routed by row count: up to QGEMM_MAX_ROWS the quantized GEMM, past it oneDNN
+    assert torch.equal(out, matmul_dequantized(x, src.qweight, None, torch.bfloat16))
+    short = x[:QGEMM_MAX_ROWS[torch.bfloat16]]
+    assert not linear.rounds_to_bf16(short.shape[0]) and linear.rounds_to_bf16(x.shape[0])
+    assert torch.equal(linear(short), native.qgemm(short, src.qweight, None, torch.bfloat16))
     few = x[:BF16_MIN_ROWS - 1]  # decode rows below BF16_MIN_ROWS stay float32
     torch.testing.assert_close(linear(few), src(few))
 
