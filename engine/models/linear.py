@@ -41,7 +41,7 @@ _SKINNY_ROWS = 32
 # per compute dtype; more go to `matmul_dequantized` (a dequantized copy, then oneDNN).
 # Measured on the 2-core AVX512-BF16 host over every linear weight of a model's layers
 # (docs/bench/history.md, "qgemm up to 256 rows"): in bf16 qgemm took 0.34-0.91x the time
-# from 24 to 256 rows and broke even at 320-384; in float32 0.71-0.94x up to 128.
+# from 24 to 256 rows and broke even at 320-384; in float32 0.69-0.94x up to 128.
 QGEMM_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 256}
 
 
