@@ -146,7 +146,7 @@ def test_bf16_compute_of_large_products(kept) -> None:
     bf16 rounding, the output's), within bf16 error of the float product."""
     src = kept.model.layers[0].mlp.gate_up_proj
     linear = QuantLinear(src.qweight, compute_dtype=torch.bfloat16)
-    x = torch.randn(QGEMM_MAX_ROWS[torch.bfloat16] + 40, linear.in_features,
+    x = torch.randn(linear.qgemm_rows + 40, linear.in_features,
                     generator=torch.Generator().manual_seed(1))
     ref = x @ dequantize_reference(src.qweight).t()
     out = linear(x)
@@ -154,7 +154,7 @@ def test_bf16_compute_of_large_products(kept) -> None:
     assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
     # routed by row count: up to QGEMM_MAX_ROWS the quantized GEMM, past it oneDNN
     assert torch.equal(out, matmul_dequantized(x, src.qweight, None, torch.bfloat16))
-    short = x[:QGEMM_MAX_ROWS[torch.bfloat16]]
+    short = x[:linear.qgemm_rows]
     assert not linear.rounds_to_bf16(short.shape[0]) and linear.rounds_to_bf16(x.shape[0])
     assert torch.equal(linear(short), native.qgemm(short, src.qweight, None, torch.bfloat16))
     few = x[:BF16_MIN_ROWS - 1]  # decode rows below BF16_MIN_ROWS stay float32

@@ -10,10 +10,9 @@ import pytest
 import torch
 from helpers.quant_cases import random_weight
 
-from plait.engine.models.linear import QuantLinear
+from plait.engine.models.linear import QuantLinear, qgemm_max_rows
 from plait.engine.models.llama import MLP
 from plait.kernels.cpu import native, quant
-from plait.kernels.cpu.build import NATIVE_MAX_ROWS
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built")
 
@@ -60,11 +59,13 @@ def _mlp(compute_dtype: torch.dtype, hidden: int = 512, inter: int = 768) -> MLP
     return mlp
 
 
-@pytest.mark.parametrize("rows", [NATIVE_MAX_ROWS + 1, 77])
+@pytest.mark.parametrize("extra", [1, 77])
 def test_a_bf16_mlp_keeps_gate_up_in_bf16_with_the_float32_chains_bits(
-        rows: int, monkeypatch) -> None:
+        extra: int, monkeypatch) -> None:
+    """Products past the quantized GEMM's rows (bf16 BLAS): gate_up's bf16 output goes to the
+    bf16 silu_mul and on to down_proj, the float32 chain's bits."""
     mlp = _mlp(torch.bfloat16)
-    x = torch.randn(rows, 512)
+    x = torch.randn(qgemm_max_rows(torch.bfloat16) + extra, 512)
     widened = mlp.down_proj(native.silu_mul(mlp.gate_up_proj(x)))  # float32 between
     seen: list[torch.dtype] = []
     real = native.silu_mul
@@ -74,10 +75,13 @@ def test_a_bf16_mlp_keeps_gate_up_in_bf16_with_the_float32_chains_bits(
     assert out.dtype == torch.float32 and torch.equal(out, widened)
 
 
-@pytest.mark.parametrize(("compute_dtype", "rows"),
-                         [(torch.bfloat16, NATIVE_MAX_ROWS), (torch.float32, 77)])
-def test_an_mlp_outside_bf16_blas_stays_float32(compute_dtype: torch.dtype, rows: int,
+@pytest.mark.parametrize(("compute_dtype", "extra"),
+                         [(torch.bfloat16, 0), (torch.float32, 0), (torch.float32, 1)])
+def test_an_mlp_outside_bf16_blas_stays_float32(compute_dtype: torch.dtype, extra: int,
                                                 monkeypatch) -> None:
+    """The quantized GEMM's most rows (bf16 or float32) and float32 BLAS past them: silu_mul
+    in float32."""
+    rows = qgemm_max_rows(compute_dtype) + extra
     mlp = _mlp(compute_dtype)
     assert mlp.gate_up_proj(torch.randn(rows, 512), widen=False).dtype == torch.float32
     seen: list[torch.dtype] = []
