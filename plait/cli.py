@@ -85,7 +85,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--num-kv-blocks", "int?", "KV cache blocks (default: sized from memory)"),
     Option("--kv-cache-memory-gb", float, "KV cache size on CPU, in GB"),
     Option("--kv-cache-prefault", bool,
-           "make the whole CPU KV cache resident at start (default: pages as first used)"),
+           "make the whole CPU KV cache resident at start, on transparent huge pages "
+           "(default: 4 KiB pages, resident as first written)"),
     Option("--kv-cache-warm-tokens", int,
            "CPU KV cache tokens made resident ahead of use while the engine is idle (0: off)"),
     Option("--warm-up-tokens", int,
