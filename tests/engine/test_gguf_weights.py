@@ -1,6 +1,7 @@
 """The default GGUF served in its own format (`--weights auto`): what is kept, its memory, its
-numerics against gguf-py's dequantizer, the q/k un-permutation, and greedy parity with
-transformers on the same file; `--weights float32` as before; the options' checks."""
+embedding against gguf-py's dequantizer, the q/k un-permutation, and greedy parity with
+transformers on the same file; `--weights float32` as before; the options' checks. The kept
+weights' products: test_quant_linear.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers.kept import FUSED, cache_without_weights
 from helpers.model import PagedHarness, cpu_ops, greedy_reference, load_model
 from helpers.tiny_model import make_tiny_model
 
@@ -30,7 +32,6 @@ from plait.engine.model_loader import default_gguf_path, resolve_model
 from plait.engine.model_runner import ModelRunner
 from plait.engine.models.linear import (
     NATIVE_MAX_ROWS,
-    QGEMM_MAX_ROWS,
     Linear,
     QuantEmbedding,
     QuantLinear,
@@ -38,41 +39,14 @@ from plait.engine.models.linear import (
     weight_bytes,
 )
 from plait.engine.models.llama import LlamaForCausalLM
-from plait.engine.models.quant_ops import matmul_dequantized
 from plait.engine.weights import load_weights
-from plait.kernels.cpu import build, native
-from plait.kernels.cpu.quant import BF16_MIN_ROWS, QuantWeight, dequantize_reference, type_name
+from plait.kernels.cpu import build
+from plait.kernels.cpu.quant import dequantize_reference, type_name
 
 PROMPTS = ["The capital of France is",
            "def fibonacci(n):\n    if n < 2:\n        return n\n",
            "Once upon a time, in a land far, far away, there lived a dragon who"]
 NUM_TOKENS = 24
-# name in Plait -> the GGUF tensors of layer N it holds, in part order
-FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
-         "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
-
-
-def _cache_without_weights(cache: Path, converted: Path) -> None:
-    """A cache entry as the kept mode writes it: the converted directory's config and
-    tokenizer files, no model.safetensors."""
-    target = cache / converted.name
-    target.mkdir(parents=True)
-    for file in converted.iterdir():
-        if file.suffix != ".safetensors":
-            shutil.copy(file, target / file.name)
-
-
-@pytest.fixture(scope="module")
-def kept(tmp_path_factory, default_model):
-    """A runner in the default mode over a cache without float32 safetensors."""
-    cache = tmp_path_factory.mktemp("cache")
-    _cache_without_weights(cache, default_model.path)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PLAIT_CACHE", str(cache))
-        resolved = resolve_model(None, float32_weights=False)
-        runner = ModelRunner(EngineConfig(num_kv_blocks=16), resolved)
-    assert not list(cache.glob("*/*.safetensors"))
-    return runner
 
 
 def test_kept_mode_asks_for_no_float32_weights(tmp_path, monkeypatch, default_model) -> None:
@@ -82,7 +56,7 @@ def test_kept_mode_asks_for_no_float32_weights(tmp_path, monkeypatch, default_mo
 
     def convert(gguf, out_dir, float32_weights=True):
         calls.append(float32_weights)
-        _cache_without_weights(tmp_path / "staged", default_model.path)
+        cache_without_weights(tmp_path / "staged", default_model.path)
         for file in (tmp_path / "staged" / default_model.path.name).iterdir():
             shutil.move(file, out_dir / file.name)
 
@@ -121,73 +95,6 @@ def test_kept_linears_hold_the_files_types_in_its_size(kept, file_types) -> None
     assert model.lm_head.qweight is model.embed_tokens.qweight  # tied: one copy
     size = default_gguf_path().stat().st_size
     assert kept.weight_bytes <= 1.1 * size, (kept.weight_bytes, size)
-
-
-@pytest.mark.parametrize("rows", [1, NATIVE_MAX_ROWS, QGEMM_MAX_ROWS[torch.float32],
-                                  QGEMM_MAX_ROWS[torch.float32] + 9])
-def test_quant_linear_equals_x_times_dequantized_weight(kept, rows) -> None:
-    """Every format of the first and last layer, and the tied head, at decode, short and
-    long prefill row counts (qgemm, then dequantized for oneDNN): x @
-    dequantize_reference(W)^T (float64) within float32 summation noise."""
-    gen = torch.Generator().manual_seed(rows)
-    model = kept.model
-    linears = [layer.get_submodule(n) for layer in (model.layers[0], model.layers[-1])
-               for n in FUSED] + [model.lm_head]
-    for linear in linears:
-        x = torch.randn(rows, linear.in_features, generator=gen)
-        ref = x.double() @ dequantize_reference(linear.qweight).double().t()
-        out = linear(x)
-        assert out.dtype == torch.float32 and out.is_contiguous()
-        torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
-
-
-def test_bf16_compute_of_large_products(kept) -> None:
-    """compute_dtype bfloat16: a prefill-sized product as bf16 x bf16 (the kept weight's
-    bf16 rounding, the output's), within bf16 error of the float product."""
-    src = kept.model.layers[0].mlp.gate_up_proj
-    linear = QuantLinear(src.qweight, compute_dtype=torch.bfloat16)
-    x = torch.randn(linear.qgemm_rows + 40, linear.in_features,
-                    generator=torch.Generator().manual_seed(1))
-    ref = x @ dequantize_reference(src.qweight).t()
-    out = linear(x)
-    assert out.dtype == torch.float32
-    assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
-    # routed by row count: up to QGEMM_MAX_ROWS the quantized GEMM, past it oneDNN
-    assert torch.equal(out, matmul_dequantized(x, src.qweight, None, torch.bfloat16))
-    short = x[:linear.qgemm_rows]
-    assert not linear.rounds_to_bf16(short.shape[0]) and linear.rounds_to_bf16(x.shape[0])
-    assert torch.equal(linear(short), native.qgemm(short, src.qweight, None, torch.bfloat16))
-    few = x[:BF16_MIN_ROWS - 1]  # decode rows below BF16_MIN_ROWS stay float32
-    torch.testing.assert_close(linear(few), src(few))
-
-
-@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
-def test_large_products_in_row_chunks(kept, compute_dtype) -> None:
-    """The prefill path in row chunks that cut across parts (a 100-row scratch over q|k|v|o
-    stacked as one multi-part weight), with a bias: x @ dequantize_reference(W)^T + bias, as
-    whole (float32: summation noise; bf16: bf16 error)."""
-    layer = kept.model.layers[0].self_attn
-    qweight = QuantWeight.build(layer.qkv_proj.qweight.parts + layer.o_proj.qweight.parts,
-                                layer.o_proj.in_features)
-    assert len(qweight.parts) >= 2
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(NATIVE_MAX_ROWS + 40, qweight.in_features, generator=gen)
-    bias = torch.randn(qweight.out_features, generator=gen)
-    ref = x.double() @ dequantize_reference(qweight).double().t() + bias.double()
-    cache: dict = {}
-    chunk_bytes = 100 * qweight.in_features * compute_dtype.itemsize
-    out = matmul_dequantized(x, qweight, bias, compute_dtype, cache, scratch_bytes=chunk_bytes)
-    chunks = cache["chunks", 100]
-    assert [end - start for start, end, _ in chunks][:-1] == [100] * (len(chunks) - 1)
-    assert any(len(part.parts) == 2 for _, _, part in chunks)  # a chunk spans two parts
-    assert out.dtype == torch.float32 and out.is_contiguous()
-    assert out.shape == (x.shape[0], qweight.out_features)
-    if compute_dtype == torch.float32:
-        torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
-    else:
-        assert (out.double() - ref).abs().max() <= 0.02 * ref.abs().max()
-    whole = matmul_dequantized(x, qweight, bias, compute_dtype)  # one chunk: the same numbers
-    torch.testing.assert_close(out, whole, atol=1e-4, rtol=1e-5)
 
 
 def test_embedding_rows_equal_the_reference(kept) -> None:
