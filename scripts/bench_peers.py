@@ -27,6 +27,11 @@ bench`'s client (plait/bench/). Requests send `ignore_eos`
 and `min_tokens` = `max_tokens` (vLLM extras, which Plait accepts) so every choice makes
 exactly its tokens; `--no-extras` leaves them out for a server that rejects them.
 
+`--rounds R` runs the servers R times in turn (A, B, ..., then A, B, ... again), each round
+a fresh start, so that a slow spell of a shared host falls on every server alike; each
+figure printed is then the median over the rounds, tok/s and TTFT p50 with their range,
+and `--json` keeps every round.
+
 Per workload: wall time, output tokens (from usage) and tokens/s, time to first token and
 inter-token latency p50/p99 over all choices (a token = a chunk with non-empty text for that
 choice), and the delta of Plait's `plait_prompt_tokens_computed_total` from /metrics where
@@ -42,6 +47,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -210,9 +216,63 @@ def run_server(name: str, command: str, args) -> dict[str, Any]:
     return entry
 
 
+# ---------------------------------------------------------------- rounds
+# Result fields that are the same in every round; the others are per-round measurements.
+_SAME = ("requests", "n", "max_tokens", "expected_tokens")
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def merge_rounds(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One server's entries from `run_server`, a round each, as one entry: each workload's
+    measurements the median over the rounds it ran in (output tokens the fewest, errors all
+    of them, prompt tokens every round's), the startup time and resident memory the median,
+    the first error; `rounds` keeps the entries. One entry is returned as it is."""
+    if len(entries) == 1:
+        return entries[0]
+    first = entries[0]
+    merged: dict[str, Any] = {
+        "name": first["name"], "command": first["command"],
+        "log": [e["log"] for e in entries],
+        "error": next((e["error"] for e in entries if e["error"]), None),
+        "model": next((e["model"] for e in entries if e["model"]), None),
+        "startup_s": _median([e["startup_s"] for e in entries]),
+        "rss_bytes": _median([e["rss_bytes"] for e in entries]),
+        "workloads": {}, "rounds": entries}
+    for name in dict.fromkeys(name for e in entries for name in e["workloads"]):
+        runs = [e["workloads"][name] for e in entries if name in e["workloads"]]
+        result: dict[str, Any] = {key: runs[0][key] for key in _SAME}
+        for key in runs[0]:
+            if key in _SAME:
+                continue
+            if key == "output_tokens":
+                result[key] = min(r[key] for r in runs)
+            elif key in ("errors", "prompt_tokens"):
+                result[key] = [item for r in runs for item in r[key]]
+            else:
+                result[key] = _median([r[key] for r in runs])
+        result["rounds"] = len(runs)
+        result["output_tok_s_range"] = [min(r["output_tok_s"] for r in runs),
+                                        max(r["output_tok_s"] for r in runs)]
+        ttfts = [r["ttft_p50_ms"] for r in runs if r["ttft_p50_ms"] is not None]
+        result["ttft_p50_ms_range"] = [min(ttfts), max(ttfts)] if ttfts else None
+        merged["workloads"][name] = result
+    return merged
+
+
 # ---------------------------------------------------------------- report
 def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _ranged(value: float | None, bounds: list[float] | None) -> str:
+    """The value, and with several rounds their range: "193.2 (187.0-196.0)"."""
+    if bounds is None or value is None:
+        return _fmt(value)
+    return f"{_fmt(value)} ({_fmt(bounds[0])}-{_fmt(bounds[1])})"
 
 
 def table(servers: list[dict[str, Any]]) -> str:
@@ -227,7 +287,8 @@ def table(servers: list[dict[str, Any]]) -> str:
             if r["errors"]:
                 tokens += f" ({len(r['errors'])} err)"
             rows.append((server["name"], name, _fmt(r["wall_s"], 2), tokens,
-                         _fmt(r["output_tok_s"]), _fmt(r["ttft_p50_ms"]),
+                         _ranged(r["output_tok_s"], r.get("output_tok_s_range")),
+                         _ranged(r["ttft_p50_ms"], r.get("ttft_p50_ms_range")),
                          _fmt(r["ttft_p99_ms"]), _fmt(r["itl_p50_ms"]), _fmt(r["itl_p99_ms"]),
                          _fmt(r["prompt_tokens_computed"], 0)))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
@@ -237,7 +298,9 @@ def table(servers: list[dict[str, Any]]) -> str:
     lines += [f"{server['name']}: resident memory after the run "
               f"{server['rss_bytes'] / 1e9:.2f} GB" for server in servers
               if server.get("rss_bytes")]
-    return "\n".join(lines) + "\n(latencies in ms; tokens = output/expected)"
+    rounds = max((len(server.get("rounds", [server])) for server in servers), default=1)
+    note = f"; medians of {rounds} rounds, (min-max)" if rounds > 1 else ""
+    return "\n".join(lines) + f"\n(latencies in ms; tokens = output/expected{note})"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -255,6 +318,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the servers this many times in turn; report medians")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     args = parser.parse_args(argv)
     if not args.server:
@@ -270,19 +335,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.workloads) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
-    if args.tokens < 1 or args.prompt_tokens < 1:
-        parser.error("--tokens and --prompt-tokens must be >= 1")
+    if args.tokens < 1 or args.prompt_tokens < 1 or args.rounds < 1:
+        parser.error("--tokens, --prompt-tokens and --rounds must be >= 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    servers = [run_server(name, command, args) for name, command in args.server]
+    rounds: list[list[dict[str, Any]]] = [[] for _ in args.server]
+    for turn in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {turn + 1} of {args.rounds}", file=sys.stderr)
+        for entries, (name, command) in zip(rounds, args.server, strict=True):
+            entries.append(run_server(name, command, args))
+    servers = [merge_rounds(entries) for entries in rounds]
     print(table(servers))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         config = {"tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
-                  "workloads": args.workloads, "extras": not args.no_extras}
+                  "workloads": args.workloads, "extras": not args.no_extras,
+                  "rounds": args.rounds}
         args.json.write_text(json.dumps({"config": config, "servers": servers}, indent=2))
     return 0 if all(not s["error"] for s in servers) else 1
 

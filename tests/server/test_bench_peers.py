@@ -82,3 +82,75 @@ def test_group_rss_counts_every_process_of_the_group() -> None:
     finally:
         os.killpg(parent.pid, 9)
         parent.wait()
+
+
+def _bench_peers():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import bench_peers
+
+    return bench_peers
+
+
+def _result(tok_s: float, ttft: float | None, tokens: int = 128,
+            errors: tuple[str, ...] = ()) -> dict:
+    return {"requests": 1, "n": 1, "max_tokens": 128, "expected_tokens": 128,
+            "output_tokens": tokens, "wall_s": 128 / tok_s, "output_tok_s": tok_s,
+            "ttft_p50_ms": ttft, "ttft_p99_ms": ttft, "itl_p50_ms": None, "itl_p99_ms": None,
+            "prompt_tokens": [520], "prompt_tokens_computed": 520.0, "errors": list(errors)}
+
+
+def _entry(workloads: dict, rss: int | None, error: str | None = None) -> dict:
+    return {"name": "a", "command": "serve {port}", "log": "a.log", "error": error,
+            "model": None if error else "m", "startup_s": None if error else 4.0,
+            "workloads": workloads, "rss_bytes": rss}
+
+
+def test_merge_rounds_takes_each_measurement_median_over_the_rounds_it_ran_in() -> None:
+    merge_rounds = _bench_peers().merge_rounds
+    entries = [_entry({"W1": _result(2.0, 400.0), "W5": _result(80.0, 410.0)}, 1000),
+               _entry({}, None, error="exited with status 1"),  # a round that failed
+               _entry({"W1": _result(3.5, 300.0), "W5": _result(60.0, None, tokens=100,
+                                                               errors=("cut",))}, 6000),
+               _entry({"W1": _result(2.5, 800.0)}, 2000)]  # medians, not means
+    merged = merge_rounds(entries)
+    assert merged["rounds"] == entries and merged["log"] == ["a.log"] * 4
+    assert merged["error"] == "exited with status 1" and merged["model"] == "m"
+    assert merged["startup_s"] == 4.0 and merged["rss_bytes"] == 2000
+    w1, w5 = merged["workloads"]["W1"], merged["workloads"]["W5"]
+    assert w1["rounds"] == 3 and w5["rounds"] == 2
+    assert w1["output_tok_s"] == 2.5 and w1["output_tok_s_range"] == [2.0, 3.5]
+    assert w1["ttft_p50_ms"] == 400.0 and w1["ttft_p50_ms_range"] == [300.0, 800.0]
+    assert w1["wall_s"] == 128 / 2.5 and w1["prompt_tokens"] == [520, 520, 520]
+    assert w5["output_tok_s"] == 70.0  # the median of two: their mean
+    assert w5["ttft_p50_ms"] == 410.0 and w5["ttft_p50_ms_range"] == [410.0, 410.0]
+    assert w5["output_tokens"] == 100 and w5["errors"] == ["cut"]  # the shortfall shows
+    assert w5["itl_p50_ms"] is None and w5["expected_tokens"] == 128
+    assert merge_rounds(entries[:1]) is entries[0]  # one round: as it is
+
+
+def test_the_table_shows_the_rounds_range() -> None:
+    bench_peers = _bench_peers()
+    merged = bench_peers.merge_rounds([_entry({"W1": _result(2.0, 400.0)}, 10**9),
+                                       _entry({"W1": _result(3.0, 300.0)}, 10**9)])
+    text = bench_peers.table([merged])
+    assert "2.5 (2.0-3.0)" in text and "350.0 (300.0-400.0)" in text
+    assert "medians of 2 rounds" in text
+    assert "medians" not in bench_peers.table([_entry({"W1": _result(2.0, 400.0)}, 10**9)])
+
+
+def test_rounds_start_the_servers_in_turn(tmp_path) -> None:
+    out = tmp_path / "peers.json"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--server", "one=false {port}",
+         "--server", "two=false {port} x", "--rounds", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    order = [line.split("]")[0] for line in result.stderr.splitlines()
+             if line.startswith(("[", "round"))]
+    assert order == ["round 1 of 2", "[one", "[two", "round 2 of 2", "[one", "[two"]
+    report = json.loads(out.read_text())
+    assert report["config"]["rounds"] == 2
+    assert [len(s["rounds"]) for s in report["servers"]] == [2, 2]
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--server", "one=false {port}",
+                          "--rounds", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--rounds must be >= 1" in bad.stderr
