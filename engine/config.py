@@ -60,6 +60,15 @@ class EngineConfig:
     bf16 dot products (kernels/cpu/attention_bf16.h; AVX512-BF16, else float32). "float32"
     is exact: float32 products of the dequantized weights.
 
+    `prefill_int8` sends the kept GGUF weights' products of at least
+    linear.INT8_MIN_ROWS rows (64: prefills) to the int8 kernel (kernels/cpu/qgemm_i8.h,
+    AVX512-VNNI): x quantized to int8 per group of 32 weights (16 for Q6_K), one float32
+    scale per group, as llama.cpp does, dot products with the blocks' integer codes, float32
+    sums; about 1.5x the bf16 GEMM's rate on this project's 2-core host. It changes the
+    numerics (x's rounding; the weights stay exact; measured in BENCHMARKS.md), so it is off
+    by default. Without VNNI, or for other types (F16, BF16 rows), those products run as
+    without it.
+
     `kv_cache_dtype` "auto" stores K and V in the model dtype (float32 on a float32 CPU
     engine); "bfloat16" stores them as bf16, rounded to nearest even when written and widened
     to float32 (exactly) inside the attention, which still computes in float32 (but for
@@ -96,6 +105,7 @@ class EngineConfig:
     cpu_gemm: str = "auto"
     weights: str = "auto"
     compute_dtype: str = "float32"
+    prefill_int8: bool = False
     kv_cache_dtype: str = "auto"
     # KV-cache events (engine/kv_events.py): off unless an endpoint is given.
     kv_events_endpoint: str | None = None

@@ -10,7 +10,7 @@ layers and the sampler call them through the module, so they reach the wrappers)
 
     python scripts/profile_step.py [--n 16] [--tokens 32] [--unique] [--model FILE.gguf]
         [--weights auto|float32] [--compute-dtype float32|bfloat16]
-        [--kv-cache-dtype auto|bfloat16] [--kv-cache-prefault]
+        [--kv-cache-dtype auto|bfloat16] [--kv-cache-prefault] [--prefill-int8]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from plait.kernels.cpu import native
 
 def _label_native_kernels() -> None:
     """Make the native kernels' calls visible to torch.profiler."""
-    for name in ("gemm", "qgemm", "dequantize", "decode_attention", "rope_write_kv",
+    for name in ("gemm", "qgemm", "qgemm_i8", "dequantize", "decode_attention", "rope_write_kv",
                  "sample_inverse_cdf", "add_rms_norm", "silu_mul", "decoder_stack"):
         kernel = getattr(native, name)
 
@@ -49,12 +49,14 @@ def main() -> None:
     parser.add_argument("--weights", default="auto", help="auto (the file's format) or float32")
     parser.add_argument("--compute-dtype", default="float32")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (float32) or bfloat16")
+    parser.add_argument("--prefill-int8", action="store_true")
     parser.add_argument("--kv-cache-prefault", action="store_true",
                         help="make the whole KV pool resident at start")
     args = parser.parse_args()
     _label_native_kernels()
     llm = LLM(args.model, weights=args.weights, compute_dtype=args.compute_dtype,
-              kv_cache_dtype=args.kv_cache_dtype, kv_cache_prefault=args.kv_cache_prefault)
+              kv_cache_dtype=args.kv_cache_dtype, kv_cache_prefault=args.kv_cache_prefault,
+              prefill_int8=args.prefill_int8)
     if args.unique:
         _profile_unique(llm, args)
         return

@@ -43,6 +43,11 @@ _SKINNY_ROWS = 32
 # (docs/bench/history.md, "qgemm up to 256 rows"): in bf16 qgemm took 0.34-0.91x the time
 # from 24 to 256 rows and broke even at 320-384; in float32 0.69-0.94x up to 128.
 QGEMM_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 256}
+# The fewest rows a `QuantLinear` product takes through `qgemm_i8` under `use_int8` (below:
+# `qgemm`, whose decode in registers costs less than qgemm_i8's packing of every weight row
+# for few rows). Measured on Qwen2.5-0.5B's layers, bf16 compute: qgemm_i8 0.94x qgemm's time
+# at 64 rows, 1.7x at 16.
+INT8_MIN_ROWS = 64
 
 
 def qgemm_max_rows(compute_dtype: torch.dtype) -> int:
@@ -163,7 +168,9 @@ class QuantLinear(Linear):
     and multiplied by oneDNN (bf16: bf16 x bf16 with float32 accumulation, output rounded to
     bf16). No float32 copy of W is kept. A tied LM head shares its embedding's weight. The
     native decoder stack reads `qweight.descriptor(compute_dtype)`, the descriptor `qgemm`
-    is given here."""
+    is given here. `use_int8()` (the engine's `prefill_int8`) sends products of at least
+    `INT8_MIN_ROWS` rows to `native.qgemm_i8` instead (x quantized to int8 per group of 32,
+    float32 output), where the kernel is built and takes every part."""
 
     format: ClassVar[str] = "gguf"
     qweight: QuantWeight
@@ -177,13 +184,31 @@ class QuantLinear(Linear):
         self.qgemm_rows = qgemm_max_rows(compute_dtype)
         self.register_parameter("weight", None)  # no float copy: `qweight` is the weight
         self.scratch: ChunkCache = {}  # quant_ops.matmul_dequantized's row chunks
+        self.int8_rows: int | None = None  # products of this many rows or more: qgemm_i8
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(),
                                                            requires_grad=False)
 
+    def use_int8(self, min_rows: int = INT8_MIN_ROWS) -> bool:
+        """Send products of `min_rows` rows or more to `native.qgemm_i8`, if it is built
+        and takes this weight's parts (else nothing changes). Returns whether it does."""
+        if native.has_qgemm_i8() and native.qgemm_i8_fits(self.qweight):
+            self.int8_rows = min_rows
+        return self.int8_rows is not None
+
+    def takes_int8(self, rows: int) -> bool:
+        """Whether a product of `rows` rows goes through `qgemm_i8`."""
+        return self.int8_rows is not None and rows >= self.int8_rows
+
+    def silu_mul_int8(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / 2]
+        """silu(gate) * up of this gate | up weight's product through `qgemm_i8`, fused
+        (the bits of `native.silu_mul` of `forward`'s output where `takes_int8`)."""
+        return native.qgemm_i8(x.float(), self.qweight, self.bias, silu=True)
+
     def rounds_to_bf16(self, rows: int) -> bool:
         """Whether a product of `rows` rows goes through bf16 BLAS (its input and its output
-        rounded to bf16): bf16 compute and more than `qgemm_rows` rows."""
-        return self.compute_dtype == torch.bfloat16 and rows > self.qgemm_rows
+        rounded to bf16): bf16 compute and more than `qgemm_rows` rows, not int8."""
+        return self.compute_dtype == torch.bfloat16 and rows > self.qgemm_rows \
+            and not self.takes_int8(rows)
 
     def forward(self, x: torch.Tensor,  # [T, in] float32 (or bf16 where rounds_to_bf16)
                 widen: bool = True) -> torch.Tensor:  # [T, out] float32
@@ -192,6 +217,8 @@ class QuantLinear(Linear):
         rows = x.shape[0]
         if rows == 0:
             return x.new_empty(0, self.out_features, dtype=torch.float32)
+        if self.takes_int8(rows):
+            return native.qgemm_i8(x.float(), self.qweight, self.bias)
         if rows <= self.qgemm_rows:
             return native.qgemm(x.float(), self.qweight, self.bias, self.compute_dtype)
         return matmul_dequantized(x, self.qweight, self.bias, self.compute_dtype, self.scratch,
@@ -236,6 +263,13 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
     for param in model.parameters():
         dense[id(param)] = param.numel() * param.element_size()
     return sum(kept.values()), sum(dense.values())
+
+
+def use_prefill_int8(model: nn.Module) -> tuple[int, int]:
+    """`QuantLinear.use_int8()` on every kept linear of `model`: (how many take qgemm_i8,
+    how many kept linears there are). None take it where the kernel is not built."""
+    kept = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    return sum(m.use_int8() for m in kept), len(kept)
 
 
 FORMATS: dict[str, type[Linear]] = {f.format: f for f in (Linear, MklLinear, OneDnnLinear)}
@@ -297,6 +331,7 @@ def convert_linears(model: nn.Module, cpu_gemm: str, panels: bool) -> str:
     return chosen
 
 
-__all__ = ["CPU_GEMMS", "FORMATS", "NATIVE_MAX_ROWS", "QGEMM_MAX_ROWS", "Linear", "MklLinear",
-           "OneDnnLinear", "PanelLinear", "QuantEmbedding", "QuantLinear", "convert_linears",
-           "cpu_vendor", "qgemm_max_rows", "resolve_cpu_gemm", "weight_bytes"]
+__all__ = ["CPU_GEMMS", "FORMATS", "INT8_MIN_ROWS", "NATIVE_MAX_ROWS", "QGEMM_MAX_ROWS", "Linear",
+           "MklLinear", "OneDnnLinear", "PanelLinear", "QuantEmbedding", "QuantLinear",
+           "convert_linears", "cpu_vendor", "qgemm_max_rows", "resolve_cpu_gemm",
+           "use_prefill_int8", "weight_bytes"]

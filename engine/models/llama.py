@@ -20,10 +20,20 @@ import torch
 from torch import nn
 
 from plait.engine.model_config import ModelConfig
-from plait.engine.models.linear import Linear, PanelLinear, QuantEmbedding, QuantLinear
+from plait.engine.models.linear import (
+    INT8_MIN_ROWS,
+    Linear,
+    PanelLinear,
+    QuantEmbedding,
+    QuantLinear,
+)
 from plait.engine.models.rope import rope_cos_sin
 from plait.kernels import AttentionMetadata, TorchOps
 from plait.kernels.cpu import native
+
+# The most bytes of an int8 MLP chunk's [rows, I] float32 silu(gate) * up (see MLP.forward):
+# under host_memory.MMAP_THRESHOLD (32 MiB), so chunks reuse the heap's mapped pages.
+MLP_CHUNK_BYTES = 24 << 20
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # 2 x [num_blocks, block_size, H_kv, D]
 
@@ -89,6 +99,17 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         gate_up, down, rows = self.gate_up_proj, self.down_proj, x.shape[0]
+        if isinstance(gate_up, QuantLinear) and gate_up.takes_int8(rows) \
+                and gate_up.out_features % 32 == 0:
+            # int8 gate_up with silu_mul fused (no [T, 2 I] product), in row chunks whose
+            # [rows, I] float32 stays below glibc's raised mmap threshold (host_memory.py),
+            # so each chunk reuses mapped pages instead of faulting in a fresh mapping
+            most = max(INT8_MIN_ROWS, MLP_CHUNK_BYTES // (2 * gate_up.out_features))
+            if rows <= most:
+                return down(gate_up.silu_mul_int8(x))
+            chunk = -(-rows // -(-rows // most))  # equal chunks, each at most `most` rows
+            return torch.cat([down(gate_up.silu_mul_int8(x[i:i + chunk]))
+                              for i in range(0, rows, chunk)])
         if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear) \
                 and gate_up.rounds_to_bf16(rows) and down.rounds_to_bf16(rows):
             # both products in bf16 BLAS: gate_up's bf16 output goes to the native silu_mul

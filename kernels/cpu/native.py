@@ -33,12 +33,25 @@ from plait.kernels.cpu.build import (
     available,
     loaded,
 )
-from plait.kernels.cpu.quant import KEPT_TYPES, QuantWeight
+from plait.kernels.cpu.quant import (
+    KEPT_TYPES,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    QuantWeight,
+)
 
 # plait_cpu.h's type of a descriptor part holding float32 panels from `pack_weight`.
 F32_PANELS = ABI.constants["PLAIT_GGML_F32"]
 # The GGML types `qgemm` and `dequantize` read: every type quant.py keeps.
 QUANT_TYPES: frozenset[int] = KEPT_TYPES
+# The block types `qgemm_i8` reads as codes with a scale and an offset per group (not F16 /
+# BF16 rows: their values are no such codes).
+I8_TYPES: frozenset[int] = frozenset({Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K})
 # The KV-cache element types the kernels write and read, as plait_cpu.h's PLAIT_KV_* codes:
 # bfloat16 is rounded to nearest even when written, widened to float32 (exact) when read.
 KV_DTYPES: dict[torch.dtype, int] = {torch.float32: ABI.constants["PLAIT_KV_F32"],
@@ -163,6 +176,54 @@ def qgemm(
     _check(lib.plait_qgemm(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
                            None if bias is None else bias.data_ptr(), y.data_ptr(),
                            weight.out_features), "qgemm", f" ({weight.describe()})")
+    return y
+
+
+def has_qgemm_i8() -> bool:
+    """Whether the loaded kernels were built with `qgemm_i8` (AVX512-VNNI, AVX512-BW/VL)."""
+    return available() and bool(loaded().plait_has_qgemm_i8())
+
+
+def qgemm_i8_fits(weight: QuantWeight) -> bool:
+    """Whether `qgemm_i8` takes `weight`: every part of `I8_TYPES`, K a multiple of 32."""
+    return weight.in_features % 32 == 0 and all(p.ggml_type in I8_TYPES for p in weight.parts)
+
+
+def qgemm_i8(
+    x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
+    weight: QuantWeight,  # W [N, K], every part of I8_TYPES
+    bias: torch.Tensor | None = None,  # [N] float32
+    silu: bool = False,  # W = gate | up [2 I, K]: y = silu(gate) * up [M, I]
+) -> torch.Tensor:  # [M, N] float32 ([M, N / 2] with silu)
+    """x @ W^T + bias with x quantized to int8 per group of 32 (16 where a part is Q6_K):
+    sx = max|x| / 127 and q = round(x / sx) per group (nearest even), then float32 sums of
+    sx (a I - o S) per group, I the exact int32 dot product of q with the block's codes (W =
+    a c - o per group), S the sum of q. W's values are the file's; x's rounding is the only
+    difference from `qgemm`. `silu` (N % 32 == 0): `silu_mul` of that product, fused, the
+    same bits. Needs `has_qgemm_i8()` and `qgemm_i8_fits(weight)`."""
+    lib = loaded()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    if k != weight.in_features or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or not qgemm_i8_fits(weight):
+        raise ValueError(f"qgemm_i8: x {tuple(x.shape)} {x.dtype} does not fit W "
+                         f"[{weight.out_features}, {weight.in_features}] {weight.describe()}")
+    if silu and weight.out_features % 32:
+        raise ValueError(f"qgemm_i8: silu needs gate | up rows of a multiple of 32, W has "
+                         f"{weight.out_features}")
+    cols = weight.out_features // 2 if silu else weight.out_features
+    y = torch.empty(rows, cols, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+        if bias.shape != (weight.out_features,):
+            raise ValueError(f"qgemm_i8: bias {tuple(bias.shape)}, W has "
+                             f"{weight.out_features} rows")
+    if rows == 0:
+        return y
+    _check(lib.plait_qgemm_i8(x.data_ptr(), rows, x.stride(0), weight.desc.data_ptr(), k,
+                              None if bias is None else bias.data_ptr(), int(silu),
+                              y.data_ptr(), cols), "qgemm_i8", f" ({weight.describe()})")
     return y
 
 
@@ -449,9 +510,9 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
             and head_dim % lanes() == 0 and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK)
 
 
-__all__ = ["ATTN_BF16_DOT", "F32_PANELS", "KV_DTYPES", "MAX_QUERIES", "QUANT_TYPES",
+__all__ = ["ATTN_BF16_DOT", "F32_PANELS", "I8_TYPES", "KV_DTYPES", "MAX_QUERIES", "QUANT_TYPES",
            "STACK_POINTERS", "NativeStack", "StackShape", "add_rms_norm", "available",
            "decode_attention", "decoder_stack", "dequantize", "dequantize_bf16", "gemm",
-           "kv_caches_fit", "kv_dtype_code", "lanes", "max_chunk_rows", "pack_weight",
-           "panels_desc", "qgemm", "rope_fits", "rope_write_kv", "rows_fit",
-           "sample_inverse_cdf", "silu_mul", "supports_attention"]
+           "has_qgemm_i8", "kv_caches_fit", "kv_dtype_code", "lanes", "max_chunk_rows",
+           "pack_weight", "panels_desc", "qgemm", "qgemm_i8", "qgemm_i8_fits", "rope_fits",
+           "rope_write_kv", "rows_fit", "sample_inverse_cdf", "silu_mul", "supports_attention"]

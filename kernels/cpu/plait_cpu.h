@@ -118,6 +118,17 @@ int plait_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_
 int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long num_rows,
                           uint16_t *out);
 
+/* qgemm_i8.h: plait_qgemm's product with x quantized to int8 per group of 32 weights (16
+ * where a part is Q6_K; symmetric, one float32 scale per group) and VNNI dot products
+ * against the codes of the weights' blocks, float32 scales and sums: an approximation of
+ * plait_qgemm (x's rounding). `silu` != 0: W = gate | up (N = 2 I, I % 16 == 0), y [M, I]
+ * = plait_silu_mul of the product, fused. Parts of Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
+ * only, K % 32 == 0, a build with AVX512-VNNI (plait_has_qgemm_i8): else PLAIT_ERR_SHAPES.
+ * PLAIT_ERR_NOMEM. */
+int plait_has_qgemm_i8(void);
+int plait_qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long K,
+                   const float *bias, int silu, float *y, long ldy);
+
 /* attention.c: one query per sequence over its paged K/V (PLAIT_KV_* kv_dtype elements,
  * PLAIT_KV_BF16 possibly with PLAIT_ATTN_BF16_DOT), read in place; the sequences of a chunk
  * read their chunk_shared[c] common tokens once. Limits: PLAIT_MAX_HEAD_DIM,

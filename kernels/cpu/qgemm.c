@@ -528,3 +528,5 @@ int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long
   }
   return rc;
 }
+
+#include "qgemm_i8.h"
