@@ -529,4 +529,21 @@ int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long
   return rc;
 }
 
+/* ------------------------------------------------------------------------------------ */
+/* int8 x (qgemm_i8.h)                                                                   */
+/* ------------------------------------------------------------------------------------ */
+
 #include "qgemm_i8.h"
+
+int plait_has_qgemm_i8(void) {
+#if QGEMM_I8
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int plait_qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long K,
+                   const float *bias, int silu, float *y, long ldy) {
+  return qgemm_i8(x, M, ldx, desc, K, bias, silu, y, ldy);
+}

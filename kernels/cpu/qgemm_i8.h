@@ -244,16 +244,9 @@ static void i8_quantize(const float *x, long M, long ldx, long K, int G, int8_t 
 }
 #endif /* VNNI */
 
-int plait_has_qgemm_i8(void) {
-#if QGEMM_I8
-  return 1;
-#else
-  return 0;
-#endif
-}
-
-int plait_qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long K,
-                   const float *bias, int silu, float *y, long ldy) {
+/* plait_qgemm_i8 (plait_cpu.h): PLAIT_ERR_SHAPES in a build without VNNI. */
+static int qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long K,
+                    const float *bias, int silu, float *y, long ldy) {
 #if QGEMM_I8
   part_t parts[PLAIT_MAX_PARTS];
   int num_parts, bf16, G = 32;
