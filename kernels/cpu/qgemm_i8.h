@@ -104,43 +104,62 @@ ALWAYS_INLINE __m256i i8_codes(int type, const uint8_t *row, long g, float a[2],
   }
 }
 
-/* Weight rows n0 .. n0 + 15 of W [N, K] (rows past N: zeros) packed into dst as above. */
+/* Row `row` of `type` (K / 32 groups) into codes [K] bytes and ao [K / 32][4] = (a, a, o,
+ * o) of its halves; `type` a constant once inlined. */
+ALWAYS_INLINE void i8_row_of(int type, const uint8_t *row, long groups, uint8_t *codes,
+                             float *ao) {
+  for (long g = 0; g < groups; g++) {
+    _mm256_storeu_si256((__m256i *)(codes + 32 * g), i8_codes(type, row, g, ao + 4 * g,
+                                                              ao + 4 * g + 2));
+  }
+}
+
+static void i8_row(int type, const uint8_t *row, long groups, uint8_t *codes, float *ao) {
+  switch (type) {
+    case PLAIT_GGML_Q4_0: i8_row_of(PLAIT_GGML_Q4_0, row, groups, codes, ao); return;
+    case PLAIT_GGML_Q4_1: i8_row_of(PLAIT_GGML_Q4_1, row, groups, codes, ao); return;
+    case PLAIT_GGML_Q5_0: i8_row_of(PLAIT_GGML_Q5_0, row, groups, codes, ao); return;
+    case PLAIT_GGML_Q8_0: i8_row_of(PLAIT_GGML_Q8_0, row, groups, codes, ao); return;
+    case PLAIT_GGML_Q4_K: i8_row_of(PLAIT_GGML_Q4_K, row, groups, codes, ao); return;
+    case PLAIT_GGML_Q5_K: i8_row_of(PLAIT_GGML_Q5_K, row, groups, codes, ao); return;
+    default: i8_row_of(PLAIT_GGML_Q6_K, row, groups, codes, ao); return;
+  }
+}
+
+/* Weight rows n0 .. n0 + 15 of W [N, K] (rows past N: zeros) packed into dst as above, through
+ * rows [16][K] codes and ao [16][K / 32][4] (the caller's): each row decoded on its own
+ * (one stream of its bytes: 16 rows read side by side, a group at a time, measured 5x
+ * slower, more streams than the hardware prefetcher follows), then each group's 16 rows of
+ * codes gathered into the panel's [G / 4][16][4] vectors. */
 static void i8_pack_panel(const part_t *parts, int num_parts, long N, long K, int G, long n0,
-                          uint8_t *dst) {
-  int32_t codes[16 * 8] __attribute__((aligned(64)));  /* [16 rows][32 codes] */
-  float a[16][2], o[16][2];
-  const uint8_t *rows[16];
-  int types[16];
+                          uint8_t *dst, uint8_t *rows, float *ao) {
+  long groups = K / 32;
   for (int r = 0; r < 16; r++) {
     long n = n0 + r;
-    rows[r] = NULL;
     if (n < N) {
       const part_t *p = part_of(parts, num_parts, n);
-      rows[r] = p->data + (n - p->first) * p->row_bytes;
-      types[r] = p->type;
+      i8_row(p->type, p->data + (n - p->first) * p->row_bytes, groups, rows + r * K,
+             ao + r * groups * 4);
+    } else {
+      memset(rows + r * K, 0, (size_t)K);
+      memset(ao + r * groups * 4, 0, sizeof(float) * (size_t)(groups * 4));
     }
   }
   const __m512i by_row = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
                                                              6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(8));
+                                            _mm512_set1_epi32((int)(K / 4)));
   long gbytes = i8_group_bytes(G);
-  for (long g = 0; g < K / 32; g++) {
-    for (int r = 0; r < 16; r++) {
-      __m256i c = _mm256_setzero_si256();
-      a[r][0] = a[r][1] = o[r][0] = o[r][1] = 0.0f;
-      if (rows[r]) c = i8_codes(types[r], rows[r], g, a[r], o[r]);
-      _mm256_store_si256((__m256i *)(codes + 8 * r), c);
-    }
-    /* the 32 codes as G / 32 groups: group half h (G = 16) or the whole (G = 32) */
+  for (long g = 0; g < groups; g++) {
+    /* the 32 codes as 32 / G groups: the whole (G = 32) or half h (G = 16) */
     for (int h = 0; h < 32 / G; h++) {
       uint8_t *out = dst + (g * (32 / G) + h) * gbytes;
       for (int s = 0; s < G / 4; s++)
         _mm512_store_si512(out + 64 * s, _mm512_i32gather_epi32(
-            _mm512_add_epi32(by_row, _mm512_set1_epi32(h * 4 + s)), codes, 4));
+            _mm512_add_epi32(by_row, _mm512_set1_epi32((int)(8 * g + h * 4 + s))), rows, 4));
       float *scale = (float *)(out + 16 * G), *offset = scale + 16;
       for (int r = 0; r < 16; r++) {
-        scale[r] = a[r][h];
-        offset[r] = o[r][h];
+        scale[r] = ao[(r * groups + g) * 4 + h];
+        offset[r] = ao[(r * groups + g) * 4 + 2 + h];
       }
     }
   }
@@ -273,7 +292,10 @@ static int qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long 
   if (rc == PLAIT_OK) i8_quantize(x, M, ldx, K, G, xq, sx, sxq);
 #pragma omp parallel if (rc == PLAIT_OK)
   {
-    uint8_t *buf = rc == PLAIT_OK ? aligned_alloc(64, (size_t)(2 * ng * gbytes)) : NULL;
+    /* two packed panels, then one panel's rows of codes and their scales and offsets */
+    size_t panels = (size_t)(2 * ng * gbytes), codes = (size_t)(16 * K);
+    uint8_t *buf = rc == PLAIT_OK ? aligned_alloc(64, panels + codes + sizeof(float) *
+                                                          (size_t)(16 * (K / 32) * 4)) : NULL;
     if (!buf) {
 #pragma omp atomic write
       rc = PLAIT_ERR_NOMEM;
@@ -283,8 +305,10 @@ static int qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long 
 #pragma omp for schedule(static)
       for (long pair = 0; pair < pairs; pair++) {
         long n0 = stride * pair;
-        i8_pack_panel(parts, num_parts, N, K, G, n0, buf);
-        i8_pack_panel(parts, num_parts, N, K, G, n0 + second, buf + ng * gbytes);
+        uint8_t *rows = buf + panels;
+        float *ao = (float *)(rows + codes);
+        i8_pack_panel(parts, num_parts, N, K, G, n0, buf, rows, ao);
+        i8_pack_panel(parts, num_parts, N, K, G, n0 + second, buf + ng * gbytes, rows, ao);
         int cols = (int)(silu ? 16 : N - n0 < 32 ? N - n0 : 32);
         for (long m = 0; m < M; m += I8_ROWS) {
           int R = (int)(M - m < I8_ROWS ? M - m : I8_ROWS);
