@@ -199,6 +199,10 @@ class QuantLinear(Linear):
         """Whether a product of `rows` rows goes through `qgemm_i8`."""
         return self.int8_rows is not None and rows >= self.int8_rows
 
+    def product_int8(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out] float32
+        """x @ W^T + bias through `qgemm_i8`, whatever the row count (needs `use_int8`)."""
+        return native.qgemm_i8(x.float(), self.qweight, self.bias)
+
     def silu_mul_int8(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / 2]
         """silu(gate) * up of this gate | up weight's product through `qgemm_i8`, fused
         (the bits of `native.silu_mul` of `forward`'s output where `takes_int8`)."""
@@ -218,7 +222,7 @@ class QuantLinear(Linear):
         if rows == 0:
             return x.new_empty(0, self.out_features, dtype=torch.float32)
         if self.takes_int8(rows):
-            return native.qgemm_i8(x.float(), self.qweight, self.bias)
+            return self.product_int8(x)
         if rows <= self.qgemm_rows:
             return native.qgemm(x.float(), self.qweight, self.bias, self.compute_dtype)
         return matmul_dequantized(x, self.qweight, self.bias, self.compute_dtype, self.scratch,

@@ -99,16 +99,16 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         gate_up, down, rows = self.gate_up_proj, self.down_proj, x.shape[0]
-        if isinstance(gate_up, QuantLinear) and gate_up.takes_int8(rows) \
+        if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear) \
+                and gate_up.takes_int8(rows) and down.takes_int8(rows) \
                 and gate_up.out_features % 32 == 0:
             # int8 gate_up with silu_mul fused (no [T, 2 I] product), in row chunks whose
             # [rows, I] float32 stays below glibc's raised mmap threshold (host_memory.py),
-            # so each chunk reuses mapped pages instead of faulting in a fresh mapping
+            # so each chunk reuses mapped pages instead of faulting in a fresh mapping; a
+            # row's result does not depend on its chunk
             most = max(INT8_MIN_ROWS, MLP_CHUNK_BYTES // (2 * gate_up.out_features))
-            if rows <= most:
-                return down(gate_up.silu_mul_int8(x))
             chunk = -(-rows // -(-rows // most))  # equal chunks, each at most `most` rows
-            return torch.cat([down(gate_up.silu_mul_int8(x[i:i + chunk]))
+            return torch.cat([down.product_int8(gate_up.silu_mul_int8(x[i:i + chunk]))
                               for i in range(0, rows, chunk)])
         if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear) \
                 and gate_up.rounds_to_bf16(rows) and down.rounds_to_bf16(rows):
