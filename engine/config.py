@@ -61,7 +61,7 @@ class EngineConfig:
     is exact: float32 products of the dequantized weights.
 
     `prefill_int8` sends the kept GGUF weights' products of at least
-    linear.INT8_MIN_ROWS rows (64: prefills) to the int8 kernel (kernels/cpu/qgemm_i8.h,
+    linear.INT8_MIN_ROWS rows (48: prefills) to the int8 kernel (kernels/cpu/qgemm_i8.h,
     AVX512-VNNI): x quantized to int8 per group of 32 weights (16 for Q6_K), one float32
     scale per group, as llama.cpp does, dot products with the blocks' integer codes, float32
     sums; about 1.5x the bf16 GEMM's rate on this project's 2-core host. It changes the

@@ -125,7 +125,7 @@ OPTIONS: tuple[Option, ...] = (
            "choices' prompt)",
            COMPUTE_DTYPES),
     Option("--prefill-int8", bool,
-           "kept GGUF weights' prefill products (64 rows or more) with x quantized to int8 "
+           "kept GGUF weights' prefill products (48 rows or more) with x quantized to int8 "
            "per 32 weights, as llama.cpp does, and VNNI dot products: about 1.5x the bf16 "
            "GEMM's rate, numerics changed by x's rounding (off: bf16 or float32 as "
            "--compute-dtype says)"),

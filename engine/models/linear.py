@@ -45,9 +45,11 @@ _SKINNY_ROWS = 32
 QGEMM_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 256}
 # The fewest rows a `QuantLinear` product takes through `qgemm_i8` under `use_int8` (below:
 # `qgemm`, whose decode in registers costs less than qgemm_i8's packing of every weight row
-# for few rows). Measured on Qwen2.5-0.5B's layers, bf16 compute: qgemm_i8 0.94x qgemm's time
-# at 64 rows, 1.7x at 16.
-INT8_MIN_ROWS = 64
+# for few rows). Measured on the 2-core AVX512-VNNI host over every linear of a model's
+# layers, against qgemm in bf16: Qwen2.5-0.5B 1.37x its time at 16 rows, 1.09x at 32, 0.95x
+# at 48, 0.87x at 64, 0.70x at 256; SmolLM2 1.31x, 1.06x, 0.93x, 0.86x, 0.71x (against
+# qgemm in float32: faster from 16 rows; at 523 rows 0.63-0.66x dequantize + bf16 BLAS).
+INT8_MIN_ROWS = 48
 
 
 def qgemm_max_rows(compute_dtype: torch.dtype) -> int:
