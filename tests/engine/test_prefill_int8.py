@@ -52,7 +52,8 @@ def test_weights_it_does_not_take_keep_their_path() -> None:
 
 
 def test_mlp_fuses_silu_in_row_chunks(kept, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 200-row MLP in chunks (the byte cap lowered to make 4 of 50 rows): every row's
+    """A 200-row MLP in chunks (the byte cap lowered to chunks of at most INT8_MIN_ROWS rows,
+    5 of 40 rows): every row's
     result is the unchunked int8 MLP's, bit for bit; without int8 on down_proj the MLP keeps
     its ordinary path (gate_up's product, then silu_mul, unfused)."""
     mlp = kept.model.layers[0].mlp
@@ -63,12 +64,12 @@ def test_mlp_fuses_silu_in_row_chunks(kept, monkeypatch: pytest.MonkeyPatch) -> 
     assert torch.equal(mlp(x), down(native.silu_mul(gate_up.product_int8(x))))
     monkeypatch.setattr(down, "int8_rows", INT8_MIN_ROWS)
     whole = down.product_int8(native.silu_mul(gate_up.product_int8(x)))
-    monkeypatch.setattr(llama, "MLP_CHUNK_BYTES", 4 * gate_up.out_features)  # -> 64 rows
+    monkeypatch.setattr(llama, "MLP_CHUNK_BYTES", 4 * gate_up.out_features)  # -> the minimum
     cats: list[int] = []
     real_cat = torch.cat
     monkeypatch.setattr(torch, "cat", lambda ts: cats.append(len(ts)) or real_cat(ts))
     out = mlp(x)
-    assert cats == [4] and torch.equal(out, whole)
+    assert cats == [-(-200 // INT8_MIN_ROWS)] and torch.equal(out, whole)
     assert (out - plain).abs().max() <= 0.05 * plain.abs().max()
 
 
