@@ -52,10 +52,9 @@ def test_weights_it_does_not_take_keep_their_path() -> None:
 
 
 def test_mlp_fuses_silu_in_row_chunks(kept, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 200-row MLP in chunks (the byte cap lowered to chunks of at most INT8_MIN_ROWS rows,
-    5 of 40 rows): every row's
-    result is the unchunked int8 MLP's, bit for bit; without int8 on down_proj the MLP keeps
-    its ordinary path (gate_up's product, then silu_mul, unfused)."""
+    """A 200-row MLP in chunks (the byte cap lowered: chunks of at most INT8_MIN_ROWS rows):
+    every row's result is the unchunked int8 MLP's, bit for bit; without int8 on down_proj
+    the MLP keeps its ordinary path (gate_up's product, then silu_mul, unfused)."""
     mlp = kept.model.layers[0].mlp
     gate_up, down = mlp.gate_up_proj, mlp.down_proj
     x = torch.randn(200, gate_up.in_features, generator=torch.Generator().manual_seed(2))
