@@ -20,7 +20,7 @@
  * per group G / 4 vectors of [16 rows][4 codes] (lane n = weight row n, the 4 codes of k
  * .. k + 3), then a[16] and o[16]; the panels then meet every x row in tiles of I8_ROWS
  * rows: per group, G / 4 x 2 vpdpbusd per row (x's 4 quants broadcast), then 4 float32
- * operations per row and panel. 
+ * operations per row and panel.
  */
 #ifndef PLAIT_CPU_QGEMM_I8_H
 #define PLAIT_CPU_QGEMM_I8_H

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.native_builds import library_without_avx512vnni
 from helpers.quant_cases import MIXED_PARTS, random_part, random_weight
 
 from plait.kernels.cpu import build, native, quant
@@ -133,3 +134,12 @@ def test_what_it_refuses() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         native.qgemm_i8(torch.randn(2, 96), weight)
     assert native.qgemm_i8(torch.randn(0, 64), weight).shape == (0, 48)
+
+
+def test_a_build_without_vnni_has_no_qgemm_i8(tmp_path) -> None:
+    lib = library_without_avx512vnni(tmp_path)
+    weight = random_weight((quant.Q4_0,), (32,), 64)
+    x, y = torch.randn(2, 64), torch.empty(2, 32)
+    assert lib.plait_has_qgemm_i8() == 0
+    assert lib.plait_qgemm_i8(x.data_ptr(), 2, 64, weight.desc.data_ptr(), 64, None, 0,
+                              y.data_ptr(), 32) == SHAPES
