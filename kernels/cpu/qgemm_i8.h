@@ -128,7 +128,7 @@ static void i8_row(int type, const uint8_t *row, long groups, uint8_t *codes, fl
 
 /* Weight rows n0 .. n0 + 15 of W [N, K] (rows past N: zeros) packed into dst as above, through
  * rows [16][K] codes and ao [16][K / 32][4] (the caller's): each row decoded on its own
- * (one stream of its bytes: 16 rows read side by side, a group at a time, measured 5x
+ * (one stream of its bytes: 16 rows read side by side, a group at a time, measured 4x
  * slower, more streams than the hardware prefetcher follows), then each group's 16 rows of
  * codes gathered into the panel's [G / 4][16][4] vectors. */
 static void i8_pack_panel(const part_t *parts, int num_parts, long N, long K, int G, long n0,
@@ -287,7 +287,8 @@ static int qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long 
   long ng = K / G, pairs = silu ? N / 32 : (N + 31) / 32, gbytes = i8_group_bytes(G);
   long second = silu ? N / 2 : 16, stride = silu ? 16 : 32;
   int8_t *xq = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
-  float *sx = malloc(sizeof(float) * (size_t)(M * ng)), *sxq = malloc(sizeof(float) * (size_t)(M * ng));
+  float *sx = malloc(sizeof(float) * (size_t)(M * ng));
+  float *sxq = malloc(sizeof(float) * (size_t)(M * ng));
   int rc = xq && sx && sxq ? PLAIT_OK : PLAIT_ERR_NOMEM;
   if (rc == PLAIT_OK) i8_quantize(x, M, ldx, K, G, xq, sx, sxq);
 #pragma omp parallel if (rc == PLAIT_OK)
