@@ -107,6 +107,8 @@ class MLP(nn.Module):
             # so each chunk reuses mapped pages instead of faulting in a fresh mapping; a
             # row's result does not depend on its chunk
             most = max(INT8_MIN_ROWS, MLP_CHUNK_BYTES // (2 * gate_up.out_features))
+            if rows <= most:  # one chunk: no copy through torch.cat
+                return down.product_int8(gate_up.silu_mul_int8(x))
             chunk = -(-rows // -(-rows // most))  # equal chunks, each at most `most` rows
             return torch.cat([down.product_int8(gate_up.silu_mul_int8(x[i:i + chunk]))
                               for i in range(0, rows, chunk)])

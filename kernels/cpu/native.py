@@ -146,6 +146,26 @@ def panels_desc(panels: torch.Tensor, out_features: int) -> torch.Tensor:  # int
     return torch.tensor([1, panels.data_ptr(), F32_PANELS, out_features], dtype=torch.int64)
 
 
+def _product_operands(
+    kernel: str, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None, cols: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A kept weight's product's checked operands: x with unit stride along K, the bias as
+    float32 [N] contiguous (None: none), and y = empty [M, cols] float32. Raises ValueError
+    (naming `kernel`) for an x that is not float32 CPU [M, K] or a bias that is not [N]."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    if k != weight.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"{kernel}: x {tuple(x.shape)} {x.dtype} does not fit W "
+                         f"[{weight.out_features}, {weight.in_features}] {weight.describe()}")
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+        if bias.shape != (weight.out_features,):
+            raise ValueError(f"{kernel}: bias {tuple(bias.shape)}, W has "
+                             f"{weight.out_features} rows")
+    return x, bias, torch.empty(rows, cols, dtype=torch.float32)
+
+
 def qgemm(
     x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
     weight: QuantWeight,  # W [N, K] in GGML blocks
@@ -159,17 +179,8 @@ def qgemm(
     dequantized W rounded to bfloat16 (nearest even), float32 sums and bias; fewer rows, or
     a build without AVX512-BF16, compute as float32 (the same bits)."""
     lib = loaded()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x, bias, y = _product_operands("qgemm", x, weight, bias, weight.out_features)
     rows, k = x.shape
-    if k != weight.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"qgemm: x {tuple(x.shape)} {x.dtype} does not fit W "
-                         f"[{weight.out_features}, {weight.in_features}] {weight.describe()}")
-    y = torch.empty(rows, weight.out_features, dtype=torch.float32)
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-        if bias.shape != (weight.out_features,):
-            raise ValueError(f"qgemm: bias {tuple(bias.shape)}, W has {weight.out_features} rows")
     if rows == 0:
         return y
     desc = weight.descriptor(compute_dtype)
@@ -202,23 +213,15 @@ def qgemm_i8(
     difference from `qgemm`. `silu` (N % 32 == 0): `silu_mul` of that product, fused, the
     same bits. Needs `has_qgemm_i8()` and `qgemm_i8_fits(weight)`."""
     lib = loaded()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    rows, k = x.shape
-    if k != weight.in_features or x.dtype != torch.float32 or x.device.type != "cpu" \
-            or not qgemm_i8_fits(weight):
+    if not qgemm_i8_fits(weight):
         raise ValueError(f"qgemm_i8: x {tuple(x.shape)} {x.dtype} does not fit W "
                          f"[{weight.out_features}, {weight.in_features}] {weight.describe()}")
     if silu and weight.out_features % 32:
         raise ValueError(f"qgemm_i8: silu needs gate | up rows of a multiple of 32, W has "
                          f"{weight.out_features}")
     cols = weight.out_features // 2 if silu else weight.out_features
-    y = torch.empty(rows, cols, dtype=torch.float32)
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-        if bias.shape != (weight.out_features,):
-            raise ValueError(f"qgemm_i8: bias {tuple(bias.shape)}, W has "
-                             f"{weight.out_features} rows")
+    x, bias, y = _product_operands("qgemm_i8", x, weight, bias, cols)
+    rows, k = x.shape
     if rows == 0:
         return y
     _check(lib.plait_qgemm_i8(x.data_ptr(), rows, x.stride(0), weight.desc.data_ptr(), k,
