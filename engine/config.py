@@ -69,6 +69,12 @@ class EngineConfig:
     by default. Without VNNI, or for other types (F16, BF16 rows), those products run as
     without it.
 
+    `int8_panels` sends every product of those weights, from one row (decode steps, one
+    stream's included), to the same kernel, reading an int8 copy of each weight packed at
+    load (linear.INT8_PANEL_MIN_ROWS; `native.qgemm_i8_panels`, 1.25 bytes a weight, 1.5
+    where a part is Q6_K, kept beside the blocks, which the embedding still reads): memory
+    traded for speed, with prefill_int8's numerics at every step.
+
     `kv_cache_dtype` "auto" stores K and V in the model dtype (float32 on a float32 CPU
     engine); "bfloat16" stores them as bf16, rounded to nearest even when written and widened
     to float32 (exactly) inside the attention, which still computes in float32 (but for
@@ -106,6 +112,7 @@ class EngineConfig:
     weights: str = "auto"
     compute_dtype: str = "float32"
     prefill_int8: bool = False
+    int8_panels: bool = False
     kv_cache_dtype: str = "auto"
     # KV-cache events (engine/kv_events.py): off unless an endpoint is given.
     kv_events_endpoint: str | None = None

@@ -28,6 +28,7 @@ from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import ResolvedModel, ensure_float32_weights
 from plait.engine.models.linear import (
     INT8_MIN_ROWS,
+    INT8_PANEL_MIN_ROWS,
     convert_linears,
     resolve_cpu_gemm,
     use_prefill_int8,
@@ -161,12 +162,14 @@ class ModelRunner:
         if self.device.type == "cpu":
             chosen = convert_linears(model, self.ops.cpu_gemm, panels=self.ops.native)
             logger.info("CPU GEMMs: %s", chosen)
-        if config.prefill_int8:
-            taken, kept_linears = use_prefill_int8(model)
+        if config.prefill_int8 or config.int8_panels:
+            taken, kept_linears = use_prefill_int8(model, panels=config.int8_panels)
             (logger.info if taken else logger.warning)(
-                "prefill_int8: %d of %d kept linears compute products of %d rows or more "
-                "with int8 x (the others, and every one without an AVX512-VNNI build, as "
-                "before)", taken, kept_linears, INT8_MIN_ROWS)
+                "%s: %d of %d kept linears compute products of %d rows or more with int8 x "
+                "%s(the others, and every one without an AVX512-VNNI build, as before)",
+                "int8_panels" if config.int8_panels else "prefill_int8", taken,
+                kept_linears, INT8_PANEL_MIN_ROWS if config.int8_panels else INT8_MIN_ROWS,
+                "from int8 panels packed at load " if config.int8_panels else "")
         kept, dense = weight_bytes(model)
         logger.info("weights: %.1f MiB (%.1f MiB kept in the file's format, %.1f MiB "
                     "float)", (kept + dense) / 2**20, kept / 2**20, dense / 2**20)

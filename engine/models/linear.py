@@ -50,6 +50,13 @@ QGEMM_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 256}
 # at 48, 0.87x at 64, 0.70x at 256; SmolLM2 1.31x, 1.06x, 0.93x, 0.86x, 0.71x (against
 # qgemm in float32: faster from 16 rows; at 523 rows 0.63-0.66x dequantize + bf16 BLAS).
 INT8_MIN_ROWS = 48
+# The fewest rows under `use_int8(panels=True)`: with the weights' int8 panels resident
+# (`native.qgemm_i8_panels`) there is no packing to amortise, and the panels' plain codes
+# cost less to read than the blocks cost to decode even for one row. Measured over all
+# kept linears of a model in a step's order (weights cold), against qgemm in bf16:
+# Qwen2.5-0.5B 15.2 against 18.1 ms at 1 row, 20.8/27.1 at 2, 37.8/66.5 at 16, 68.9/111.6
+# at 32; SmolLM2 6.3/6.7 at 1 row, 13.6/20.5 at 16 (docs/bench/history.md).
+INT8_PANEL_MIN_ROWS = 1
 
 
 def qgemm_max_rows(compute_dtype: torch.dtype) -> int:
@@ -172,7 +179,10 @@ class QuantLinear(Linear):
     native decoder stack reads `qweight.descriptor(compute_dtype)`, the descriptor `qgemm`
     is given here. `use_int8()` (the engine's `prefill_int8`) sends products of at least
     `INT8_MIN_ROWS` rows to `native.qgemm_i8` instead (x quantized to int8 per group of 32,
-    float32 output), where the kernel is built and takes every part."""
+    float32 output), where the kernel is built and takes every part; `use_int8(panels=True)`
+    keeps the weight's int8 panels resident beside its blocks (`i8_panels`, 1.25 bytes a
+    weight) and sends products from `INT8_PANEL_MIN_ROWS` rows to them, the native stack's
+    included (`descriptor()`)."""
 
     format: ClassVar[str] = "gguf"
     qweight: QuantWeight
@@ -187,15 +197,35 @@ class QuantLinear(Linear):
         self.register_parameter("weight", None)  # no float copy: `qweight` is the weight
         self.scratch: ChunkCache = {}  # quant_ops.matmul_dequantized's row chunks
         self.int8_rows: int | None = None  # products of this many rows or more: qgemm_i8
+        self.i8_panels: torch.Tensor | None = None  # uint8: native.qgemm_i8_panels
+        self.i8_desc: torch.Tensor | None = None  # native.i8_descriptor over i8_panels
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(),
                                                            requires_grad=False)
 
-    def use_int8(self, min_rows: int = INT8_MIN_ROWS) -> bool:
-        """Send products of `min_rows` rows or more to `native.qgemm_i8`, if it is built
-        and takes this weight's parts (else nothing changes). Returns whether it does."""
-        if native.has_qgemm_i8() and native.qgemm_i8_fits(self.qweight):
-            self.int8_rows = min_rows
-        return self.int8_rows is not None
+    def use_int8(self, min_rows: int | None = None, panels: bool = False) -> bool:
+        """Send products of `min_rows` rows or more (default: `INT8_PANEL_MIN_ROWS` with
+        `panels`, else `INT8_MIN_ROWS`) to `native.qgemm_i8`, if it is built and takes this
+        weight's parts (else nothing changes); `panels`: from resident int8 panels, packed
+        here once. Returns whether it does."""
+        if not (native.has_qgemm_i8() and native.qgemm_i8_fits(self.qweight)):
+            return False
+        if min_rows is None:
+            min_rows = INT8_PANEL_MIN_ROWS if panels else INT8_MIN_ROWS
+        self.int8_rows = min_rows
+        if panels:
+            self.i8_panels = native.qgemm_i8_panels(self.qweight)
+            self.i8_desc = native.i8_descriptor(self.qweight, self.i8_panels, min_rows,
+                                                self.compute_dtype)
+        else:
+            self.i8_panels = self.i8_desc = None
+        return True
+
+    def descriptor(self) -> torch.Tensor:  # int64: what the native stack's qgemm reads
+        """The weight's descriptor for `qgemm` as `forward` computes: in `compute_dtype`,
+        with the int8 panels and `int8_rows` where `use_int8(panels=True)`."""
+        if self.i8_desc is not None:
+            return self.i8_desc
+        return self.qweight.descriptor(self.compute_dtype)
 
     def takes_int8(self, rows: int) -> bool:
         """Whether a product of `rows` rows goes through `qgemm_i8`."""
@@ -203,12 +233,13 @@ class QuantLinear(Linear):
 
     def product_int8(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out] float32
         """x @ W^T + bias through `qgemm_i8`, whatever the row count (needs `use_int8`)."""
-        return native.qgemm_i8(x.float(), self.qweight, self.bias)
+        return native.qgemm_i8(x.float(), self.qweight, self.bias, desc=self.i8_desc)
 
     def silu_mul_int8(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / 2]
         """silu(gate) * up of this gate | up weight's product through `qgemm_i8`, fused
         (the bits of `native.silu_mul` of `forward`'s output where `takes_int8`)."""
-        return native.qgemm_i8(x.float(), self.qweight, self.bias, silu=True)
+        return native.qgemm_i8(x.float(), self.qweight, self.bias, silu=True,
+                               desc=self.i8_desc)
 
     def rounds_to_bf16(self, rows: int) -> bool:
         """Whether a product of `rows` rows goes through bf16 BLAS (its input and its output
@@ -262,7 +293,7 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
         qweight = getattr(module, "qweight", None)
         if isinstance(qweight, QuantWeight):
             kept[id(qweight)] = qweight.nbytes
-        for name in ("panels", "packed"):
+        for name in ("panels", "packed", "i8_panels"):
             copy = module.__dict__.get(name)
             if isinstance(copy, torch.Tensor):
                 dense[id(copy)] = copy.numel() * copy.element_size()
@@ -271,11 +302,12 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
     return sum(kept.values()), sum(dense.values())
 
 
-def use_prefill_int8(model: nn.Module) -> tuple[int, int]:
-    """`QuantLinear.use_int8()` on every kept linear of `model`: (how many take qgemm_i8,
-    how many kept linears there are). None take it where the kernel is not built."""
+def use_prefill_int8(model: nn.Module, panels: bool = False) -> tuple[int, int]:
+    """`QuantLinear.use_int8(panels=panels)` on every kept linear of `model`: (how many
+    take qgemm_i8, how many kept linears there are). None take it where the kernel is not
+    built."""
     kept = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    return sum(m.use_int8() for m in kept), len(kept)
+    return sum(m.use_int8(panels=panels) for m in kept), len(kept)
 
 
 FORMATS: dict[str, type[Linear]] = {f.format: f for f in (Linear, MklLinear, OneDnnLinear)}
@@ -337,7 +369,8 @@ def convert_linears(model: nn.Module, cpu_gemm: str, panels: bool) -> str:
     return chosen
 
 
-__all__ = ["CPU_GEMMS", "FORMATS", "INT8_MIN_ROWS", "NATIVE_MAX_ROWS", "QGEMM_MAX_ROWS", "Linear",
-           "MklLinear", "OneDnnLinear", "PanelLinear", "QuantEmbedding", "QuantLinear",
+__all__ = ["CPU_GEMMS", "FORMATS", "INT8_MIN_ROWS", "INT8_PANEL_MIN_ROWS", "NATIVE_MAX_ROWS",
+           "QGEMM_MAX_ROWS", "Linear", "MklLinear", "OneDnnLinear", "PanelLinear",
+           "QuantEmbedding", "QuantLinear",
            "convert_linears", "cpu_vendor", "qgemm_max_rows", "resolve_cpu_gemm",
            "use_prefill_int8", "weight_bytes"]

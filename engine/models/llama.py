@@ -264,6 +264,7 @@ def _stack_weight(linear: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]] 
     if isinstance(linear, PanelLinear) and linear.panels.is_contiguous():
         return native.panels_desc(linear.panels, linear.out_features), [linear.panels]
     if isinstance(linear, QuantLinear):  # its parts are native types (check_native)
-        desc = linear.qweight.descriptor(linear.compute_dtype)  # qgemm's, as forward gives it
-        return desc, [part.data for part in linear.qweight.parts]
+        desc = linear.descriptor()  # qgemm's, as forward gives it
+        held = [part.data for part in linear.qweight.parts]
+        return desc, held if linear.i8_panels is None else [*held, linear.i8_panels]
     return None

@@ -52,6 +52,9 @@ QUANT_TYPES: frozenset[int] = KEPT_TYPES
 # The block types `qgemm_i8` reads as codes with a scale and an offset per group (not F16 /
 # BF16 rows: their values are no such codes).
 I8_TYPES: frozenset[int] = frozenset({Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K})
+# The flag of a descriptor's first word that says it carries resident int8 panels
+# (plait_cpu.h's PLAIT_QGEMM_I8; `i8_descriptor`).
+I8_PANELS: int = ABI.constants["PLAIT_QGEMM_I8"]
 # The KV-cache element types the kernels write and read, as plait_cpu.h's PLAIT_KV_* codes:
 # bfloat16 is rounded to nearest even when written, widened to float32 (exact) when read.
 KV_DTYPES: dict[torch.dtype, int] = {torch.float32: ABI.constants["PLAIT_KV_F32"],
@@ -205,13 +208,15 @@ def qgemm_i8(
     weight: QuantWeight,  # W [N, K], every part of I8_TYPES
     bias: torch.Tensor | None = None,  # [N] float32
     silu: bool = False,  # W = gate | up [2 I, K]: y = silu(gate) * up [M, I]
+    desc: torch.Tensor | None = None,  # `i8_descriptor`'s, over `weight`: its panels
 ) -> torch.Tensor:  # [M, N] float32 ([M, N / 2] with silu)
     """x @ W^T + bias with x quantized to int8 per group of 32 (16 where a part is Q6_K):
     sx = max|x| / 127 and q = round(x / sx) per group (nearest even), then float32 sums of
     sx (a I - o S) per group, I the exact int32 dot product of q with the block's codes (W =
     a c - o per group), S the sum of q. W's values are the file's; x's rounding is the only
     difference from `qgemm`. `silu` (N % 32 == 0): `silu_mul` of that product, fused, the
-    same bits. Needs `has_qgemm_i8()` and `qgemm_i8_fits(weight)`."""
+    same bits. Needs `has_qgemm_i8()` and `qgemm_i8_fits(weight)`. With `desc` (W's resident
+    panels) the kernel reads them instead of packing W's blocks: the same bits."""
     lib = loaded()
     if not qgemm_i8_fits(weight):
         raise ValueError(f"qgemm_i8: x {tuple(x.shape)} {x.dtype} does not fit W "
@@ -224,10 +229,47 @@ def qgemm_i8(
     rows, k = x.shape
     if rows == 0:
         return y
-    _check(lib.plait_qgemm_i8(x.data_ptr(), rows, x.stride(0), weight.desc.data_ptr(), k,
+    desc = weight.desc if desc is None else desc
+    _check(lib.plait_qgemm_i8(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
                               None if bias is None else bias.data_ptr(), int(silu),
                               y.data_ptr(), cols), "qgemm_i8", f" ({weight.describe()})")
     return y
+
+
+def qgemm_i8_panels(weight: QuantWeight) -> torch.Tensor:  # uint8 [bytes], 64-byte aligned
+    """W's codes, scales and offsets packed once as `qgemm_i8` reads them (plait_cpu.h's
+    plait_qgemm_i8_pack): 1.25 bytes a weight (1.5 where a part is Q6_K), kept beside the
+    blocks for `i8_descriptor`. Needs `has_qgemm_i8()` and `qgemm_i8_fits(weight)`."""
+    lib = loaded()
+    if not qgemm_i8_fits(weight):
+        raise ValueError(f"qgemm_i8_panels: W {weight.describe()} [{weight.out_features}, "
+                         f"{weight.in_features}] is not read by qgemm_i8")
+    nbytes = int(lib.plait_qgemm_i8_panels_bytes(weight.desc.data_ptr(), weight.in_features))
+    _check(min(nbytes, 0), "qgemm_i8_panels", " (a build without AVX512-VNNI)")
+    panels = torch.empty(nbytes, dtype=torch.uint8)
+    if panels.data_ptr() % 64:
+        raise RuntimeError("qgemm_i8_panels: torch's allocation is not 64-byte aligned")
+    _check(lib.plait_qgemm_i8_pack(weight.desc.data_ptr(), weight.in_features,
+                                   panels.data_ptr()), "qgemm_i8_panels")
+    return panels
+
+
+def i8_descriptor(
+    weight: QuantWeight,
+    panels: torch.Tensor,  # qgemm_i8_panels(weight)
+    min_rows: int,  # qgemm computes products of this many rows or more from the panels
+    compute_dtype: torch.dtype = torch.float32,  # below min_rows, as weight.descriptor's
+) -> torch.Tensor:  # int64 [1 + 3 * parts + 2]
+    """`weight.descriptor(compute_dtype)` flagged with resident panels (plait_cpu.h's
+    PLAIT_QGEMM_I8): `qgemm` (and the decoder stack) then compute products of `min_rows`
+    rows or more as `qgemm_i8`, from `panels`; `qgemm_i8` reads them for any row count.
+    `weight` and `panels` must outlive it."""
+    if min_rows < 1:
+        raise ValueError(f"i8_descriptor: min_rows must be at least 1, not {min_rows}")
+    base = weight.descriptor(compute_dtype)
+    desc = torch.cat([base, torch.tensor([panels.data_ptr(), min_rows], dtype=torch.int64)])
+    desc[0] |= I8_PANELS
+    return desc
 
 
 def dequantize(
@@ -513,9 +555,10 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
             and head_dim % lanes() == 0 and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK)
 
 
-__all__ = ["ATTN_BF16_DOT", "F32_PANELS", "I8_TYPES", "KV_DTYPES", "MAX_QUERIES", "QUANT_TYPES",
-           "STACK_POINTERS", "NativeStack", "StackShape", "add_rms_norm", "available",
-           "decode_attention", "decoder_stack", "dequantize", "dequantize_bf16", "gemm",
-           "has_qgemm_i8", "kv_caches_fit", "kv_dtype_code", "lanes", "max_chunk_rows",
-           "pack_weight", "panels_desc", "qgemm", "qgemm_i8", "qgemm_i8_fits", "rope_fits",
-           "rope_write_kv", "rows_fit", "sample_inverse_cdf", "silu_mul", "supports_attention"]
+__all__ = ["ATTN_BF16_DOT", "F32_PANELS", "I8_PANELS", "I8_TYPES", "KV_DTYPES", "MAX_QUERIES",
+           "QUANT_TYPES", "STACK_POINTERS", "NativeStack", "StackShape", "add_rms_norm",
+           "available", "decode_attention", "decoder_stack", "dequantize", "dequantize_bf16",
+           "gemm", "has_qgemm_i8", "i8_descriptor", "kv_caches_fit", "kv_dtype_code", "lanes",
+           "max_chunk_rows", "pack_weight", "panels_desc", "qgemm", "qgemm_i8", "qgemm_i8_fits",
+           "qgemm_i8_panels", "rope_fits", "rope_write_kv", "rows_fit", "sample_inverse_cdf",
+           "silu_mul", "supports_attention"]

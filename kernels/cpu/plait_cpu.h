@@ -73,6 +73,15 @@
  * plait_dequantize(_bf16) ignore it. */
 #define PLAIT_QGEMM_BF16 256
 #define PLAIT_QGEMM_BF16_MIN_ROWS 2
+/* A flag OR-ed into desc[0] (beside PLAIT_QGEMM_BF16 or not): the descriptor carries W's
+ * resident int8 panels (plait_qgemm_i8_pack) and a row count after its parts,
+ *
+ *   desc = [num_parts | flags, (address, type, rows) per part, panels address, i8 rows]
+ *
+ * plait_qgemm computes products of i8 rows or more as plait_qgemm_i8 does (x quantized to
+ * int8) from the panels, fewer rows as without the flag; plait_qgemm_i8 reads the panels
+ * for any M. The panels must be those of the same parts and K. */
+#define PLAIT_QGEMM_I8 512
 
 /* The pointers of one layer in plait_decoder_stack's table, in this order (as int64). */
 enum plait_stack_pointer {
@@ -128,6 +137,14 @@ int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long
 int plait_has_qgemm_i8(void);
 int plait_qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long K,
                    const float *bias, int silu, float *y, long ldy);
+/* qgemm_i8.h: W's codes, scales and offsets as plait_qgemm_i8 reads them, packed once (its
+ * resident panels, for a PLAIT_QGEMM_I8 descriptor): ceil(N / 16) panels of 16 weight rows
+ * (rows past N zeros), each K / G groups of [G / 4][16][4] codes, then 16 float32 scales
+ * and 16 offsets; 1.25 bytes a weight (G = 32) or 1.5 (G = 16). _panels_bytes: their size,
+ * or PLAIT_ERR_SHAPES for a descriptor plait_qgemm_i8 refuses (a build without VNNI: all);
+ * _pack writes them to out (64-byte aligned, that many bytes). */
+long plait_qgemm_i8_panels_bytes(const int64_t *desc, long K);
+int plait_qgemm_i8_pack(const int64_t *desc, long K, void *out);
 
 /* attention.c: one query per sequence over its paged K/V (PLAIT_KV_* kv_dtype elements,
  * PLAIT_KV_BF16 possibly with PLAIT_ATTN_BF16_DOT), read in place; the sequences of a chunk

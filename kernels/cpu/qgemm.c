@@ -116,14 +116,18 @@ static void type_shape(int type, long *per_block, long *bytes) {
 /* ------------------------------------------------------------------------------------ */
 
 /* desc's parts into parts[], their total rows into *N, its PLAIT_QGEMM_BF16 flag into
- * *bf16; PLAIT_ERR_SHAPES for a descriptor this file cannot read with K (another flag, a type
- * it does not know, K not a whole number of blocks, F32 panels beside other parts, more than
- * PLAIT_MAX_PARTS parts, negative rows, rows at address 0). */
+ * *bf16, and where it carries PLAIT_QGEMM_I8 its panels' address and fewest rows into
+ * *panels and *i8_rows (NULL and 0 without; either pointer may be NULL: not wanted);
+ * PLAIT_ERR_SHAPES for a descriptor this file cannot read with K (another flag, a type it
+ * does not know, K not a whole number of blocks, F32 panels beside other parts, more than
+ * PLAIT_MAX_PARTS parts, negative rows, rows at address 0, panels at address 0 or for fewer
+ * than 1 row). */
 static int read_desc(const int64_t *desc, long K, part_t *parts, int *num_parts, long *N,
-                     int *bf16) {
+                     int *bf16, const uint8_t **panels, long *i8_rows) {
   if (!desc || K <= 0) return PLAIT_ERR_SHAPES;
   *bf16 = (desc[0] & PLAIT_QGEMM_BF16) != 0;
-  int64_t count = desc[0] & ~(int64_t)PLAIT_QGEMM_BF16;
+  int i8 = (desc[0] & PLAIT_QGEMM_I8) != 0;
+  int64_t count = desc[0] & ~(int64_t)(PLAIT_QGEMM_BF16 | PLAIT_QGEMM_I8);
   if (count < 1 || count > PLAIT_MAX_PARTS) return PLAIT_ERR_SHAPES;
   *num_parts = (int)count;
   *N = 0;
@@ -144,6 +148,11 @@ static int read_desc(const int64_t *desc, long K, part_t *parts, int *num_parts,
     p->row_bytes = K / per_block * bytes;
     *N += p->rows;
   }
+  const uint8_t *at = i8 ? (const uint8_t *)(intptr_t)desc[1 + 3 * count] : NULL;
+  long least = i8 ? (long)desc[2 + 3 * count] : 0;
+  if (i8 && (!at || least < 1)) return PLAIT_ERR_SHAPES;
+  if (panels) *panels = at;
+  if (i8_rows) *i8_rows = least;
   return PLAIT_OK;
 }
 
@@ -400,15 +409,22 @@ static int prepare_acts(const float *x, long M, long ldx, long K, int round_x, a
   return PLAIT_OK;
 }
 
+static int qgemm_i8(const float *x, long M, long ldx, const part_t *parts, int num_parts,
+                    long N, long K, const uint8_t *panels, const float *bias, int silu,
+                    float *y, long ldy);
+
 int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
                 const float *bias, float *y, long ldy) {
   part_t parts[PLAIT_MAX_PARTS];
   int num_parts, bf16;
-  long N;
-  int rc = read_desc(desc, K, parts, &num_parts, &N, &bf16);
+  long N, i8_rows;
+  const uint8_t *panels;
+  int rc = read_desc(desc, K, parts, &num_parts, &N, &bf16, &panels, &i8_rows);
   if (rc != PLAIT_OK || M < 0) return PLAIT_ERR_SHAPES;
   if (parts[0].type == PLAIT_GGML_F32)
     return plait_gemm(x, M, ldx, (const float *)parts[0].data, N, K, bias, y, ldy);
+  if (panels && M >= i8_rows)
+    return qgemm_i8(x, M, ldx, parts, num_parts, N, K, panels, bias, 0, y, ldy);
   if (M == 0 || N == 0) return PLAIT_OK;
   int fused = K % 32 == 0;
   long rows = fused && M <= FUSED_ROWS ? 1 : ROWS_PER_CHUNK;
@@ -454,7 +470,7 @@ static int read_rows(const int64_t *desc, long K, const int64_t *rows, long num_
                      part_t *parts, int *num_parts) {
   long N;
   int bf16;
-  if (read_desc(desc, K, parts, num_parts, &N, &bf16) != PLAIT_OK || num_rows < 0 ||
+  if (read_desc(desc, K, parts, num_parts, &N, &bf16, NULL, NULL) != PLAIT_OK || num_rows < 0 ||
       (!rows && num_rows != N))
     return PLAIT_ERR_SHAPES;
   for (long i = 0; rows && i < num_rows; i++)
@@ -545,5 +561,42 @@ int plait_has_qgemm_i8(void) {
 
 int plait_qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long K,
                    const float *bias, int silu, float *y, long ldy) {
-  return qgemm_i8(x, M, ldx, desc, K, bias, silu, y, ldy);
+  part_t parts[PLAIT_MAX_PARTS];
+  int num_parts, bf16;
+  long N;
+  const uint8_t *panels;
+  if (read_desc(desc, K, parts, &num_parts, &N, &bf16, &panels, NULL) != PLAIT_OK)
+    return PLAIT_ERR_SHAPES;
+  return qgemm_i8(x, M, ldx, parts, num_parts, N, K, panels, bias, silu, y, ldy);
+}
+
+long plait_qgemm_i8_panels_bytes(const int64_t *desc, long K) {
+#if QGEMM_I8
+  part_t parts[PLAIT_MAX_PARTS];
+  int num_parts, bf16;
+  long N;
+  if (read_desc(desc, K, parts, &num_parts, &N, &bf16, NULL, NULL) != PLAIT_OK || K % 32)
+    return PLAIT_ERR_SHAPES;
+  int G = i8_group(parts, num_parts);
+  return G ? i8_panels_bytes(N, K, G) : PLAIT_ERR_SHAPES;
+#else
+  (void)desc, (void)K;
+  return PLAIT_ERR_SHAPES;
+#endif
+}
+
+int plait_qgemm_i8_pack(const int64_t *desc, long K, void *out) {
+#if QGEMM_I8
+  part_t parts[PLAIT_MAX_PARTS];
+  int num_parts, bf16;
+  long N;
+  if (read_desc(desc, K, parts, &num_parts, &N, &bf16, NULL, NULL) != PLAIT_OK || K % 32)
+    return PLAIT_ERR_SHAPES;
+  int G = i8_group(parts, num_parts);
+  if (!G) return PLAIT_ERR_SHAPES;
+  return N ? i8_pack(parts, num_parts, N, K, G, (uint8_t *)out) : PLAIT_OK;
+#else
+  (void)desc, (void)K, (void)out;
+  return PLAIT_ERR_SHAPES;
+#endif
 }

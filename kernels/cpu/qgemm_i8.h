@@ -261,31 +261,66 @@ static void i8_quantize(const float *x, long M, long ldx, long K, int G, int8_t 
     }
   }
 }
-#endif /* VNNI */
 
-/* plait_qgemm_i8 (plait_cpu.h): PLAIT_ERR_SHAPES in a build without VNNI. */
-static int qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long K,
-                    const float *bias, int silu, float *y, long ldy) {
-#if QGEMM_I8
-  part_t parts[PLAIT_MAX_PARTS];
-  int num_parts, bf16, G = 32;
-  long N;
-  if (read_desc(desc, K, parts, &num_parts, &N, &bf16) != PLAIT_OK || M < 0 || K % 32)
-    return PLAIT_ERR_SHAPES;
+
+/* G of parts (16 where one is Q6_K, else 32), or 0 where a part's type is not read here. */
+static int i8_group(const part_t *parts, int num_parts) {
+  int G = 32;
   for (int i = 0; i < num_parts; i++) {
     switch (parts[i].type) {
       case PLAIT_GGML_Q6_K: G = 16; break;
       case PLAIT_GGML_Q4_0: case PLAIT_GGML_Q4_1: case PLAIT_GGML_Q5_0: case PLAIT_GGML_Q8_0:
       case PLAIT_GGML_Q4_K: case PLAIT_GGML_Q5_K: break;
-      default: return PLAIT_ERR_SHAPES;
+      default: return 0;
     }
   }
-  if (silu && N % 32) return PLAIT_ERR_SHAPES;
+  return G;
+}
+
+/* The bytes of W's resident panels (plait_qgemm_i8_pack): ceil(N / 16) panels of 16 rows,
+ * each K / G groups of i8_group_bytes(G). */
+static long i8_panels_bytes(long N, long K, int G) {
+  return (N + 15) / 16 * (K / G) * i8_group_bytes(G);
+}
+
+/* plait_qgemm_i8_pack (plait_cpu.h). */
+static int i8_pack(const part_t *parts, int num_parts, long N, long K, int G, uint8_t *out) {
+  long panel = K / G * i8_group_bytes(G), count = (N + 15) / 16;
+  int rc = PLAIT_OK;
+#pragma omp parallel
+  {
+    uint8_t *rows = malloc((size_t)(16 * K) + sizeof(float) * (size_t)(16 * (K / 32) * 4));
+    if (!rows) {
+#pragma omp atomic write
+      rc = PLAIT_ERR_NOMEM;
+    }
+#pragma omp barrier
+    if (rc == PLAIT_OK) {
+#pragma omp for schedule(static)
+      for (long q = 0; q < count; q++)
+        i8_pack_panel(parts, num_parts, N, K, G, 16 * q, out + q * panel, rows,
+                      (float *)(rows + 16 * K));
+    }
+    free(rows);
+  }
+  return rc;
+}
+#endif /* VNNI */
+
+/* plait_qgemm_i8 (plait_cpu.h), and plait_qgemm's calls of descriptors with panels:
+ * `panels` (NULL: each thread packs its pairs from the blocks) W's resident panels. A pair
+ * of panels is weight rows 32 p .. 32 p + 31 (panels 2 p and 2 p + 1), or with `silu` gate
+ * rows 16 p .. and up rows N / 2 + 16 p .. (panels p and N / 32 + p). PLAIT_ERR_SHAPES in a
+ * build without VNNI. */
+static int qgemm_i8(const float *x, long M, long ldx, const part_t *parts, int num_parts,
+                    long N, long K, const uint8_t *panels, const float *bias, int silu,
+                    float *y, long ldy) {
+#if QGEMM_I8
+  int G = i8_group(parts, num_parts);
+  if (!G || M < 0 || K % 32 || (silu && N % 32)) return PLAIT_ERR_SHAPES;
   if (M == 0 || N == 0) return PLAIT_OK;
-  /* a pair of panels: weight rows 32 p .. 32 p + 31, or (silu) gate rows 16 p .. and up
-   * rows N / 2 + 16 p .. */
   long ng = K / G, pairs = silu ? N / 32 : (N + 31) / 32, gbytes = i8_group_bytes(G);
-  long second = silu ? N / 2 : 16, stride = silu ? 16 : 32;
+  long second = silu ? N / 2 : 16, stride = silu ? 16 : 32, panel = ng * gbytes;
   int8_t *xq = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
   float *sx = malloc(sizeof(float) * (size_t)(M * ng));
   float *sxq = malloc(sizeof(float) * (size_t)(M * ng));
@@ -293,11 +328,13 @@ static int qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long 
   if (rc == PLAIT_OK) i8_quantize(x, M, ldx, K, G, xq, sx, sxq);
 #pragma omp parallel if (rc == PLAIT_OK)
   {
-    /* two packed panels, then one panel's rows of codes and their scales and offsets */
-    size_t panels = (size_t)(2 * ng * gbytes), codes = (size_t)(16 * K);
-    uint8_t *buf = rc == PLAIT_OK ? aligned_alloc(64, panels + codes + sizeof(float) *
-                                                          (size_t)(16 * (K / 32) * 4)) : NULL;
-    if (!buf) {
+    /* packing: two panels, then one panel's rows of codes and their scales and offsets */
+    size_t codes = (size_t)(16 * K);
+    uint8_t *buf = rc == PLAIT_OK && !panels
+                       ? aligned_alloc(64, (size_t)(2 * panel) + codes + sizeof(float) *
+                                               (size_t)(16 * (K / 32) * 4))
+                       : NULL;
+    if (rc == PLAIT_OK && !panels && !buf) {
 #pragma omp atomic write
       rc = PLAIT_ERR_NOMEM;
     }
@@ -306,16 +343,24 @@ static int qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long 
 #pragma omp for schedule(static)
       for (long pair = 0; pair < pairs; pair++) {
         long n0 = stride * pair;
-        uint8_t *rows = buf + panels;
-        float *ao = (float *)(rows + codes);
-        i8_pack_panel(parts, num_parts, N, K, G, n0, buf, rows, ao);
-        i8_pack_panel(parts, num_parts, N, K, G, n0 + second, buf + ng * gbytes, rows, ao);
+        const uint8_t *p0, *p1;
+        if (panels) {
+          p0 = panels + n0 / 16 * panel;
+          p1 = panels + (n0 + second) / 16 * panel;
+        } else {
+          uint8_t *rows = buf + 2 * panel;
+          float *ao = (float *)(rows + codes);
+          i8_pack_panel(parts, num_parts, N, K, G, n0, buf, rows, ao);
+          i8_pack_panel(parts, num_parts, N, K, G, n0 + second, buf + panel, rows, ao);
+          p0 = buf;
+          p1 = buf + panel;
+        }
         int cols = (int)(silu ? 16 : N - n0 < 32 ? N - n0 : 32);
         for (long m = 0; m < M; m += I8_ROWS) {
           int R = (int)(M - m < I8_ROWS ? M - m : I8_ROWS);
-          i8_tile_any(R, G, silu, xq + m * K, sx + m * ng, sxq + m * ng, K, buf,
-                      buf + ng * gbytes, bias ? bias + n0 : NULL,
-                      bias ? bias + n0 + second : NULL, y + m * ldy + n0, ldy, cols);
+          i8_tile_any(R, G, silu, xq + m * K, sx + m * ng, sxq + m * ng, K, p0, p1,
+                      bias ? bias + n0 : NULL, bias ? bias + n0 + second : NULL,
+                      y + m * ldy + n0, ldy, cols);
         }
       }
     }
@@ -326,8 +371,8 @@ static int qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long 
   free(sxq);
   return rc;
 #else
-  (void)x, (void)M, (void)ldx, (void)desc, (void)K, (void)bias, (void)silu, (void)y,
-      (void)ldy;
+  (void)x, (void)M, (void)ldx, (void)parts, (void)num_parts, (void)N, (void)K, (void)panels,
+      (void)bias, (void)silu, (void)y, (void)ldy;
   return PLAIT_ERR_SHAPES;
 #endif
 }

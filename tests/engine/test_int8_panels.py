@@ -1,0 +1,91 @@
+"""`int8_panels` on the default GGUF (SmolLM2, kept blocks): every kept linear packs its
+int8 panels at load and sends products of any row count to them, the native stack through
+the flagged descriptors; the stack's decode steps are the layer loop's bit for bit; a
+prefill is `prefill_int8`'s bit for bit (the same kernel, from panels instead of blocks);
+decoded tokens and logprobs stay close to the exact mode's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from plait import LLM, SamplingParams
+from plait.bench.workloads import random_words
+from plait.engine.models.linear import INT8_PANEL_MIN_ROWS, QuantLinear, weight_bytes
+from plait.kernels.cpu import build, native
+
+pytestmark = pytest.mark.skipif(not build.available() or not native.has_qgemm_i8(),
+                                reason="no qgemm_i8 in this build (needs AVX512-VNNI)")
+
+PROMPTS = [f"{topic} in one sentence:" for topic in (
+    "Explain gravity", "Describe the sea", "Define a prime number", "Explain rain",
+    "Describe a cat", "Explain photosynthesis", "Define an atom", "Describe Paris",
+    "Explain a rainbow", "Describe winter", "Define energy", "Explain sleep",
+    "Describe a forest", "Explain the moon", "Define music", "Describe bread")]
+TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=0)
+
+
+def _llm(**options) -> LLM:
+    return LLM(weights="auto", num_kv_blocks=128, block_size=16, warm_up_tokens=0, **options)
+
+
+def _decode(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
+    """Each prompt's greedy token ids and their logprobs, the 16 decoded together."""
+    choices = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)]
+    return ([c.token_ids for c in choices],
+            [[lp.logprob for lp in c.logprobs or []] for c in choices])
+
+
+def _prompt_logprobs(llm: LLM, prompt: str) -> list[float]:
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1,
+                                                prompt_logprobs=0))[0]
+    assert out.prompt_logprobs is not None
+    return [lp.logprob for lp in out.prompt_logprobs[1:] if lp is not None]
+
+
+def test_int8_panels_engine() -> None:
+    llm = _llm(int8_panels=True)
+    model = llm.engine.runner.model
+    kept = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert kept and model.lm_head in kept
+    for linear in kept:
+        assert linear.int8_rows == INT8_PANEL_MIN_ROWS and linear.i8_panels is not None
+        assert linear.descriptor() is linear.i8_desc
+    kept_bytes, dense_bytes = weight_bytes(model)
+    panel_bytes = sum(linear.i8_panels.numel() for linear in {id(m): m for m in kept}.values())
+    assert dense_bytes >= panel_bytes > kept_bytes  # 1.25 bytes a weight against ~0.6
+    assert model.stack is not None
+    layer = model.layers[0]
+    for name, linear in (("qkv_weight", layer.self_attn.qkv_proj),
+                         ("gate_up_weight", layer.mlp.gate_up_proj)):
+        assert model.stack.layers[0, native.STACK_POINTERS.index(name)] \
+            == linear.i8_desc.data_ptr()
+
+    stacked = _decode(llm)
+    stack, model.stack = model.stack, None  # the layer loop through QuantLinear.forward
+    try:
+        assert _decode(llm) == stacked
+    finally:
+        model.stack = stack
+
+    prompt = random_words(random.Random(3), 160)
+    panels_lps = _prompt_logprobs(llm, prompt)
+    del llm
+    prefill = _llm(prefill_int8=True)
+    assert _prompt_logprobs(prefill, prompt) == panels_lps
+    del prefill
+
+    exact_ids, exact_lps = _decode(_llm())
+    ids, lps = stacked
+    agree = sum(a == b for xs, ys in zip(ids, exact_ids, strict=True)
+                for a, b in zip(xs, ys, strict=True))
+    assert agree >= 0.75 * len(PROMPTS) * TOKENS
+    diffs = []  # logprobs of the same tokens: each choice up to where its tokens diverge
+    for xs, ys, lx, ly in zip(ids, exact_ids, lps, exact_lps, strict=True):
+        for a, b, la, lb in zip(xs, ys, lx, ly, strict=True):
+            if a != b:
+                break
+            diffs.append(abs(la - lb))
+    assert 0 < max(diffs) < 1.0 and sum(diffs) / len(diffs) < 0.1
