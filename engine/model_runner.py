@@ -29,6 +29,7 @@ from plait.engine.model_loader import ResolvedModel, ensure_float32_weights
 from plait.engine.models.linear import (
     INT8_MIN_ROWS,
     INT8_PANEL_MIN_ROWS,
+    QuantLinear,
     convert_linears,
     resolve_cpu_gemm,
     use_prefill_int8,
@@ -164,12 +165,15 @@ class ModelRunner:
             logger.info("CPU GEMMs: %s", chosen)
         if config.prefill_int8 or config.int8_panels:
             taken, kept_linears = use_prefill_int8(model, panels=config.int8_panels)
+            panels = sum(m.i8_panels.numel() for m in model.modules()
+                         if isinstance(m, QuantLinear) and m.i8_panels is not None)
             (logger.info if taken else logger.warning)(
                 "%s: %d of %d kept linears compute products of %d rows or more with int8 x "
                 "%s(the others, and every one without an AVX512-VNNI build, as before)",
                 "int8_panels" if config.int8_panels else "prefill_int8", taken,
                 kept_linears, INT8_PANEL_MIN_ROWS if config.int8_panels else INT8_MIN_ROWS,
-                "from int8 panels packed at load " if config.int8_panels else "")
+                f"from {panels / 2**20:.1f} MiB of int8 panels packed at load "
+                if config.int8_panels else "")
         kept, dense = weight_bytes(model)
         logger.info("weights: %.1f MiB (%.1f MiB kept in the file's format, %.1f MiB "
                     "float)", (kept + dense) / 2**20, kept / 2**20, dense / 2**20)

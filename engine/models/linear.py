@@ -285,8 +285,9 @@ class QuantEmbedding(nn.Module):
 
 def weight_bytes(model: nn.Module) -> tuple[int, int]:
     """(kept, dense): the bytes of `model`'s weights kept in their file's format (each
-    `QuantWeight` once), and of its float tensors: parameters plus each format's own packed
-    copies (panels, MKL/oneDNN packs). Buffers (RoPE tables) are not weights."""
+    `QuantWeight` once), and of the rest: float parameters plus each format's own packed
+    copies (panels, MKL/oneDNN packs, `QuantLinear.i8_panels`). Buffers (RoPE tables) are
+    not weights."""
     kept: dict[int, int] = {}
     dense: dict[int, int] = {}
     for module in model.modules():
