@@ -176,13 +176,13 @@ class QuantLinear(Linear):
     dequantized into a process-wide scratch of `compute_dtype` (in row chunks past its cap)
     and multiplied by oneDNN (bf16: bf16 x bf16 with float32 accumulation, output rounded to
     bf16). No float32 copy of W is kept. A tied LM head shares its embedding's weight. The
-    native decoder stack reads `qweight.descriptor(compute_dtype)`, the descriptor `qgemm`
-    is given here. `use_int8()` (the engine's `prefill_int8`) sends products of at least
-    `INT8_MIN_ROWS` rows to `native.qgemm_i8` instead (x quantized to int8 per group of 32,
-    float32 output), where the kernel is built and takes every part; `use_int8(panels=True)`
-    keeps the weight's int8 panels resident beside its blocks (`i8_panels`, 1.25 bytes a
-    weight) and sends products from `INT8_PANEL_MIN_ROWS` rows to them, the native stack's
-    included (`descriptor()`)."""
+    native decoder stack reads `descriptor()`, the descriptor `qgemm` is given here.
+    `use_int8()` (the engine's `prefill_int8`) sends products of at least `INT8_MIN_ROWS`
+    rows to `native.qgemm_i8` instead (x quantized to int8 per group of 32, float32
+    output), where the kernel is built and takes every part; `use_int8(panels=True)` keeps
+    the weight's int8 panels resident beside its blocks (`i8_panels`, 1.25 bytes a weight)
+    and sends products from `INT8_PANEL_MIN_ROWS` rows to them, the native stack's
+    included."""
 
     format: ClassVar[str] = "gguf"
     qweight: QuantWeight

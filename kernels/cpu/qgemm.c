@@ -570,22 +570,9 @@ int plait_qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long K
   return qgemm_i8(x, M, ldx, parts, num_parts, N, K, panels, bias, silu, y, ldy);
 }
 
-long plait_qgemm_i8_panels_bytes(const int64_t *desc, long K) {
-#if QGEMM_I8
-  part_t parts[PLAIT_MAX_PARTS];
-  int num_parts, bf16;
-  long N;
-  if (read_desc(desc, K, parts, &num_parts, &N, &bf16, NULL, NULL) != PLAIT_OK || K % 32)
-    return PLAIT_ERR_SHAPES;
-  int G = i8_group(parts, num_parts);
-  return G ? i8_panels_bytes(N, K, G) : PLAIT_ERR_SHAPES;
-#else
-  (void)desc, (void)K;
-  return PLAIT_ERR_SHAPES;
-#endif
-}
-
-int plait_qgemm_i8_pack(const int64_t *desc, long K, void *out) {
+/* W's resident panels (qgemm_i8.h): their bytes (out NULL), or i8_pack's return code after
+ * writing them to out; PLAIT_ERR_SHAPES for a descriptor plait_qgemm_i8 refuses. */
+static long qgemm_i8_panels(const int64_t *desc, long K, uint8_t *out) {
 #if QGEMM_I8
   part_t parts[PLAIT_MAX_PARTS];
   int num_parts, bf16;
@@ -594,9 +581,18 @@ int plait_qgemm_i8_pack(const int64_t *desc, long K, void *out) {
     return PLAIT_ERR_SHAPES;
   int G = i8_group(parts, num_parts);
   if (!G) return PLAIT_ERR_SHAPES;
-  return N ? i8_pack(parts, num_parts, N, K, G, (uint8_t *)out) : PLAIT_OK;
+  if (!out) return i8_panels_bytes(N, K, G);
+  return N ? i8_pack(parts, num_parts, N, K, G, out) : PLAIT_OK;
 #else
   (void)desc, (void)K, (void)out;
   return PLAIT_ERR_SHAPES;
 #endif
+}
+
+long plait_qgemm_i8_panels_bytes(const int64_t *desc, long K) {
+  return qgemm_i8_panels(desc, K, NULL);
+}
+
+int plait_qgemm_i8_pack(const int64_t *desc, long K, void *out) {
+  return out ? (int)qgemm_i8_panels(desc, K, (uint8_t *)out) : PLAIT_ERR_SHAPES;
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers import greedy
 
 from plait import LLM, SamplingParams
 from plait.bench.workloads import random_words
@@ -18,24 +19,9 @@ from plait.kernels.cpu import build, native
 pytestmark = pytest.mark.skipif(not build.available() or not native.has_qgemm_i8(),
                                 reason="no qgemm_i8 in this build (needs AVX512-VNNI)")
 
-PROMPTS = [f"{topic} in one sentence:" for topic in (
-    "Explain gravity", "Describe the sea", "Define a prime number", "Explain rain",
-    "Describe a cat", "Explain photosynthesis", "Define an atom", "Describe Paris",
-    "Explain a rainbow", "Describe winter", "Define energy", "Explain sleep",
-    "Describe a forest", "Explain the moon", "Define music", "Describe bread")]
-TOKENS = 8
-GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=0)
-
 
 def _llm(**options) -> LLM:
     return LLM(weights="auto", num_kv_blocks=128, block_size=16, warm_up_tokens=0, **options)
-
-
-def _decode(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
-    """Each prompt's greedy token ids and their logprobs, the 16 decoded together."""
-    choices = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)]
-    return ([c.token_ids for c in choices],
-            [[lp.logprob for lp in c.logprobs or []] for c in choices])
 
 
 def _prompt_logprobs(llm: LLM, prompt: str) -> list[float]:
@@ -63,10 +49,10 @@ def test_int8_panels_engine() -> None:
         assert model.stack.layers[0, native.STACK_POINTERS.index(name)] \
             == linear.i8_desc.data_ptr()
 
-    stacked = _decode(llm)
+    stacked = greedy.decode(llm)
     stack, model.stack = model.stack, None  # the layer loop through QuantLinear.forward
     try:
-        assert _decode(llm) == stacked
+        assert greedy.decode(llm) == stacked
     finally:
         model.stack = stack
 
@@ -77,15 +63,6 @@ def test_int8_panels_engine() -> None:
     assert _prompt_logprobs(prefill, prompt) == panels_lps
     del prefill
 
-    exact_ids, exact_lps = _decode(_llm())
-    ids, lps = stacked
-    agree = sum(a == b for xs, ys in zip(ids, exact_ids, strict=True)
-                for a, b in zip(xs, ys, strict=True))
-    assert agree >= 0.75 * len(PROMPTS) * TOKENS
-    diffs = []  # logprobs of the same tokens: each choice up to where its tokens diverge
-    for xs, ys, lx, ly in zip(ids, exact_ids, lps, exact_lps, strict=True):
-        for a, b, la, lb in zip(xs, ys, lx, ly, strict=True):
-            if a != b:
-                break
-            diffs.append(abs(la - lb))
+    agree, diffs = greedy.compare(stacked, greedy.decode(_llm()))
+    assert agree >= 0.75 * len(greedy.PROMPTS) * greedy.TOKENS
     assert 0 < max(diffs) < 1.0 and sum(diffs) / len(diffs) < 0.1
