@@ -30,6 +30,8 @@
 /* x rows per register tile: 4 rows x 2 panels of int32 and float32 accumulators (16 of the
  * 32 vector registers) measured fastest against 6 rows on Qwen2.5-0.5B's shapes. */
 #define I8_ROWS 4
+/* The fewest x values (M K) quantized by all threads rather than the caller alone. */
+#define I8_PARALLEL_QUANTIZE 16384
 
 static inline long i8_group_bytes(int G) { return 16L * G + 128; }
 
@@ -237,11 +239,12 @@ static void i8_tile_any(int R, int G, int silu, const int8_t *xq, const float *s
   I8_TILE_CASES(32, 0)
 }
 
-/* x [M, K] (rows ldx apart) -> xq [M, K] int8, sx and sxq [M, K / G] (see the top). */
+/* x [M, K] (rows ldx apart) -> xq [M, K] int8, sx and sxq [M, K / G] (see the top); a few
+ * rows on the calling thread (a parallel region's start costs more than they do). */
 static void i8_quantize(const float *x, long M, long ldx, long K, int G, int8_t *xq, float *sx,
                         float *sxq) {
   long ng = K / G;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (M * K >= I8_PARALLEL_QUANTIZE)
   for (long m = 0; m < M; m++) {
     for (long j = 0; j < ng; j++) {
       const float *v = x + m * ldx + j * G;
