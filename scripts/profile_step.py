@@ -50,13 +50,14 @@ def main() -> None:
     parser.add_argument("--compute-dtype", default="float32")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (float32) or bfloat16")
     parser.add_argument("--prefill-int8", action="store_true")
+    parser.add_argument("--int8-panels", action="store_true")
     parser.add_argument("--kv-cache-prefault", action="store_true",
                         help="make the whole KV pool resident at start")
     args = parser.parse_args()
     _label_native_kernels()
     llm = LLM(args.model, weights=args.weights, compute_dtype=args.compute_dtype,
               kv_cache_dtype=args.kv_cache_dtype, kv_cache_prefault=args.kv_cache_prefault,
-              prefill_int8=args.prefill_int8)
+              prefill_int8=args.prefill_int8, int8_panels=args.int8_panels)
     if args.unique:
         _profile_unique(llm, args)
         return
