@@ -138,8 +138,8 @@ int plait_has_qgemm_i8(void);
 int plait_qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long K,
                    const float *bias, int silu, float *y, long ldy);
 /* qgemm_i8.h: W's codes, scales and offsets as plait_qgemm_i8 reads them, packed once (its
- * resident panels, for a PLAIT_QGEMM_I8 descriptor): ceil(N / 16) panels of 16 weight rows
- * (rows past N zeros), each K / G groups of [G / 4][16][4] codes, then 16 float32 scales
+ * resident panels, for a PLAIT_QGEMM_I8 descriptor): 2 ceil(N / 32) panels of 16 weight
+ * rows (rows past N zeros), each K / G groups of [G / 4][16][4] codes, then 16 float32 scales
  * and 16 offsets; 1.25 bytes a weight (G = 32) or 1.5 (G = 16). _panels_bytes: their size,
  * or PLAIT_ERR_SHAPES for a descriptor plait_qgemm_i8 refuses (a build without VNNI: all);
  * _pack writes them to out (64-byte aligned, that many bytes). */

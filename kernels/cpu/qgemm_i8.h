@@ -280,15 +280,19 @@ static int i8_group(const part_t *parts, int num_parts) {
   return G;
 }
 
-/* The bytes of W's resident panels (plait_qgemm_i8_pack): ceil(N / 16) panels of 16 rows,
- * each K / G groups of i8_group_bytes(G). */
+/* How many panels of 16 rows W's resident panels hold: whole pairs (2 ceil(N / 32)), so
+ * that qgemm_i8's last pair reads a panel of zeros where N - 32 p <= 16, not past the end. */
+static long i8_panel_count(long N) { return 2 * ((N + 31) / 32); }
+
+/* The bytes of W's resident panels (plait_qgemm_i8_pack): i8_panel_count(N) panels, each
+ * K / G groups of i8_group_bytes(G). */
 static long i8_panels_bytes(long N, long K, int G) {
-  return (N + 15) / 16 * (K / G) * i8_group_bytes(G);
+  return i8_panel_count(N) * (K / G) * i8_group_bytes(G);
 }
 
 /* plait_qgemm_i8_pack (plait_cpu.h). */
 static int i8_pack(const part_t *parts, int num_parts, long N, long K, int G, uint8_t *out) {
-  long panel = K / G * i8_group_bytes(G), count = (N + 15) / 16;
+  long panel = K / G * i8_group_bytes(G), count = i8_panel_count(N);
   int rc = PLAIT_OK;
 #pragma omp parallel
   {

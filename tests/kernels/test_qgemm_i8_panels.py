@@ -32,23 +32,24 @@ def _qgemm(x: torch.Tensor, weight: QuantWeight, desc: torch.Tensor) -> torch.Te
 @pytest.mark.parametrize(("types", "rows", "k", "group"), [
     ((quant.Q8_0,), (37,), 512, 32), ((quant.Q6_K, quant.Q4_K), (16, 16), 512, 16)])
 def test_size_and_layout(types, rows, k: int, group: int) -> None:
-    """ceil(N / 16) panels of K / G groups, each [G / 4][16 rows][4 codes] then 16 float32
-    scales and 16 offsets; checked byte for byte on Q8_0 (code q + 128, a = d, o = 128 d)
-    and rows past N zero."""
+    """2 ceil(N / 32) panels (whole pairs: a last pair past N reads zeros, not past the
+    end) of K / G groups, each [G / 4][16 rows][4 codes] then 16 float32 scales and 16
+    offsets; checked byte for byte on Q8_0 (code q + 128, a = d, o = 128 d) and rows past
+    N zero."""
     weight = random_weight(types, rows, k, seed=3)
     panels = native.qgemm_i8_panels(weight)
     n = weight.out_features
     assert panels.dtype == torch.uint8 and panels.data_ptr() % 64 == 0
-    assert panels.numel() == -(-n // 16) * (k // group) * (16 * group + 128)
+    assert panels.numel() == 2 * -(-n // 32) * (k // group) * (16 * group + 128)
     if types != (quant.Q8_0,):
         return
     groups, gbytes = k // 32, 16 * 32 + 128
     blocks = weight.parts[0].data.view(n, groups, 34)
     d = blocks[:, :, :2].contiguous().view(torch.float16).float().view(n, groups)
     codes = (blocks[:, :, 2:].contiguous().view(torch.int8).int() + 128).view(n, groups, 32)
-    for q in range(-(-n // 16)):
+    for q in range(2 * -(-n // 32)):  # 37 rows: 16, 16, 5 and a panel of zeros
         panel = panels[q * groups * gbytes:(q + 1) * groups * gbytes].view(groups, gbytes)
-        live = min(16, n - 16 * q)
+        live = max(0, min(16, n - 16 * q))
         # [G / 4][16][4] -> [16 rows][G]
         got = panel[:, :512].view(groups, 8, 16, 4).permute(2, 0, 1, 3).reshape(16, groups, 32)
         assert torch.equal(got[:live].int(), codes[16 * q:16 * q + live])
