@@ -35,6 +35,12 @@
 
 static inline long i8_group_bytes(int G) { return 16L * G + 128; }
 
+/* The bytes of i8_pack_panel's scratch for rows of K weights: 16 rows of codes [16][K],
+ * then their scales and offsets ao [16][K / 32][4] floats. */
+static inline size_t i8_scratch_bytes(long K) {
+  return (size_t)(16 * K) + sizeof(float) * (size_t)(16 * (K / 32) * 4);
+}
+
 /* The 32 codes of 32-weight group g of a row of `type`, scale and offset of each half. */
 ALWAYS_INLINE __m256i i8_codes(int type, const uint8_t *row, long g, float a[2], float o[2]) {
   const __m256i low4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
@@ -129,13 +135,16 @@ static void i8_row(int type, const uint8_t *row, long groups, uint8_t *codes, fl
 }
 
 /* Weight rows n0 .. n0 + 15 of W [N, K] (rows past N: zeros) packed into dst as above, through
- * rows [16][K] codes and ao [16][K / 32][4] (the caller's): each row decoded on its own
+ * the caller's scratch (i8_scratch_bytes(K): rows [16][K] codes, then ao [16][K / 32][4]
+ * floats, 4-byte aligned as K % 32 == 0): each row decoded on its own
  * (one stream of its bytes: 16 rows read side by side, a group at a time, measured 4x
  * slower, more streams than the hardware prefetcher follows), then each group's 16 rows of
  * codes gathered into the panel's [G / 4][16][4] vectors. */
 static void i8_pack_panel(const part_t *parts, int num_parts, long N, long K, int G, long n0,
-                          uint8_t *dst, uint8_t *rows, float *ao) {
+                          uint8_t *dst, uint8_t *scratch) {
   long groups = K / 32;
+  uint8_t *rows = scratch;
+  float *ao = (float *)(scratch + 16 * K);
   for (int r = 0; r < 16; r++) {
     long n = n0 + r;
     if (n < N) {
@@ -296,8 +305,8 @@ static int i8_pack(const part_t *parts, int num_parts, long N, long K, int G, ui
   int rc = PLAIT_OK;
 #pragma omp parallel
   {
-    uint8_t *rows = malloc((size_t)(16 * K) + sizeof(float) * (size_t)(16 * (K / 32) * 4));
-    if (!rows) {
+    uint8_t *scratch = malloc(i8_scratch_bytes(K));
+    if (!scratch) {
 #pragma omp atomic write
       rc = PLAIT_ERR_NOMEM;
     }
@@ -305,10 +314,9 @@ static int i8_pack(const part_t *parts, int num_parts, long N, long K, int G, ui
     if (rc == PLAIT_OK) {
 #pragma omp for schedule(static)
       for (long q = 0; q < count; q++)
-        i8_pack_panel(parts, num_parts, N, K, G, 16 * q, out + q * panel, rows,
-                      (float *)(rows + 16 * K));
+        i8_pack_panel(parts, num_parts, N, K, G, 16 * q, out + q * panel, scratch);
     }
-    free(rows);
+    free(scratch);
   }
   return rc;
 }
@@ -335,11 +343,9 @@ static int qgemm_i8(const float *x, long M, long ldx, const part_t *parts, int n
   if (rc == PLAIT_OK) i8_quantize(x, M, ldx, K, G, xq, sx, sxq);
 #pragma omp parallel if (rc == PLAIT_OK)
   {
-    /* packing: two panels, then one panel's rows of codes and their scales and offsets */
-    size_t codes = (size_t)(16 * K);
+    /* packing: two panels, then i8_pack_panel's scratch */
     uint8_t *buf = rc == PLAIT_OK && !panels
-                       ? aligned_alloc(64, (size_t)(2 * panel) + codes + sizeof(float) *
-                                               (size_t)(16 * (K / 32) * 4))
+                       ? aligned_alloc(64, (size_t)(2 * panel) + i8_scratch_bytes(K))
                        : NULL;
     if (rc == PLAIT_OK && !panels && !buf) {
 #pragma omp atomic write
@@ -355,10 +361,8 @@ static int qgemm_i8(const float *x, long M, long ldx, const part_t *parts, int n
           p0 = panels + n0 / 16 * panel;
           p1 = panels + (n0 + second) / 16 * panel;
         } else {
-          uint8_t *rows = buf + 2 * panel;
-          float *ao = (float *)(rows + codes);
-          i8_pack_panel(parts, num_parts, N, K, G, n0, buf, rows, ao);
-          i8_pack_panel(parts, num_parts, N, K, G, n0 + second, buf + panel, rows, ao);
+          i8_pack_panel(parts, num_parts, N, K, G, n0, buf, buf + 2 * panel);
+          i8_pack_panel(parts, num_parts, N, K, G, n0 + second, buf + panel, buf + 2 * panel);
           p0 = buf;
           p1 = buf + panel;
         }
