@@ -176,7 +176,7 @@ class ModelRunner:
                 if config.int8_panels else "")
         kept, dense = weight_bytes(model)
         logger.info("weights: %.1f MiB (%.1f MiB kept in the file's format, %.1f MiB "
-                    "float)", (kept + dense) / 2**20, kept / 2**20, dense / 2**20)
+                    "float or packed copies)", (kept + dense) / 2**20, kept / 2**20, dense / 2**20)
         return model.eval(), kept + dense
 
     # ---------------------------------------------------------------- one step
