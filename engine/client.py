@@ -168,6 +168,17 @@ class EngineClient:
         if request_id in self._streams:
             self._send(AbortCommand(request_id))
 
+    def fail_all(self, message: str) -> int:
+        """Event loop thread: end every live stream now with an "error" delta carrying
+        `message`, and ask the engine to drop those requests (the server's drain ran out).
+        The engine's own final deltas for them are ignored when they come. How many ended."""
+        request_ids = list(self._streams)
+        for request_id in request_ids:
+            if self.dead_error is None:
+                self._send(AbortCommand(request_id))
+            self._dispatch([RequestDelta(request_id, finish_reason="error", error=message)])
+        return len(request_ids)
+
     def _deliver(self, deltas: list[RequestDelta], stats: EngineStats) -> None:
         """From any thread: publish `stats` now, then hand `deltas` to the event loop (stats
         first, so whoever reads a final delta sees counters that include it)."""

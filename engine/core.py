@@ -366,4 +366,5 @@ class EngineCore:
             shared_prompts_kept=len(self.scheduler.share.kept),
             failed_steps=self.counters.failed_steps,
             last_error=self.last_error,
-            model_weight_bytes=self.info.weight_bytes)
+            model_weight_bytes=self.info.weight_bytes,
+            kv_events_dropped=0 if self.kv_events is None else self.kv_events.dropped)

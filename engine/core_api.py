@@ -55,6 +55,7 @@ class EngineStats:
     failed_steps: int = 0  # forward passes that raised (their requests failed)
     last_error: str | None = None  # "Type: message" of the last step/sampling/decoding error
     model_weight_bytes: int = 0  # the model's weights in memory
+    kv_events_dropped: int = 0  # KV-cache event batches never sent (engine/kv_events.py)
 
     @property
     def kv_cache_usage(self) -> float:

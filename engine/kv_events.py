@@ -159,13 +159,22 @@ def build_events(pending: list[list[Any]], block_size: int,
 
 # ---------------------------------------------------------------- publishing
 class KVEventPublisher:
-    """PUB socket (+ optional ROUTER replay socket) fed by a bounded queue and one thread.
+    """XPUB socket (+ optional ROUTER replay socket) fed by a bounded queue and one thread.
 
     `publish` never blocks the step: if the thread falls `max_queue` batches behind, a
     batch is dropped and counted (`dropped`); its sequence number is still used, so
     subscribers see the gap. Sockets are bound (or connected, as vLLM: an endpoint without
     `*`, `::`, ipc:// or inproc:// connects) in the constructor, so a busy port fails the
-    engine's start rather than a later step."""
+    engine's start rather than a later step.
+
+    A PUB socket drops every message that no subscription it knows of matches, and a
+    subscriber's subscription reaches the publisher only once the subscriber's socket has
+    run its commands (a recv or poll after the connection came up). So a router that binds
+    and lets Plait connect (vLLM's "connect" form, as llm-d configures it) would miss every
+    batch sent before its first recv, and one that is not reading yet would miss them all.
+    The XPUB socket sees the subscriptions: while none matches `topic`, batches are held (at
+    most `buffer_steps`, the oldest dropped and counted beyond that) and sent, in order, as
+    soon as one arrives. Later subscribers catch up through the replay socket, as in vLLM."""
 
     def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None,
                  block_size: int = 16, encoding: str = "map", buffer_steps: int = 10_000,
@@ -179,13 +188,16 @@ class KVEventPublisher:
         self.encoding = encoding
         self.rank = data_parallel_rank
         self.topic = topic.encode()
-        self.dropped = 0
+        self.dropped = 0  # batches never sent (queue full, or held past `buffer_steps`)
         self._seq = 0
         self._queue: queue.Queue[tuple[int, float, list[list[Any]]] | None] = queue.Queue(
             max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._held: deque[tuple[int, bytes]] = deque()  # sent once a subscription matches
+        self._max_held = buffer_steps
+        self._subscriptions: set[bytes] = set()  # prefixes matching `topic`
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.set_hwm(hwm)
         self._replay = None
         try:
@@ -213,10 +225,13 @@ class KVEventPublisher:
         try:
             self._queue.put_nowait((seq, time.time(), pending))
         except queue.Full:
-            self.dropped += 1
-            if self.dropped == 1:
-                logger.warning("KV events publisher is behind: dropping batches (a gap in "
-                               "sequence numbers tells subscribers)")
+            self._drop("the publisher is behind")
+
+    def _drop(self, why: str) -> None:
+        self.dropped += 1
+        if self.dropped == 1:
+            logger.warning("KV events: dropping batches (%s; a gap in sequence numbers tells "
+                           "subscribers, and plait_kv_events_dropped_total counts them)", why)
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Send what is queued (within `timeout`), then close the sockets."""
@@ -237,6 +252,7 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         while True:
+            self._take_subscriptions()
             if self._replay is not None and self._replay.poll(0):
                 try:
                     self._serve_replay()
@@ -251,10 +267,33 @@ class KVEventPublisher:
             seq, ts, pending = item
             try:
                 payload = self.encode(ts, pending)
-                self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
                 self._buffer.append((seq, payload))
+                if self._subscriptions:
+                    self._send(seq, payload)
+                else:
+                    if len(self._held) == self._max_held:
+                        self._held.popleft()
+                        self._drop("no subscriber took them")
+                    self._held.append((seq, payload))
             except Exception:
                 logger.exception("publishing KV events failed")
+
+    def _take_subscriptions(self) -> None:
+        """Read the XPUB's (un)subscription messages (b"\\x01" or b"\\x00" + prefix); send
+        what is held once one matches the topic."""
+        while self._pub.poll(0):
+            message = self._pub.recv()
+            if not message or not self.topic.startswith(message[1:]):
+                continue
+            if message[0] == 1:
+                self._subscriptions.add(message[1:])
+            else:
+                self._subscriptions.discard(message[1:])
+        while self._subscriptions and self._held:
+            self._send(*self._held.popleft())
+
+    def _send(self, seq: int, payload: bytes) -> None:
+        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
 
     def _serve_replay(self) -> None:
         assert self._replay is not None

@@ -66,6 +66,9 @@ def plait_counters(s: EngineStats) -> list[Series]:
         ("plait_prefix_cache_queries", "Prompt tokens looked up in the cache.",
          s.prefix_cache_queries),
         ("plait_prefix_cache_hits", "Prompt tokens found in the cache.", s.prefix_cache_hits),
+        ("plait_kv_events_dropped", "KV-cache event batches the publisher never sent (its "
+         "queue was full, or no subscriber took them before the held backlog filled).",
+         s.kv_events_dropped),
     ]
 
 

@@ -1,6 +1,6 @@
 """Operational and utility routes.
 
-Open (no API key): GET /health, GET /metrics, GET /version.
+Open (no API key): GET /health (readiness), GET /live (liveness), GET /metrics, GET /version.
 Guarded: GET /v1/models, GET /v1/models/{model}, POST /tokenize, POST /detokenize,
 GET /tokenizer_info.
 """
@@ -41,6 +41,16 @@ async def health(state: StateDep) -> Response:
         get_ready_state(state)
     except APIError as exc:
         return JSONResponse(exc.body(), status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@open_router.get("/live")
+async def live(state: StateDep) -> Response:
+    """Liveness: 200 while this process answers and its engine has not died (loading and
+    draining included, so a kubelet never restarts a server for either); 503 once the
+    engine is gone for good, the one state a restart mends."""
+    if state.engine.dead_error is not None:
+        return JSONResponse({"status": "engine dead"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 

@@ -45,6 +45,7 @@ _LOOKUP_ERRORS = {status: _API_ERRORS[status] for status in ("401", "404", "503"
 # GET /v1/models: authentication and readiness only.
 _GUARD_ERRORS = {status: _API_ERRORS[status] for status in ("401", "503")}
 _HEALTH_503 = "Loading, draining after SIGTERM, or the engine stopped."
+_LIVE_503 = "The engine stopped for good (restart the server)."
 
 
 def _error_response(description: str) -> dict[str, Any]:
@@ -63,6 +64,8 @@ def rewrite_errors(document: dict[str, Any]) -> dict[str, Any]:
                 errors = _GUARD_ERRORS
             elif path == "/health":
                 errors = {"503": _HEALTH_503}
+            elif path == "/live":
+                errors = {"503": _LIVE_503}
             else:
                 continue
             for status, description in errors.items():

@@ -1,9 +1,20 @@
 """Run the app under uvicorn for `plait serve`: logging, drain on SIGTERM, exit codes.
 
-SIGTERM / Ctrl-C: /health turns 503 at once, the listening socket closes, in-flight
-requests (streams included) get up to `drain_timeout` seconds to finish, then the engine
-stops and the process exits 0. A model that fails to load stops the server with exit 1.
-HTTP is uvicorn's h11 protocol with envelopes and a header timeout (http_protocol.py).
+SIGTERM / Ctrl-C starts the drain, which load balancers and the kubelet can follow:
+
+    t = 0        /health (readiness) answers 503, new API requests get 503; the listener
+                 stays open, so probes get an answer, not a refused connection; /live stays
+                 200; running requests (streams included) go on
+    last ends    the server stops: listener closed, engine shut down, exit 0
+    t = drain    (`drain_timeout`) if requests are still running, each live engine request
+                 ends with an error ("the server is shutting down"): a stream gets an error
+                 event and [DONE], a non-streaming request a 500 envelope; they get up to
+                 `CUT_GRACE_S` to send it, then the server stops as above
+
+A second signal ends the drain at once (the cut above). A model that fails to load stops
+the server with exit 1. HTTP is uvicorn's h11 protocol with envelopes and a header timeout
+(http_protocol.py). A supervisor's kill timeout must exceed `drain_timeout` + CUT_GRACE_S +
+the engine's exit (docs/operations.md: `docker stop -t`, terminationGracePeriodSeconds).
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from types import FrameType
 
 import uvicorn
@@ -26,22 +38,60 @@ from plait.server.state import ServerState
 logger = logging.getLogger("plait.server")
 
 
+# After the drain time, how long cut requests get to send their final error and end.
+CUT_GRACE_S = 3.0
+# uvicorn's own wait for connections after the drain (only stragglers are left then).
+CLOSE_TIMEOUT_S = 2.0
+DRAIN_MESSAGE = "The server is shutting down: this request was still running when the " \
+    "shutdown's drain time ran out."
+
+
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server that marks the app as draining when asked to exit, and lets SSE
-    streams finish (uvicorn cancels what is left after `timeout_graceful_shutdown`)."""
+    """uvicorn's server with the drain above: a signal marks the app as draining and the
+    server keeps listening until no request is left, or the drain time runs out and the
+    rest are cut. `server_state.tasks` (one per request being served) is what "running"
+    means; idle keep-alive connections do not count."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.plait_state = state
+        self.drain_deadline: float | None = None  # monotonic; set by the first signal
+        self.cut_deadline: float | None = None  # set when the drain time ran out
         # sse-starlette would otherwise end every stream the moment a signal arrives.
         AppStatus.disable_automatic_graceful_drain()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.plait_state.draining:
-            logger.info("received signal %d: draining for up to %.0f s",
-                        sig, self.plait_state.settings.drain_timeout)
-        self.plait_state.draining = True
-        super().handle_exit(sig, frame)
+        """From the signal handler: start the drain, or end it now on a second signal."""
+        self._captured_signals.append(sig)
+        now = time.monotonic()
+        if self.drain_deadline is None:
+            logger.info("received signal %d: draining for up to %.0f s (/health answers "
+                        "503; a second signal ends the drain)", sig,
+                        self.plait_state.settings.drain_timeout)
+            self.plait_state.draining = True
+            self.drain_deadline = now + self.plait_state.settings.drain_timeout
+        else:
+            self.drain_deadline = min(self.drain_deadline, now)
+            if sig == signal.SIGINT and self.cut_deadline is not None:
+                self.force_exit = True  # a third Ctrl-C: uvicorn's own force quit
+
+    async def on_tick(self, counter: int) -> bool:
+        """Every 0.1 s: True once the server should stop listening and shut down."""
+        if await super().on_tick(counter):
+            return True
+        if self.drain_deadline is None:
+            return False
+        running = len(self.server_state.tasks)
+        if running == 0:
+            logger.info("drained: no request left")
+            return True
+        now = time.monotonic()
+        if self.cut_deadline is None and now >= self.drain_deadline:
+            cut = self.plait_state.engine.fail_all(DRAIN_MESSAGE)
+            logger.warning("drain time over: %d request(s) still running, %d engine "
+                           "sub-request(s) ended with an error", running, cut)
+            self.cut_deadline = now + CUT_GRACE_S
+        return self.cut_deadline is not None and now >= self.cut_deadline
 
 
 def run_server(settings: ServerSettings) -> int:
@@ -62,7 +112,7 @@ def run_server(settings: ServerSettings) -> int:
                             log_level=settings.log_level,
                             http=EnvelopeH11Protocol.with_header_timeout(settings.header_timeout),
                             timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]
-                            timeout_graceful_shutdown=settings.drain_timeout)  # type: ignore[arg-type]
+                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S)  # type: ignore[arg-type]
     server = DrainingServer(config, app.state.plait)
     # uvicorn re-raises the signal it caught once it has shut down; a no-op SIGTERM handler
     # makes that a clean exit 0 instead of death by signal.

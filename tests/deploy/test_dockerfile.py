@@ -115,11 +115,11 @@ def test_cmd_is_plait_serve_with_options_it_has(runtime_stage: list[tuple[str, s
     assert "ENTRYPOINT" not in [k for k, _ in runtime_stage]
     flags = [a for a in cmd[2:] if a.startswith("--")]
     assert set(flags) <= serve_flags(), set(flags) - serve_flags()
-    # The port it serves on is the one exposed, and the one PLAIT_PORT says.
-    port = cmd[cmd.index("--port") + 1] if "--port" in cmd else env_of(runtime_stage)[
-        "PLAIT_PORT"]
-    assert int(port) == CONTAINER_PORT
+    # Host and port come from the environment (`-e PLAIT_PORT=9000` moves the server and
+    # the HEALTHCHECK together): no flag on the CMD would override it.
+    assert "--port" not in cmd and "--host" not in cmd
     assert int(env_of(runtime_stage)["PLAIT_PORT"]) == CONTAINER_PORT
+    assert env_of(runtime_stage)["PLAIT_HOST"] == "0.0.0.0"
     exposed = [p.split("/")[0] for k, a in runtime_stage if k == "EXPOSE" for p in a.split()]
     assert exposed == [str(CONTAINER_PORT)]
     assert _last(runtime_stage, "STOPSIGNAL") == "SIGTERM"  # what drains the server
@@ -140,6 +140,24 @@ def test_healthcheck_probes_a_real_route(runtime_stage: list[tuple[str, str]]) -
     paths = re.findall(r"'GET', '([^']+)'", " ".join(command))
     assert paths == ["/health"]
     assert get_status(paths[0]) == 503  # the real route: not ready while the model loads
+
+
+def test_documented_stop_timeout_covers_the_drain(
+        stages: dict[str, list[tuple[str, str]]]) -> None:
+    """The `docker stop -t` / `--stop-timeout` the Dockerfile documents outlasts the
+    image's drain, the cut after it and the close, with a margin for the engine's exit
+    (Docker's default of 10 s would SIGKILL a draining server)."""
+    from plait.server.serve import CLOSE_TIMEOUT_S, CUT_GRACE_S
+
+    text = DOCKERFILE.read_text()
+    timeouts = {int(t) for t in re.findall(r"(?:--stop-timeout|stop -t) (\d+)", text)}
+    assert len(timeouts) == 1, timeouts
+    (timeout,) = timeouts
+    for stage in ("cpu", "cuda"):
+        drain = float(env_of(stages[stage])["PLAIT_DRAIN_TIMEOUT"])
+        assert timeout >= drain + CUT_GRACE_S + CLOSE_TIMEOUT_S + 5, (stage, drain, timeout)
+    assert _last(stages["cpu"], "STOPSIGNAL") == _last(stages["cuda"], "STOPSIGNAL") \
+        == "SIGTERM"
 
 
 def test_cpu_and_cuda_images_match(stages: dict[str, list[tuple[str, str]]]) -> None:
@@ -171,11 +189,11 @@ def test_image_cmd_serves_from_the_venv(tmp_path: Path, default_model: Any,
         port = s.getsockname()[1]
     cache = tmp_path / "cache"
     cache.mkdir()
-    env.update(PLAIT_PORT=str(port), PLAIT_CACHE=str(cache), HOME=str(tmp_path))
+    # the CMD reads both from the environment; not 0.0.0.0 on a shared test machine
+    env.update(PLAIT_PORT=str(port), PLAIT_HOST="127.0.0.1", PLAIT_CACHE=str(cache),
+               HOME=str(tmp_path))
     cmd = json.loads(_last(cpu, "CMD"))
     cmd = [str(Path(sys.executable).parent / cmd[0]), *cmd[1:]]
-    cmd[cmd.index("--port") + 1] = str(port)
-    cmd[cmd.index("--host") + 1] = "127.0.0.1"  # not 0.0.0.0 on a shared test machine
     check = re.search(r"CMD (\[.*\])", _last(cpu, "HEALTHCHECK"))
     assert check
     check_cmd = json.loads(check.group(1))

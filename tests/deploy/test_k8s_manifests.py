@@ -35,6 +35,8 @@ from helpers.deploy import (
     kustomize_build,
 )
 
+from plait.server.serve import CLOSE_TIMEOUT_S, CUT_GRACE_S
+
 BASE_DIR = K8S_DIR / "base"
 GATEWAY_DIR = K8S_DIR / "gateway"
 CPU_DIR = K8S_DIR / "cpu"
@@ -356,9 +358,21 @@ def test_termination_grace_exceeds_drain(deployment: dict[str, Any], container: 
         assert match, f"unrecognised preStop command {cmd}; teach this test its duration"
         pre_stop = float(match.group(1))
     grace = deployment["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
-    assert grace > float(drain) + pre_stop + 5, (
+    # After the drain, cut requests get CUT_GRACE_S to send their error and uvicorn
+    # CLOSE_TIMEOUT_S to close; then the engine stops (a few seconds: the margin).
+    stop = float(drain) + CUT_GRACE_S + CLOSE_TIMEOUT_S
+    assert grace > stop + pre_stop + 5, (
         f"terminationGracePeriodSeconds={grace} leaves no margin over the drain "
-        f"({drain}s) + preStop ({pre_stop}s): the kubelet would SIGKILL mid-drain")
+        f"({drain}s, {stop}s with the cut) + preStop ({pre_stop}s): the kubelet would "
+        "SIGKILL mid-drain")
+
+
+def test_readiness_is_health_and_liveness_is_live(container: dict[str, Any]) -> None:
+    """During the drain /health is 503 (out of the endpoints) while /live stays 200."""
+    paths = {name: container[name]["httpGet"]["path"]
+             for name in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert paths == {"startupProbe": "/health", "readinessProbe": "/health",
+                     "livenessProbe": "/live"}
 
 
 def test_api_key_from_secret(container: dict[str, Any], configmap: dict[str, Any]) -> None:

@@ -318,3 +318,72 @@ def test_cli_options() -> None:
     config = engine_config(build_parser({"PLAIT_KV_EVENTS_ENDPOINT": "tcp://*:1"})
                            .parse_args(["serve"]))
     assert config.kv_events_endpoint == "tcp://*:1" and config.kv_events_topic == ""
+
+
+# ---------------------------------------------------------------- held until subscribed
+def _one_batch(i: int) -> list[list[Any]]:
+    return [["S", [bytes([i]) * 16], None, [i, i]]]
+
+
+def test_batches_wait_for_a_late_subscription_in_connect_mode() -> None:
+    """A router that binds and has not yet run its socket (so its subscription has not
+    reached the publisher) still gets every batch, in order, from the first: the XPUB
+    holds them until a subscription matching the topic arrives. A plain PUB drops them."""
+    import zmq
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    port = free_port()
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")  # as llm-d's router subscribes
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", topic="kv@pod@model", block_size=2)
+    try:
+        for i in range(5):
+            pub.publish(_one_batch(i))
+        # Nothing has touched `sub` since the publisher connected: no subscription yet.
+        got = []
+        while len(got) < 5:
+            assert sub.poll(30_000), f"only {len(got)} batches arrived"
+            topic, seq, payload = sub.recv_multipart()
+            got.append((topic, int.from_bytes(seq, "big"),
+                        msgspec.msgpack.decode(payload)[1][0]["token_ids"]))
+        assert got == [(b"kv@pod@model", i, [i, i]) for i in range(5)]
+        pub.publish(_one_batch(5))  # subscribed now: sent at once
+        assert sub.poll(30_000)
+        assert int.from_bytes(sub.recv_multipart()[1], "big") == 5
+        assert pub.dropped == 0
+    finally:
+        pub.shutdown()
+        sub.close(linger=0)
+        ctx.term()
+
+
+def test_held_batches_beyond_the_buffer_are_dropped_and_counted() -> None:
+    """With no subscriber at all, at most `buffer_steps` batches are held: the oldest go
+    first, each counted in `dropped`; the replay buffer still has the newest."""
+    pub = KVEventPublisher(f"tcp://*:{free_port()}", block_size=2, buffer_steps=3)
+    for i in range(7):
+        pub.publish(_one_batch(i))
+    pub.shutdown()  # the thread has taken every batch
+    assert pub.dropped == 4
+    assert [seq for seq, _ in pub._held] == [4, 5, 6]
+    assert [seq for seq, _ in pub._buffer] == [4, 5, 6]
+
+
+def test_a_subscription_to_another_topic_does_not_release_held_batches() -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    other = ctx.socket(zmq.SUB)
+    port = free_port()
+    other.bind(f"tcp://127.0.0.1:{port}")
+    other.setsockopt(zmq.SUBSCRIBE, b"other")
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", topic="kv", block_size=2)
+    try:
+        pub.publish(_one_batch(1))
+        assert not other.poll(1000)  # its subscription arrived meanwhile, and matches nothing
+        pub.shutdown()
+        assert [seq for seq, _ in pub._held] == [0]
+    finally:
+        other.close(linger=0)
+        ctx.term()

@@ -301,40 +301,114 @@ def test_merged_stream_keeps_one_role_and_one_finish_per_index(core) -> None:
         assert [c["finish_reason"] for c in choices] == [None] * 4 + ["length"]
 
 
+class DrainingThread:
+    """`DrainingServer` (what `plait serve` runs) around a scripted engine, in a thread;
+    `signal()` calls its handler as uvicorn's signal handler would."""
+
+    def __init__(self, core: ScriptedCore, drain_timeout: float) -> None:
+        import uvicorn
+
+        from plait.server.serve import CLOSE_TIMEOUT_S, DrainingServer
+
+        self.app = create_app(ServerSettings(drain_timeout=drain_timeout),
+                              engine=scripted_engine(core))
+        port = free_port()
+        self.server = DrainingServer(
+            uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning",
+                           timeout_graceful_shutdown=CLOSE_TIMEOUT_S), self.app.state.plait)
+        self.url = f"http://127.0.0.1:{port}"
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> DrainingThread:
+        self.thread.start()
+        assert wait_for(lambda: self.server.started, 30)
+        assert wait_for(lambda: httpx.get(f"{self.url}/health").status_code == 200, 30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def signal(self) -> None:
+        import signal
+
+        self.server.handle_exit(signal.SIGTERM, None)
+
+
 def test_sigterm_drains_in_flight_streams_then_exits(core) -> None:
-    import signal
-
-    import uvicorn
-
-    from plait.server.serve import DrainingServer
-
+    """While the drain waits for the streams, the listener stays open: readiness is 503,
+    liveness 200, new work 503; the streams finish normally and the server then stops."""
     core.hold()  # the streams are mid-way when SIGTERM comes
-    engine = scripted_engine(core)
-    app = create_app(ServerSettings(drain_timeout=20), engine=engine)
-    port = free_port()
-    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", timeout_graceful_shutdown=20),
-                            app.state.plait)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    assert wait_for(lambda: server.started, 30)
-    with httpx.Client(base_url=url, timeout=30) as http:
-        assert wait_for(lambda: http.get("/health").status_code == 200, 30)
+    with DrainingThread(core, drain_timeout=20) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as http, \
+            httpx.Client(base_url=server.url, timeout=30) as probe:
         body = {**CHAT, "stream": True, "n": 2, "max_tokens": 20}
         core.release(1)  # the first step: the response starts with its chunks
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             lines = response.iter_lines()
             head = [next(lines) for _ in range(4)]
-            server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
-            assert app.state.plait.draining
+            server.signal()
+            assert server.app.state.plait.draining
+            health = probe.get("/health")  # a new connection: answered, not refused
+            assert_envelope(health, 503, "service_unavailable")
+            assert "shutting down" in health.json()["error"]["message"]
+            assert probe.get("/live").json() == {"status": "ok"}
+            assert_envelope(probe.post("/v1/chat/completions", json=CHAT), 503,
+                            "service_unavailable")
             assert core.live and core.num_steps == 1  # both choices are still running
+            assert server.thread.is_alive()
             core.release(19)
             rest = "\n".join(lines)
+        server.thread.join(30)
+        assert not server.thread.is_alive()  # it stopped once the last stream ended
     sse = parse_sse(("\n".join(head) + "\n" + rest + "\n").encode())
     assert sse.events[-1] == "[DONE]"
     assert sorted(c["choices"][0]["index"] for c in sse.chunks
                   if c["choices"][0]["finish_reason"] == "length") == [0, 1]
-    thread.join(30)
-    assert not thread.is_alive()
     assert core.aborted == []
+
+
+def test_a_stream_past_the_drain_time_ends_with_an_error_event_and_done(
+        core, caplog: pytest.LogCaptureFixture) -> None:
+    """The drain time runs out with a stream still running: it ends with an error event
+    and [DONE] (no cancelled task, no traceback), the engine is asked to drop the
+    sub-requests, and the server stops."""
+    from plait.server.serve import DRAIN_MESSAGE
+
+    core.hold()
+    with DrainingThread(core, drain_timeout=0.5) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as http:
+        body = {**CHAT, "stream": True, "n": 2, "max_tokens": 20}
+        core.release(1)
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            head = [next(lines) for _ in range(4)]
+            server.signal()
+            rest = "\n".join(lines)  # the engine never steps again: only the cut ends it
+        server.thread.join(30)
+        assert not server.thread.is_alive()
+    sse = parse_sse(("\n".join(head) + "\n" + rest + "\n").encode())
+    assert sse.events[-1] == "[DONE]"
+    errors = [chunk["error"] for chunk in sse.chunks if "error" in chunk]
+    assert errors == [{"message": DRAIN_MESSAGE, "type": "server_error", "param": None,
+                       "code": None}]
+    assert wait_for(lambda: sorted(core.aborted) == sorted(core.added), 10)
+    assert len(core.added) == 2
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
+
+
+def test_a_second_signal_ends_the_drain_at_once(core) -> None:
+    core.hold()
+    with DrainingThread(core, drain_timeout=600) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as http:
+        core.release(1)
+        with http.stream("POST", "/v1/chat/completions",
+                         json={**CHAT, "stream": True, "max_tokens": 20}) as response:
+            lines = response.iter_lines()
+            next(lines)
+            server.signal()
+            server.signal()
+            rest = "\n".join(lines)
+        server.thread.join(30)
+        assert not server.thread.is_alive()
+    assert rest.rstrip().endswith("data: [DONE]") and "shutting down" in rest
