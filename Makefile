@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-ui lint bench bench-peers gpu-check clean
+.PHONY: install serve test test-ui test-image image image-cuda lock lint bench bench-peers gpu-check clean
 
 install: $(STAMP)
 
@@ -51,6 +51,26 @@ test-ui: install
 	PLAIT_UI_REQUIRE=1 $(BIN)/python -m pytest tests/server/test_ui_browser.py -rs; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
 	exit $$status
+
+# The container image (docker/build-image.sh: the daemon, the base, the torch wheel and the
+# builder are found or made; IMAGE, CPU_BASE_IMAGE, TORCH_INDEX_URL, TORCH_WHEEL and
+# EXTRA_INDEX_URL override them). image-cuda needs the CUDA base image (BASE_IMAGE) pullable.
+image:
+	bash docker/build-image.sh cpu
+
+image-cuda:
+	bash docker/build-image.sh cuda
+
+# The image's pins (docker/constraints-cpu.txt), resolved again with today's releases.
+lock:
+	bash docker/lock.sh $(PYTHON)
+
+# Builds the CPU image, then runs it for real (tests/deploy/test_image.py: health, the
+# HEALTHCHECK, chat with n=2, a non-root uid under the Deployment's restrictions, a stream
+# through `docker stop`, /health 503 while draining), with one daemon for both.
+test-image: install
+	bash docker/with-dockerd.sh sh -c 'bash docker/build-image.sh cpu && \
+	  PLAIT_IMAGE_TEST=1 $(BIN)/python -m pytest tests/deploy/test_image.py -rs -p no:cacheprovider'
 
 bench: install
 	$(BIN)/python scripts/bench_shared_prefill.py

@@ -14,8 +14,9 @@
 #   TORCH_WHEEL      a torch-2.13.0+cpu wheel file (default: found in pip's find-links)
 #   EXTRA_INDEX_URL  an extra index for the other packages
 #
-# The daemon: when none answers, this starts `dockerd --bridge=none --iptables=false` (root
-# only) and stops it again at the end. Builds use `--network host` and no bridge network:
+# The daemon: when none answers, this runs itself under docker/with-dockerd.sh, which starts
+# `dockerd --bridge=none --iptables=false` (root only) and stops it again at the end. Builds
+# use `--network host` and no bridge network:
 # the machines this runs on may only reach loopback and the package registries. The builder:
 # BuildKit (`docker buildx`) when the client has it, else the legacy builder. Prints the
 # build time and the image size.
@@ -29,16 +30,8 @@ cleanup=()
 on_exit() { local i; for (( i=${#cleanup[@]}-1; i>=0; i-- )); do eval "${cleanup[i]}" || true; done; }  # last first
 trap on_exit EXIT
 
-# ---- a daemon
-if ! docker info >/dev/null 2>&1; then
-  [ "$(id -u)" -eq 0 ] || { echo "build-image.sh: no Docker daemon answers, and starting one needs root" >&2; exit 1; }
-  echo "build-image.sh: starting dockerd --bridge=none --iptables=false" >&2
-  dockerd --bridge=none --iptables=false >/tmp/plait-dockerd.log 2>&1 &
-  dockerd_pid=$!
-  cleanup+=("kill $dockerd_pid; wait $dockerd_pid")
-  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
-  docker info >/dev/null 2>&1 || { echo "build-image.sh: dockerd did not start (/tmp/plait-dockerd.log)" >&2; exit 1; }
-fi
+# ---- a daemon: started for this build only when none answers
+if ! docker info >/dev/null 2>&1; then exec docker/with-dockerd.sh "$PWD/docker/build-image.sh" "$target"; fi
 
 args=(--network host -t "$image")
 if [ "$target" = cpu ]; then

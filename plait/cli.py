@@ -158,7 +158,8 @@ OPTIONS: tuple[Option, ...] = (
            "(the oldest is dropped first; 0: keep none)"),
     Option("--responses-ttl", float,
            "seconds a stored /v1/responses response is kept (then a 404)"),
-    Option("--drain-timeout", float, "seconds to finish in-flight requests after SIGTERM"),
+    Option("--drain-timeout", float, "seconds running requests get after SIGTERM (/health 503 "
+           "meanwhile); then they end with an error event"),
     Option("--sse-ping-interval", float, "idle seconds between `: ping` SSE comments"),
     Option("--header-timeout", float,
            "seconds a connection has to send each request head; then 408 and closed"),

@@ -19,11 +19,14 @@ the engine's exit (docs/operations.md: `docker stop -t`, terminationGracePeriodS
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import re
 import signal
 import sys
 import time
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -94,10 +97,27 @@ class DrainingServer(uvicorn.Server):
         return self.cut_deadline is not None and now >= self.cut_deadline
 
 
+def torch_build() -> str:
+    """"torch 2.13.0+cpu (CPU build)" or "... (CUDA 12.8 build)", read from torch's
+    version.py without importing torch (this process stays torch-free); "torch not
+    installed" when it is not."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return "torch not installed"
+    text = (Path(spec.origin).parent / "version.py").read_text()
+    found = dict(re.findall(r"^(__version__|cuda|hip)\b[^=]*= *'?([^'\n]*)'?$", text, re.M))
+    version = found.get("__version__", "?")
+    for name, label in (("cuda", "CUDA"), ("hip", "ROCm")):
+        if found.get(name, "None") != "None":
+            return f"torch {version} ({label} {found[name]} build)"
+    return f"torch {version} (CPU build)"
+
+
 def run_server(settings: ServerSettings) -> int:
     """Serve until a signal (exit 0) or a failed model load (exit 1)."""
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.info("%s", torch_build())
     exit_code = 0
     server: DrainingServer | None = None
 

@@ -183,3 +183,38 @@ def test_bad_model_path_exits_1_with_one_line(tmp_path) -> None:
     assert result.returncode == 1
     assert "cannot load the model" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------- torch's build at start
+@pytest.mark.parametrize(("lines", "expected"), [
+    ("__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\nhip: Optional[str] = None\n",
+     "torch 2.13.0+cpu (CPU build)"),
+    ("__version__ = '2.10.0'\ncuda: Optional[str] = '12.8'\nhip: Optional[str] = None\n",
+     "torch 2.10.0 (CUDA 12.8 build)"),
+    ("__version__ = '2.9.1+rocm6.4'\ncuda = None\nhip = '6.4.4'\n",
+     "torch 2.9.1+rocm6.4 (ROCm 6.4.4 build)"),
+])
+def test_torch_build_reads_version_py_without_importing_torch(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, lines: str, expected: str) -> None:
+    import importlib.machinery
+    import importlib.util
+
+    from plait.server import serve
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('never imported')\n")
+    (tmp_path / "torch" / "version.py").write_text(lines)
+    spec = importlib.machinery.ModuleSpec("torch", None,
+                                          origin=str(tmp_path / "torch" / "__init__.py"))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: spec if name == "torch" else None)
+    assert serve.torch_build() == expected
+
+
+def test_torch_build_of_the_installed_torch() -> None:
+    import torch
+
+    from plait.server.serve import torch_build
+
+    kind = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"
+    assert torch_build() == f"torch {torch.__version__} ({kind} build)"
