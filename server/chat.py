@@ -27,7 +27,6 @@ from plait.engine import TokenLogprob
 from plait.server.constrained.output_plan import (
     OutputPlan,
     chat_output_plan,
-    chat_template,
     render_messages,
 )
 from plait.server.constrained.output_reader import ChoiceStream, choice_message
@@ -38,12 +37,14 @@ from plait.server.logprobs import chat_content
 from plait.server.params import Plan, chat_plan
 from plait.server.prompts import (
     Prompt,
+    TemplateInput,
     chat_prompt_ids,
     check_params,
     check_prompt,
     check_text_size,
     message_chars,
     template_flags,
+    template_kwargs,
 )
 from plait.server.protocol import ChatCompletionRequest, reject_unsupported
 from plait.server.routing import ApiRoute
@@ -71,7 +72,8 @@ async def chat_input(body: ChatCompletionRequest, state: ServerState) -> ChatInp
     check_model(state, body.model)
     reject_unsupported(body)
     engine = state.engine
-    output = await chat_output_plan(body, chat_template(engine.tokenizer))
+    template = state.chat_template
+    output = await chat_output_plan(body, template)
     plan = chat_plan(body, output.spec)
     check_params(engine, plan.params)
     flags = template_flags(body.messages, body.add_generation_prompt,
@@ -79,8 +81,8 @@ async def chat_input(body: ChatCompletionRequest, state: ServerState) -> ChatInp
     messages = render_messages(body.messages, output)
     check_num_sequences(engine, state.settings.max_queued_requests, plan.num_samples, "n")
     check_text_size(engine, engine.tokenizer, message_chars(messages), "messages")
-    token_ids = await chat_prompt_ids(engine.tokenizer, messages, flags,
-                                      tools=output.template_tools)
+    token_ids = await chat_prompt_ids(engine.tokenizer, messages, TemplateInput(
+        flags, output.template_tools, template, template_kwargs(body.chat_template_kwargs)))
     token_ids = truncated(body, token_ids, engine.info.max_model_len)
     check_prompt(engine, token_ids, "messages")
     return ChatInput(plan, output, token_ids)

@@ -122,6 +122,7 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM extras: how the chat template ends the prompt (see prompts.template_flags).
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # variables for the template
     # Identifiers that do not change the output.
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
@@ -165,6 +166,7 @@ class TokenizeRequest(StrictModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = None
 
 
