@@ -73,8 +73,8 @@ async def chat_input(body: ChatCompletionRequest, state: ServerState) -> ChatInp
     reject_unsupported(body)
     engine = state.engine
     template = state.chat_template
-    output = await chat_output_plan(body, template)
-    plan = chat_plan(body, output.spec)
+    output = await chat_output_plan(body, template, state.settings.tool_call_parser)
+    plan = chat_plan(body, output.spec, keep_special=output.keep_special)
     check_params(engine, plan.params)
     flags = template_flags(body.messages, body.add_generation_prompt,
                            body.continue_final_message)

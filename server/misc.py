@@ -85,8 +85,9 @@ async def tokenize(body: TokenizeRequest, state: ReadyDep) -> Response:
                                body.continue_final_message)
         template = state.chat_template
         # With tools, the prompt chat completions builds for them (tool_choice "auto").
-        output = (conversation_plan(template) if body.tools is None else
-                  await chat_output_plan(_ToolsOnly(body.tools), template))
+        parser_name = state.settings.tool_call_parser
+        output = (conversation_plan(template, parser_name) if body.tools is None else
+                  await chat_output_plan(_ToolsOnly(body.tools), template, parser_name))
         messages = render_messages(body.messages, output)
         tokens = await chat_prompt_ids(tokenizer, messages, TemplateInput(
             flags, output.template_tools, template, template_kwargs(body.chat_template_kwargs)))

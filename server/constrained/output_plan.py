@@ -89,25 +89,33 @@ class OutputPlan:
     forced: bool = False  # required / named: every finished output is a call
     bare: BareCalls | None = None
 
+    @property
+    def keep_special(self) -> bool:
+        """The output is read by a parser whose markers are special tokens: decode them."""
+        return self.mode == "parser" and self.parser is not None and self.parser.keep_special
 
-async def chat_output_plan(body: ToolRequest, template: str | None) -> OutputPlan:
+
+async def chat_output_plan(body: ToolRequest, template: str | None,
+                           parser_name: str | None = None) -> OutputPlan:
     """`plan_output`, off the event loop when the request has schemas to check."""
     if body.tools is None and body.response_format is None and body.structured_outputs is None:
-        return plan_output(body, template)
+        return plan_output(body, template, parser_name)
     param = ("tools" if body.tools is not None else "response_format"
              if body.response_format is not None else "structured_outputs")
-    return await build_off_loop(plan_output, body, template, param=param)
+    return await build_off_loop(plan_output, body, template, parser_name, param=param)
 
 
-def plan_output(body: ToolRequest, template: str | None) -> OutputPlan:
-    """The request's `OutputPlan`; 400s name the offending parameter."""
+def plan_output(body: ToolRequest, template: str | None,
+                parser_name: str | None = None) -> OutputPlan:
+    """The request's `OutputPlan`; 400s name the offending parameter. `parser_name`
+    (--tool-call-parser) overrides the parser detected from `template`."""
     tools = parse_tools(body.tools)
     choice = parse_tool_choice(body.tool_choice, tools)
     if body.structured_outputs is not None and tools and choice != "none":
         raise bad_request("Invalid 'structured_outputs': it cannot be combined with tools.",
                           "structured_outputs", "invalid_value")
     answer = answer_spec(body.response_format, body.structured_outputs)
-    parser = detect_parser(template)
+    parser = detect_parser(template, parser_name)
     native = parser is not None
     template_tools = [t.model_dump(exclude_none=True) for t in tools] if native else None
     # A tool template still shows the tools (as vLLM). (choice is None only without tools.)
@@ -164,10 +172,10 @@ def _text(message: ChatMessage, i: int) -> str:
     return content
 
 
-def conversation_plan(template: str | None) -> OutputPlan:
+def conversation_plan(template: str | None, parser_name: str | None = None) -> OutputPlan:
     """The plan of a conversation rendered with no tools to call (/tokenize): tool results
     and assistant tool calls render exactly as in a chat request to the same model."""
-    return OutputPlan("text", None, native=detect_parser(template) is not None)
+    return OutputPlan("text", None, native=detect_parser(template, parser_name) is not None)
 
 
 def render_messages(messages: list[ChatMessage], plan: OutputPlan) -> list[dict[str, Any]]:

@@ -24,20 +24,22 @@ from plait.server.settings import ServerSettings
 
 class TextCore(ScriptedCore):
     """Sub-request k (in the order they are added) writes `scripts[k % len]` token by token
-    and finishes with "stop" (or "length" at its max_tokens). `prompts` records each
-    sub-request's prompt token ids."""
+    and finishes with "stop" (or "length" at its max_tokens). `prompts` and `params` record
+    each sub-request's prompt token ids and sampling parameters."""
 
     def __init__(self, tokenizer, scripts: list[str]) -> None:
         super().__init__(tokenizer)
         self.scripts = [tokenizer.encode(s, add_special_tokens=False) for s in scripts]
         self.tokens: dict[str, list[int]] = {}
         self.prompts: list[list[int]] = []
+        self.params: list[SamplingParams] = []
 
     def add_request(self, request_id, prompt_token_ids, params) -> None:
         super().add_request(request_id, prompt_token_ids, params)
         with self.lock:
             self.tokens[request_id] = self.scripts[len(self.tokens) % len(self.scripts)]
             self.prompts.append(list(prompt_token_ids))
+            self.params.append(params)
 
     def next_delta(self, request_id: str, params: SamplingParams, done: int) -> RequestDelta:
         script = self.tokens[request_id]
