@@ -7,6 +7,8 @@ Stream of one request (n=2), one choice per chunk, same id/created on every chun
     {"index":1,"delta":{"content":"Hi"}} ...                  interleaved in arrival order
     {"index":0,"delta":{},"finish_reason":"stop"}             exactly one per index
     (tool calls and response_format: constrained/output_plan.py, output_reader.py)
+    {"index":0,"delta":{"reasoning_content":"..","reasoning":".."}}  --reasoning-parser:
+                                                  <think> text first (reasoning.py)
     {"choices":[],"usage":{...}}                              with include_usage only
     [DONE]                                        (the tail: serving.with_tail)
 
@@ -47,6 +49,7 @@ from plait.server.prompts import (
     template_kwargs,
 )
 from plait.server.protocol import ChatCompletionRequest, reject_unsupported
+from plait.server.reasoning import reasoning_format
 from plait.server.routing import ApiRoute
 from plait.server.serving import chunk_base, serve_generation, with_tail
 from plait.server.sse import encode
@@ -73,7 +76,9 @@ async def chat_input(body: ChatCompletionRequest, state: ServerState) -> ChatInp
     reject_unsupported(body)
     engine = state.engine
     template = state.chat_template
-    output = await chat_output_plan(body, template, state.settings.tool_call_parser)
+    settings = state.settings
+    output = await chat_output_plan(body, template, settings.tool_call_parser,
+                                    reasoning_format(settings.reasoning_parser))
     plan = chat_plan(body, output.spec, keep_special=output.keep_special)
     check_params(engine, plan.params)
     flags = template_flags(body.messages, body.add_generation_prompt,

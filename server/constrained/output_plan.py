@@ -21,7 +21,7 @@ and consecutive tool results become one user message "Result of <name> (<id>): <
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from plait.engine import StructuredSpec
@@ -43,6 +43,7 @@ from plait.server.constrained.request_fields import (
 from plait.server.errors import bad_request
 from plait.server.prompts import text_part
 from plait.server.protocol import ChatMessage
+from plait.server.reasoning import ReasoningFormat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -76,7 +77,9 @@ class OutputPlan:
     tools itself; `template_tools` go to it. `system_text` (non-native only) describes the
     tools and the call format. `forced`: the grammar makes every finished output a call
     (tool_choice required or named). `bare` (tool_choice auto only): reads a whole answer
-    that is call JSON without the parser's markers as calls, when the parser found none."""
+    that is call JSON without the parser's markers as calls, when the parser found none.
+    `reasoning` (--reasoning-parser) splits <think> reasoning off first (reasoning.py);
+    it is None under a grammar, which binds the output from its first token."""
 
     mode: OutputMode
     spec: StructuredSpec | None
@@ -88,6 +91,7 @@ class OutputPlan:
     system_text: str | None = None
     forced: bool = False  # required / named: every finished output is a call
     bare: BareCalls | None = None
+    reasoning: ReasoningFormat | None = None  # --reasoning-parser, unconstrained output only
 
     @property
     def keep_special(self) -> bool:
@@ -96,13 +100,17 @@ class OutputPlan:
 
 
 async def chat_output_plan(body: ToolRequest, template: str | None,
-                           parser_name: str | None = None) -> OutputPlan:
-    """`plan_output`, off the event loop when the request has schemas to check."""
+                           parser_name: str | None = None,
+                           reasoning: ReasoningFormat | None = None) -> OutputPlan:
+    """`plan_output`, off the event loop when the request has schemas to check; with
+    `reasoning` on every plan whose output no grammar binds."""
     if body.tools is None and body.response_format is None and body.structured_outputs is None:
-        return plan_output(body, template, parser_name)
-    param = ("tools" if body.tools is not None else "response_format"
-             if body.response_format is not None else "structured_outputs")
-    return await build_off_loop(plan_output, body, template, parser_name, param=param)
+        plan = plan_output(body, template, parser_name)
+    else:
+        param = ("tools" if body.tools is not None else "response_format"
+                 if body.response_format is not None else "structured_outputs")
+        plan = await build_off_loop(plan_output, body, template, parser_name, param=param)
+    return replace(plan, reasoning=reasoning) if plan.spec is None else plan
 
 
 def plan_output(body: ToolRequest, template: str | None,
