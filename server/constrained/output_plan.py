@@ -34,6 +34,7 @@ from plait.server.constrained.grammars import (
     named_spec,
     required_spec,
 )
+from plait.server.constrained.reasoning_grammar import widened
 from plait.server.constrained.request_fields import (
     Tool,
     parse_message_tool_calls,
@@ -79,7 +80,7 @@ class OutputPlan:
     (tool_choice required or named). `bare` (tool_choice auto only): reads a whole answer
     that is call JSON without the parser's markers as calls, when the parser found none.
     `reasoning` (--reasoning-parser) splits <think> reasoning off first (reasoning.py);
-    it is None under a grammar, which binds the output from its first token."""
+    it is None under a grammar that binds the output from its first token."""
 
     mode: OutputMode
     spec: StructuredSpec | None
@@ -91,7 +92,7 @@ class OutputPlan:
     system_text: str | None = None
     forced: bool = False  # required / named: every finished output is a call
     bare: BareCalls | None = None
-    reasoning: ReasoningFormat | None = None  # --reasoning-parser, unconstrained output only
+    reasoning: ReasoningFormat | None = None  # --reasoning-parser
 
     @property
     def keep_special(self) -> bool:
@@ -102,15 +103,22 @@ class OutputPlan:
 async def chat_output_plan(body: ToolRequest, template: str | None,
                            parser_name: str | None = None,
                            reasoning: ReasoningFormat | None = None) -> OutputPlan:
-    """`plan_output`, off the event loop when the request has schemas to check; with
-    `reasoning` on every plan whose output no grammar binds."""
+    """`plan_output`, off the event loop when the request has schemas to check. With
+    `reasoning`, the plan reads the reasoning off first, and a JSON grammar lets the
+    reasoning block come before the JSON (reasoning_grammar.py); a plan with any other
+    grammar gets no reasoning."""
     if body.tools is None and body.response_format is None and body.structured_outputs is None:
         plan = plan_output(body, template, parser_name)
-    else:
-        param = ("tools" if body.tools is not None else "response_format"
-                 if body.response_format is not None else "structured_outputs")
-        plan = await build_off_loop(plan_output, body, template, parser_name, param=param)
-    return replace(plan, reasoning=reasoning) if plan.spec is None else plan
+        return plan if reasoning is None else replace(plan, reasoning=reasoning)
+    param = ("tools" if body.tools is not None else "response_format"
+             if body.response_format is not None else "structured_outputs")
+    plan = await build_off_loop(plan_output, body, template, parser_name, param=param)
+    if reasoning is None:
+        return plan
+    if plan.spec is None:
+        return replace(plan, reasoning=reasoning)
+    spec = await build_off_loop(widened, plan.spec, reasoning, param, param=param)
+    return plan if spec is None else replace(plan, spec=spec, reasoning=reasoning)
 
 
 def plan_output(body: ToolRequest, template: str | None,

@@ -106,15 +106,28 @@ def test_without_the_flag_think_tags_stay_content(bare_tokenizer) -> None:
     assert message == {"role": "assistant", "content": "<think>a</think>b", "refusal": None}
 
 
-def test_structured_output_is_not_split(bare_tokenizer) -> None:
-    """A grammar binds the output from its first token, so no reasoning can come first."""
-    core = TextCore(bare_tokenizer, ['{"a": 1}'])
+def test_structured_output_and_named_calls_come_after_the_reasoning(bare_tokenizer) -> None:
+    settings = ServerSettings(chat_template=QWEN3, reasoning_parser="qwen3")
+    whole, streamed, core = run_chat(bare_tokenizer, ['<think>JSON.</think>\n{"a": 1}'],
+                                     settings, response_format={"type": "json_object"})
+    assert whole == streamed == {0: choice('{"a": 1}', "JSON.")}
+    assert core.params[0].structured.kind == "lark"  # the widened grammar (unit-tested)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole, streamed, _ = run_chat(bare_tokenizer, ['<think>Paris.</think>{"city": "Paris"}'],
+                                  settings, tools=[WEATHER], tool_choice=named)
+    assert whole == streamed == {0: choice(None, "Paris.", finish="tool_calls", tool_calls=[
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}])}
+
+
+def test_a_regex_grammar_gets_no_reasoning_split(bare_tokenizer) -> None:
+    """A regex binds the output from its first token: no reasoning can come first."""
+    core = TextCore(bare_tokenizer, ["<think>ab"])
     settings = ServerSettings(chat_template=QWEN3, reasoning_parser="qwen3")
     with scripted_client(core, settings) as http:
         message = http.post("/v1/chat/completions", json={
             "model": "scripted-model", "messages": QUESTION,
-            "response_format": {"type": "json_object"}}).json()["choices"][0]["message"]
-    assert message["content"] == '{"a": 1}' and "reasoning_content" not in message
+            "structured_outputs": {"regex": "<think>[a-z]+"}}).json()["choices"][0]["message"]
+    assert message["content"] == "<think>ab" and "reasoning_content" not in message
 
 
 # ------------------------------------------------------------------ the Responses API
