@@ -47,6 +47,10 @@ class ChatMessage(StrictModel):
     # Checked in constrained/request_fields.py, output_plan.py (exact shapes, precise errors).
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # An assistant message's reasoning, as a reasoning parser returned it (either name);
+    # given to the template as `reasoning_content` (output_plan.render_messages).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     # Assistant-message fields of features Plait lacks; the SDK round-trips them as null.
     refusal: Any = None
     function_call: Any = None

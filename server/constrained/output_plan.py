@@ -217,6 +217,10 @@ def render_messages(messages: list[ChatMessage], plan: OutputPlan) -> list[dict[
         entry: dict[str, Any] = {"role": role, "content": _text(message, i)}
         if message.name is not None:
             entry["name"] = message.name
+        reasoning = (message.reasoning_content if message.reasoning_content is not None
+                     else message.reasoning)
+        if reasoning is not None:
+            entry["reasoning_content"] = reasoning
         if message.tool_calls:
             calls = parse_message_tool_calls(message.tool_calls, i)
             names_by_id.update((call.id, call.function.name) for call, _ in calls)
@@ -236,6 +240,10 @@ def _check_message(message: ChatMessage, i: int) -> None:
     if message.role != "tool" and message.tool_call_id is not None:
         raise bad_request(f"Invalid 'messages.[{i}].tool_call_id': only messages with role "
                           "'tool' have one.", f"messages.[{i}].tool_call_id", "invalid_value")
+    for name in ("reasoning_content", "reasoning"):
+        if getattr(message, name) is not None and message.role != "assistant":
+            raise bad_request(f"Invalid 'messages.[{i}].{name}': only messages with role "
+                              "'assistant' have one.", f"messages.[{i}].{name}", "invalid_value")
     if message.tool_calls is not None and message.role != "assistant":
         raise bad_request(f"Invalid 'messages.[{i}].tool_calls': only messages with role "
                           "'assistant' have them.", f"messages.[{i}].tool_calls",

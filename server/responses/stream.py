@@ -66,9 +66,11 @@ class ItemWriter:
         self.chat = ChoiceStream(ctx.plan)
         self.message_idx: int | None = None  # output_index of the open message
         self.reasoning_idx: int | None = None  # output_index of the open reasoning item
+        self.num_messages = 0  # message items opened so far
         self.call_idx: dict[int, int] = {}  # chat tool_calls index -> output_index (open)
 
     def open_message(self) -> list[bytes]:
+        self.num_messages += 1
         idx = len(self.log.output)
         item = message_item()
         self.log.output.append(item)
@@ -93,6 +95,8 @@ class ItemWriter:
         status = item_status(finish_reason)
         if self.reasoning_idx is not None:
             frames += self._close_reasoning(status)
+        if not self.num_messages and not self.call_idx and self.ctx.plan.mode == "text":
+            frames += self.open_message()  # (a reasoning plan opens it lazily) as whole
         if self.message_idx is not None:
             frames += self._close_message(status)
         for idx in self.call_idx.values():

@@ -98,6 +98,29 @@ def test_enable_thinking_false_closes_the_block_in_the_prompt(bare_tokenizer) ->
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
+def test_reasoning_sent_back_reaches_the_template(bare_tokenizer) -> None:
+    """Qwen3 shows the reasoning of the turn after the last user message (a tool loop)."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call],
+                            "reasoning_content": "Look it up."},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    core = TextCore(bare_tokenizer, ["ok"])
+    settings = ServerSettings(chat_template=QWEN3, reasoning_parser="qwen3")
+    with scripted_client(core, settings) as http:
+        tokens = http.post("/tokenize", json={"messages": messages, "tools": [WEATHER]}).json()
+        renamed = [*messages[:1], {**messages[1], "reasoning": "Look it up."}, messages[2]]
+        del renamed[1]["reasoning_content"]
+        same = http.post("/tokenize", json={"messages": renamed, "tools": [WEATHER]}).json()
+        bad = http.post("/v1/chat/completions", json={
+            "model": "scripted-model",
+            "messages": [{"role": "user", "content": "hi", "reasoning": "no"}]})
+    prompt = bare_tokenizer.decode(tokens["tokens"])
+    assert "<|im_start|>assistant\n<think>\nLook it up.\n</think>\n\n<tool_call>" in prompt
+    assert same["tokens"] == tokens["tokens"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages.[0].reasoning"
+
+
 def test_without_the_flag_think_tags_stay_content(bare_tokenizer) -> None:
     core = TextCore(bare_tokenizer, ["<think>a</think>b"])
     with scripted_client(core, ServerSettings(chat_template=QWEN3)) as http:
