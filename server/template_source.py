@@ -8,9 +8,9 @@ template itself, as vLLM's `--chat-template`:
       line break
     anything else              an error: a path that names no file
 
-Either way the source must parse as Jinja (transformers renders it with jinja2 and the
-loop-controls extension), so a broken template stops the server at start, not on the
-first chat request.
+Either way the source must compile as transformers compiles it for rendering (jinja2 with
+its `{% generation %}` tag and loop controls), so a broken template stops the server at
+start, not on the first chat request.
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ def read_chat_template(value: str | None) -> str | None:
 
 def check_syntax(source: str, where: str) -> None:
     """ValueError naming `where` and the line when `source` is not a Jinja template."""
-    from jinja2 import Environment, TemplateSyntaxError
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
 
     try:
-        Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+        _compile_jinja_template(source)
     except TemplateSyntaxError as exc:
         raise ValueError(f"--chat-template: {where} is not a Jinja template: {exc.message} "
                          f"(line {exc.lineno})") from None

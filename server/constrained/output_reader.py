@@ -17,6 +17,10 @@ Non-streaming: `choice_message`. Streaming: one `ChoiceStream` per choice index:
                      held text goes out and the above applies; at the end, the calls as
                      above, or the held text as content. Other text is never held.
 
+With a reasoning parser (plan.reasoning) the text is first split by reasoning.py: the
+reasoning goes out as {"reasoning_content": .., "reasoning": ..} deltas (and message
+fields), and only the text after </think> is read as above.
+
 A choice whose calls were parsed and which stopped naturally ends with finish_reason
 "tool_calls"; a length cut stays "length". Logprobs of held-back text go out with the next
 delta that is sent.

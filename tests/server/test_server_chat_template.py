@@ -116,6 +116,10 @@ def test_a_file_an_inline_template_and_errors(tmp_path) -> None:
         read_chat_template("missing.jinja")
     with pytest.raises(ValueError, match=r"the inline template is not a Jinja template: .*line 1"):
         read_chat_template("{% for m in messages %}")
+    # transformers' own tag (assistant masks) compiles, as transformers renders it
+    tracked = ("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}"
+               "{% endfor %}")
+    assert read_chat_template(tracked) == tracked
 
 
 def test_the_cli_reads_the_file_and_checks_parser_names(tmp_path, capsys) -> None:
