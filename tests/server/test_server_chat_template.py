@@ -5,11 +5,13 @@ and checked at start."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from helpers.scripted_text import TextCore, scripted_client
-from helpers.server import error_of
+from helpers.server import MODEL, error_of, start_server
 
-from plait.cli import build_parser, server_settings
+from plait.cli import build_parser, main, server_settings
 from plait.engine.model_loader import load_tokenizer
 from plait.server.prompts import RESERVED_TEMPLATE_KWARGS
 from plait.server.settings import ServerSettings
@@ -138,3 +140,37 @@ def test_the_cli_reads_the_file_and_checks_parser_names(tmp_path, capsys) -> Non
     assert "invalid choice: 'nope'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
         ServerSettings(tool_call_parser="json")
+
+
+# ------------------------------------------------------------------ `plait serve`, for real
+def test_plait_serve_with_the_three_flags(tiny_path) -> None:
+    """The flags through the CLI into a served app: the Qwen3-shaped test template renders,
+    its kwargs apply, and chat answers carry the reasoning fields (random weights: no
+    <think>, so they are null)."""
+    qwen3 = Path(__file__).parent.parent / "data" / "templates" / "qwen3.jinja"
+    server = start_server([str(tiny_path), "--served-model-name", MODEL, "--num-kv-blocks",
+                           "64", "--chat-template", str(qwen3), "--tool-call-parser",
+                           "hermes", "--reasoning-parser", "qwen3"])
+    try:
+        server.wait_healthy()
+        with server.http() as http:
+            assert http.get("/tokenizer_info").json()["chat_template"] == qwen3.read_text()
+            tokens = http.post("/tokenize", json={
+                "messages": MESSAGES,
+                "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
+            message = http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": MESSAGES, "max_tokens": 3,
+                "seed": 1}).json()["choices"][0]["message"]
+    finally:
+        server.stop()
+    text = load_tokenizer(tiny_path).decode(tokens)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert message["reasoning_content"] is None and message["reasoning"] is None
+    assert isinstance(message["content"], str)
+
+
+def test_plait_serve_refuses_a_missing_template_file(capsys) -> None:
+    assert main(["serve", "--chat-template", "no-such-template.jinja"]) == 2
+    assert capsys.readouterr().err == (
+        "plait serve: error: --chat-template 'no-such-template.jinja': no such file (an "
+        "inline template holds '{{' or '{%')\n")
