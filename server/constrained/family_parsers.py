@@ -1,15 +1,14 @@
 """Tool-call parsers of the families that write calls in a shape of their own (vLLM's parser
 names; registered and detected in call_parsers.py):
 
-    mistral         text[TOOL_CALLS][{"name":..,"arguments":{..}}, ...]     (v3 tokenizers)
-                    text[TOOL_CALLS]name{..}[TOOL_CALLS]name{..}          (v11+; the text may
-                                                                           hold [ARGS] after
-                                                                           the name)
+    mistral         text[TOOL_CALLS][{"name":..,"arguments":{..}}, ...]    v3 tokenizers
+                    text[TOOL_CALLS]name{..}[TOOL_CALLS]name{..}         v11+ ([ARGS] may
+                                                                         follow the name)
     pythonic        [f(a=1, b="x"), g()]  the whole output: a Python list of calls with
                     literal keyword arguments (Llama 3.2, Gemma 3 pythonic templates)
-    phi4_mini_json  text functools[{"name":..,"arguments":{..}}, ...]   (Phi-4-mini)
-    granite         text<|tool_call|>[{"name":..,"arguments":{..}}, ...]  (Granite 3.x; a
-                    `<tool_call>` marker is read the same way, as Granite 3.1 writes it too)
+    phi4_mini_json  text functools[{"name":..,"arguments":{..}}, ...]     Phi-4-mini
+    granite         text<|tool_call|>[{"name":..,"arguments":{..}}, ...]  Granite 3.x (a
+                    <tool_call> marker is read the same way: Granite 3.1 writes it too)
 
 Each returns the text before its marker as content and the calls, or, when anything after
 the marker is not exactly calls of declared tools with object arguments, the whole text as
