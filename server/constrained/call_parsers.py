@@ -30,8 +30,9 @@ the family's markers (what small models often write) is a call too: `BareCalls`,
 after the parser found none.
 
 To add a family: write a `ToolParser` (a `parse` function, plus the text that starts a call
-in `markers`, used when streaming to hold text back), register it in `PARSERS`, and add its
-detection rule to `detect_parser`. A test in tests/server/test_server_tools.py per parser.
+in `markers`, used when streaming to hold text back), register it in `PARSERS`, add its
+detection rule to `_DETECTION` and its name to settings.TOOL_CALL_PARSERS; test it as
+tests/server/test_server_tool_families.py does (docs/tools.md, "Adding a parser").
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from plait.server.constrained.family_parsers import (
 )
 from plait.server.constrained.output_plan import plan_output
 from plait.server.protocol import ChatCompletionRequest
-from plait.server.settings import ServerSettings
+from plait.server.settings import TOOL_CALL_PARSERS, ServerSettings
 
 TEMPLATES = Path(__file__).parent.parent / "data" / "templates"
 NAMES = frozenset({"get_weather", "get_time"})
@@ -264,3 +264,7 @@ def test_the_flag_picks_the_parser_over_the_template(bare_tokenizer) -> None:
     assert [c["function"] for c in message["tool_calls"]] == [
         {"name": "get_weather", "arguments": '{"city": "Paris"}'}]
     assert core.params[0].skip_special_tokens is True  # pythonic: no special markers
+
+
+def test_every_named_parser_is_registered() -> None:
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS) - {"json"}
