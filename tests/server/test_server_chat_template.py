@@ -5,6 +5,7 @@ and checked at start."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -161,8 +162,20 @@ def test_plait_serve_with_the_three_flags(tiny_path) -> None:
             message = http.post("/v1/chat/completions", json={
                 "model": MODEL, "messages": MESSAGES, "max_tokens": 3,
                 "seed": 1}).json()["choices"][0]["message"]
+            # The engine compiles and applies the widened grammar (reasoning, then JSON).
+            constrained = [http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": MESSAGES, "max_tokens": 40, "seed": seed,
+                "response_format": {"type": "json_object"}}).json()["choices"][0]
+                for seed in range(4)]
     finally:
         server.stop()
+    for choice in constrained:  # random weights: reasoning or JSON, as the grammar allows
+        content, reasoning = choice["message"]["content"], choice["message"]["reasoning"]
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(content), dict)
+        else:  # cut by length: inside the <think> block, or inside the JSON
+            assert choice["finish_reason"] == "length"
+            assert reasoning is not None or (content or "").startswith("{")
     text = load_tokenizer(tiny_path).decode(tokens)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert message["reasoning_content"] is None and message["reasoning"] is None
