@@ -86,7 +86,7 @@ def parse_json(text: str, names: frozenset[str]) -> ParsedOutput:
     if stripped[:1] in ("{", "["):
         try:
             calls = calls_of(json.loads(stripped), names, ("arguments",))
-        except ValueError:
+        except (ValueError, RecursionError):  # deep nesting: not a call
             calls = None
         if calls:
             return ParsedOutput(None, calls)
@@ -107,7 +107,7 @@ def parse_hermes(text: str, names: frozenset[str]) -> ParsedOutput:
     for match in _HERMES.finditer(text, start):
         try:
             call = call_of(json.loads(match.group(1)), names, ("arguments", "parameters"))
-        except ValueError:
+        except (ValueError, RecursionError):
             call = None
         if call is None:
             return ParsedOutput(content_of(text), [])
@@ -127,7 +127,7 @@ def parse_llama3_json(text: str, names: frozenset[str]) -> ParsedOutput:
     while pos < len(body):
         try:
             obj, end = decoder.raw_decode(body, pos)
-        except ValueError:
+        except (ValueError, RecursionError):
             return ParsedOutput(content_of(text), [])
         call = call_of(obj, names, ("parameters", "arguments"))
         if call is None:
@@ -175,7 +175,7 @@ class BareCalls:
             return None
         try:
             return self._calls(_DECODER.decode(body))
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
 
     def possible(self, text: str) -> bool:
@@ -196,6 +196,8 @@ class BareCalls:
             return False  # "{x", "[1": not a call's start
         try:
             value, end = _DECODER.raw_decode(body)
+        except RecursionError:
+            return False  # nested deeper than any call is read
         except ValueError:
             return True  # not complete yet
         rest = body[end:].strip()
@@ -217,7 +219,7 @@ class BareCalls:
         if isinstance(args, str):
             try:
                 args = _DECODER.decode(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
         if not isinstance(args, dict) or not is_valid(args, self.schemas[name]):
             return None

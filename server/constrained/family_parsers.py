@@ -23,6 +23,7 @@ import json
 from typing import Any
 
 from plait.server.constrained.parsed import (
+    STRICT_JSON,
     ParsedCall,
     ParsedOutput,
     calls_of,
@@ -36,17 +37,14 @@ PHI4_MARKER = "functools["
 GRANITE_MARKERS = ("<|tool_call|>", "<tool_call>")
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity
-
-
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)
-
-
 def _json_value(text: str) -> Any:
-    """The one JSON value `text` holds (whitespace around it only); ValueError otherwise."""
+    """The one JSON value `text` holds (whitespace around it only); ValueError otherwise
+    (also for JSON nested deeper than Python's recursion limit)."""
     body = text.strip()
-    value, end = _DECODER.raw_decode(body)
+    try:
+        value, end = STRICT_JSON.raw_decode(body)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
     if body[end:].strip():
         raise ValueError("text after the JSON value")
     return value
@@ -127,7 +125,7 @@ def _python_call(node: ast.expr, names: frozenset[str]) -> ParsedCall | None:
             return None
     try:
         return ParsedCall(node.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False))
-    except ValueError:  # inf or nan
+    except (ValueError, RecursionError):  # inf or nan; nested too deeply
         return None
 
 

@@ -8,6 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity
+
+
+STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant)  # JSON as the spec has it
+
+
 @dataclass(frozen=True, slots=True)
 class ParsedCall:
     """One call: the function's name and its arguments as JSON text."""

@@ -268,3 +268,21 @@ def test_the_flag_picks_the_parser_over_the_template(bare_tokenizer) -> None:
 
 def test_every_named_parser_is_registered() -> None:
     assert set(TOOL_CALL_PARSERS) == set(PARSERS) - {"json"}
+
+
+def test_json_nested_past_the_recursion_limit_is_content() -> None:
+    deep = "[" * 5000 + "]" * 5000
+    texts = {"mistral": f"[TOOL_CALLS]get_time{{\"zone\": {deep}}}",
+             "phi4_mini_json": f"functools[{deep}]", "granite": f"<|tool_call|>{deep}",
+             "pythonic": f"[get_time(zone={deep})]",
+             "hermes": f"<tool_call>{{\"name\": \"get_time\", \"arguments\": {deep}}}",
+             "llama3_json": f'{{"name": "get_time", "parameters": {{"a": {deep}}}}}',
+             "json": deep}
+    for name, text in texts.items():
+        assert PARSERS[name].parse(text, NAMES) == ParsedOutput(text, []), name
+    body = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [TIME]})
+    plan = plan_output(body, template("phi4_mini.jinja"))
+    got, reason = reassemble(plan, split(f'[{{"name": "get_time", "arguments": {deep}}}]', 500),
+                             "stop")
+    assert (got["tool_calls"], reason) == ([], "stop")
