@@ -31,7 +31,12 @@ from plait.engine import (
     WEIGHT_FORMATS,
     EngineConfig,
 )
-from plait.server.settings import ServerSettings  # a plain dataclass: no HTTP stack
+from plait.server.settings import (  # plain dataclass and names: no HTTP stack
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    ServerSettings,
+)
+from plait.server.template_source import read_chat_template
 
 ENV_PREFIX = "PLAIT_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -174,6 +179,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("--engine-process", bool,
            "run the engine core in its own child process (off: a thread of the server "
            "process)"),
+    Option("--chat-template", str,
+           "chat template for messages, a file or the template itself (default: the "
+           "model's own; a model without one serves /v1/completions only)"),
+    Option("--tool-call-parser", str,
+           "the tool-call format the model writes (default: detected from the chat "
+           "template)", TOOL_CALL_PARSERS),
+    Option("--reasoning-parser", str,
+           "return <think> reasoning as reasoning_content (default: none, off)",
+           REASONING_PARSERS),
     Option("--ui", "bool?",
            "serve the playground page at /ui (default: on when --host is 127.0.0.1, "
            "localhost or ::1, off otherwise)"),
@@ -288,8 +302,9 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
-    return ServerSettings(**_field_values(ServerSettings, args), engine=engine_config(args),
-                          api_keys=api_keys(args))
+    values = _field_values(ServerSettings, args)
+    values["chat_template"] = read_chat_template(values.get("chat_template"))
+    return ServerSettings(**values, engine=engine_config(args), api_keys=api_keys(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

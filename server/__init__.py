@@ -5,10 +5,12 @@ Modules, one job each:
     app.py          create_app: lifespan (background model load), middleware, routers
     serve.py        run under uvicorn for `plait serve` (drain on SIGTERM, exit codes)
     settings.py     ServerSettings (built by plait/cli.py)
+    template_source.py  --chat-template's value -> the template source, checked at start
     state.py        ServerState and the Annotated dependencies routes take
     protocol.py     request bodies (pydantic), unsupported-parameter checks
     params.py       request (+ its output constraint) -> finished SamplingParams, fan-out Plan
     prompts.py      chat template / completion prompts -> token ids, context checks
+    reasoning.py    --reasoning-parser: <think> reasoning split from the answer
     fanout.py       n choices -> n engine sub-requests, abort
     merge.py        interleave the sub-requests' delta streams
     generation.py   drive a fanned-out request (async with): accumulate choices (the engine's

@@ -7,6 +7,8 @@ Stream of one request (n=2), one choice per chunk, same id/created on every chun
     {"index":1,"delta":{"content":"Hi"}} ...                  interleaved in arrival order
     {"index":0,"delta":{},"finish_reason":"stop"}             exactly one per index
     (tool calls and response_format: constrained/output_plan.py, output_reader.py)
+    {"index":0,"delta":{"reasoning_content":"..","reasoning":".."}}  --reasoning-parser:
+                                                  <think> text first (reasoning.py)
     {"choices":[],"usage":{...}}                              with include_usage only
     [DONE]                                        (the tail: serving.with_tail)
 
@@ -27,7 +29,6 @@ from plait.engine import TokenLogprob
 from plait.server.constrained.output_plan import (
     OutputPlan,
     chat_output_plan,
-    chat_template,
     render_messages,
 )
 from plait.server.constrained.output_reader import ChoiceStream, choice_message
@@ -38,14 +39,17 @@ from plait.server.logprobs import chat_content
 from plait.server.params import Plan, chat_plan
 from plait.server.prompts import (
     Prompt,
+    TemplateInput,
     chat_prompt_ids,
     check_params,
     check_prompt,
     check_text_size,
     message_chars,
     template_flags,
+    template_kwargs,
 )
 from plait.server.protocol import ChatCompletionRequest, reject_unsupported
+from plait.server.reasoning import reasoning_format
 from plait.server.routing import ApiRoute
 from plait.server.serving import chunk_base, serve_generation, with_tail
 from plait.server.sse import encode
@@ -71,16 +75,19 @@ async def chat_input(body: ChatCompletionRequest, state: ServerState) -> ChatInp
     check_model(state, body.model)
     reject_unsupported(body)
     engine = state.engine
-    output = await chat_output_plan(body, chat_template(engine.tokenizer))
-    plan = chat_plan(body, output.spec)
+    template = state.chat_template
+    settings = state.settings
+    output = await chat_output_plan(body, template, settings.tool_call_parser,
+                                    reasoning_format(settings.reasoning_parser))
+    plan = chat_plan(body, output.spec, keep_special=output.keep_special)
     check_params(engine, plan.params)
     flags = template_flags(body.messages, body.add_generation_prompt,
                            body.continue_final_message)
     messages = render_messages(body.messages, output)
     check_num_sequences(engine, state.settings.max_queued_requests, plan.num_samples, "n")
     check_text_size(engine, engine.tokenizer, message_chars(messages), "messages")
-    token_ids = await chat_prompt_ids(engine.tokenizer, messages, flags,
-                                      tools=output.template_tools)
+    token_ids = await chat_prompt_ids(engine.tokenizer, messages, TemplateInput(
+        flags, output.template_tools, template, template_kwargs(body.chat_template_kwargs)))
     token_ids = truncated(body, token_ids, engine.info.max_model_len)
     check_prompt(engine, token_ids, "messages")
     return ChatInput(plan, output, token_ids)

@@ -19,13 +19,12 @@ import plait
 from plait.engine import EngineClient, decode_ids
 from plait.server.constrained.output_plan import (
     chat_output_plan,
-    chat_template,
     conversation_plan,
     render_messages,
 )
 from plait.server.errors import APIError, bad_request, echo
 from plait.server.offload import json_response, offload
-from plait.server.prompts import chat_prompt_ids, template_flags
+from plait.server.prompts import TemplateInput, chat_prompt_ids, template_flags, template_kwargs
 from plait.server.protocol import DetokenizeRequest, TokenizeRequest, reject_unsupported
 from plait.server.routing import ApiRoute
 from plait.server.state import ReadyDep, StateDep, check_model, get_ready_state
@@ -94,15 +93,17 @@ async def tokenize(body: TokenizeRequest, state: ReadyDep) -> Response:
         reject_unsupported(body)
         flags = template_flags(body.messages, body.add_generation_prompt,
                                body.continue_final_message)
-        template = chat_template(tokenizer)
+        template = state.chat_template
         # With tools, the prompt chat completions builds for them (tool_choice "auto").
-        output = (conversation_plan(template) if body.tools is None else
-                  await chat_output_plan(_ToolsOnly(body.tools), template))
+        parser_name = state.settings.tool_call_parser
+        output = (conversation_plan(template, parser_name) if body.tools is None else
+                  await chat_output_plan(_ToolsOnly(body.tools), template, parser_name))
         messages = render_messages(body.messages, output)
-        tokens = await chat_prompt_ids(tokenizer, messages, flags,
-                                       tools=output.template_tools)
+        tokens = await chat_prompt_ids(tokenizer, messages, TemplateInput(
+            flags, output.template_tools, template, template_kwargs(body.chat_template_kwargs)))
     elif body.prompt is not None and body.messages is None:
-        for name in ("add_generation_prompt", "continue_final_message", "tools"):
+        for name in ("add_generation_prompt", "continue_final_message", "tools",
+                     "chat_template_kwargs"):
             if getattr(body, name) is not None:
                 raise bad_request(f"'{name}' applies to 'messages' only, not to 'prompt'.",
                                   name, "invalid_value")
@@ -134,14 +135,15 @@ class _ToolsOnly:
 async def tokenizer_info(state: ReadyDep) -> dict[str, Any]:
     """vLLM's /tokenizer_info: the tokenizer's init kwargs (its tokenizer_config.json as
     loaded) minus file paths, special tokens as their text, `tokenizer_class` the loaded
-    class's name, and the chat template."""
+    class's name, and the chat template chats are rendered with (--chat-template's, else
+    the model's; absent when there is none)."""
     tokenizer = state.engine.tokenizer
     config = dict(getattr(tokenizer, "init_kwargs", None) or {})
-    for key in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):
+    for key in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path", "chat_template"):
         config.pop(key, None)
     info: dict[str, Any] = _json_safe(config)
     info["tokenizer_class"] = type(tokenizer).__name__
-    template = chat_template(tokenizer)
+    template = state.chat_template
     if template:
         info["chat_template"] = template
     return info

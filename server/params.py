@@ -42,9 +42,12 @@ def check_stream_options(request: SamplingRequest) -> None:
                           "enabled.", "stream_options")
 
 
-def chat_plan(request: ChatCompletionRequest, structured: StructuredSpec | None) -> Plan:
+def chat_plan(request: ChatCompletionRequest, structured: StructuredSpec | None,
+              keep_special: bool = False) -> Plan:
     """The chat request's plan; `structured` is the output constraint its tools or
-    response_format need (constrained/output_plan.py), None for none."""
+    response_format need (constrained/output_plan.py), None for none. `keep_special`: a
+    tool-call parser reads special tokens, so they stay in the text unless the request's
+    `skip_special_tokens` says otherwise."""
     check_stream_options(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("The 'top_logprobs' parameter is only allowed when 'logprobs' is "
@@ -53,7 +56,7 @@ def chat_plan(request: ChatCompletionRequest, structured: StructuredSpec | None)
     max_tokens = request.max_completion_tokens or request.max_tokens
     params = build_params(request, max_tokens=max_tokens, logprobs=logprobs,
                           prompt_logprobs=returned_prompt_logprobs(request),
-                          structured=structured)
+                          structured=structured, skip_special=not keep_special)
     return Plan(params, request.num_choices, request.num_choices, logprobs)
 
 
@@ -86,9 +89,11 @@ def completion_plan(request: CompletionRequest, structured: StructuredSpec | Non
 
 def build_params(request: SamplingRequest, *, max_tokens: int | None,
                  logprobs: int | None, prompt_logprobs: int | None = None,
-                 structured: StructuredSpec | None = None) -> SamplingParams:
+                 structured: StructuredSpec | None = None,
+                 skip_special: bool = True) -> SamplingParams:
     """The request's finished sampling parameters, range-checked. Checks against the vocabulary
-    (`top_k`, `logit_bias` keys, `stop_token_ids`) are the engine's `validate_request`."""
+    (`top_k`, `logit_bias` keys, `stop_token_ids`) are the engine's `validate_request`.
+    `skip_special` is the default of the request's `skip_special_tokens`."""
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     if top_p == 0.0:  # OpenAI accepts 0: only the most likely token survives, i.e. greedy
@@ -112,7 +117,7 @@ def build_params(request: SamplingRequest, *, max_tokens: int | None,
             stop=stop, stop_token_ids=stop_token_ids,
             ignore_eos=bool(request.ignore_eos),
             include_stop_str_in_output=bool(request.include_stop_str_in_output),
-            skip_special_tokens=(True if request.skip_special_tokens is None
+            skip_special_tokens=(skip_special if request.skip_special_tokens is None
                                  else request.skip_special_tokens),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
     except InvalidParamError as exc:

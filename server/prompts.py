@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
@@ -28,7 +28,7 @@ from plait.engine import (
     validate_params,
     validate_prompt,
 )
-from plait.server.errors import bad_request, echo
+from plait.server.errors import APIError, bad_request, echo
 from plait.server.offload import offload
 
 if TYPE_CHECKING:
@@ -91,16 +91,58 @@ def template_flags(messages: list[Any], add_generation_prompt: bool | None,
     return TemplateFlags(False, True)
 
 
+@dataclass(frozen=True, slots=True)
+class TemplateInput:
+    """What the chat template gets besides the messages: `source` replaces the tokenizer's
+    template (None: the tokenizer's own), `tools` go to templates that render them,
+    `kwargs` are the request's `chat_template_kwargs` (checked: `template_kwargs`)."""
+
+    flags: TemplateFlags = TemplateFlags()
+    tools: list[dict[str, Any]] | None = None
+    source: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# Arguments of transformers' apply_chat_template that the server sets itself.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "processor_kwargs"})
+
+
+def template_kwargs(value: dict[str, Any] | None, param: str = "chat_template_kwargs"
+                    ) -> dict[str, Any]:
+    """A request's `chat_template_kwargs` (variables for the template, e.g.
+    {"enable_thinking": false}); a 400 naming `param` for a key the server sets itself."""
+    if not value:
+        return {}
+    for key in value:
+        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+            raise bad_request(f"Invalid key in '{param}': {echo(key)} is not a template "
+                              "variable a request can set.", param, "invalid_value")
+    return dict(value)
+
+
+def no_template_error() -> APIError:
+    return bad_request("This model has no chat template, so it cannot serve chat messages. "
+                       "Start the server with --chat-template, or send a prompt to "
+                       "/v1/completions.", "messages", "invalid_value")
+
+
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
-                   flags: TemplateFlags = TemplateFlags(),
-                   tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Apply the model's chat template (with `tools` for templates that render them), then
-    tokenize without adding special tokens again."""
+                   template: TemplateInput = TemplateInput()) -> list[int]:
+    """Apply the chat template (`template.source`, else the tokenizer's; with `tools` for
+    templates that render them), then tokenize without adding special tokens again. A
+    400 when there is no template at all."""
+    if template.source is None and not getattr(tokenizer, "chat_template", None):
+        raise no_template_error()
+    flags = template.flags
     try:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=flags.add_generation_prompt,
             continue_final_message=flags.continue_final_message, tokenize=False,
-            tools=tools)
+            tools=template.tools, chat_template=template.source, **template.kwargs)
     except TemplateError as exc:  # e.g. raise_exception("Roles must alternate ...")
         raise bad_request(f"The messages do not fit the model's chat template: {exc}",
                           "messages", "invalid_value") from None
@@ -117,10 +159,9 @@ def message_chars(messages: list[dict[str, Any]]) -> int:
 
 
 async def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]],
-                          flags: TemplateFlags = TemplateFlags(),
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+                          template: TemplateInput = TemplateInput()) -> list[int]:
     """`chat_token_ids`, off the event loop when the messages are large."""
-    return await offload(chat_token_ids, tokenizer, messages, flags, tools,
+    return await offload(chat_token_ids, tokenizer, messages, template,
                          size=message_chars(messages))
 
 

@@ -47,6 +47,10 @@ class ChatMessage(StrictModel):
     # Checked in constrained/request_fields.py, output_plan.py (exact shapes, precise errors).
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # An assistant message's reasoning, as a reasoning parser returned it (either name);
+    # given to the template as `reasoning_content` (output_plan.render_messages).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     # Assistant-message fields of features Plait lacks; the SDK round-trips them as null.
     refusal: Any = None
     function_call: Any = None
@@ -122,6 +126,7 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM extras: how the chat template ends the prompt (see prompts.template_flags).
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # variables for the template
     # Identifiers that do not change the output.
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
@@ -165,6 +170,7 @@ class TokenizeRequest(StrictModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = None
 
 

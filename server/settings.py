@@ -9,6 +9,12 @@ from plait.engine import EngineConfig
 DEFAULT_MAX_REQUEST_BYTES = 10 * 1024 * 1024  # 10 MiB
 # Hosts on which the playground (/ui) is on unless --ui/--no-ui says otherwise.
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+# --tool-call-parser names (vLLM's): the families of constrained/call_parsers.PARSERS whose
+# format a model writes itself ("json" is Plait's grammar fallback, never chosen by name).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "phi4_mini_json",
+                     "granite")
+# --reasoning-parser names (vLLM's): reasoning.py.
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +37,11 @@ class ServerSettings:
     means on exactly when `host` is a loopback address, see `ui_enabled`.
     `/v1/responses` keeps at most `responses_store_size` responses (0: none), each for
     `responses_ttl` seconds, in this process's memory (server/responses/store.py).
+    `chat_template` is the template source that replaces the model's own (None: the
+    model's; the CLI reads --chat-template's file). `tool_call_parser` names the tool-call
+    format the model writes (None: detected from the template); `reasoning_parser` splits
+    `<think>` reasoning from the answer (None: off). Names: TOOL_CALL_PARSERS,
+    REASONING_PARSERS.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -54,6 +65,9 @@ class ServerSettings:
     ui: bool | None = None
     responses_store_size: int = 1000
     responses_ttl: float = 3600.0
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.sse_ping_interval < 0:
@@ -70,6 +84,10 @@ class ServerSettings:
             raise ValueError("responses_store_size must be >= 0 and responses_ttl > 0")
         if any(not key for key in self.api_keys):
             raise ValueError("an API key must not be empty")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
 
     @property
     def ui_enabled(self) -> bool:

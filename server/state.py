@@ -42,6 +42,15 @@ class ServerState:
         return self.engine.info.model_name
 
     @property
+    def chat_template(self) -> str | None:
+        """The template chats are rendered with: --chat-template's, else the tokenizer's
+        own (None when it has none, or a set of named templates transformers picks from)."""
+        if self.settings.chat_template is not None:
+            return self.settings.chat_template
+        template = getattr(self.engine.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    @property
     def serving(self) -> bool:
         return self.engine.healthy and not self.draining and self.token_text is not None
 

@@ -9,6 +9,9 @@
     grammars.py         build: response_format / tool schemas -> a checked `StructuredSpec`
                         (compact, closed objects; the Lark grammar of tool_choice "auto")
     call_parsers.py     read: a model family's tool-call format in generated text -> calls
+                        (the registry and detection; family_parsers.py: mistral, pythonic,
+                        phi4_mini_json, granite; parsed.py: their shared result types)
+    reasoning_grammar.py  build: a JSON grammar with a --reasoning-parser's <think> first
     schema_check.py     read: does a bare JSON call validate against its tool's parameters
     output_reader.py    render: generated text -> message (content / tool_calls), whole or
                         as stream deltas (`ChoiceStream`)

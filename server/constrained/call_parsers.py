@@ -5,20 +5,34 @@ itself (the model was trained on a tool-call format); `detect_parser` picks it f
 template's source. Models without a tool format get the "json" parser and a grammar
 instead (output_plan.py).
 
-    name          output format                                          detected by
+    name          output format                                          detected by, in order
+    mistral       text[TOOL_CALLS] + a JSON array, or name{..} per call     "[TOOL_CALLS]"
+    granite       text<|tool_call|>[{"name":..,"arguments":{..}}, ...]      "<|tool_call|>" (before
+                                                                            hermes: Granite 3.x
+                                                                            templates may show
+                                                                            <tool_call> too)
+    phi4_mini_json  text functools[{"name":..,"arguments":{..}}, ...]       "functools["
+    pythonic      [f(a=1), g()] (Llama 3.2, Gemma 3 pythonic templates)     "[func_name1(" or
+                                                                            "python list" (before
+                                                                            llama3_json: "ipython")
     hermes        text <tool_call>{"name":..,"arguments":{..}}</tool_call>  "<tool_call>" in the
                   (Hermes 2/3, Qwen 2/2.5/3; several calls = several tags)  template
     llama3_json   {"name":..,"parameters":{..}}, optionally after           "<|python_tag|>" or
                   <|python_tag|>, several separated by ";" (Llama 3.1+)     "ipython" in it
     json          {"name":..,"arguments":{..}} or an array of them          (the fallback)
 
+The first four are in family_parsers.py. `--tool-call-parser NAME` (ServerSettings
+.tool_call_parser) overrides the detection: that family's parser, with the tools given to
+the template, whatever the template shows.
+
 Whatever the parser, with tool_choice "auto" an answer that is nothing but call JSON without
 the family's markers (what small models often write) is a call too: `BareCalls`, tried
 after the parser found none.
 
 To add a family: write a `ToolParser` (a `parse` function, plus the text that starts a call
-in `markers`, used when streaming to hold text back), register it in `PARSERS`, and add its
-detection rule to `detect_parser`. A test in tests/server/test_server_tools.py per parser.
+in `markers`, used when streaming to hold text back), register it in `PARSERS`, add its
+detection rule to `_DETECTION` and its name to settings.TOOL_CALL_PARSERS; test it as
+tests/server/test_server_tool_families.py does (docs/tools.md, "Adding a parser").
 """
 
 from __future__ import annotations
@@ -29,60 +43,40 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from plait.server.constrained.family_parsers import (
+    GRANITE_MARKERS,
+    MISTRAL_MARKER,
+    PHI4_MARKER,
+    parse_granite,
+    parse_mistral,
+    parse_phi4_mini_json,
+    parse_pythonic,
+)
+from plait.server.constrained.parsed import (
+    ParsedCall,
+    ParsedOutput,
+    call_of,
+    calls_of,
+    content_of,
+)
 from plait.server.constrained.schema_check import is_valid
 
-
-@dataclass(frozen=True, slots=True)
-class ParsedCall:
-    """One call: the function's name and its arguments as JSON text."""
-
-    name: str
-    arguments: str
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedOutput:
-    """`content` is the text outside the calls (None when there is none, or only
-    whitespace); `calls` is empty when the text holds no well-formed call."""
-
-    content: str | None
-    calls: list[ParsedCall]
+__all__ = ["PARSERS", "BareCalls", "ParsedCall", "ParsedOutput", "ToolParser", "detect_parser"]
 
 
 @dataclass(frozen=True, slots=True)
 class ToolParser:
     """`parse(text, tool_names)` never raises; malformed calls leave the text as content.
     `markers`: strings that begin a call; `at_start`: calls only at the start of the
-    output (then any text before a marker means: no calls)."""
+    output (then any text before a marker means: no calls). `keep_special`: a marker is a
+    special token of the family's tokenizer ([TOOL_CALLS], <|tool_call|>), so the output
+    is decoded with special tokens kept (unless the request sets skip_special_tokens)."""
 
     name: str
     parse: Callable[[str, frozenset[str]], ParsedOutput]
     markers: tuple[str, ...]
     at_start: bool
-
-
-def _call_of(obj: Any, names: frozenset[str], args_keys: tuple[str, ...]) -> ParsedCall | None:
-    """{"name": n, <args key>: {...}} with n a known tool -> ParsedCall, else None."""
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    for key in args_keys:
-        if isinstance(obj.get(key), dict):
-            return ParsedCall(obj["name"], json.dumps(obj[key], ensure_ascii=False))
-    return None
-
-
-def _content(text: str) -> str | None:
-    return text if text.strip() else None
-
-
-def _calls_of(value: Any, names: frozenset[str],
-              args_keys: tuple[str, ...]) -> list[ParsedCall] | None:
-    """A call object or an array of them -> the calls; None if anything is not a call."""
-    items = value if isinstance(value, list) and value else [value]
-    calls = [_call_of(item, names, args_keys) for item in items]
-    if not calls or any(c is None for c in calls):
-        return None
-    return [c for c in calls if c is not None]
+    keep_special: bool = False
 
 
 # ------------------------------------------------------------------ json (the fallback)
@@ -91,12 +85,12 @@ def parse_json(text: str, names: frozenset[str]) -> ParsedOutput:
     stripped = text.strip()
     if stripped[:1] in ("{", "["):
         try:
-            calls = _calls_of(json.loads(stripped), names, ("arguments",))
-        except ValueError:
+            calls = calls_of(json.loads(stripped), names, ("arguments",))
+        except (ValueError, RecursionError):  # deep nesting: not a call
             calls = None
         if calls:
             return ParsedOutput(None, calls)
-    return ParsedOutput(_content(text), [])
+    return ParsedOutput(content_of(text), [])
 
 
 # ------------------------------------------------------------------ hermes / qwen
@@ -108,17 +102,17 @@ def parse_hermes(text: str, names: frozenset[str]) -> ParsedOutput:
     tag when generation stopped at it)."""
     start = text.find("<tool_call>")
     if start < 0:
-        return ParsedOutput(_content(text), [])
+        return ParsedOutput(content_of(text), [])
     calls = []
     for match in _HERMES.finditer(text, start):
         try:
-            call = _call_of(json.loads(match.group(1)), names, ("arguments", "parameters"))
-        except ValueError:
+            call = call_of(json.loads(match.group(1)), names, ("arguments", "parameters"))
+        except (ValueError, RecursionError):
             call = None
         if call is None:
-            return ParsedOutput(_content(text), [])
+            return ParsedOutput(content_of(text), [])
         calls.append(call)
-    return ParsedOutput(_content(text[:start]), calls)
+    return ParsedOutput(content_of(text[:start]), calls)
 
 
 # ------------------------------------------------------------------ llama 3 json
@@ -126,18 +120,18 @@ def parse_llama3_json(text: str, names: frozenset[str]) -> ParsedOutput:
     """[<|python_tag|>]{"name":..,"parameters":{..}}[; {...}]: the whole output."""
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
-        return ParsedOutput(_content(text), [])
+        return ParsedOutput(content_of(text), [])
     calls = []
     decoder = json.JSONDecoder()
     pos = 0
     while pos < len(body):
         try:
             obj, end = decoder.raw_decode(body, pos)
-        except ValueError:
-            return ParsedOutput(_content(text), [])
-        call = _call_of(obj, names, ("parameters", "arguments"))
+        except (ValueError, RecursionError):
+            return ParsedOutput(content_of(text), [])
+        call = call_of(obj, names, ("parameters", "arguments"))
         if call is None:
-            return ParsedOutput(_content(text), [])
+            return ParsedOutput(content_of(text), [])
         calls.append(call)
         pos = end
         while pos < len(body) and body[pos] in " \t\r\n;":
@@ -181,7 +175,7 @@ class BareCalls:
             return None
         try:
             return self._calls(_DECODER.decode(body))
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
 
     def possible(self, text: str) -> bool:
@@ -202,6 +196,8 @@ class BareCalls:
             return False  # "{x", "[1": not a call's start
         try:
             value, end = _DECODER.raw_decode(body)
+        except RecursionError:
+            return False  # nested deeper than any call is read
         except ValueError:
             return True  # not complete yet
         rest = body[end:].strip()
@@ -223,7 +219,7 @@ class BareCalls:
         if isinstance(args, str):
             try:
                 args = _DECODER.decode(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
         if not isinstance(args, dict) or not is_valid(args, self.schemas[name]):
             return None
@@ -241,16 +237,33 @@ PARSERS: dict[str, ToolParser] = {
     "hermes": ToolParser("hermes", parse_hermes, ("<tool_call>",), at_start=False),
     "llama3_json": ToolParser("llama3_json", parse_llama3_json, ("{", "<|python_tag|>"),
                               at_start=True),
+    "mistral": ToolParser("mistral", parse_mistral, (MISTRAL_MARKER,), at_start=False,
+                          keep_special=True),
+    "pythonic": ToolParser("pythonic", parse_pythonic, ("[",), at_start=True),
+    "phi4_mini_json": ToolParser("phi4_mini_json", parse_phi4_mini_json, (PHI4_MARKER,),
+                                 at_start=False),
+    "granite": ToolParser("granite", parse_granite, GRANITE_MARKERS, at_start=False,
+                          keep_special=True),
 }
+# (text in the template, parser), first match wins: see the module docstring.
+_DETECTION = (
+    (MISTRAL_MARKER, "mistral"),
+    ("<|tool_call|>", "granite"),
+    (PHI4_MARKER, "phi4_mini_json"),
+    ("[func_name1(", "pythonic"),
+    ("python list", "pythonic"),
+    ("<tool_call>", "hermes"),
+    ("<|python_tag|>", "llama3_json"),
+    ("ipython", "llama3_json"),
+)
 
 
-def detect_parser(template: str | None) -> ToolParser | None:
-    """The parser of the model family whose chat template is `template`, or None when the
-    template does not render tools (then output_plan.py renders them and uses a grammar)."""
+def detect_parser(template: str | None, override: str | None = None) -> ToolParser | None:
+    """The parser named `override` (--tool-call-parser), else the parser of the model family
+    whose chat template is `template`, or None when the template does not render tools
+    (then output_plan.py renders them and uses a grammar)."""
+    if override is not None:
+        return PARSERS[override]
     if not template or "tools" not in template:
         return None
-    if "<tool_call>" in template:
-        return PARSERS["hermes"]
-    if "<|python_tag|>" in template or "ipython" in template:
-        return PARSERS["llama3_json"]
-    return None
+    return next((PARSERS[name] for text, name in _DETECTION if text in template), None)

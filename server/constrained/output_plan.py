@@ -21,7 +21,7 @@ and consecutive tool results become one user message "Result of <name> (<id>): <
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from plait.engine import StructuredSpec
@@ -34,6 +34,7 @@ from plait.server.constrained.grammars import (
     named_spec,
     required_spec,
 )
+from plait.server.constrained.reasoning_grammar import widened
 from plait.server.constrained.request_fields import (
     Tool,
     parse_message_tool_calls,
@@ -43,6 +44,7 @@ from plait.server.constrained.request_fields import (
 from plait.server.errors import bad_request
 from plait.server.prompts import text_part
 from plait.server.protocol import ChatMessage
+from plait.server.reasoning import ReasoningFormat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -76,7 +78,9 @@ class OutputPlan:
     tools itself; `template_tools` go to it. `system_text` (non-native only) describes the
     tools and the call format. `forced`: the grammar makes every finished output a call
     (tool_choice required or named). `bare` (tool_choice auto only): reads a whole answer
-    that is call JSON without the parser's markers as calls, when the parser found none."""
+    that is call JSON without the parser's markers as calls, when the parser found none.
+    `reasoning` (--reasoning-parser) splits <think> reasoning off first (reasoning.py);
+    it is None under a grammar that binds the output from its first token."""
 
     mode: OutputMode
     spec: StructuredSpec | None
@@ -88,26 +92,46 @@ class OutputPlan:
     system_text: str | None = None
     forced: bool = False  # required / named: every finished output is a call
     bare: BareCalls | None = None
+    reasoning: ReasoningFormat | None = None  # --reasoning-parser
+
+    @property
+    def keep_special(self) -> bool:
+        """The output is read by a parser whose markers are special tokens: decode them."""
+        return self.mode == "parser" and self.parser is not None and self.parser.keep_special
 
 
-async def chat_output_plan(body: ToolRequest, template: str | None) -> OutputPlan:
-    """`plan_output`, off the event loop when the request has schemas to check."""
+async def chat_output_plan(body: ToolRequest, template: str | None,
+                           parser_name: str | None = None,
+                           reasoning: ReasoningFormat | None = None) -> OutputPlan:
+    """`plan_output`, off the event loop when the request has schemas to check. With
+    `reasoning`, the plan reads the reasoning off first, and a JSON grammar lets the
+    reasoning block come before the JSON (reasoning_grammar.py); a plan with any other
+    grammar gets no reasoning."""
     if body.tools is None and body.response_format is None and body.structured_outputs is None:
-        return plan_output(body, template)
+        plan = plan_output(body, template, parser_name)
+        return plan if reasoning is None else replace(plan, reasoning=reasoning)
     param = ("tools" if body.tools is not None else "response_format"
              if body.response_format is not None else "structured_outputs")
-    return await build_off_loop(plan_output, body, template, param=param)
+    plan = await build_off_loop(plan_output, body, template, parser_name, param=param)
+    if reasoning is None:
+        return plan
+    if plan.spec is None:
+        return replace(plan, reasoning=reasoning)
+    spec = await build_off_loop(widened, plan.spec, reasoning, param, param=param)
+    return plan if spec is None else replace(plan, spec=spec, reasoning=reasoning)
 
 
-def plan_output(body: ToolRequest, template: str | None) -> OutputPlan:
-    """The request's `OutputPlan`; 400s name the offending parameter."""
+def plan_output(body: ToolRequest, template: str | None,
+                parser_name: str | None = None) -> OutputPlan:
+    """The request's `OutputPlan`; 400s name the offending parameter. `parser_name`
+    (--tool-call-parser) overrides the parser detected from `template`."""
     tools = parse_tools(body.tools)
     choice = parse_tool_choice(body.tool_choice, tools)
     if body.structured_outputs is not None and tools and choice != "none":
         raise bad_request("Invalid 'structured_outputs': it cannot be combined with tools.",
                           "structured_outputs", "invalid_value")
     answer = answer_spec(body.response_format, body.structured_outputs)
-    parser = detect_parser(template)
+    parser = detect_parser(template, parser_name)
     native = parser is not None
     template_tools = [t.model_dump(exclude_none=True) for t in tools] if native else None
     # A tool template still shows the tools (as vLLM). (choice is None only without tools.)
@@ -164,10 +188,10 @@ def _text(message: ChatMessage, i: int) -> str:
     return content
 
 
-def conversation_plan(template: str | None) -> OutputPlan:
+def conversation_plan(template: str | None, parser_name: str | None = None) -> OutputPlan:
     """The plan of a conversation rendered with no tools to call (/tokenize): tool results
     and assistant tool calls render exactly as in a chat request to the same model."""
-    return OutputPlan("text", None, native=detect_parser(template) is not None)
+    return OutputPlan("text", None, native=detect_parser(template, parser_name) is not None)
 
 
 def render_messages(messages: list[ChatMessage], plan: OutputPlan) -> list[dict[str, Any]]:
@@ -193,6 +217,10 @@ def render_messages(messages: list[ChatMessage], plan: OutputPlan) -> list[dict[
         entry: dict[str, Any] = {"role": role, "content": _text(message, i)}
         if message.name is not None:
             entry["name"] = message.name
+        reasoning = (message.reasoning_content if message.reasoning_content is not None
+                     else message.reasoning)
+        if reasoning is not None:
+            entry["reasoning_content"] = reasoning
         if message.tool_calls:
             calls = parse_message_tool_calls(message.tool_calls, i)
             names_by_id.update((call.id, call.function.name) for call, _ in calls)
@@ -212,6 +240,10 @@ def _check_message(message: ChatMessage, i: int) -> None:
     if message.role != "tool" and message.tool_call_id is not None:
         raise bad_request(f"Invalid 'messages.[{i}].tool_call_id': only messages with role "
                           "'tool' have one.", f"messages.[{i}].tool_call_id", "invalid_value")
+    for name in ("reasoning_content", "reasoning"):
+        if getattr(message, name) is not None and message.role != "assistant":
+            raise bad_request(f"Invalid 'messages.[{i}].{name}': only messages with role "
+                              "'assistant' have one.", f"messages.[{i}].{name}", "invalid_value")
     if message.tool_calls is not None and message.role != "assistant":
         raise bad_request(f"Invalid 'messages.[{i}].tool_calls': only messages with role "
                           "'assistant' have them.", f"messages.[{i}].tool_calls",

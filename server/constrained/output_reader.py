@@ -17,6 +17,10 @@ Non-streaming: `choice_message`. Streaming: one `ChoiceStream` per choice index:
                      held text goes out and the above applies; at the end, the calls as
                      above, or the held text as content. Other text is never held.
 
+With a reasoning parser (plan.reasoning) the text is first split by reasoning.py: the
+reasoning goes out as {"reasoning_content": .., "reasoning": ..} deltas (and message
+fields), and only the text after </think> is read as above.
+
 A choice whose calls were parsed and which stopped naturally ends with finish_reason
 "tool_calls"; a length cut stays "length". Logprobs of held-back text go out with the next
 delta that is sent.
@@ -30,6 +34,7 @@ from typing import Any
 from plait.engine import TokenLogprob
 from plait.server.constrained.call_parsers import ParsedCall, ParsedOutput
 from plait.server.constrained.output_plan import OutputPlan
+from plait.server.reasoning import ReasoningSplitter, Split, split_reasoning
 
 Delta = tuple[dict[str, Any], list[TokenLogprob]]
 
@@ -65,7 +70,26 @@ def _finish(parsed: ParsedOutput, finish_reason: str | None) -> str | None:
 
 def choice_message(plan: OutputPlan, text: str,
                    finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-    """The `message` of a finished choice and its finish_reason."""
+    """The `message` of a finished choice and its finish_reason. With a reasoning parser
+    the message has `reasoning_content` and `reasoning` (the same text; None without
+    reasoning) and the rest of the text is read as without one (an empty rest after
+    reasoning: content null)."""
+    if plan.reasoning is None:
+        return _answer_message(plan, text, finish_reason)
+    reasoning, rest = split_reasoning(plan.reasoning, text)
+    message, finish_reason = _answer_message(plan, rest, finish_reason)
+    if reasoning is not None and not rest:
+        message["content"] = None
+    return {**message, **reasoning_fields(reasoning)}, finish_reason
+
+
+def reasoning_fields(reasoning: str | None) -> dict[str, str | None]:
+    """A message's (or a delta's) reasoning under both names vLLM has written."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning}
+
+
+def _answer_message(plan: OutputPlan, text: str,
+                    finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
     parsed = parse_output(plan, text, finish_reason)
     if not parsed.calls:
         return {"role": "assistant", "content": text, "refusal": None}, finish_reason
@@ -85,6 +109,8 @@ class ChoiceStream:
         self._named_id: str | None = None
         self._held: list[TokenLogprob] = []
         self._bare = plan.bare is not None  # holding: the answer may be bare call JSON
+        self._splitter = None if plan.reasoning is None else ReasoningSplitter(plan.reasoning)
+        self._reasoning_lps: list[TokenLogprob] = []  # logprobs not yet sent, reasoning on
 
     def role_delta(self) -> dict[str, Any]:
         """The first delta of the choice; content stays null until text is known to be
@@ -93,6 +119,38 @@ class ChoiceStream:
 
     def feed(self, text: str, logprobs: list[TokenLogprob]) -> list[Delta]:
         """Deltas to send for newly generated `text` (and its logprobs)."""
+        if self._splitter is None:
+            return self._feed(text, logprobs)
+        self._reasoning_lps.extend(logprobs)
+        return self._split_deltas(self._splitter.feed(text))
+
+    def finish(self, finish_reason: str | None) -> tuple[list[Delta], str | None]:
+        """Deltas still to send once the choice finished, and its finish_reason."""
+        if self._splitter is None:
+            return self._finish_answer(finish_reason)
+        deltas = self._split_deltas(self._splitter.finish())
+        if self._reasoning_lps and self.plan.mode == "text":
+            deltas.append(({"content": ""}, self._take_reasoning_lps()))
+        self._held.extend(self._take_reasoning_lps())
+        rest, finish_reason = self._finish_answer(finish_reason)
+        return deltas + rest, finish_reason
+
+    def _split_deltas(self, split: Split) -> list[Delta]:
+        """Reasoning deltas, then the rest fed on as the answer; the logprobs go with the
+        answer's delta when there is one, else with the reasoning's."""
+        deltas: list[Delta] = []
+        if split.reasoning:
+            lps = [] if split.rest else self._take_reasoning_lps()
+            deltas.append((reasoning_fields(split.reasoning), lps))
+        if split.rest:
+            deltas += self._feed(split.rest, self._take_reasoning_lps())
+        return deltas
+
+    def _take_reasoning_lps(self) -> list[TokenLogprob]:
+        held, self._reasoning_lps = self._reasoning_lps, []
+        return held
+
+    def _feed(self, text: str, logprobs: list[TokenLogprob]) -> list[Delta]:
         if self.plan.mode == "text":
             return [({"content": text}, logprobs)] if text or logprobs else []
         self._held.extend(logprobs)
@@ -108,8 +166,7 @@ class ChoiceStream:
             self._bare = False
         return self._content(self._sendable())
 
-    def finish(self, finish_reason: str | None) -> tuple[list[Delta], str | None]:
-        """Deltas still to send once the choice finished, and its finish_reason."""
+    def _finish_answer(self, finish_reason: str | None) -> tuple[list[Delta], str | None]:
         if self.plan.mode == "text":
             return [], finish_reason
         if self.plan.mode == "named":

@@ -6,6 +6,8 @@
                                  "annotations": [], "logprobs": [...]}]}
         each call               {"type": "function_call", "id": "fc_..", "call_id": "call_..",
                                  "name", "arguments", "status"}
+        reasoning (first; with  {"type": "reasoning", "id": "rs_..", "summary": [], "status",
+        --reasoning-parser)      "content": [{"type": "reasoning_text", "text"}]}
 
 An item's `status` is its own: the item a length cut ended is "incomplete", never
 "completed". The response is "failed" after an engine error, "incomplete" (reason
@@ -24,7 +26,7 @@ from plait.server.generation import ChoiceState, Generation
 from plait.server.logprobs import chat_content
 from plait.server.responses.protocol import ResponsesRequest
 from plait.server.responses.store import ResponseStore
-from plait.server.responses.translate import Item, new_item_id
+from plait.server.responses.translate import Item, new_item_id, reasoning_item
 
 DEFAULT_TEXT = {"format": {"type": "text"}, "verbosity": "medium"}
 
@@ -79,6 +81,8 @@ class ResponseContext:
         message, _ = choice_message(self.plan, result.text, result.finish_reason)
         calls = message.get("tool_calls") or []
         items = []
+        if message.get("reasoning_content") is not None:
+            items.append(reasoning_item(message["reasoning_content"]))
         if message["content"] is not None or not calls:
             items.append(message_item("completed", message["content"] or "",
                                       self.logprobs(gen, result.logprobs or [])))

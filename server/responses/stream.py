@@ -12,9 +12,15 @@ Responses events, each framed `event: <type>\\ndata: <json>\\n\\n`:
     exactly one of response.completed / response.incomplete / response.failed (the full
     response with output and usage); an engine error first sends an `error` event.
 
+    per reasoning item (--reasoning-parser; before the choice's message or calls):
+      response.output_item.added    response.content_part.added (a reasoning_text part)
+      response.reasoning_text.delta ...
+      response.reasoning_text.done  response.content_part.done    response.output_item.done
+
 `sequence_number` counts every event from 0. Text output (n >= 1) adds one message item per
-choice up front, so choice k is output_index k; with tools (n = 1) items are added as the
-model writes them. An item's `.done` events carry its own final status.
+choice up front, so choice k is output_index k; with tools (n = 1) or a reasoning parser
+items are added as the model writes them. An item's `.done` events carry its own final
+status.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from plait.server.responses.objects import (
     message_item,
     text_part,
 )
-from plait.server.responses.translate import Item
+from plait.server.responses.translate import Item, reasoning_item
 
 
 class EventLog:
@@ -59,9 +65,12 @@ class ItemWriter:
         self.log, self.ctx, self.gen = log, ctx, gen
         self.chat = ChoiceStream(ctx.plan)
         self.message_idx: int | None = None  # output_index of the open message
+        self.reasoning_idx: int | None = None  # output_index of the open reasoning item
+        self.num_messages = 0  # message items opened so far
         self.call_idx: dict[int, int] = {}  # chat tool_calls index -> output_index (open)
 
     def open_message(self) -> list[bytes]:
+        self.num_messages += 1
         idx = len(self.log.output)
         item = message_item()
         self.log.output.append(item)
@@ -84,6 +93,10 @@ class ItemWriter:
         for delta, lps in rest:
             frames += self._delta(delta, lps)
         status = item_status(finish_reason)
+        if self.reasoning_idx is not None:
+            frames += self._close_reasoning(status)
+        if not self.num_messages and not self.call_idx and self.ctx.plan.mode == "text":
+            frames += self.open_message()  # (a reasoning plan opens it lazily) as whole
         if self.message_idx is not None:
             frames += self._close_message(status)
         for idx in self.call_idx.values():
@@ -93,6 +106,14 @@ class ItemWriter:
 
     def _delta(self, delta: dict[str, Any], logprobs: list[TokenLogprob]) -> list[bytes]:
         frames: list[bytes] = []
+        reasoning = delta.get("reasoning_content")
+        if reasoning:
+            if self.reasoning_idx is None:
+                frames += self._open_reasoning()
+            frames.append(self._reasoning_delta(reasoning))
+            return frames
+        if self.reasoning_idx is not None and (delta.get("content") or delta.get("tool_calls")):
+            frames += self._close_reasoning("completed")
         content = delta.get("content")
         if content or (content is not None and logprobs):
             if self.message_idx is None:
@@ -112,6 +133,36 @@ class ItemWriter:
                                              item_id=item["id"], output_index=idx,
                                              delta=arguments))
         return frames
+
+    def _open_reasoning(self) -> list[bytes]:
+        idx = len(self.log.output)
+        item = reasoning_item("", status="in_progress")
+        part = item["content"].pop()
+        self.log.output.append(item)
+        self.reasoning_idx = idx
+        added = self.log.frame("response.output_item.added", output_index=idx, item=item)
+        item["content"].append(part)  # after framing: the added item has no part yet
+        return [added, self.log.frame("response.content_part.added", item_id=item["id"],
+                                      output_index=idx, content_index=0, part=part)]
+
+    def _reasoning_delta(self, text: str) -> bytes:
+        assert self.reasoning_idx is not None
+        item = self.log.output[self.reasoning_idx]
+        item["content"][0]["text"] += text
+        return self.log.frame("response.reasoning_text.delta", item_id=item["id"],
+                              output_index=self.reasoning_idx, content_index=0, delta=text)
+
+    def _close_reasoning(self, status: str) -> list[bytes]:
+        assert self.reasoning_idx is not None
+        idx, self.reasoning_idx = self.reasoning_idx, None
+        item = self.log.output[idx]
+        part = item["content"][0]
+        item["status"] = status
+        return [self.log.frame("response.reasoning_text.done", item_id=item["id"],
+                               output_index=idx, content_index=0, text=part["text"]),
+                self.log.frame("response.content_part.done", item_id=item["id"],
+                               output_index=idx, content_index=0, part=part),
+                self.log.frame("response.output_item.done", output_index=idx, item=item)]
 
     def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> bytes:
         assert self.message_idx is not None
@@ -159,7 +210,7 @@ async def response_events(gen: Generation, ctx: ResponseContext) -> AsyncIterato
     yield log.frame("response.created", response=start)
     yield log.frame("response.in_progress", response=start)
     writers = [ItemWriter(log, ctx, gen) for _ in range(gen.plan.n)]
-    if ctx.plan.mode == "text":
+    if ctx.plan.mode == "text" and ctx.plan.reasoning is None:
         for writer in writers:
             for frame in writer.open_message():
                 yield frame

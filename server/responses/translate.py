@@ -38,9 +38,11 @@ T = TypeVar("T")
 Item = dict[str, Any]
 _ROLES = ("system", "developer", "user", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
-_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                "reasoning": "rs"}
 _ITEM_KEYS = {
     "message": {"type", "role", "content", "id", "status", "phase"},
+    "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
     "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
     "function_call_output": {"type", "call_id", "output", "id", "status"},
 }
@@ -78,13 +80,15 @@ def _checked_item(item: dict[str, Any], i: int) -> Item:
     kind = item.get("type", "message")
     if not isinstance(kind, str) or kind not in _ITEM_KEYS:
         raise bad_request(f"Plait does not support input items of type {echo(kind)}: only "
-                          "message, function_call and function_call_output items.",
+                          "message, function_call, function_call_output and reasoning items.",
                           f"input.[{i}].type", "unsupported_parameter")
     unknown = sorted(set(item) - _ITEM_KEYS[kind])
     if unknown:
         raise bad_request(f"Unrecognized field {echo(unknown[0])} in 'input.[{i}]'.",
                           f"input.[{i}].{unknown[0]}", "unknown_parameter")
     item_id = _optional_str(item, "id", i) or new_item_id(_ITEM_PREFIX[kind])
+    if kind == "reasoning":
+        return reasoning_item(_reasoning_text(item.get("content"), i), item_id)
     if kind == "message":
         role = item.get("role")
         if role not in _ROLES:
@@ -162,6 +166,24 @@ def _optional_str(item: dict[str, Any], key: str, i: int) -> str | None:
     return value
 
 
+def reasoning_item(text: str, item_id: str | None = None, status: str = "completed") -> Item:
+    """A reasoning item (--reasoning-parser's output) holding `text` as one part."""
+    return {"id": item_id or new_item_id("rs"), "type": "reasoning", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+
+def _reasoning_text(content: Any, i: int) -> str:
+    """The text of a reasoning item's content: null, or reasoning_text parts."""
+    param = f"input.[{i}].content"
+    parts = [] if content is None else content
+    if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and p.get("type") == "reasoning_text"
+            and isinstance(p.get("text"), str) for p in parts):
+        raise bad_request(f"Invalid '{param}': expected an array of reasoning_text parts.",
+                          param, "invalid_value")
+    return "".join(p["text"] for p in parts)
+
+
 # ------------------------------------------------------------------ chat messages
 def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str, Any]]:
     """Checked conversation items -> chat messages (see the module docstring)."""
@@ -170,6 +192,8 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str,
         messages.append({"role": "system", "content": instructions})
     joinable = False  # the last message is an assistant turn calls may join
     for item in items:
+        if item["type"] == "reasoning":  # not replayed: templates drop earlier reasoning
+            continue
         if item["type"] == "message":
             messages.append({"role": item["role"], "content": _joined(item["content"])})
             joinable = item["role"] == "assistant"
