@@ -19,6 +19,7 @@ phi3 (Llama ids), whose llama.cpp converters read tokenizer.model.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -164,7 +165,7 @@ def build_config(family: str, num_layers: int | None = None):
     from transformers import AutoConfig
 
     spec = FAMILIES[family]
-    kwargs = dict(spec.config)
+    kwargs = copy.deepcopy(spec.config)  # config classes may edit nested dicts in place
     if num_layers is not None:
         kwargs["num_hidden_layers"] = num_layers
     return AutoConfig.for_model(spec.model_type, **kwargs)

@@ -4,7 +4,8 @@
                  from the embedded default model's GGUF with transformers; llama.cpp's
                  converter recognises its pre-tokenizer hash as `smollm`
     "spm-gemma"  a 1,024-piece SentencePiece BPE model (tokenizer.model) with Gemma's ids
-                 (<pad> 0, <eos> 1, <bos> 2, <unk> 3), no dummy prefix, + GemmaTokenizer
+                 (<pad> 0, <eos> 1, <bos> 2, <unk> 3, <mask> 4), no dummy prefix,
+                 + GemmaTokenizer
     "spm-llama"  the same text and size with Llama's ids (<unk> 0, <s> 1, </s> 2), a dummy
                  prefix, + LlamaTokenizer (what Phi-3 ships)
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -33,26 +35,31 @@ SPM_VOCAB = 1024
 
 # kind -> (sentencepiece trainer ids and pieces, add_dummy_prefix, transformers class name)
 _SPM_KINDS: dict[str, tuple[dict[str, object], bool, str]] = {
+    # <mask> at 4 as in Gemma's own vocabulary (GemmaTokenizer adds one past the end otherwise)
     "spm-gemma": (dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>",
-                       eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>"),
+                       eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+                       user_defined_symbols=["<mask>"]),
                   False, "GemmaTokenizer"),
     "spm-llama": (dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1), True, "LlamaTokenizer"),
 }
 
 
 def tokenizer_identity(kind: str) -> str:
-    """What a checkpoint's cache key records of its tokenizer: the source file's identity."""
+    """16 hex digits naming tokenizer `kind`'s files: its source file's identity and, for a
+    SentencePiece kind, the trainer's settings."""
     if kind == "smollm2":
-        return file_key(default_gguf_path())
-    if kind in _SPM_KINDS:
-        return f"{kind}:{file_key(LICENSE_TEXT)}:{SPM_VOCAB}"
-    raise KeyError(f"unknown tokenizer {kind!r}")
+        source = file_key(default_gguf_path())
+    elif kind in _SPM_KINDS:
+        source = json.dumps([file_key(LICENSE_TEXT), SPM_VOCAB, _SPM_KINDS[kind]],
+                            sort_keys=True)
+    else:
+        raise KeyError(f"unknown tokenizer {kind!r}")
+    return hashlib.sha256(f"{kind}:{source}".encode()).hexdigest()[:16]
 
 
 def write_tokenizer(kind: str, out_dir: Path, cache: Path) -> None:
     """Write tokenizer `kind`'s files into `out_dir`, building them once under `cache`."""
-    source = build_once(cache / f"tokenizer-{kind}-{tokenizer_identity(kind)[-16:]}",
-                     _BUILDERS[kind])
+    source = build_once(cache / f"tokenizer-{kind}-{tokenizer_identity(kind)}", _BUILDERS[kind])
     for item in source.iterdir():
         shutil.copy(item, out_dir / item.name)
 
@@ -112,7 +119,14 @@ def _spm_builder(kind: str) -> Callable[[Path], None]:
 
         (out / "tokenizer.model").write_bytes(train_spm(kind))
         cls = getattr(transformers, _SPM_KINDS[kind][2])
-        cls.from_pretrained(out).save_pretrained(out)
+        tokenizer = cls.from_pretrained(out)
+        if len(tokenizer) != SPM_VOCAB:  # a special token missing from the model was added
+            raise RuntimeError(f"{kind}: {len(tokenizer)} tokens, expected {SPM_VOCAB}")
+        tokenizer.save_pretrained(out)
+        config_file = out / "tokenizer_config.json"  # drop the staging path it records
+        config = json.loads(config_file.read_text())
+        config.pop("vocab_file", None)
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
     return build
 
 
