@@ -1,0 +1,247 @@
+"""The offline fixtures of the new model families (helpers/families, helpers/gguf_convert):
+every tiny checkpoint builds, reloads in transformers and generates prompt-dependent greedy
+tokens; its SentencePiece tokenizer agrees with transformers' reading of it; llama.cpp's
+converter turns it into a GGUF whose architecture, hyper-parameters, tokenizer and tensor
+types are the ones asked for. The conversion tests skip only when the llama.cpp sdist cannot
+be downloaded (helpers/gguf_convert.require_llama_cpp_tree)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from helpers.families import FAMILIES, build_config, family_names, tiny_family_checkpoint
+from helpers.families.tokenizers import SPM_VOCAB
+from helpers.gguf_convert import (
+    UNCONVERTIBLE,
+    ConversionError,
+    convert_checkpoint,
+    family_gguf,
+    require_llama_cpp_tree,
+)
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = ["The GNU General Public License is a free license",
+           "Hello world", "1234 5678 and then", "def f(x): return x"]
+CONVERTIBLE = [f for f in family_names() if f not in UNCONVERTIBLE]
+
+
+@pytest.fixture(scope="module", params=family_names())
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _greedy(path, prompts: list[str], num_tokens: int = 6) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    outs = []
+    with torch.no_grad():
+        for text in prompts:
+            ids = tokenizer(text, return_tensors="pt").input_ids
+            out = model.generate(ids, max_new_tokens=num_tokens, do_sample=False,
+                                 attention_mask=torch.ones_like(ids))
+            outs.append(out[0, ids.shape[1]:].tolist())
+    return outs
+
+
+def test_checkpoint_reloads_and_generates(family: str) -> None:
+    path = tiny_family_checkpoint(family)
+    outs = _greedy(path, PROMPTS)
+    assert all(len(out) == 6 for out in outs)
+    # Non-degenerate: the prompts lead to different tokens, and no prompt just repeats one.
+    assert len({tuple(out) for out in outs}) == len(PROMPTS), outs
+    assert len({out[0] for out in outs}) >= 3, outs
+    assert all(len(set(out)) > 1 for out in outs), outs
+
+
+def test_checkpoint_has_the_family_features(family: str) -> None:
+    import json
+
+    path = tiny_family_checkpoint(family)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == FAMILIES[family].model_type
+    assert cfg["hidden_size"] % 256 == 0 and cfg["intermediate_size"] % 256 == 0
+    assert 2 <= cfg["num_hidden_layers"] <= 7
+    weights = load_file(str(path / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in weights.values())
+    if family == "qwen3":
+        assert cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]
+    if family == "gemma3":
+        assert set(cfg["layer_types"]) == {"sliding_attention", "full_attention"}
+        assert cfg["sliding_window"] == 16
+        assert cfg["query_pre_attn_scalar"] == cfg["head_dim"]
+    if family == "gemma2":
+        assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    if family == "phi3":
+        rope = cfg["rope_parameters"]
+        assert rope["rope_type"] == "longrope" and rope["partial_rotary_factor"] == 0.5
+        assert len(rope["short_factor"]) == len(rope["long_factor"]) == 64 * 0.5 / 2
+    if family == "granite":
+        assert all(cfg[k] != 1.0 for k in ("embedding_multiplier", "attention_multiplier",
+                                            "residual_multiplier", "logits_scaling"))
+    if family == "smollm3":
+        assert cfg["no_rope_layers"] == [1, 1, 1, 0]
+    vocab = SPM_VOCAB if FAMILIES[family].tokenizer.startswith("spm") else 49152
+    assert cfg["vocab_size"] == vocab
+
+
+def test_checkpoint_is_deterministic(tmp_path) -> None:
+    """Built again from nothing (another cache), the same seed gives the same bytes."""
+    def digest(path) -> str:
+        return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+    again = tiny_family_checkpoint("gemma2", cache_dir=tmp_path)
+    assert digest(again) == digest(tiny_family_checkpoint("gemma2"))
+    assert (again / "tokenizer.model").read_bytes() == \
+        (tiny_family_checkpoint("gemma2") / "tokenizer.model").read_bytes()
+    other = tiny_family_checkpoint("gemma2", seed=1, cache_dir=tmp_path)
+    assert digest(other) != digest(again)
+
+
+def test_unknown_family_is_refused() -> None:
+    with pytest.raises(KeyError, match="unknown family 'gpt5'"):
+        tiny_family_checkpoint("gpt5")
+
+
+@pytest.mark.parametrize("name", ["gemma2", "phi3"])
+def test_sentencepiece_tokenizer_agrees_with_transformers(name: str) -> None:
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    path = tiny_family_checkpoint(name)
+    sp = spm.SentencePieceProcessor(model_file=str(path / "tokenizer.model"))
+    hf = AutoTokenizer.from_pretrained(path)
+    assert sp.vocab_size() == len(hf) == SPM_VOCAB
+    texts = [*PROMPTS, "ünïcode 日本 \t tabs", "x  two spaces"]
+    for text in texts:
+        assert hf(text, add_special_tokens=False).input_ids == sp.encode(text), text
+    assert hf.bos_token_id == sp.bos_id() and hf.eos_token_id == sp.eos_id()
+
+
+# --- llama.cpp's converter -------------------------------------------------------------
+
+
+@functools.cache
+def _reader(name: str, outtype: str):
+    """GGUFReader on the family's GGUF, once per test session: it builds a view of every
+    vocabulary entry and merge, ~5 s on a busy 2-core machine for 49,152 tokens."""
+    from gguf import GGUFReader
+
+    return GGUFReader(family_gguf(name, outtype))
+
+
+def _field(reader, key: str):
+    return reader.fields[key].contents()
+
+
+def _expected_keys(family: str) -> dict[str, object]:
+    """The GGUF keys (without the architecture prefix) and the values the converter must
+    write for `family`'s config."""
+    cfg = build_config(family)
+    keys: dict[str, object] = {
+        "block_count": cfg.num_hidden_layers, "embedding_length": cfg.hidden_size,
+        "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads,
+        "attention.head_count_kv": cfg.num_key_value_heads,
+        "context_length": cfg.max_position_embeddings}
+    if family in ("qwen3", "gemma3", "gemma2"):
+        keys["attention.key_length"] = keys["attention.value_length"] = cfg.head_dim
+    if family == "gemma3":
+        keys["attention.sliding_window"] = cfg.sliding_window
+        keys["rope.freq_base"] = cfg.rope_parameters["full_attention"]["rope_theta"]
+        keys["rope.freq_base_swa"] = cfg.rope_parameters["sliding_attention"]["rope_theta"]
+    if family == "gemma2":
+        keys["attention.sliding_window"] = cfg.sliding_window
+        keys["attn_logit_softcapping"] = cfg.attn_logit_softcapping
+        keys["final_logit_softcapping"] = cfg.final_logit_softcapping
+    if family == "phi3":
+        rope = cfg.rope_parameters
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        keys["rope.dimension_count"] = int(head_dim * rope["partial_rotary_factor"])
+        keys["rope.scaling.original_context_length"] = rope["original_max_position_embeddings"]
+    if family == "granite":
+        keys.update({"embedding_scale": cfg.embedding_multiplier,
+                     "attention.scale": cfg.attention_multiplier,
+                     "residual_scale": cfg.residual_multiplier,
+                     "logit_scale": cfg.logits_scaling})
+    if family in ("smollm3", "llama", "qwen3", "olmo2", "granite"):
+        keys["rope.freq_base"] = cfg.rope_parameters["rope_theta"]
+    return keys
+
+
+@pytest.fixture(scope="module")
+def converter() -> None:
+    require_llama_cpp_tree()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("name", CONVERTIBLE)
+def test_conversion_has_the_config(converter, name: str, outtype: str) -> None:
+    from gguf import GGMLQuantizationType
+
+    reader = _reader(name, outtype)
+    arch = name  # general.architecture: every family's name is llama.cpp's
+    assert _field(reader, "general.architecture") == arch
+    for key, want in _expected_keys(name).items():
+        got = _field(reader, f"{arch}.{key}")
+        assert got == pytest.approx(want, rel=1e-6), (key, got, want)
+    spm_tokenizer = FAMILIES[name].tokenizer.startswith("spm")
+    assert _field(reader, "tokenizer.ggml.model") == ("llama" if spm_tokenizer else "gpt2")
+    assert _field(reader, "tokenizer.ggml.pre") == ("default" if spm_tokenizer else "smollm")
+    assert len(_field(reader, "tokenizer.ggml.tokens")) == build_config(name).vocab_size
+    # f32: every tensor F32; q8_0: every matrix Q8_0, every vector (norms, factors) F32.
+    matrix_type = GGMLQuantizationType.F32 if outtype == "f32" else GGMLQuantizationType.Q8_0
+    for tensor in reader.tensors:
+        want = matrix_type if len(tensor.shape) == 2 else GGMLQuantizationType.F32
+        assert tensor.tensor_type == want, (tensor.name, tensor.tensor_type)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CONVERTIBLE)
+def test_f32_conversion_keeps_the_weights(converter, name: str) -> None:
+    """The F32 GGUF's token embedding is the checkpoint's, bit for bit; its final norm is
+    the checkpoint's, plus 1 for the Gemmas (the converter folds their 1 + w)."""
+    reader = _reader(name, "f32")
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    weights = load_file(str(tiny_family_checkpoint(name) / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"].numpy()
+    np.testing.assert_array_equal(tensors["token_embd.weight"].reshape(embed.shape), embed)
+    norm = weights["model.norm.weight"].numpy() + (1.0 if name.startswith("gemma") else 0.0)
+    np.testing.assert_array_equal(tensors["output_norm.weight"], norm)
+
+
+@pytest.mark.slow
+def test_phi3_conversion_writes_the_longrope_factors(converter) -> None:
+    reader = _reader("phi3", "q8_0")
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    rope = build_config("phi3").rope_parameters
+    for kind in ("long", "short"):
+        np.testing.assert_allclose(tensors[f"rope_factors_{kind}.weight"],
+                                   np.float32(rope[f"{kind}_factor"]))
+
+
+@pytest.mark.slow
+def test_qwen2_conversion_is_refused_as_documented(converter) -> None:
+    """UNCONVERTIBLE's reason still holds: the converter does not know the tokenizer that
+    transformers 5 builds for a qwen2 checkpoint on SmolLM2's files."""
+    with pytest.raises(ConversionError, match="BPE pre-tokenizer was not recognized"):
+        convert_checkpoint(tiny_family_checkpoint("qwen2"), "f32", name="qwen2")
+
+
+def test_q4_k_is_not_offered() -> None:
+    """gguf-py dequantizes Q4_K but cannot quantize it, and the converter has no q4_k."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    with pytest.raises(NotImplementedError):
+        quantize(np.zeros((1, 256), np.float32), GGMLQuantizationType.Q4_K)
+    with pytest.raises(ValueError, match="Q4_K needs llama-quantize"):
+        convert_checkpoint(tiny_family_checkpoint("qwen3"), "q4_k")
