@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.families import FAMILIES, build_config, family_names, tiny_family_checkpoint
+from helpers.families.reference import NORM_SHIFTED, PERMUTED_QK, reference_model
 from helpers.families.tokenizers import SPM_VOCAB
 from helpers.gguf_convert import (
     UNCONVERTIBLE,
@@ -218,11 +219,6 @@ def test_f32_conversion_keeps_the_weights(converter, name: str) -> None:
     np.testing.assert_array_equal(tensors["output_norm.weight"], norm)
 
 
-# The families whose converter (a LlamaModel subclass) reorders q_proj / k_proj rows from
-# transformers' rotate-half layout into llama.cpp's interleaved (GPT-J) rope layout.
-PERMUTED_QK = {"llama", "granite", "smollm3"}
-
-
 def _llama_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's LlamaModel.permute: per head, rows [x0..x(d/2-1), y0..] -> [x0, y0, x1..]."""
     rows = weight.shape[0]
@@ -234,7 +230,8 @@ def _llama_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 @pytest.mark.parametrize("name", [f for f in CONVERTIBLE if f != "phi3"])
 def test_f32_conversion_q_k_layout(converter, name: str) -> None:
     """attn_q / attn_k of the F32 GGUF: transformers' rows as they are (NeoX-style rope
-    families), or in llama.cpp's interleaved order (PERMUTED_QK); q_norm / k_norm as they
+    families), or in llama.cpp's interleaved order (PERMUTED_QK: the converters that are
+    LlamaModel subclasses); q_norm / k_norm as they
     are (plus 1 for Gemma 3)."""
     tensors = {t.name: np.asarray(t.data) for t in _reader(name, "f32").tensors}
     weights = load_file(str(tiny_family_checkpoint(name) / "model.safetensors"))
@@ -284,3 +281,31 @@ def test_q4_k_is_not_offered() -> None:
         quantize(np.zeros((1, 256), np.float32), GGMLQuantizationType.Q4_K)
     with pytest.raises(ValueError, match="Q4_K needs llama-quantize"):
         convert_checkpoint(tiny_family_checkpoint("qwen3"), "q4_k")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CONVERTIBLE)
+def test_reference_model_on_the_gguf_weights(converter, name: str) -> None:
+    """reference_model on the F32 GGUF is the checkpoint (same logits, bit for bit); on the
+    Q8_0 GGUF its matrices are gguf-py's Q8_0 round trip of the checkpoint's, exactly, and
+    its vectors the checkpoint's (Gemma norms through the converter's 1 + w)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_family_checkpoint(name)
+    ids = torch.tensor([[5, 17, 300, 42, 99, 7, 8, 250, 1000, 3]])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reference_model(name, family_gguf(name, "f32"))(ids).logits,
+                                   hf(ids).logits, rtol=0, atol=0)
+    q8 = reference_model(name, family_gguf(name, "q8_0")).state_dict()
+    one = np.float32(1.0)
+    for key, value in load_file(str(path / "model.safetensors")).items():
+        want = value.numpy()
+        if want.ndim == 2:
+            want = dequantize(quantize(want, GGMLQuantizationType.Q8_0),
+                              GGMLQuantizationType.Q8_0)
+        elif name in NORM_SHIFTED and key.endswith("norm.weight"):
+            want = (want + one) - one  # what the file's 1 + w gives back
+        np.testing.assert_array_equal(q8[key].numpy(), want, err_msg=key)

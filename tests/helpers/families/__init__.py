@@ -3,6 +3,8 @@ offline from transformers' own config and model classes, for parity tests.
 
     tiny_family_checkpoint("qwen3") -> $PLAIT_CACHE/test-families/qwen3-<digest>/
         config.json, model.safetensors (float32), tokenizer files
+    helpers.gguf_convert.family_gguf("qwen3", "q8_0")   its GGUF, by llama.cpp's converter
+    reference.reference_model("qwen3", gguf)            transformers on that GGUF's weights
 
 Each family's spec (FAMILIES) is a small config with widths that are multiples of 256 where
 K-quant blocks need them (hidden 256, intermediate 512), 2 to 6 layers, and the family's
