@@ -8,11 +8,13 @@ offline from transformers' own config and model classes, for parity tests.
 
 Each family's spec (FAMILIES) is a small config with widths that are multiples of 256 where
 K-quant blocks need them (hidden 256, intermediate 512), 2 to 6 layers, and the family's
-distinguishing features switched on. The weights are transformers' random init redrawn from a
-fixed seed at a larger scale (peaky logits, so greedy tokens differ between prompts and are
-stable under float rounding). A checkpoint is written once per spec: the directory name holds
-a digest of the spec, the seed, the tokenizer and the transformers version, and it is written
-aside and renamed, so concurrent test processes never read a half-written one.
+distinguishing features switched on. Every matrix is redrawn from a fixed seed at a larger
+scale than transformers' init, every vector (norms, biases) is its init plus noise: logits
+with a standard deviation near 1.6, so greedy tokens differ between prompts (their top-2
+gaps are still often under 0.5: a Q8_0 copy can flip some argmaxes). A checkpoint is written
+once per spec: the directory name holds a digest of the spec, the seed, the tokenizer and the
+transformers version, and it is written aside and renamed, so concurrent test processes never
+read a half-written one.
 
 Tokenizers (tokenizers.py): the SmolLM2 tokenizer (49,152 tokens) for most families; a
 1,024-piece SentencePiece model trained on a licence text for gemma2, gemma3 (Gemma ids) and
@@ -44,16 +46,17 @@ class FamilySpec:
     """One family's tiny checkpoint: transformers' `model_type` (AutoConfig.for_model picks
     the config class), the config's keyword arguments, and the tokenizer it is saved with.
 
-    `tokenizer` is "smollm2" (GPT-2 style BPE) or "spm" (a SentencePiece model trained on a
-    licence text; the families whose llama.cpp converter reads tokenizer.model)."""
+    `tokenizer` is "smollm2" (GPT-2 style BPE), or "spm-gemma" / "spm-llama" (a SentencePiece
+    model trained on a licence text, for the families whose llama.cpp converter reads
+    tokenizer.model); see tokenizers.py."""
 
     model_type: str
     config: dict[str, Any]
     tokenizer: str = "smollm2"
     weight_std: float = 0.1  # std of every 2-D weight; 1-D weights get init + N(0, 0.1)
     # std of the token embedding, where the family scales it up (Gemma by sqrt(hidden),
-    # Granite by embedding_multiplier): kept small there, or the tied output head sees the
-    # current token's own embedding dominate the last hidden state and greedy repeats it.
+    # Granite by embedding_multiplier): kept small there, or the current token's own
+    # embedding dominates the last hidden state and (with a tied head) greedy repeats it.
     embed_std: float | None = None
     # the final norm's effective weight times this: logits of a useful size despite a small
     # tied embedding (Gemma's norm weight w acts as 1 + w)
