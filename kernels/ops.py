@@ -305,12 +305,10 @@ class TritonOps(TorchOps):
                   softcap: float = 0.0) -> torch.Tensor:
         from plait.kernels.cuda.attention import paged_attention_triton
 
-        if window or softcap:
-            raise NotImplementedError("the Triton attention takes no window / softcap yet")
         return paged_attention_triton(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
             scale=scale, max_query_len=meta.max_query_len,
-            max_context_len=meta.max_context_len)
+            max_context_len=meta.max_context_len, window=window, softcap=softcap)
 
 
 def select_ops(device: torch.device, dtype: torch.dtype, shape: AttentionShape, *,
