@@ -428,12 +428,11 @@ static inline long main_range(long shared, long rows, long ctx_first) {
  * ctx_len[r]) through its table, block_tables + table_rows[r] * table_stride. The queries of
  * `st` are those of KV heads [h0, h0 + nh), G per head and row. `dot` (a constant, with
  * bf16): the shared tokens through attention_bf16.h. `var` (a constant): a window or a
- * softcap, the code that applies them (shape_scores, cap_scores) compiled in; the copies
- * without it hold none (where it was only skipped at run time, its presence changed the
- * compiler's float choices elsewhere, an ulp off the results before the variants). With a
- * window, every range starts no
- * earlier than its rows' windows (st->lo_min for the main range, each row's own start for
- * its own tokens); the shared loops mask per query where the windows differ. */
+ * softcap; the code that applies them (shape_scores, cap_scores) is compiled into the _var
+ * copies only, so the default copies carry neither it nor its tests per block. With a
+ * window, every range starts no earlier than its rows' windows (st->lo_min for the main
+ * range, each row's own start for its own tokens); the shared loops mask per query where
+ * the windows differ. */
 INLINE void attend_task(state_t *st, long shared, long main, long from, long to, int last,
                         long rows, long G, const int32_t *block_tables, long table_stride,
                         const int64_t *table_rows, const int32_t *ctx_len, const void *k_cache,

@@ -394,8 +394,8 @@ def _prefix_bias(prefix: _Prefix, decodes: _SeqGroup, length: int, group: int,
                  window: int) -> torch.Tensor | None:  # [1, 1, group * G, P] float32
     """The additive mask of a shared prefix's call for its G rows stacked (rows ordered
     (head in group, row), as `attend_with_lse` stacks them): prefix key k is attended by a
-    row at position p iff p - k < window. None when no row's window starts inside the
-    prefix (every row attends all of it: no mask)."""
+    row at position p iff p - k < window. None without a window, or when every row's
+    window reaches back to token 0 (each attends all of the prefix: no mask)."""
     if window <= 0 or prefix.max_pos < window:
         return None
     q_pos = decodes.q_pos.view(-1)[prefix.rows]  # [G]

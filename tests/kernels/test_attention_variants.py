@@ -453,3 +453,30 @@ def test_gemma2_softcap_of_50_on_large_logits(batch_name, path):
     else:
         out = paged_attention_reference(**batch.kernel_args(), softcap=50.0)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=RTOL)
+
+
+@pytest.mark.parametrize("table", ["torch", "native"])
+def test_each_layer_rotates_with_its_own_table(table):
+    """Per-layer RoPE: one ops table, calls with tables of other thetas and widths (a
+    sliding layer's 10k, a global layer's 1M, Phi-3's partial 96): each call rotates by the
+    table it is given (nothing of an earlier call's table is kept)."""
+    from plait.engine.models.rope import rope_cos_sin
+
+    if table == "native" and not build.available():
+        pytest.skip("no C compiler / not x86-64: native kernels off")
+    shape = AttentionShape(4, 2, 128, 4)
+    ops = TorchOps(shape) if table == "torch" else select_ops(torch.device("cpu"),
+                                                              torch.float32, shape)
+    gen = torch.Generator().manual_seed(7)
+    positions = torch.tensor([3, 40, 41, 200])
+    for theta, rot in ((10000.0, 128), (1e6, 128), (10000.0, 96), (1e6, 128)):
+        q, k, v = (torch.randn(4, h, 128, generator=gen) for h in (4, 2, 2))
+        caches = [torch.zeros(64, 4, 2, 128) for _ in range(2)]
+        slots = torch.tensor([1, 7, 30, 200])
+        q_out = ops.rope_write_kv(q.clone(), k, v, rope_cos_sin(rot, 256, theta, None),
+                                  positions, *caches, slots)
+        torch.testing.assert_close(q_out.double(), _explicit_rope(q, positions, rot, theta),
+                                   atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(caches[0].view(-1, 2, 128)[slots].double(),
+                                   _explicit_rope(k, positions, rot, theta), atol=2e-5,
+                                   rtol=1e-5)
