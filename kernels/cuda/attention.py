@@ -21,6 +21,13 @@ by `_combine_splits_kernel`:
 
     keys:  |-- split 0 --|-- split 1 --|-- split 2 --|     out = sum_i w_i * out_i,
                                                             w_i = 2^(lse_i - max lse) / sum
+
+The variants (`reference.py`), compile-time switches so the default kernel is unchanged:
+a sliding `window` masks keys k with q_pos - k >= window and starts the key loop at the
+tile holding the tile's first query's first key (the tiles before it are not read; with
+splits, the remaining tiles are split); a `softcap` caps the base-2 logits as
+softcap' * tanh(s / softcap'), softcap' = softcap * log2(e) (the same as capping the
+natural logits, then converting).
 """
 
 from __future__ import annotations
@@ -37,10 +44,29 @@ _MAX_SPLITS = 32
 
 
 @triton.jit
+def _tanh(x):
+    """tanh to a few float32 ulps: the odd Taylor polynomial to x^13 below |x| = 0.5 (no
+    cancellation near 0), else (1 - e) / (1 + e) with e = e^(-2|x|) <= 0.37."""
+    ax = tl.abs(x)
+    x2 = ax * ax
+    p = 21844.0 / 6081075.0
+    p = p * x2 - 1382.0 / 155925.0
+    p = p * x2 + 62.0 / 2835.0
+    p = p * x2 - 17.0 / 315.0
+    p = p * x2 + 2.0 / 15.0
+    p = p * x2 - 1.0 / 3.0
+    e = tl.exp(-2.0 * ax)
+    t = tl.where(ax < 0.5, ax + ax * x2 * p, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _paged_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
     qk_scale,  # softmax scale * log2(e): the loop uses exp2
+    window,  # HAS_WINDOW: keys k with q_pos - k < window
+    softcap_log2,  # HAS_SOFTCAP: softcap * log2(e), the cap of the base-2 logits
     num_tokens, num_heads, num_splits,
     stride_q_t, stride_q_h, stride_q_d,
     stride_o_t, stride_o_h, stride_o_d,
@@ -54,6 +80,8 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per loop iteration
     SPLIT_OUTPUT: tl.constexpr,  # True: write partials for _combine_splits_kernel
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,  # window > 0
+    HAS_SOFTCAP: tl.constexpr,  # softcap > 0
 ):
     m_tile = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -74,8 +102,12 @@ def _paged_attention_kernel(
     last_q = tl.minimum(num_q - 1, (row_lo + BLOCK_M - 1) // GROUP)
     kv_len = context_len - num_q + last_q + 1
     num_kv_tiles = tl.cdiv(kv_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_kv_tiles, num_splits)
-    tile_lo = split * tiles_per_split
+    first_tile = 0
+    if HAS_WINDOW:  # keys before the tile's first query's window are masked for every row
+        first_key = tl.maximum(context_len - num_q + row_lo // GROUP - window + 1, 0)
+        first_tile = first_key // BLOCK_N
+    tiles_per_split = tl.cdiv(num_kv_tiles - first_tile, num_splits)
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_kv_tiles)
 
     tokens = (q_start + q_idx).to(tl.int64)  # [BLOCK_M]
@@ -100,7 +132,11 @@ def _paged_attention_kernel(
             mask=kv_valid[None, :], other=0.0,
         )  # [HEAD_DIM, BLOCK_N]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:
+            s = softcap_log2 * _tanh(s / softcap_log2)
         attend = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+        if HAS_WINDOW:
+            attend = attend & (q_pos[:, None] - kv_pos[None, :] < window)
         s = tl.where(attend, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no key yet (only possible in a later split) keeps m = -inf: avoid NaN
@@ -234,8 +270,11 @@ def paged_attention_triton(
     max_context_len: int,
     *,
     num_splits: int | None = None,
+    window: int = 0,  # > 0: sliding window (reference.py); 0: full causal
+    softcap: float = 0.0,  # > 0: logit softcap after the scale; 0: none
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal paged attention; see `reference.paged_attention_reference` for the semantics.
+    """Causal paged attention; see `reference.paged_attention_reference` for the semantics
+    (`window` and `softcap` included; 0 compiles the kernel without them).
 
     No host sync: `max_query_len` must be >= every sequence's query count (rows beyond it
     are left unwritten) and `max_context_len` is only a hint for the split heuristic.
@@ -243,6 +282,8 @@ def paged_attention_triton(
     flash-decoding split count (tests); by default it is 1 except for small decode batches.
     """
     _check_inputs(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables)
+    if window < 0 or not softcap >= 0:
+        raise ValueError(f"window must be >= 0 and softcap >= 0, not {window}, {softcap}")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = context_lens.shape[0]
@@ -254,8 +295,9 @@ def paged_attention_triton(
     block_n = min(64, max(16, triton.next_power_of_2(max_context_len)))
     num_m_tiles = triton.cdiv(max_query_len * group, block_m)
     if num_splits is None:
+        keys = min(max_context_len, window) if window else max_context_len  # per query
         num_splits = _default_num_splits(
-            query, num_m_tiles * num_kv_heads * num_seqs, max_query_len, max_context_len
+            query, num_m_tiles * num_kv_heads * num_seqs, max_query_len, keys
         )
     if num_splits > 1:
         part_out = torch.empty((num_splits, num_tokens, num_heads, head_dim),
@@ -270,6 +312,7 @@ def paged_attention_triton(
         cu_seqlens_q_ptr=cu_seqlens_q, context_lens_ptr=context_lens,
         block_tables_ptr=block_tables,
         qk_scale=scale * 1.4426950408889634,  # log2(e)
+        window=window, softcap_log2=softcap * 1.4426950408889634,
         num_tokens=num_tokens, num_heads=num_heads, num_splits=num_splits,
         stride_q_t=query.stride(0), stride_q_h=query.stride(1), stride_q_d=query.stride(2),
         stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
@@ -281,6 +324,7 @@ def paged_attention_triton(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_OUTPUT=num_splits > 1,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](

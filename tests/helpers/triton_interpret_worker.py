@@ -61,6 +61,32 @@ ATTENTION_CASES: dict[str, tuple[BatchSpec, int | None]] = {
     ),
 }
 
+# name -> (batch, num_splits or None, window, softcap, scale or None for D^-0.5): the
+# attention variants (test_kernels_triton.py compares them with float64 dense attention with
+# explicit masks); block size 4 and windows that cut blocks, key tiles and splits
+VARIANT_CASES: dict[str, tuple[BatchSpec, int | None, int, float, float | None]] = {
+    "variant_window": (BatchSpec(MIXED_SEQS, num_heads=6, block_size=4, seed=31), None, 7,
+                       0.0, None),
+    "variant_softcap": (BatchSpec(MIXED_SEQS, num_heads=6, block_size=4, seed=32), None, 0,
+                        1.5, None),
+    "variant_both": (BatchSpec(MIXED_SEQS, num_heads=8, block_size=16, seed=33), None, 11,
+                     2.0, None),
+    "variant_scale": (BatchSpec(MIXED_SEQS, num_heads=4, block_size=8, seed=34), None, 0, 0.0,
+                      0.37),
+    # a prefill of 100 queries: key tiles wholly before a tile's first window are skipped
+    "variant_long_prefill_window": (BatchSpec(((100, 130), (1, 90)), num_heads=4,
+                                              block_size=8, seed=35), None, 20, 0.0, None),
+    # flash decoding with a window: whole splits fall before the window (empty, weight 0)
+    "variant_splits_window": (BatchSpec(((1, 200), (1, 130), (1, 1), (1, 64)), num_heads=8,
+                                        seed=36), 3, 50, 1.5, 0.25),
+    # n sequences sharing a prompt longer than the window (the Triton kernel has no shared
+    # path: each attends its own table, which points at the same blocks)
+    "variant_shared_prompt": (BatchSpec(((1, 37), (1, 33), (1, 40), (1, 45)), num_heads=6,
+                                        block_size=4, seed=37), None, 7, 1.5, None),
+    "variant_fp16": (BatchSpec(MIXED_SEQS, num_heads=8, dtype=torch.float16, seed=38), None,
+                     9, 2.0, None),
+}
+
 # name -> keyword arguments of kernel_cases.build_write_case
 WRITE_CASES: dict[str, dict] = {
     "write_fp32_to_fp16_dim48": dict(
@@ -87,6 +113,16 @@ OPS_CASES: dict[str, BatchSpec] = {
     "ops_triton_fp16": BatchSpec(MIXED_SEQS, num_heads=8, dtype=torch.float16, seed=22),
 }
 
+# name -> (batch, ops_step's variant keywords): the same through the ops table with a
+# layer's variants: a window and softcap, a partial RoPE table (24 of 32 dims), a NoPE
+# layer (write_kv only)
+OPS_VARIANT_CASES: dict[str, tuple[BatchSpec, dict]] = {
+    "ops_triton_variants": (BatchSpec(MIXED_SEQS, num_heads=6, head_dim=32, block_size=4,
+                                      seed=23), dict(window=6, softcap=1.5, rope_dim=24)),
+    "ops_triton_nope": (BatchSpec(MIXED_SEQS, num_heads=4, head_dim=32, block_size=8,
+                                  seed=24), dict(window=9, rope_dim=0)),
+}
+
 # name -> (batch, which argument to break); each must raise ValueError in the launcher
 ERROR_CASES: dict[str, tuple[BatchSpec, str]] = {
     "head_dim_not_power_of_two": (BatchSpec(((1, 4),), head_dim=48), "none"),
@@ -103,6 +139,17 @@ def _run_attention(spec: BatchSpec, num_splits: int | None) -> torch.Tensor:
     return paged_attention_triton(**batch.kernel_args(), num_splits=num_splits)
 
 
+def _run_variant(spec: BatchSpec, num_splits: int | None, window: int, softcap: float,
+                 scale: float | None) -> torch.Tensor:
+    from plait.kernels.cuda.attention import paged_attention_triton
+
+    args = build_batch(spec).kernel_args()
+    if scale is not None:
+        args["scale"] = scale
+    return paged_attention_triton(**args, num_splits=num_splits, window=window,
+                                  softcap=softcap)
+
+
 def _run_write(kwargs: dict) -> torch.Tensor:
     """[2, ...] the caches after the write; for huge caches only the written rows."""
     from plait.kernels.cuda.write_kv import write_kv_triton
@@ -116,12 +163,15 @@ def _run_write(kwargs: dict) -> torch.Tensor:
     return torch.stack([c.view(-1, *c.shape[2:])[rows] for c in (k_cache, v_cache)])
 
 
-def ops_step(spec: BatchSpec, ops, device: str = "cpu") -> dict[str, torch.Tensor]:
+def ops_step(spec: BatchSpec, ops, device: str = "cpu", window: int = 0, softcap: float = 0.0,
+             rope_dim: int | None = None) -> dict[str, torch.Tensor]:
     """One attention layer of `spec`'s batch through the ops table `ops`, as the model
     runs it: `plan`, then `rope_write_kv` (RoPE, and new seeded K/V for every query token
     written at its slot with the table's `write_kv`), then `attention` over the written
-    cache. The inputs are built on the CPU and moved to `device`. Returns the attention
-    output and both caches after the write (on `device`)."""
+    cache with the layer's `window` and `softcap`. `rope_dim`: the RoPE table's width (None:
+    the head size; 0: a NoPE layer, `write_kv` alone, q unrotated). The inputs are built on
+    the CPU and moved to `device`. Returns the attention output and both caches after the
+    write (on `device`)."""
     from plait.engine.models.rope import rope_cos_sin
     from plait.kernels.metadata import AttentionMetadata
 
@@ -136,7 +186,7 @@ def ops_step(spec: BatchSpec, ops, device: str = "cpu") -> dict[str, torch.Tenso
     gen = torch.Generator().manual_seed(spec.seed + 1)
     key = torch.randn(seq.shape[0], h_kv, dim, generator=gen).to(spec.dtype)
     value = torch.randn(seq.shape[0], h_kv, dim, generator=gen).to(spec.dtype)
-    cos_sin = rope_cos_sin(dim, batch.max_context_len, 10000.0, None)
+    cos_sin = rope_cos_sin(rope_dim or dim, batch.max_context_len, 10000.0, None)
     query, k_cache, v_cache, cu, ctx_lens, tables, positions, slots, key, value, cos_sin = (
         t.to(device) for t in (batch.query, batch.k_cache, batch.v_cache, batch.cu_seqlens_q,
                                batch.context_lens, batch.block_tables, positions, slots, key,
@@ -144,19 +194,23 @@ def ops_step(spec: BatchSpec, ops, device: str = "cpu") -> dict[str, torch.Tenso
     meta = AttentionMetadata(slots, cu, ctx_lens, tables, batch.max_query_len,
                              batch.max_context_len)
     meta = ops.plan(meta, positions)
-    q = ops.rope_write_kv(query, key, value, cos_sin, positions, k_cache, v_cache, slots)
-    out = ops.attention(q, k_cache, v_cache, meta, batch.scale)
+    if rope_dim == 0:
+        q = query
+        ops.write_kv(key, value, k_cache, v_cache, slots)
+    else:
+        q = ops.rope_write_kv(query, key, value, cos_sin, positions, k_cache, v_cache, slots)
+    out = ops.attention(q, k_cache, v_cache, meta, batch.scale, window=window, softcap=softcap)
     return {"attention": out, "k_cache": k_cache, "v_cache": v_cache}
 
 
-def _run_ops(spec: BatchSpec) -> dict[str, torch.Tensor]:
+def _run_ops(spec: BatchSpec, variants: dict | None = None) -> dict[str, torch.Tensor]:
     from plait.kernels.ops import AttentionShape, TritonOps, select_ops
 
     shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size)
     ops = select_ops(torch.device("cuda"), spec.dtype, shape)  # what a CUDA engine gets
     if not isinstance(ops, TritonOps):
         raise TypeError(f"select_ops chose {type(ops).__name__} for CUDA, not TritonOps")
-    return ops_step(spec, ops)
+    return ops_step(spec, ops, **(variants or {}))
 
 
 def _run_error(spec: BatchSpec, broken: str) -> torch.Tensor:
@@ -180,7 +234,9 @@ def main(out_path: str, group: str) -> None:
         raise SystemExit("run with TRITON_INTERPRET=1 and before anything imports triton")
     jobs = {name: (_run_attention, case) for name, case in ATTENTION_CASES.items()}
     jobs |= {name: (_run_write, (case,)) for name, case in WRITE_CASES.items()}
+    jobs |= {name: (_run_variant, case) for name, case in VARIANT_CASES.items()}
     jobs |= {name: (_run_ops, (spec,)) for name, spec in OPS_CASES.items()}
+    jobs |= {name: (_run_ops, case) for name, case in OPS_VARIANT_CASES.items()}
     jobs |= {name: (_run_error, case) for name, case in ERROR_CASES.items()}
     results: dict[str, torch.Tensor | dict[str, torch.Tensor] | str] = {}
     for name, (fn, args) in jobs.items():

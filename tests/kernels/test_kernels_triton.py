@@ -32,6 +32,8 @@ from helpers.triton_interpret_worker import (
     ATTENTION_CASES,
     ERROR_CASES,
     OPS_CASES,
+    OPS_VARIANT_CASES,
+    VARIANT_CASES,
     WRITE_CASES,
     case_group,
     ops_step,
@@ -71,7 +73,8 @@ def interpreted(tmp_path_factory) -> dict:
             results |= torch.load(out_path, weights_only=True)
             continue
         crash = f"worker crashed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-        names = [*ATTENTION_CASES, *WRITE_CASES, *OPS_CASES, *ERROR_CASES]
+        names = [*ATTENTION_CASES, *VARIANT_CASES, *WRITE_CASES, *OPS_CASES,
+                 *OPS_VARIANT_CASES, *ERROR_CASES]
         results |= {name: crash for name in names if case_group(name) == group}
     return results
 
@@ -108,6 +111,43 @@ def test_interpreted_attention_would_catch_wrong_causal_offset(interpreted):
     for shift in (1, -1):
         wrong = dense_attention(batch, causal_shift=shift)
         assert not torch.allclose(got, wrong, atol=atol, rtol=rtol, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+def test_interpreted_attention_variants_match_dense(interpreted, name):
+    """A sliding window, a logit softcap, both, a custom scale: the kernel against float64
+    dense attention with explicit masks (`dense_attention`), which the variant changes by
+    far more than the tolerance."""
+    spec, _, window, softcap, scale = VARIANT_CASES[name]
+    batch = build_batch(spec)
+    plain = dense_attention(batch)
+    if scale is not None:
+        batch.scale = scale
+    expected = dense_attention(batch, window=window, softcap=softcap)
+    got = _result(interpreted, name)
+    atol, rtol = TOLERANCES[spec.dtype]
+    assert got.shape == expected.shape and got.dtype == spec.dtype
+    torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
+    assert (plain - expected).abs().max() > 100 * atol
+
+
+@pytest.mark.parametrize("name", list(OPS_VARIANT_CASES))
+def test_interpreted_triton_ops_variants_match_the_reference_ops(interpreted, name):
+    """`TritonOps` with a layer's variants (a window and softcap with a partial RoPE table;
+    a NoPE layer's `write_kv`) against the reference table: caches bit for bit, attention
+    within tolerance."""
+    spec, variants = OPS_VARIANT_CASES[name]
+    got = interpreted[name]
+    assert isinstance(got, dict), got
+    shape = AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size)
+    expected = ops_step(spec, TorchOps(shape, cascade=False), **variants)
+    assert torch.equal(got["k_cache"], expected["k_cache"])
+    assert torch.equal(got["v_cache"], expected["v_cache"])
+    atol, rtol = TOLERANCES[spec.dtype]
+    torch.testing.assert_close(got["attention"], expected["attention"], atol=atol, rtol=rtol)
+    # the variants matter: the same step without them is another result
+    plain = ops_step(spec, TorchOps(shape, cascade=False))
+    assert not torch.allclose(plain["attention"], expected["attention"], atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("name", list(WRITE_CASES))
@@ -180,6 +220,26 @@ def test_cuda_attention_matches_reference(
     torch.testing.assert_close(paged_attention_triton(**args), expected, atol=atol, rtol=rtol)
     split = paged_attention_triton(**args, num_splits=4)
     torch.testing.assert_close(split, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(512, 0.0), (0, 50.0), (100, 30.0)])
+def test_cuda_attention_variants_match_reference(window, softcap, dtype):
+    """Gemma-like variants on the compiled kernel: the reference on the same device, with
+    and without flash-decoding splits."""
+    from plait.kernels.cuda.attention import paged_attention_triton
+
+    spec = BatchSpec((*MIXED_SEQS, (300, 700), (1, 2049), (1, 1500)), 16, 8, 128, 16, dtype,
+                     seed=8)
+    args = _cuda_batch(spec)
+    args["scale"] = 256**-0.5  # query_pre_attn_scalar 256
+    expected = paged_attention_reference(**args, window=window, softcap=softcap)
+    atol, rtol = TOLERANCES[dtype]
+    for splits in (None, 4):
+        got = paged_attention_triton(**args, num_splits=splits, window=window, softcap=softcap)
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
 
 
 @pytest.mark.cuda
