@@ -51,6 +51,8 @@ logger = logging.getLogger("plait.engine")
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # GGUF tensors Plait does not read: llama3's RoPE factors (computed from the config).
 _IGNORED = ("rope_freqs.weight",)
+# a layer's norm tensors by role (models/layers.py: ATTN_IN, ATTN_OUT, FFN_IN, FFN_OUT)
+_NORM_TENSORS = ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
 Piece = QuantPart | torch.Tensor  # a kept part, or rows dequantized to float32 [rows, K]
 
 
@@ -91,8 +93,13 @@ class _Loader:
             mlp.gate_up_proj = self.linear(mlp.gate_up_proj,
                                            [f"blk.{i}.ffn_gate", f"blk.{i}.ffn_up"])
             mlp.down_proj = self.linear(mlp.down_proj, [f"blk.{i}.ffn_down"])
-            self.norm(layer.input_layernorm.weight, f"blk.{i}.attn_norm.weight")
-            self.norm(layer.post_attention_layernorm.weight, f"blk.{i}.ffn_norm.weight")
+            for role, name in enumerate(_NORM_TENSORS):
+                norm = layer.norm(role)
+                if norm is not None:
+                    self.norm(norm.weight, f"blk.{i}.{name}.weight")
+            if attn.qk_norm is not None:
+                self.norm(attn.q_norm.weight, f"blk.{i}.attn_q_norm.weight")
+                self.norm(attn.k_norm.weight, f"blk.{i}.attn_k_norm.weight")
         self.norm(model.norm.weight, "output_norm.weight")
         embedding = self.embedding("token_embd.weight", cfg.vocab_size, cfg.hidden_size)
         model.embed_tokens = embedding
