@@ -63,14 +63,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rope(
-    cos_sin: torch.Tensor,  # [max_positions, D] = cos | sin halves
+    cos_sin: torch.Tensor,  # [max_positions, R] = cos | sin halves, R even, R <= D
     positions: torch.Tensor,  # [T]
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, H_kv, D]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k by their positions' angles (neox style: rotate halves)."""
-    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    """Rotate q and k by their positions' angles, neox style, over the first R dims of each
+    head (pairs (i, i + R/2), i < R/2); dims R..D pass through unchanged (partial rotary,
+    Phi-3's R = 96 of D = 128). R == D rotates the whole head.
+
+        head:  [x_0 .. x_{R/2-1} | x_{R/2} .. x_{R-1} | x_R .. x_{D-1}]
+                 rotated with      their partners        unchanged
+    """
+    rot = check_rope_width(cos_sin, q.shape[-1])
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R/2] each
+    if rot == q.shape[-1]:
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return (torch.cat([_rotate(q[..., :rot], cos, sin), q[..., rot:]], dim=-1),
+            torch.cat([_rotate(k[..., :rot], cos, sin), k[..., rot:]], dim=-1))
+
+
+def check_rope_width(cos_sin: torch.Tensor, head_dim: int) -> int:
+    """The rotated width R of a cos | sin table [P, R]; ValueError unless R is even,
+    0 < R <= head_dim."""
+    rot = cos_sin.shape[-1]
+    if rot % 2 or not 0 < rot <= head_dim:
+        raise ValueError(f"a RoPE table of width {rot} for heads of {head_dim}: the width "
+                         f"must be even, > 0 and <= the head size")
+    return rot
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,19 +154,24 @@ class TorchOps:
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, H_kv, D]
         v: torch.Tensor,  # [T, H_kv, D]
-        cos_sin: torch.Tensor,  # [max_positions, D] cos | sin halves
+        cos_sin: torch.Tensor,  # [max_positions, R] cos | sin halves (R <= D: partial)
         positions: torch.Tensor,  # [T]
         k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [T] int64
     ) -> torch.Tensor:  # [T, H, D] q rotated
-        """RoPE of q and k, then k and v written to the cache at their slots."""
+        """RoPE of q and k (`apply_rope`: the first R dims of each head), then k and v
+        written to the cache at their slots. The table is the caller's, per call (a model
+        whose layers differ in theta passes each layer's own)."""
         q, k = apply_rope(cos_sin, positions, q, k)
         self.write_kv(k, v, k_cache, v_cache, slot_mapping)
         return q
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """k and v ([T, H_kv, D] each, any strides) written to the caches at their slots
+        (every slot valid), cast to the cache's dtype; no RoPE (NoPE layers call it
+        directly)."""
         write_kv_reference(k, v, k_cache, v_cache, slot_mapping, padded=False)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
@@ -160,13 +185,20 @@ class TorchOps:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,  # planned by `plan`
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [T, H, D]
-        """Causal paged attention (the contract of `reference.paged_attention_reference`)."""
+        """Causal paged attention (the contract of `reference.paged_attention_reference`):
+        `scale` multiplies q.k; `window` > 0 a sliding window (the query at p attends keys
+        k with 0 <= p - k < window), `softcap` > 0 caps the scaled logits (softcap *
+        tanh(s / softcap)); 0 turns either off. The step's plan serves any of them."""
         args = (q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
                 scale, meta.max_query_len, meta.max_context_len)
         if self.cascade:
-            return cascade_attention_reference(*args, plan=meta.plan)
-        return paged_attention_reference(*args, plan=meta.plan)
+            return cascade_attention_reference(*args, plan=meta.plan, window=window,
+                                               softcap=softcap)
+        return paged_attention_reference(*args, plan=meta.plan, window=window,
+                                         softcap=softcap)
 
     def decoder_stack(self, stack: NativeStack, x: torch.Tensor,
                       positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -221,6 +253,9 @@ class CpuNativeOps(TorchOps):
     def rope_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos_sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        if cos_sin.shape[-1] != q.shape[-1]:  # interim: partial rotary in torch
+            return super().rope_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache,
+                                         slot_mapping)
         return native.rope_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache,
                                     slot_mapping)
 
@@ -228,9 +263,15 @@ class CpuNativeOps(TorchOps):
         return native.silu_mul(gate_up)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int = 0,
+                  softcap: float = 0.0) -> torch.Tensor:
         if not self.native_attention:
-            return super().attention(q, k_cache, v_cache, meta, scale)
+            return super().attention(q, k_cache, v_cache, meta, scale, window, softcap)
+        if window or softcap:  # interim, until the native kernel takes them: plans again
+            return paged_attention_reference(
+                q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                scale, meta.max_query_len, meta.max_context_len, window=window,
+                softcap=softcap)
         return native_attention(q, k_cache, v_cache, meta.block_tables, meta.plan, scale,
                                 self.compute_dtype)
 
@@ -268,9 +309,12 @@ class TritonOps(TorchOps):
         write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int = 0,
+                  softcap: float = 0.0) -> torch.Tensor:
         from plait.kernels.cuda.attention import paged_attention_triton
 
+        if window or softcap:
+            raise NotImplementedError("the Triton attention takes no window / softcap yet")
         return paged_attention_triton(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
             scale=scale, max_query_len=meta.max_query_len,
@@ -315,4 +359,4 @@ def _triton_importable() -> bool:
 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionShape", "CpuNativeOps", "TorchOps", "TritonOps",
-           "apply_rope", "rms_norm", "select_ops"]
+           "apply_rope", "check_rope_width", "rms_norm", "select_ops"]

@@ -16,6 +16,17 @@ cu_seqlens_q[s]` tokens of its `context_lens[s]` tokens; query j sits at absolut
 
     context: |<--------- cached prefix --------->|<--- new (queries) --->|
     tokens:   0 1 2 ...                           ctx-num_q         ctx-1
+
+Two variants every attention path takes (the same keywords everywhere, 0 = off):
+
+* `window` > 0, a sliding window: the query at position p attends only keys k with
+  0 <= p - k < window (itself and window - 1 earlier: Hugging Face's / llama.cpp's
+  `sliding_window`);
+* `softcap` > 0, a logit softcap after the scale: s = softcap * tanh(scale q.k / softcap)
+  before the softmax (Gemma 2).
+
+        window 3, query at p = 5:   keys  0 1 2 3 4 5 6
+                                          . . . x x x .     (x = attended)
 """
 
 from __future__ import annotations
@@ -62,7 +73,25 @@ class _SeqGroup:
     num_seqs: int
     num_q: int  # queries per sequence (1 for decodes)
     length: int  # keys attended (padded to the longest context in the group)
-    mask: torch.Tensor  # [S, 1, group * num_q, length] bool, True = attend
+    mask: torch.Tensor  # [S, 1, group * num_q, length] bool, True = attend (causal only)
+    # absolute positions, for a window (`window_mask`): of each mask row's query and of
+    # each gathered key (broadcastable against `mask`)
+    q_pos: torch.Tensor  # [S, 1, group * num_q or 1, 1] int64
+    k_pos: torch.Tensor  # [S or 1, 1, 1, length] int64
+
+
+def window_mask(g: _SeqGroup, window: int) -> torch.Tensor:  # [S, 1, group * num_q, L]
+    """`g.mask`, and with `window` > 0 only the keys within the window of each query
+    (q_pos - k_pos < window; the causal mask already has q_pos >= k_pos)."""
+    if window <= 0:
+        return g.mask
+    return g.mask & (g.q_pos - g.k_pos < window)
+
+
+def check_variants(window: int, softcap: float) -> None:
+    """ValueError unless `window` and `softcap` are >= 0 (0: the variant is off)."""
+    if window < 0 or not softcap >= 0:
+        raise ValueError(f"window must be >= 0 and softcap >= 0, not {window}, {softcap}")
 
 
 def _rows(token_rows: list[int], device: torch.device) -> torch.Tensor | slice:
@@ -104,8 +133,11 @@ def decode_group(
     block_ids = block_tables[idx].long().gather(1, cols).clamp_min(0).flatten()  # [S * nb]
     lens_t = torch.tensor(lens, device=device)
     mask = torch.arange(length, device=device)[None, :] < lens_t[:, None]  # [S_d, L]
+    q_pos = torch.tensor([ctx[i] - 1 for i in decode_idx], device=device)  # [S_d]
+    k_pos = cols[:, :1] * block_size + torch.arange(length, device=device)  # [S_d, L]
     return _SeqGroup(_rows([starts[i] for i in decode_idx], device), block_ids,
-                     len(decode_idx), 1, length, mask[:, None, None, :].expand(-1, 1, group, -1))
+                     len(decode_idx), 1, length, mask[:, None, None, :].expand(-1, 1, group, -1),
+                     q_pos.view(-1, 1, 1, 1), k_pos[:, None, None, :])
 
 
 def prefill_groups(
@@ -119,11 +151,13 @@ def prefill_groups(
         if n <= 1:
             continue
         nb = -(-ctx[i] // block_size)
-        q_pos = torch.arange(ctx[i] - n, ctx[i], device=device)
-        mask = torch.arange(ctx[i], device=device)[None, :] <= q_pos[:, None]  # [n, L]
+        q_pos = torch.arange(ctx[i] - n, ctx[i], device=device)  # [n]
+        k_pos = torch.arange(ctx[i], device=device)  # [L]
+        mask = k_pos[None, :] <= q_pos[:, None]  # [n, L]
         groups.append(_SeqGroup(
             slice(starts[i], starts[i + 1]), block_tables[i, :nb].long().clamp_min(0), 1, n,
-            ctx[i], mask.repeat(group, 1)[None, None]))
+            ctx[i], mask.repeat(group, 1)[None, None], q_pos.repeat(group)[None, None, :, None],
+            k_pos[None, None, None, :]))
     return groups
 
 
@@ -151,25 +185,38 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int,
     return cache.index_select(0, block_ids).view(shape)[:, :length]
 
 
+def capped_scores(dots: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """The scores of q.k products `dots`: scale * dots, then with `softcap` > 0
+    softcap * tanh(scale * dots / softcap) (any shape, float32)."""
+    scores = dots * scale
+    return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
+
+
 def _attend(
     query: torch.Tensor,  # [S, Q, H, D]
     key: torch.Tensor,  # [S, L, H_kv, D]
     value: torch.Tensor,  # [S, L, H_kv, D]
     mask: torch.Tensor,  # [S, 1, group * Q, L] bool, True = attend
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [S, Q, H, D]
     """Grouped-query attention without repeating K/V: the `group` query heads that share a
-    KV head are stacked along the query axis, [S, H_kv, group * Q, D]."""
+    KV head are stacked along the query axis, [S, H_kv, group * Q, D]. With `softcap` > 0
+    the scaled scores are capped (`capped_scores`) before the softmax, in float32 (SDPA
+    takes no softcap). Every query must attend at least one key."""
     num_seqs, num_q, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[2]
     group = num_heads // num_kv_heads
     # query heads h = kv * group + g  ->  rows ordered (g, q) inside each KV head
     q = query.view(num_seqs, num_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, num_kv_heads, group * num_q, head_dim)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), key.transpose(1, 2).float(), value.transpose(1, 2).float(),
-        attn_mask=mask, scale=scale,
-    )  # [S, H_kv, group * Q, D]
+    k, v = key.transpose(1, 2).float(), value.transpose(1, 2).float()  # [S, H_kv, L, D]
+    if softcap > 0:
+        scores = capped_scores(q.float() @ k.transpose(-1, -2), scale, softcap)
+        out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k, v, attn_mask=mask, scale=scale)  # [S, H_kv, group * Q, D]
     out = out.view(num_seqs, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(num_seqs, num_q, num_heads, head_dim).to(query.dtype)
 
@@ -185,8 +232,12 @@ def paged_attention_reference(
     max_query_len: int,
     max_context_len: int,
     plan: list[_SeqGroup] | None = None,  # `plan_reference` of this batch; None: made here
+    window: int = 0,  # > 0: sliding window (module docstring); 0: full causal
+    softcap: float = 0.0,  # > 0: logit softcap after the scale; 0: none
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's queries over its paged K/V.
+    """Causal attention of each sequence's queries over its paged K/V, optionally within a
+    sliding `window` and with softcapped logits (the plan does not depend on either: one
+    plan serves every layer of a step).
 
     Decode sequences (one query) are attended in one batched call; sequences with several
     queries (prefill chunks) one at a time, so no query is padded to the longest prefill.
@@ -195,6 +246,7 @@ def paged_attention_reference(
     """
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = query.shape[1] // num_kv_heads
+    check_variants(window, softcap)
     out = torch.empty_like(query)
     if plan is None:
         plan = plan_reference(cu_seqlens_q, context_lens, block_tables, block_size, group,
@@ -203,5 +255,6 @@ def paged_attention_reference(
         key = gather_blocks(k_cache, g.block_ids, g.num_seqs, g.length)
         value = gather_blocks(v_cache, g.block_ids, g.num_seqs, g.length)
         q = query[g.token_idx].view(g.num_seqs, g.num_q, -1, head_dim)
-        out[g.token_idx] = _attend(q, key, value, g.mask, scale).view(-1, *query.shape[1:])
+        attended = _attend(q, key, value, window_mask(g, window), scale, softcap)
+        out[g.token_idx] = attended.view(-1, *query.shape[1:])
     return out

@@ -25,6 +25,14 @@ merge (with unique contexts, 16 streams of ~550 tokens, the gather alone copied 
 K/V per layer and step). A prefill chunk goes the same way, as tiles of consecutive query
 positions: each tile's rows share the tokens before its first position, and attend their
 own few causally (`prefill_tiles`).
+
+Sliding windows and logit softcaps (`reference.py`'s `window`, `softcap`) are attention-time
+arguments: the plans do not depend on them, so one plan serves a step's global and windowed
+layers alike. With a window, the rows of a shared prefix still attend it once, each row
+masking the prefix keys before its own window (in torch: a per-row bias on the prefix
+call; rows whose window lies wholly after the prefix get an empty prefix, weight 0 in the
+merge; natively: the kernel starts the shared tokens at the lowest row's window and masks
+per query where the rows' windows differ, `attention.c`).
 """
 
 from __future__ import annotations
@@ -39,10 +47,13 @@ from plait.kernels.reference import (
     _attend,
     _rows,
     _SeqGroup,
+    capped_scores,
+    check_variants,
     decode_group,
     gather_blocks,
     prefill_groups,
     split_batch,
+    window_mask,
 )
 
 # The fused CPU attention that also returns the log-sum-exp (a private aten op; the
@@ -60,6 +71,7 @@ class _Prefix:
     rows: torch.Tensor | slice  # [G] rows of the decode group (a slice when consecutive)
     num_rows: int
     block_ids: torch.Tensor  # [P_blocks] int64 cache blocks of the shared prefix
+    max_pos: int  # the largest query position of its rows (a window cuts in iff >= window)
     # the first block when the prefix's blocks are consecutive ids (as a prompt allocated
     # at once usually is): its K/V are then a view of the cache, not a gather
     first_block: int | None = None
@@ -231,6 +243,7 @@ def plan_cascade(
         consecutive = ids == list(range(ids[0], ids[0] + run))
         prefixes.append(_Prefix(_rows(rows, device), len(rows),
                                 torch.tensor(ids, dtype=torch.int64, device=device),
+                                max(ctx[decode_idx[r]] for r in rows) - 1,
                                 ids[0] if consecutive else None))
     bias = None
     if prefixes and not bool(decodes.mask.all()):
@@ -265,25 +278,31 @@ def attend_with_lse(
     value: torch.Tensor,  # [S, L, H_kv, D]
     bias: torch.Tensor | None,  # [S, 1, group * Q, L] float32, 0 = attend, -inf = not
     scale: float,
+    softcap: float = 0.0,  # > 0: scores capped as `reference.capped_scores`
+    empty_rows: bool = False,  # whether `bias` may mask every key of a query
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [S, Q, H, D] float32, [S, Q, H] float32
     """Grouped-query attention (as `reference._attend`) that also returns each query's
-    log-sum-exp of its scaled scores, in float32. Every query must attend >= 1 key;
-    `bias` None attends every key."""
+    log-sum-exp of its (capped) scaled scores, in float32; `bias` None attends every key.
+    Unless `empty_rows`, every query must attend >= 1 key; with it, a query that attends
+    none gets output 0 and log-sum-exp -inf (its weight in `_merge`: 0)."""
     num_seqs, num_q, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[2]
     group = num_heads // num_kv_heads
     q = query.view(num_seqs, num_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, num_kv_heads, group * num_q, head_dim).float()
     k, v = key.transpose(1, 2).float(), value.transpose(1, 2).float()  # [S, H_kv, L, D]
-    if query.device.type == "cpu" and _HAS_FLASH_CPU:
+    if query.device.type == "cpu" and _HAS_FLASH_CPU and softcap == 0 and not empty_rows:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=bias, scale=scale)
     else:
-        scores = q @ k.transpose(-1, -2) * scale  # [S, H_kv, group * Q, L]
+        scores = capped_scores(q @ k.transpose(-1, -2), scale, softcap)  # [S, H_kv, G*Q, L]
         if bias is not None:
             scores = scores + bias
         lse = scores.logsumexp(-1)  # [S, H_kv, group * Q]
-        out = torch.exp(scores - lse[..., None]) @ v
+        if empty_rows:  # e^(-inf - 0) = 0: no NaN from -inf - -inf
+            out = torch.exp(scores - lse.clamp_min(torch.finfo(lse.dtype).min)[..., None]) @ v
+        else:
+            out = torch.exp(scores - lse[..., None]) @ v
     out = out.reshape(num_seqs, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
     lse = lse.reshape(num_seqs, num_kv_heads, group, num_q).permute(0, 3, 1, 2)
     return (out.reshape(num_seqs, num_q, num_heads, head_dim),
@@ -320,10 +339,14 @@ def cascade_attention_reference(
     max_context_len: int,
     min_prefix_blocks: int = MIN_PREFIX_BLOCKS,
     plan: CascadePlan | None = None,  # `plan_cascade` of this batch; None: made here
+    window: int = 0,  # > 0: sliding window (reference.py); 0: full causal
+    softcap: float = 0.0,  # > 0: logit softcap after the scale; 0: none
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Same contract and result as `paged_attention_reference`, in plain torch; decode rows
-    that share a leading run of at least `min_prefix_blocks` blocks attend it once per
-    group."""
+    """Same contract and result as `paged_attention_reference` (`window` and `softcap`
+    included), in plain torch; decode rows that share a leading run of at least
+    `min_prefix_blocks` blocks attend it once per group (with a window that reaches into
+    it: each row masked to its own window, `_prefix_bias`)."""
+    check_variants(window, softcap)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = query.shape[1] // num_kv_heads
     if plan is None:
@@ -334,7 +357,8 @@ def cascade_attention_reference(
         key = gather_blocks(k_cache, g.block_ids, 1, g.length)
         value = gather_blocks(v_cache, g.block_ids, 1, g.length)
         q = query[g.token_idx].view(1, g.num_q, -1, head_dim)
-        out[g.token_idx] = _attend(q, key, value, g.mask, scale).view(-1, *query.shape[1:])
+        attended = _attend(q, key, value, window_mask(g, window), scale, softcap)
+        out[g.token_idx] = attended.view(-1, *query.shape[1:])
     d = plan.decodes
     if d is None:
         return out
@@ -342,15 +366,38 @@ def cascade_attention_reference(
     key = gather_blocks(k_cache, d.block_ids, d.num_seqs, d.length)
     value = gather_blocks(v_cache, d.block_ids, d.num_seqs, d.length)
     if not plan.prefixes:
-        out[d.token_idx] = _attend(q, key, value, d.mask, scale).view(-1, *query.shape[1:])
+        attended = _attend(q, key, value, window_mask(d, window), scale, softcap)
+        out[d.token_idx] = attended.view(-1, *query.shape[1:])
         return out
-    dec, lse = attend_with_lse(q, key, value, plan.decode_bias, scale)
+    bias = plan.decode_bias
+    if window > 0:  # the suffix keys before each row's window masked too
+        bias = torch.zeros(d.mask.shape, device=q.device).masked_fill_(
+            ~window_mask(d, window), float("-inf"))
+    dec, lse = attend_with_lse(q, key, value, bias, scale, softcap)
     dec, lse = dec.squeeze(1), lse.squeeze(1)  # [S_d, H, D], [S_d, H]
     for p in plan.prefixes:
         key, value = _prefix_kv(k_cache, p), _prefix_kv(v_cache, p)
-        # the group's queries stacked as one sequence's queries, no mask: [1, G, H, D]
+        pre_bias = _prefix_bias(p, d, key.shape[1], group, window)
+        # the group's queries stacked as one sequence's queries: [1, G, H, D]
         pre, pre_lse = attend_with_lse(q[p.rows].view(1, p.num_rows, -1, head_dim), key,
-                                       value, None, scale)
+                                       value, pre_bias, scale, softcap,
+                                       empty_rows=pre_bias is not None)
         dec[p.rows] = _merge(dec[p.rows], lse[p.rows], pre[0], pre_lse[0])
     out[d.token_idx] = dec.to(query.dtype)
     return out
+
+
+def _prefix_bias(prefix: _Prefix, decodes: _SeqGroup, length: int, group: int,
+                 window: int) -> torch.Tensor | None:  # [1, 1, group * G, P] float32
+    """The additive mask of a shared prefix's call for its G rows stacked (rows ordered
+    (head in group, row), as `attend_with_lse` stacks them): prefix key k is attended by a
+    row at position p iff p - k < window. None when no row's window starts inside the
+    prefix (every row attends all of it: no mask)."""
+    if window <= 0 or prefix.max_pos < window:
+        return None
+    q_pos = decodes.q_pos.view(-1)[prefix.rows]  # [G]
+    keys = torch.arange(length, device=q_pos.device)  # [P]
+    allowed = q_pos[:, None] - keys[None, :] < window  # [G, P]
+    bias = torch.zeros(allowed.shape, device=q_pos.device).masked_fill_(~allowed,
+                                                                          float("-inf"))
+    return bias.repeat(group, 1)[None, None]

@@ -120,11 +120,14 @@ def build_batch(spec: BatchSpec) -> PagedBatch:
     )
 
 
-def dense_attention(batch: PagedBatch, causal_shift: int = 0) -> torch.Tensor:
+def dense_attention(batch: PagedBatch, causal_shift: int = 0, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Float64 causal attention from the dense K/V: [num_tokens, num_heads, head_dim].
 
     `causal_shift` moves every query's position (tests use it to show that an off-by-one
-    causal offset is detected).
+    causal offset is detected). `window` > 0: the query at p attends only keys k with
+    0 <= p - k < window (an explicit mask); `softcap` > 0: scores s = scale q.k become
+    softcap * tanh(s / softcap) before the softmax.
     """
     num_heads = batch.query.shape[1]
     out = torch.zeros(batch.query.shape, dtype=torch.float64)
@@ -136,8 +139,13 @@ def dense_attention(batch: PagedBatch, causal_shift: int = 0) -> torch.Tensor:
         q = batch.query[starts[s] : starts[s + 1]].double()  # [n, H, D]
         ctx, n = k.shape[0], q.shape[0]
         scores = torch.einsum("qhd,khd->hqk", q, k) * batch.scale  # [H, n, ctx]
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(ctx - n, ctx) + causal_shift  # [n]
-        allowed = torch.arange(ctx)[None, :] <= q_pos[:, None]  # [n, ctx]
+        k_pos = torch.arange(ctx)  # [ctx]
+        allowed = k_pos[None, :] <= q_pos[:, None]  # [n, ctx]
+        if window > 0:
+            allowed &= q_pos[:, None] - k_pos[None, :] < window
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         out[starts[s] : starts[s + 1]] = torch.einsum("hqk,khd->qhd", probs, v)
     return out

@@ -1,0 +1,271 @@
+"""Attention variants in every CPU attention path: a sliding window, a logit softcap, both,
+and a scale other than D^-0.5, against float64 dense attention with explicit masks
+(`kernel_cases.dense_attention`), over decodes, prefills, a mixed batch with cached
+prefixes, and n sequences sharing a prompt longer than the window (the cascade / shared
+prefix path). Paths: the plain reference, the torch cascade, and the ops tables as the
+runner calls them (plan once, attend with the layer's variant). Partial rotary against an
+explicit float64 rotation; the NoPE KV write (`ops.write_kv`).
+
+    window 7, block 4, prompt of 8 shared blocks (32 tokens), rows at positions 33..44:
+    row at 36 attends 30..36 (2 prompt tokens masked per row, prompt read once)
+    row at 44 attends 38..44 (none of the prompt: an empty prefix, merged with weight 0)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.kernel_cases import (
+    MIXED_SEQS,
+    BatchSpec,
+    PagedBatch,
+    build_batch,
+    dense_attention,
+    share_prefix,
+)
+
+from plait.kernels import AttentionMetadata, AttentionShape, TorchOps
+from plait.kernels.cpu.attention import cascade_attention_reference, plan_cascade
+from plait.kernels.ops import apply_rope
+from plait.kernels.reference import paged_attention_reference
+
+# (atol, rtol) of float32 paths against float64
+ATOL, RTOL = 2e-6, 1e-5
+
+# name -> (window, softcap, scale or None for D^-0.5)
+VARIANTS: dict[str, tuple[int, float, float | None]] = {
+    "window": (7, 0.0, None),
+    "softcap": (0, 1.5, None),
+    "both": (7, 1.5, None),
+    "scale": (0, 0.0, 0.37),
+    "all": (11, 2.0, 0.25),
+}
+
+# name -> (sequences (num_q, ctx), rows sharing a prefix, shared blocks); block size 4
+BATCHES: dict[str, tuple[tuple[tuple[int, int], ...], list[int], int]] = {
+    "decode": (((1, 1), (1, 37), (1, 64), (1, 20), (1, 7), (1, 8)), [], 0),
+    "prefill": (((20, 20), (33, 33), (1, 1)), [], 0),
+    "mixed": (MIXED_SEQS, [], 0),
+    # 5 rows share a 32-token prompt; their windows start inside it, at its end, or past it
+    "shared_prefix": (((1, 37), (1, 33), (1, 40), (1, 45), (1, 34), (3, 12)),
+                      [0, 1, 2, 3, 4], 8),
+}
+
+
+def _batch(batch_name: str, variant: str, dtype: torch.dtype = torch.float32,
+           head_dim: int = 32) -> tuple[PagedBatch, int, float]:
+    """The batch (prefix shared, scale set) and the variant's window and softcap."""
+    seqs, rows, shared = BATCHES[batch_name]
+    batch = build_batch(BatchSpec(seqs, num_heads=6, num_kv_heads=2, head_dim=head_dim,
+                                  block_size=4, dtype=dtype, seed=len(seqs) + len(variant)))
+    if rows:
+        share_prefix(batch, rows, shared, 4)
+    window, softcap, scale = VARIANTS[variant]
+    if scale is not None:
+        batch.scale = scale
+    return batch, window, softcap
+
+
+def _dense(batch: PagedBatch, window: int, softcap: float) -> torch.Tensor:
+    """The float64 truth; also checks that the variant changes it (a path ignoring the
+    window or the cap could not pass)."""
+    expected = dense_attention(batch, window=window, softcap=softcap)
+    if window or softcap:
+        plain = dense_attention(batch)
+        assert (expected - plain).abs().max() > 1e-2
+    return expected
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("batch_name", list(BATCHES))
+def test_reference_and_cascade_match_dense(batch_name, variant):
+    batch, window, softcap = _batch(batch_name, variant)
+    expected = _dense(batch, window, softcap)
+    ref = paged_attention_reference(**batch.kernel_args(), window=window, softcap=softcap)
+    torch.testing.assert_close(ref.double(), expected, atol=ATOL, rtol=RTOL)
+    _, block_size, num_kv_heads, _ = batch.k_cache.shape
+    plan = plan_cascade(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
+                        block_size, 6 // num_kv_heads, batch.max_query_len,
+                        batch.max_context_len, min_prefix_blocks=1)
+    if batch_name == "shared_prefix":
+        assert [p.num_rows for p in plan.prefixes] == [5]
+    cascaded = cascade_attention_reference(**batch.kernel_args(), plan=plan, window=window,
+                                           softcap=softcap)
+    torch.testing.assert_close(cascaded.double(), expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("cascade", [False, True])
+@pytest.mark.parametrize("batch_name", ["mixed", "shared_prefix"])
+def test_one_plan_serves_every_variant_through_the_torch_ops(batch_name, cascade):
+    """The runner plans a step once and its layers attend with their own window and cap
+    (Gemma: sliding and global layers alternate): each call equals the dense truth."""
+    batch, _, _ = _batch(batch_name, "all")
+    meta = _planned(TorchOps(_shape(batch), cascade=cascade), batch)
+    ops = TorchOps(_shape(batch), cascade=cascade)
+    for window, softcap in ((0, 0.0), (7, 0.0), (0, 1.5), (11, 2.0), (1, 0.0)):
+        out = ops.attention(batch.query, batch.k_cache, batch.v_cache, meta, batch.scale,
+                            window=window, softcap=softcap)
+        torch.testing.assert_close(out.double(), _dense(batch, window, softcap), atol=ATOL,
+                                   rtol=RTOL)
+
+
+def test_defaults_are_the_plain_paths_bit_for_bit():
+    """window=0, softcap=0.0 (and a window no context reaches) give exactly the results of
+    the calls without them."""
+    batch, _, _ = _batch("shared_prefix", "scale")
+    args = batch.kernel_args()
+    plain = paged_attention_reference(**args)
+    assert torch.equal(paged_attention_reference(**args, window=0, softcap=0.0), plain)
+    cascaded = cascade_attention_reference(**args, min_prefix_blocks=1)
+    assert torch.equal(cascade_attention_reference(**args, min_prefix_blocks=1, window=0,
+                                                   softcap=0.0), cascaded)
+    wide = paged_attention_reference(**args, window=batch.max_context_len)
+    assert torch.equal(wide, plain)
+
+
+def test_window_of_one_attends_the_query_token_alone():
+    """window 1: each query's output is its own value row (softmax over one key)."""
+    batch, _, _ = _batch("mixed", "window")
+    out = paged_attention_reference(**batch.kernel_args(), window=1)
+    starts = batch.cu_seqlens_q.tolist()
+    for s, values in enumerate(batch.values):
+        n = starts[s + 1] - starts[s]
+        own = values[-n:].repeat_interleave(3, dim=1)  # [n, H, D]: 3 query heads per KV head
+        torch.testing.assert_close(out[starts[s]:starts[s + 1]], own, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_variants(dtype):
+    batch, window, softcap = _batch("shared_prefix", "both", dtype=dtype)
+    expected = _dense(batch, window, softcap)
+    for path in (paged_attention_reference, cascade_attention_reference):
+        out = path(**batch.kernel_args(), window=window, softcap=softcap)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_negative_variants_are_refused():
+    batch, _, _ = _batch("decode", "scale")
+    for bad in (dict(window=-1), dict(softcap=-1.0), dict(softcap=float("nan"))):
+        with pytest.raises(ValueError, match="window must be"):
+            paged_attention_reference(**batch.kernel_args(), **bad)
+        with pytest.raises(ValueError, match="window must be"):
+            cascade_attention_reference(**batch.kernel_args(), **bad)
+
+
+# ---------------------------------------------------------------------------- rotary
+def _explicit_rope(x: torch.Tensor, positions: torch.Tensor, rot: int,
+                   theta: float) -> torch.Tensor:  # [T, H, D] float64
+    """Neox RoPE of the first `rot` dims of each head in float64, written out pair by pair:
+    (x_i, x_{i + rot/2}) rotated by angle pos * theta^(-2i / rot); dims rot.. unchanged."""
+    out = x.double().clone()
+    half = rot // 2
+    for i in range(half):
+        angle = positions.double() * theta ** (-2 * i / rot)  # [T]
+        cos, sin = angle.cos()[:, None], angle.sin()[:, None]
+        a, b = x[..., i].double(), x[..., i + half].double()
+        out[..., i] = a * cos - b * sin
+        out[..., i + half] = b * cos + a * sin
+    return out
+
+
+@pytest.mark.parametrize("rot", [96, 128, 32])
+def test_partial_rotary_against_explicit_rotation(rot):
+    """A cos | sin table of width R < D rotates the first R dims of each head (pairs
+    (i, i + R/2)) and passes the rest through bit for bit; R == D is the whole head."""
+    from plait.engine.models.rope import rope_cos_sin
+
+    gen = torch.Generator().manual_seed(rot)
+    q = torch.randn(9, 4, 128, generator=gen)
+    k = torch.randn(9, 2, 128, generator=gen)
+    positions = torch.tensor([0, 1, 5, 17, 100, 511, 2047, 3, 3])
+    cos_sin = rope_cos_sin(rot, 2048, 10000.0, None)  # [P, R]
+    q_rot, k_rot = apply_rope(cos_sin, positions, q, k)
+    for x, got in ((q, q_rot), (k, k_rot)):
+        torch.testing.assert_close(got.double(), _explicit_rope(x, positions, rot, 10000.0),
+                                   atol=2e-5, rtol=1e-5)
+        assert torch.equal(got[..., rot:], x[..., rot:])
+    assert not torch.allclose(q_rot[..., :rot], q[..., :rot])
+
+
+def test_rope_tables_of_a_bad_width_are_refused():
+    q, k = torch.randn(2, 4, 64), torch.randn(2, 2, 64)
+    for width in (66, 30 + 1, 0):
+        with pytest.raises(ValueError, match="RoPE table"):
+            apply_rope(torch.randn(8, width), torch.tensor([0, 1]), q, k)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_torch_ops_rope_write_kv_with_partial_rotary(cache_dtype):
+    """`TorchOps.rope_write_kv` with a table of width 96 for D = 128 (Phi-3): q returned
+    rotated as `_explicit_rope`, the rotated k and the plain v at their slots."""
+    from plait.engine.models.rope import rope_cos_sin
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(5, h, 128, generator=gen) for h in (4, 2, 2))
+    positions = torch.tensor([7, 8, 9, 30, 31])
+    slots = torch.tensor([3, 17, 4, 40, 9])
+    caches = [torch.zeros(12, 4, 2, 128, dtype=cache_dtype) for _ in range(2)]
+    ops = TorchOps(AttentionShape(4, 2, 128, 4))
+    cos_sin = rope_cos_sin(96, 64, 10000.0, None)
+    q_out = ops.rope_write_kv(q, k, v, cos_sin, positions, *caches, slots)
+    torch.testing.assert_close(q_out.double(), _explicit_rope(q, positions, 96, 10000.0),
+                               atol=2e-5, rtol=1e-5)
+    written_k = caches[0].view(-1, 2, 128)[slots]
+    torch.testing.assert_close(written_k.double(), _explicit_rope(k, positions, 96, 10000.0),
+                               atol=2e-2 if cache_dtype == torch.bfloat16 else 2e-5,
+                               rtol=1e-2 if cache_dtype == torch.bfloat16 else 1e-5)
+    assert torch.equal(caches[1].view(-1, 2, 128)[slots], v.to(cache_dtype))
+
+
+# ---------------------------------------------------------------------------- NoPE
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_nope_write_kv_then_attention(cache_dtype):
+    """A NoPE layer: `ops.write_kv` of unrotated k, v (views of a fused qkv row) into the
+    cache, then attention with unrotated q: the cache holds exactly k, v (cast), and the
+    attention equals dense attention over them."""
+    batch = build_batch(BatchSpec(((1, 9), (4, 4)), num_heads=4, num_kv_heads=2,
+                                  head_dim=32, block_size=4, seed=5))
+    _nope_case(TorchOps(_shape(batch)), batch, cache_dtype)
+
+
+def _nope_case(ops: TorchOps, batch: PagedBatch, cache_dtype: torch.dtype) -> None:
+    """Write each query token's new K/V (the batch's last dense rows, replaced by fresh
+    values) through `ops.write_kv`, attend, and compare with dense attention."""
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache = batch.k_cache.to(cache_dtype), batch.v_cache.to(cache_dtype)
+    starts, ctx = batch.cu_seqlens_q.tolist(), batch.context_lens.tolist()
+    slots, new_k, new_v = [], [], []
+    for s in range(len(ctx)):
+        n = starts[s + 1] - starts[s]
+        fused = torch.randn(n, 3, 2, 32, generator=gen)  # q-ish | k | v of a fused row
+        fused = fused.to(cache_dtype).float()  # exact in the cache
+        new_k.append(fused[:, 1])
+        new_v.append(fused[:, 2])
+        batch.keys[s] = torch.cat([batch.keys[s][:ctx[s] - n].to(cache_dtype).float(),
+                                   fused[:, 1]])
+        batch.values[s] = torch.cat([batch.values[s][:ctx[s] - n].to(cache_dtype).float(),
+                                     fused[:, 2]])
+        for p in range(ctx[s] - n, ctx[s]):
+            slots.append(int(batch.block_tables[s, p // 4]) * 4 + p % 4)
+    slot_mapping = torch.tensor(slots)
+    ops.write_kv(torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache.view(-1, 2, 32)[slot_mapping].float(), torch.cat(new_k))
+    assert torch.equal(v_cache.view(-1, 2, 32)[slot_mapping].float(), torch.cat(new_v))
+    meta = _planned(ops, batch)
+    out = ops.attention(batch.query, k_cache, v_cache, meta, batch.scale, window=3)
+    torch.testing.assert_close(out.double(), dense_attention(batch, window=3), atol=ATOL,
+                               rtol=RTOL)
+
+
+def _shape(batch: PagedBatch) -> AttentionShape:
+    _, block_size, num_kv_heads, head_dim = batch.k_cache.shape
+    return AttentionShape(batch.query.shape[1], num_kv_heads, head_dim, block_size)
+
+
+def _planned(ops: TorchOps, batch: PagedBatch) -> AttentionMetadata:
+    """The batch's metadata planned by `ops`, as the runner plans a step."""
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), batch.cu_seqlens_q,
+                             batch.context_lens, batch.block_tables, batch.max_query_len,
+                             batch.max_context_len)
+    return ops.plan(meta, torch.zeros(0, dtype=torch.int64))
