@@ -45,7 +45,7 @@ def config_from_hf(raw: Raw) -> ModelConfig:
 def _common(raw: Raw, model_type: str) -> Raw:
     num_heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
     head_dim = raw.get("head_dim") or hidden // num_heads
-    params, local_theta = _rope_parameters(raw)
+    params = _rope_parameters(raw)[0]
     theta = raw.get("rope_theta") or params.get("rope_theta") \
         or _DEFAULT_THETA.get(model_type, 10000.0)
     partial = raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
@@ -70,7 +70,6 @@ def _common(raw: Raw, model_type: str) -> Raw:
         attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
-        local_rope_theta=None if local_theta is None else float(local_theta),
     )
 
 
@@ -154,7 +153,8 @@ def _gemma2(raw: Raw) -> Raw:
 
 
 def _gemma3(raw: Raw) -> Raw:
-    pattern = raw.get("sliding_window_pattern") or _GEMMA3_PATTERN
+    pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") \
+        or _GEMMA3_PATTERN
     types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
              for i in range(raw["num_hidden_layers"])]
     fields = _gemma(raw, types)

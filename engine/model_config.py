@@ -98,6 +98,13 @@ class ModelConfig:
         if rotary is not None and not (0 < rotary <= self.head_dim and rotary % 2 == 0):
             raise ModelLoadError(f"{self.model_type}: rotary_dim {rotary} must be even and "
                                  f"in (0, head_dim {self.head_dim}]")
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "longrope":
+            half = (rotary or self.head_dim) // 2
+            for key in ("short_factor", "long_factor"):
+                if len(scaling[key]) != half:
+                    raise ModelLoadError(f"{self.model_type}: longrope {key} has "
+                                         f"{len(scaling[key])} values, expected {half}")
         if self.sliding_layers and self.sliding_window <= 0:
             raise ModelLoadError(f"{self.model_type}: sliding layers need a sliding_window")
 

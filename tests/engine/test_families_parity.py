@@ -31,6 +31,26 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.5,
                                 attention_multiplier=0.2, logits_scaling=2.5)),
     "smollm3": ("smollm3", {}),
+    # partial rotary (8 of 16 dims), longrope past original_max_position_embeddings (the
+    # prompts are longer: transformers takes the long factors, as Plait does for a context
+    # beyond it), every layer windowed
+    "phi3": ("phi3", dict(
+        partial_rotary_factor=0.5, original_max_position_embeddings=16, sliding_window=12,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                             short_factor=[1.0, 1.3, 1.7, 2.5],
+                             long_factor=[1.5, 2.0, 3.5, 6.0]))),
+    # alternate layers windowed, both softcaps, query_pre_attn_scalar != head_dim, tied head
+    "gemma2": ("gemma2", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=8.0,
+                              tie_word_embeddings=True)),
+    # 7 layers: layer 5 global (one in 6), the others windowed with their own RoPE base;
+    # linear scaling on the global layer only
+    "gemma3": ("gemma3_text", dict(
+        head_dim=16, num_hidden_layers=7, sliding_window=8, query_pre_attn_scalar=24,
+        final_logit_softcapping=8.0, tie_word_embeddings=True,
+        rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e6),
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0)})),
 }
 NUM_TOKENS = 16
 # float32 on CPU: the two models differ by reduction order only (observed ~1e-5)
@@ -49,7 +69,7 @@ def make_family_model(out_dir: Path, tokenizer_dir: Path, family: str, seed: int
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
         pad_token_id=0)
-    kwargs.update(overrides)
+    kwargs.update(overrides)  # (a family's own keys override the shared ones)
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
