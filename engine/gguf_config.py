@@ -50,15 +50,20 @@ class _Keys:
     def get(self, key: str, default: Any = None) -> Any:
         return self.meta.get(f"{self.arch}.{key}", default)
 
-    def need(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise ModelLoadError(f"GGUF file lacks {self.arch}.{key}")
-        if isinstance(value, tuple):  # a per-layer array: Plait takes one value for all
+    def one(self, key: str, default: Any = None) -> Any:
+        """The key's value; a per-layer array must hold one value for every layer."""
+        value = self.get(key, default)
+        if isinstance(value, tuple):
             if len(set(value)) != 1:
                 raise ModelLoadError(f"GGUF {self.arch}.{key} differs between layers "
                                      "(unsupported)")
             value = value[0]
+        return value
+
+    def need(self, key: str) -> Any:
+        value = self.one(key)
+        if value is None:
+            raise ModelLoadError(f"GGUF file lacks {self.arch}.{key}")
         return value
 
 
@@ -76,7 +81,7 @@ def hf_config_from_gguf(file: GgufFile) -> dict[str, Any]:
 
 def _common(file: GgufFile, keys: _Keys) -> dict[str, Any]:
     hidden, heads = keys.need("embedding_length"), keys.need("attention.head_count")
-    head_dim = keys.get("attention.key_length") or hidden // heads
+    head_dim = keys.one("attention.key_length") or hidden // heads
     embedding = file.tensors.get("token_embd.weight")
     if embedding is None:
         raise ModelLoadError("GGUF file lacks tensor 'token_embd.weight'")
@@ -88,7 +93,7 @@ def _common(file: GgufFile, keys: _Keys) -> dict[str, Any]:
         "intermediate_size": keys.need("feed_forward_length"),
         "num_hidden_layers": keys.need("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": keys.get("attention.head_count_kv") or heads,
+        "num_key_value_heads": keys.one("attention.head_count_kv") or heads,
         "head_dim": head_dim,
         "rms_norm_eps": keys.get("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": keys.get("rope.freq_base", 10000.0),

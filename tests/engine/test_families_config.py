@@ -123,3 +123,97 @@ def test_longrope_takes_the_long_factors_beyond_the_original_context(context) ->
                     original_max_position_embeddings=1024)
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0)
     assert ours[0, 0].item() == pytest.approx(math.sqrt(1 + math.log(4) / math.log(1024)))
+
+
+def _gguf(arch: str, keys: dict, tensors: tuple[str, ...] = (),
+          factors: dict | None = None):
+    """A GgufFile of metadata `keys` (under `arch.`) and stand-in tensors: token_embd
+    [64, 100] (GGUF order), `tensors` named, phi3's factor tensors from `factors`."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    from plait.engine.gguf_file import GgufFile, GgufTensor
+
+    f32 = GGMLQuantizationType.F32
+    found = {name: GgufTensor(name, f32, (64, 64), np.zeros((64, 256), np.uint8))
+             for name in ("token_embd.weight", *tensors)}
+    found["token_embd.weight"] = GgufTensor("token_embd.weight", f32, (64, 100),
+                                            np.zeros((100, 256), np.uint8))
+    for name, values in (factors or {}).items():
+        data = np.array(values, np.float32).view(np.uint8)
+        found[name] = GgufTensor(name, f32, (len(values),), data)
+    meta = {"general.architecture": arch, "tokenizer.ggml.eos_token_id": 2,
+            **{f"{arch}.{k}": v for k, v in keys.items()}}
+    return GgufFile(arch, found, meta)
+
+
+GGUF_BASE = {"embedding_length": 64, "feed_forward_length": 128, "block_count": 46,
+             "attention.head_count": 4, "attention.head_count_kv": 2,
+             "context_length": 4096}
+
+
+def test_gguf_gemma2_27b_scale_and_windows_follow_llama_cpp() -> None:
+    """No query_pre_attn_scalar key: 1 / sqrt(hidden / heads) for the 27B's 46 layers
+    (here 64 / 4 = 16 while key_length is 32), else 1 / sqrt(head_dim); gemma2 windows
+    alternate from layer 0; the file's softcaps."""
+    from plait.engine.gguf_config import hf_config_from_gguf
+
+    keys = {**GGUF_BASE, "attention.key_length": 32, "attention.sliding_window": 128,
+            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    cfg = ModelConfig.from_dict(hf_config_from_gguf(_gguf("gemma2", keys)))
+    assert cfg.attention_scale == 16**-0.5 and cfg.head_dim == 32
+    assert cfg.sliding_layers == tuple(range(0, 46, 2)) and cfg.sliding_window == 128
+    assert (cfg.attn_softcap, cfg.final_softcap) == (50.0, 30.0)
+    assert cfg.tie_word_embeddings and cfg.vocab_size == 100
+    smaller = ModelConfig.from_dict(hf_config_from_gguf(_gguf("gemma2", {
+        **keys, "block_count": 26})))
+    assert smaller.attention_scale == 32**-0.5
+
+
+def test_gguf_gemma3_pattern_array_and_local_base() -> None:
+    from plait.engine.gguf_config import hf_config_from_gguf
+
+    keys = {**GGUF_BASE, "block_count": 4, "attention.sliding_window": 64,
+            "attention.sliding_window_pattern": (True, False, True, True),
+            "rope.freq_base": 1e6, "rope.freq_base_swa": 5e4,
+            "rope.scaling.type": "linear", "rope.scaling.factor": 8.0}
+    cfg = ModelConfig.from_dict(hf_config_from_gguf(_gguf("gemma3", keys)))
+    assert cfg.sliding_layers == (0, 2, 3) and cfg.local_rope_theta == 5e4
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    no_window = ModelConfig.from_dict(hf_config_from_gguf(_gguf("gemma3", {
+        **keys, "attention.sliding_window": 0})))
+    assert no_window.sliding_layers == ()
+
+
+def test_gguf_phi3_longrope_from_its_factor_tensors() -> None:
+    from plait.engine.gguf_config import hf_config_from_gguf
+
+    keys = {**GGUF_BASE, "block_count": 2, "rope.dimension_count": 8,
+            "rope.scaling.original_context_length": 1024, "attention.sliding_window": 0}
+    factors = {"rope_factors_long.weight": [1.0, 2.0, 3.0, 4.0],
+               "rope_factors_short.weight": [1.0, 1.5, 1.75, 2.0]}
+    cfg = ModelConfig.from_dict(hf_config_from_gguf(_gguf("phi3", keys, factors=factors)))
+    assert cfg.rotary_dim == 8 and cfg.sliding_layers == ()
+    assert cfg.rope_scaling is not None
+    assert cfg.rope_scaling["long_factor"] == [1.0, 2.0, 3.0, 4.0]
+    assert cfg.rope_scaling["short_factor"] == [1.0, 1.5, 1.75, 2.0]
+    assert cfg.rope_scaling["attention_factor"] == pytest.approx(
+        math.sqrt(1 + math.log(4) / math.log(1024)))
+    plain = ModelConfig.from_dict(hf_config_from_gguf(_gguf("phi3", keys)))
+    assert plain.rope_scaling is None
+
+
+def test_gguf_granite_scales_and_unsupported_architectures() -> None:
+    from plait.engine.gguf_config import hf_config_from_gguf
+
+    keys = {**GGUF_BASE, "embedding_scale": 12.0, "residual_scale": 0.22,
+            "attention.scale": 0.015625, "logit_scale": 8.0}
+    cfg = ModelConfig.from_dict(hf_config_from_gguf(_gguf("granite", keys,
+                                                          ("output.weight",))))
+    assert (cfg.embedding_scale, cfg.residual_scale, cfg.attention_scale,
+            cfg.logits_divisor) == (12.0, 0.22, 0.015625, 8.0)
+    assert not cfg.tie_word_embeddings
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'falcon'"):
+        hf_config_from_gguf(_gguf("falcon", keys))
+    with pytest.raises(ModelLoadError, match="differs between layers"):
+        hf_config_from_gguf(_gguf("qwen3", {**GGUF_BASE, "attention.head_count_kv": (2, 4)}))
