@@ -15,8 +15,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from plait.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
-from plait.engine.models.rope import SCALINGS
+from plait.engine.model_config import (
+    ROPE_SCALINGS,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    ModelLoadError,
+)
 
 Raw = dict[str, Any]
 
@@ -94,9 +98,9 @@ def _scaling(raw: Raw, params: Raw, model_type: str, max_positions: int) -> Raw 
         rope_type = "longrope"  # Phi-3's names for it (Phi3Config does the same)
     if rope_type == "default":
         return None
-    if rope_type not in SCALINGS:
+    if rope_type not in ROPE_SCALINGS:
         raise ModelLoadError(f"unsupported rope_type {rope_type!r}; supported: default, "
-                             f"{', '.join(SCALINGS)}")
+                             f"{', '.join(ROPE_SCALINGS)}")
     scaling = {k: v for k, v in params.items() if k not in ("type", "rope_theta")}
     scaling["rope_type"] = rope_type
     if rope_type in ("yarn", "longrope"):

@@ -18,6 +18,7 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
                            "phi3", "granite", "smollm3", "olmo2")
 QK_NORMS = (None, "head", "proj")
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")  # models/rope.py computes each
 NORM_LAYOUTS = ("pre", "sandwich", "post")
 ACTIVATIONS = ("silu", "gelu_tanh")
 

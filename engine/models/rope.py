@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-SCALINGS = ("linear", "llama3", "yarn", "longrope")
+from plait.engine.model_config import ROPE_SCALINGS as SCALINGS
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

@@ -168,3 +168,19 @@ def test_seeded_choices_cache_and_batch(family) -> None:
     batched = fresh.generate([ids, other], greedy)
     solo = [fresh.generate([p], greedy)[0] for p in (ids, other)]
     assert [b.outputs[0].token_ids for b in batched] == [s.outputs[0].token_ids for s in solo]
+
+
+def test_chunked_prefill_matches_transformers(family) -> None:
+    """A 45-token prompt prefilled in chunks of 16 (the first two sample nothing: their
+    last layer attends no row) gives transformers' greedy tokens and logprobs."""
+    _, path, hf = family
+    llm = make_llm(path, num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
+    ids = prompt(5, 45)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True,
+                            logprobs=0)
+    (choice,) = llm.generate([ids], params)[0].outputs
+    tokens, logprobs = _hf_greedy(hf, ids)
+    assert choice.token_ids == tokens
+    assert choice.logprobs is not None
+    ours = [lp.logprob for lp in choice.logprobs]
+    assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) < LOGPROB_ATOL
