@@ -253,9 +253,6 @@ class CpuNativeOps(TorchOps):
     def rope_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos_sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-        if cos_sin.shape[-1] != q.shape[-1]:  # interim: partial rotary in torch
-            return super().rope_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache,
-                                         slot_mapping)
         return native.rope_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache,
                                     slot_mapping)
 
@@ -267,13 +264,8 @@ class CpuNativeOps(TorchOps):
                   softcap: float = 0.0) -> torch.Tensor:
         if not self.native_attention:
             return super().attention(q, k_cache, v_cache, meta, scale, window, softcap)
-        if window or softcap:  # interim, until the native kernel takes them: plans again
-            return paged_attention_reference(
-                q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                scale, meta.max_query_len, meta.max_context_len, window=window,
-                softcap=softcap)
         return native_attention(q, k_cache, v_cache, meta.block_tables, meta.plan, scale,
-                                self.compute_dtype)
+                                self.compute_dtype, window, softcap)
 
     def decoder_stack(self, stack: NativeStack, x: torch.Tensor,
                       positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,4 +1,7 @@
 /* Paged attention over the KV cache, read in place (see vec.h). */
+#include <float.h>
+#include <limits.h>
+
 #include "plait_cpu.h"
 #include "vec.h"
 
@@ -34,15 +37,71 @@ INLINE vf load_kv(const void *row, long i, const int bf16) {
  * of reading 16-token blocks scattered over the pool, ~11 GB/s). */
 #define PF_BLOCKS 2
 
+/* Query vectors of LANES a task holds at most (the shared loops' score arrays). */
+#define QVMAX (PLAIT_MAX_QUERIES / LANES)
+
 /* The running softmax of one task: `nq` query vectors (pre-scaled), their running max,
- * normaliser and weighted sum of values. */
+ * normaliser and weighted sum of values; and the variants every score goes through
+ * (plait_decode_attention's window and softcap). The running max starts at -FLT_MAX, not
+ * -inf: a window can mask every token of a query in a slice (scores -inf), and -FLT_MAX
+ * keeps softmax_update's e^(m - m') from -inf - -inf (NaN); the first real score gives
+ * alpha = e^-87 (vexp's floor) either way, so without a window the bits are the same. */
 typedef struct {
   long nq, dv;
   float *q;    /* [nq, D] */
   float *m;    /* [nq] */
   float *l;    /* [nq] */
   vf *acc;     /* [nq, dv] */
+  float softcap;    /* > 0: each score s becomes softcap * tanh(s / softcap) */
+  long window;      /* > 0: a row at position p attends tokens [p + 1 - window, p] */
+  long lo_min;      /* the first token any query attends (0 without a window) */
+  long lo_max;      /* tokens before this are masked for some query (0: none) */
+  const float *lo;  /* [QVMAX * LANES] each query's first token (0 past nq), as float */
 } state_t;
+
+/* The first token a row attending tokens [0, ctx) sees within `window` (0: none). */
+static inline long window_start(long ctx, long window) {
+  return window > 0 && ctx > window ? ctx - window : 0;
+}
+
+/* tanh(x), lane by lane, to a few float32 ulps: for |x| < 0.5 its odd Taylor polynomial to
+ * x^13 (the next term is below 1.5e-3 |x|^15 < 5e-8), else (1 - e) / (1 + e) with e =
+ * e^(-2 |x|) <= 0.37 (no cancellation; vexp's floor gives 1 for |x| >= 44), x's sign. */
+static inline vf vtanh(vf x) {
+  const vi sign = (vi)x & (int32_t)0x80000000;
+  const vf ax = (vf)((vi)x & 0x7fffffff), x2 = ax * ax;
+  vf p = (vf){0} + 21844.0f / 6081075.0f;
+  p = p * x2 - 1382.0f / 155925.0f;
+  p = p * x2 + 62.0f / 2835.0f;
+  p = p * x2 - 17.0f / 315.0f;
+  p = p * x2 + 2.0f / 15.0f;
+  p = p * x2 - 1.0f / 3.0f;
+  const vf small = ax + ax * x2 * p;
+  const vf e = vexp(-(ax + ax));
+  const vf t = vselect(ax < 0.5f, small, (1.0f - e) / (1.0f + e));
+  return (vf)((vi)t | sign);
+}
+
+/* softcap * tanh(s / softcap) of the scores s[0, n) (n a multiple of LANES), in place. */
+static inline void cap_scores(float *s, long n, float softcap) {
+  const float inv = 1.0f / softcap;
+  for (long j = 0; j < n; j += LANES) *(vf *)(s + j) = softcap * vtanh(*(vf *)(s + j) * inv);
+}
+
+/* The variants on the shared loops' scores sc[j][v] of tokens t + j (j < n) for query
+ * vectors v < qv: capped (st->softcap), then -inf where the token is before the query's
+ * window (only where t < st->lo_max: the slices some window starts after). */
+static inline void shape_scores(const state_t *st, vf sc[LANES][QVMAX], long t, long n,
+                                long qv) {
+  if (st->softcap > 0)
+    for (long j = 0; j < n; j++) cap_scores((float *)sc[j], qv * LANES, st->softcap);
+  if (t < st->lo_max)
+    for (long v = 0; v < qv; v++) {
+      const vf lo = *(const vf *)(st->lo + v * LANES);
+      for (long j = 0; j < n; j++)
+        sc[j][v] = vselect(vsplat((float)(t + j)) < lo, vsplat(-INFINITY), sc[j][v]);
+    }
+}
 
 /* x (finite, >= 0) rounded to the nearest bfloat16 value, ties to even, kept as float32
  * (its low 16 bits zero): vec.h's round_bf16_high, the low half cleared. */
@@ -171,9 +230,10 @@ INLINE long slice_len(long t, long t_to, long block_size) {
  * heads of a KV group). */
 INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t_to,
                           const void *k_cache, const void *v_cache, long block_size,
-                          long num_kv_heads, long h, long head_dim, const int bf16) {
+                          long num_kv_heads, long h, long head_dim, const int bf16,
+                          const int var) {
   /* QMAX query vectors; TB tokens' partial scores: TB * QMAX accumulators in registers */
-  enum { QMAX = PLAIT_MAX_QUERIES / LANES, TB = LANES == 16 ? 8 : 1 };
+  enum { QMAX = QVMAX, TB = LANES == 16 ? 8 : 1 };
   const long stride = num_kv_heads * head_dim, dv = st->dv, nq = st->nq;
   const long qv = (nq + LANES - 1) / LANES;
   float qt[PLAIT_MAX_HEAD_DIM * QMAX * LANES] __attribute__((aligned(64)));
@@ -222,6 +282,7 @@ INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t
       for (long j = 0; j < TB && j0 + j < n; j++)
         for (int v = 0; v < QMAX; v++) sc[j0 + j][v] = part[j][v];
     }
+    if (var && (st->softcap > 0 || t < st->lo_max)) shape_scores(st, sc, t, n, qv);
     for (long v = 0; v < qv; v++)  /* online softmax, all queries at once */
       *(vf *)&scale_by[v * LANES] = softmax_update(&m[v], &l[v], (const float *)&sc[0][v],
                                                    QMAX * LANES, &prob[0][v * LANES],
@@ -254,7 +315,7 @@ INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t
 #define OWN_GMAX 4  /* the largest G and DV `own_block` specialises for */
 #define OWN_DVMAX 8
 INLINE void own_block_fixed(state_t *st, long a0, const int G, const int DV, const span_t *sp,
-                            long n, long stride, const int bf16) {
+                            long n, long stride, const int bf16, const int var) {
   /* own_block for G queries of DV vectors known at compile time: the queries and the
    * weighted sums stay in registers for the whole block */
   const long head_dim = DV * LANES;
@@ -278,6 +339,7 @@ INLINE void own_block_fixed(state_t *st, long a0, const int G, const int DV, con
   const long padded = (n + LANES - 1) / LANES * LANES;
   vf alpha[OWN_GMAX];
   for (int g = 0; g < G; g++) {  /* online softmax update */
+    if (var && st->softcap > 0) cap_scores(s[g], padded, st->softcap);  /* pad reset next */
     for (long j = n; j < padded; j++) s[g][j] = -INFINITY;
     alpha[g] = update_query(st, a0 + g, s[g], padded);
   }
@@ -296,11 +358,11 @@ INLINE void own_block_fixed(state_t *st, long a0, const int G, const int DV, con
 }
 
 INLINE void own_block(state_t *st, long a0, long G, const span_t *sp, long n, long stride,
-                      long head_dim, const int bf16) {
+                      long head_dim, const int bf16, const int var) {
   const long dv = st->dv;
 #define OWN_FIXED(g, d)                                    \
   if (G == g && dv == d) {                                 \
-    own_block_fixed(st, a0, g, d, sp, n, stride, bf16);    \
+    own_block_fixed(st, a0, g, d, sp, n, stride, bf16, var); \
     return;                                                \
   }
   OWN_FIXED(1, 4) OWN_FIXED(2, 4) OWN_FIXED(3, 4) OWN_FIXED(4, 4) OWN_FIXED(1, 8) OWN_FIXED(2, 8)
@@ -319,6 +381,7 @@ INLINE void own_block(state_t *st, long a0, long G, const span_t *sp, long n, lo
   }
   const long padded = (n + LANES - 1) / LANES * LANES;
   for (long g = 0; g < G; g++) {  /* online softmax update; acc *= alpha */
+    if (var && st->softcap > 0) cap_scores(s[g], padded, st->softcap);  /* pad reset next */
     for (long j = n; j < padded; j++) s[g][j] = -INFINITY;
     const vf alpha = update_query(st, a0 + g, s[g], padded);
     if (alpha[0] != 1.0f)  /* the max moved (vexp(0) is exactly 1) */
@@ -338,14 +401,16 @@ INLINE void own_block(state_t *st, long a0, long G, const span_t *sp, long n, lo
  * each block's K and V rows are read whole, in order. */
 INLINE void attend_own(state_t *st, long a0, long G, const int32_t *table, long t_from,
                        long t_to, const void *k_cache, const void *v_cache, long block_size,
-                       long num_kv_heads, long h, long nh, long head_dim, const int bf16) {
+                       long num_kv_heads, long h, long nh, long head_dim, const int bf16,
+                       const int var) {
   for (long t = t_from; t < t_to;) {
     const long off = t % block_size;
     const long n = t - off + block_size < t_to ? block_size - off : t_to - t;
     for (long hh = h; hh < h + nh; hh++) {
       const span_t sp = locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, hh,
                                head_dim, bf16);
-      own_block(st, a0 + (hh - h) * G, G, &sp, n, num_kv_heads * head_dim, head_dim, bf16);
+      own_block(st, a0 + (hh - h) * G, G, &sp, n, num_kv_heads * head_dim, head_dim, bf16,
+                var);
     }
     t += n;
   }
@@ -362,31 +427,42 @@ static inline long main_range(long shared, long rows, long ctx_first) {
  * when `last` (the chunk's last piece) each of the chunk's `rows` rows' own tokens [main,
  * ctx_len[r]) through its table, block_tables + table_rows[r] * table_stride. The queries of
  * `st` are those of KV heads [h0, h0 + nh), G per head and row. `dot` (a constant, with
- * bf16): the shared tokens through attention_bf16.h. */
+ * bf16): the shared tokens through attention_bf16.h. `var` (a constant): a window or a
+ * softcap, the code that applies them (shape_scores, cap_scores) compiled in; the copies
+ * without it hold none (where it was only skipped at run time, its presence changed the
+ * compiler's float choices elsewhere, an ulp off the results before the variants). With a
+ * window, every range starts no
+ * earlier than its rows' windows (st->lo_min for the main range, each row's own start for
+ * its own tokens); the shared loops mask per query where the windows differ. */
 INLINE void attend_task(state_t *st, long shared, long main, long from, long to, int last,
                         long rows, long G, const int32_t *block_tables, long table_stride,
                         const int64_t *table_rows, const int32_t *ctx_len, const void *k_cache,
                         const void *v_cache, long block_size, long num_kv_heads, long h0,
-                        long nh, long head_dim, const int bf16, const int dot) {
+                        long nh, long head_dim, const int bf16, const int dot,
+                        const int var) {
   const int32_t *table = block_tables + table_rows[0] * table_stride;
+  from = from > st->lo_min ? from : st->lo_min;
   if (dot && shared > 0)
     attend_shared_dot(st, table, from, to, k_cache, v_cache, block_size, num_kv_heads, h0,
-                      head_dim);
+                      head_dim, var);
   else if (shared > 0)
     attend_shared(st, table, from, to, k_cache, v_cache, block_size, num_kv_heads, h0,
-                  head_dim, bf16);
+                  head_dim, bf16, var);
   else if (main > 0)
     attend_own(st, 0, G, table, from, to, k_cache, v_cache, block_size, num_kv_heads, h0, nh,
-               head_dim, bf16);
+               head_dim, bf16, var);
   if (last)
-    for (long r = 0; r < rows; r++)
-      attend_own(st, r * nh * G, G, block_tables + table_rows[r] * table_stride, main,
-                 ctx_len[r], k_cache, v_cache, block_size, num_kv_heads, h0, nh, head_dim,
-                 bf16);
+    for (long r = 0; r < rows; r++) {
+      const long lo = window_start(ctx_len[r], st->window);
+      attend_own(st, r * nh * G, G, block_tables + table_rows[r] * table_stride,
+                 lo > main ? lo : main, ctx_len[r], k_cache, v_cache, block_size,
+                 num_kv_heads, h0, nh, head_dim, bf16, var);
+    }
 }
 
 /* attend_task over float32 caches, over bfloat16 caches, and over bfloat16 caches with
- * bfloat16 dot products (PLAIT_ATTN_BF16_DOT; builds without AVX512-BF16: the second). */
+ * bfloat16 dot products (PLAIT_ATTN_BF16_DOT; builds without AVX512-BF16: the second),
+ * each without and with the variants (_var: a window or a softcap). */
 #define TASK_PARAMS                                                                          \
   state_t *st, long shared, long main, long from, long to, int last, long rows, long G,      \
       const int32_t *block_tables, long table_stride, const int64_t *table_rows,             \
@@ -396,12 +472,16 @@ INLINE void attend_task(state_t *st, long shared, long main, long from, long to,
   st, shared, main, from, to, last, rows, G, block_tables, table_stride, table_rows, ctx_len, \
       k_cache, v_cache, block_size, num_kv_heads, h0, nh, head_dim
 typedef void attend_task_fn(TASK_PARAMS);
-static void attend_task_f32(TASK_PARAMS) { attend_task(TASK_ARGS, 0, 0); }
-static void attend_task_bf16(TASK_PARAMS) { attend_task(TASK_ARGS, 1, 0); }
+static void attend_task_f32(TASK_PARAMS) { attend_task(TASK_ARGS, 0, 0, 0); }
+static void attend_task_bf16(TASK_PARAMS) { attend_task(TASK_ARGS, 1, 0, 0); }
+static void attend_task_f32_var(TASK_PARAMS) { attend_task(TASK_ARGS, 0, 0, 1); }
+static void attend_task_bf16_var(TASK_PARAMS) { attend_task(TASK_ARGS, 1, 0, 1); }
 #if ATTN_BF16_DOT
-static void attend_task_bf16_dot(TASK_PARAMS) { attend_task(TASK_ARGS, 1, 1); }
+static void attend_task_bf16_dot(TASK_PARAMS) { attend_task(TASK_ARGS, 1, 1, 0); }
+static void attend_task_bf16_dot_var(TASK_PARAMS) { attend_task(TASK_ARGS, 1, 1, 1); }
 #else
 #define attend_task_bf16_dot attend_task_bf16
+#define attend_task_bf16_dot_var attend_task_bf16_var
 #endif
 #undef TASK_PARAMS
 #undef TASK_ARGS
@@ -425,8 +505,15 @@ static void attend_task_bf16_dot(TASK_PARAMS) { attend_task(TASK_ARGS, 1, 1); }
  * parallel, whose partial softmaxes are then merged (flash-decoding); the rows' own tokens
  * go with the last piece. Writes sequence i's [H, D] (dense) to out row out_rows[i], or to
  * row i (chunk order) when out_rows is NULL.
+ * The variants (0: off): `window` > 0, sequence i attends only tokens [ctx_len[i] - window,
+ * ctx_len[i]) (its query at ctx_len[i] - 1 and window - 1 earlier): its own tokens start
+ * there, a chunk's shared tokens (and a lone row's pieces) from the lowest row's window
+ * start, masked per query in the slices where the rows' windows differ (positions compared
+ * as float32: exact below 2^24); `softcap` > 0, every score s (scale q.k) becomes softcap *
+ * tanh(s / softcap) before the softmax (vtanh, a few ulps).
  * D must be a multiple of LANES and every sequence must attend at least one token.
- * Returns 0, -1 if the shapes exceed this kernel's limits, -2 if out of memory. */
+ * Returns 0, -1 if the shapes exceed this kernel's limits (or window, softcap < 0), -2 if
+ * out of memory. */
 #define OUT_ROW(i) (out_rows ? out_rows[i] : (i))
 int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
                            const void *v_cache, int kv_dtype, long block_size, long num_kv_heads,
@@ -434,22 +521,29 @@ int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
                            long table_stride, long num_chunks, const int64_t *chunk_start,
                            const int32_t *chunk_shared, const int64_t *q_rows,
                            const int64_t *table_rows, const int32_t *ctx_len, float scale,
-                           float *out, const int64_t *out_rows) {
-  if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % LANES ||
+                           long window, float softcap, float *out, const int64_t *out_rows) {
+  if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % LANES || window < 0 ||
+      !(softcap >= 0) ||
       head_dim > PLAIT_MAX_HEAD_DIM || block_size > PLAIT_MAX_BLOCK ||
       (kv_dtype != PLAIT_KV_F32 && kv_dtype != PLAIT_KV_BF16 &&
        kv_dtype != (PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT)))
     return PLAIT_ERR_SHAPES;
   const long G = num_heads / num_kv_heads;
+  /* a window or a softcap: the copies that apply them (the others hold no such code) */
+  const int var = window > 0 || softcap > 0;
   attend_task_fn *const task_fn =
-      kv_dtype == PLAIT_KV_F32 ? attend_task_f32
-      : kv_dtype == PLAIT_KV_BF16 ? attend_task_bf16 : attend_task_bf16_dot;
+      kv_dtype == PLAIT_KV_F32 ? (var ? attend_task_f32_var : attend_task_f32)
+      : kv_dtype == PLAIT_KV_BF16 ? (var ? attend_task_bf16_var : attend_task_bf16)
+      : var ? attend_task_bf16_dot_var : attend_task_bf16_dot;
   for (long c = 0; c < num_chunks; c++)
     if ((chunk_start[c + 1] - chunk_start[c]) * G > PLAIT_MAX_QUERIES)
       return PLAIT_ERR_SHAPES;
-  /* pieces: chunk c's are first_piece[c] .. first_piece[c + 1] - 1 */
-  long *first_piece = malloc((num_chunks + 1) * sizeof(long));
+  /* pieces: chunk c's are first_piece[c] .. first_piece[c + 1] - 1; they split its main
+   * range from chunk_base[c] (0, or with a window the block of its rows' lowest window
+   * start: the blocks before it are not read) */
+  long *first_piece = malloc((2 * num_chunks + 1) * sizeof(long));
   if (!first_piece) return PLAIT_ERR_NOMEM;
+  long *chunk_base = first_piece + num_chunks + 1;
   const long want = PIECE_TASKS * omp_get_max_threads();
   long split = (want + num_chunks * num_kv_heads - 1) / (num_chunks * num_kv_heads);
   split = split > MAX_PIECES_MERGED ? MAX_PIECES_MERGED : split;
@@ -457,7 +551,13 @@ int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
   for (long c = 0; c < num_chunks; c++) {
     const long first = chunk_start[c], rows = chunk_start[c + 1] - first;
     const long main = main_range(chunk_shared[c], rows, ctx_len[first]);
-    long pieces = main / (PIECE_BLOCKS * block_size);
+    long lo = main;
+    for (long r = 0; r < rows && window > 0; r++) {
+      const long start = window_start(ctx_len[first + r], window);
+      lo = start < lo ? start : lo;
+    }
+    chunk_base[c] = window > 0 ? lo / block_size * block_size : 0;
+    long pieces = (main - chunk_base[c]) / (PIECE_BLOCKS * block_size);
     pieces = pieces < 1 ? 1 : pieces < split ? pieces : split;
     first_piece[c + 1] = first_piece[c] + pieces;
   }
@@ -489,22 +589,32 @@ int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
       const long h0 = whole ? 0 : h, nh = whole ? num_kv_heads : 1;
       float qs[PLAIT_MAX_QUERIES * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
       float m[PLAIT_MAX_QUERIES], l[PLAIT_MAX_QUERIES];
+      float lo[QVMAX * LANES] __attribute__((aligned(64)));
       vf acc[PLAIT_MAX_QUERIES * PLAIT_MAX_HEAD_DIM / LANES];
       /* query a: row a / (nh * G), KV head h0 + a / G % nh, its head a % G of that group */
-      state_t st = {rows * nh * G, head_dim / LANES, qs, m, l, acc};
+      state_t st = {rows * nh * G, head_dim / LANES, qs, m, l, acc, softcap, window,
+                    LONG_MAX, 0, lo};
+      for (long a = 0; a < QVMAX * LANES; a++) {
+        const long start = a < st.nq ? window_start(ctx_len[first + a / (nh * G)], window) : 0;
+        lo[a] = (float)start;
+        if (a >= st.nq) continue;
+        st.lo_min = start < st.lo_min ? start : st.lo_min;
+        st.lo_max = start > st.lo_max ? start : st.lo_max;
+      }
       for (long a = 0; a < st.nq; a++) {
         const long r = a / (nh * G), head = (h0 + a / G % nh) * G + a % G;
         const float *src = q + q_rows[first + r] * q_stride + head * head_dim;
         for (long d = 0; d < head_dim; d++) qs[a * head_dim + d] = src[d] * scale;
-        m[a] = -INFINITY;
+        m[a] = -FLT_MAX;
         l[a] = 0.0f;
         for (long d = 0; d < st.dv; d++) acc[a * st.dv + d] = (vf){0};
       }
-      const long main = main_range(shared, rows, ctx_len[first]);
-      /* this piece's share of the main range, in whole blocks */
-      const long main_blocks = (main + block_size - 1) / block_size;
-      const long from = p * main_blocks / pieces * block_size;
-      const long to = p + 1 == pieces ? main : (p + 1) * main_blocks / pieces * block_size;
+      const long main = main_range(shared, rows, ctx_len[first]), base = chunk_base[c];
+      /* this piece's share of the main range from its base, in whole blocks */
+      const long main_blocks = (main - base + block_size - 1) / block_size;
+      const long from = base + p * main_blocks / pieces * block_size;
+      const long to =
+          p + 1 == pieces ? main : base + (p + 1) * main_blocks / pieces * block_size;
       task_fn(
           &st, shared, main, from, to, p + 1 == pieces, rows, G, block_tables, table_stride,
           table_rows + first, ctx_len + first, k_cache, v_cache, block_size, num_kv_heads, h0,

@@ -260,16 +260,19 @@ def native_attention(
     rows: NativeRows,  # `plan_native` of this batch
     scale: float,
     compute_dtype: torch.dtype = torch.float32,  # or torch.bfloat16
+    window: int = 0,  # > 0: sliding window (reference.py); 0: full causal
+    softcap: float = 0.0,  # > 0: logit softcap after the scale; 0: none
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32
-    """The batch's attention (the contract of `paged_attention_reference`) in one native
-    call, from the cache blocks in place (bfloat16 caches widened to float32 as read; with
-    `compute_dtype` bfloat16, their shared tokens through bf16 dot products:
-    `native.decode_attention`)."""
+    """The batch's attention (the contract of `paged_attention_reference`, `window` and
+    `softcap` included) in one native call, from the cache blocks in place (bfloat16 caches
+    widened to float32 as read; with `compute_dtype` bfloat16, their shared tokens through
+    bf16 dot products: `native.decode_attention`)."""
     in_order = rows.token_rows == slice(0, query.shape[0])  # every row, in chunk order
     return native.decode_attention(
         query, k_cache, v_cache, block_tables.int().contiguous(), rows.chunk_start,
         rows.chunk_shared, rows.q_rows, rows.table_rows, rows.ctx_lens, scale,
-        out_rows=None if in_order else rows.q_rows, compute_dtype=compute_dtype)
+        out_rows=None if in_order else rows.q_rows, compute_dtype=compute_dtype,
+        window=window, softcap=softcap)
 
 
 def attend_with_lse(

@@ -28,7 +28,8 @@
  * itself to float32 rounding, and an error common to all the weights cancels); l summing
  * the unrounded p would leave the output's scale off by the rounding errors' weighted mean.
  * K and V are the cache's bfloat16 values, exact. The running max, exp and normaliser stay
- * float32. */
+ * float32. A window's mask and a softcap apply to the float32 scores as in attend_shared
+ * (shape_scores). */
 #ifndef PLAIT_CPU_ATTENTION_BF16_H
 #define PLAIT_CPU_ATTENTION_BF16_H
 
@@ -211,10 +212,10 @@ INLINE void add_values(const int QV, float *acc_t, const float *scale_by, const 
 /* attend_shared's contract (every query of `st` attends tokens [t_from, t_to) of KV head h
  * through `table`, once for all of them) over a bfloat16 cache, with QV = ceil(nq / LANES)
  * query vectors (a constant: a decode chunk of a few rows computes no empty vector). */
-INLINE void attend_shared_dot_qv(const int QV, state_t *st, const int32_t *table,
-                                 long t_from, long t_to, const void *k_cache,
-                                 const void *v_cache, long block_size, long num_kv_heads,
-                                 long h, long head_dim) {
+INLINE void attend_shared_dot_qv(const int QV, const int VAR, state_t *st,
+                                 const int32_t *table, long t_from, long t_to,
+                                 const void *k_cache, const void *v_cache, long block_size,
+                                 long num_kv_heads, long h, long head_dim) {
   const long stride = num_kv_heads * head_dim;
   word_t qp[PLAIT_MAX_HEAD_DIM / 2 * DOT_QW] __attribute__((aligned(64)));
   float acc_t[PLAIT_MAX_HEAD_DIM * DOT_QW] __attribute__((aligned(64)));
@@ -232,6 +233,7 @@ INLINE void attend_shared_dot_qv(const int QV, state_t *st, const int32_t *table
                              head_dim, 1);
     vf sc[LANES][DOT_QV];
     block_scores(QV, qp, &sp, n, stride, head_dim, sc);
+    if (VAR && (st->softcap > 0 || t < st->lo_max)) shape_scores(st, sc, t, n, QV);
     for (long v = 0; v < QV; v++)  /* online softmax, the weights rounded to bfloat16 */
       *(vf *)&scale_by[v * LANES] = softmax_update(&m[v], &l[v], (const float *)&sc[0][v],
                                                    DOT_QW, prob + v * LANES, DOT_QW, n, 0, 1);
@@ -244,14 +246,18 @@ INLINE void attend_shared_dot_qv(const int QV, state_t *st, const int32_t *table
   store_running(st, m, l);
 }
 
-static void attend_shared_dot(state_t *st, const int32_t *table, long t_from, long t_to,
+/* `var`: a window or a softcap (attend_task's), its copies of the loops. */
+INLINE void attend_shared_dot(state_t *st, const int32_t *table, long t_from, long t_to,
                               const void *k_cache, const void *v_cache, long block_size,
-                              long num_kv_heads, long h, long head_dim) {
+                              long num_kv_heads, long h, long head_dim, int var) {
 #define DOT_ARGS st, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads, h, head_dim
-  switch ((st->nq + LANES - 1) / LANES) {
-    case 1: attend_shared_dot_qv(1, DOT_ARGS); return;
-    case 2: attend_shared_dot_qv(2, DOT_ARGS); return;
-    default: attend_shared_dot_qv(DOT_QV, DOT_ARGS); return;
+  switch ((st->nq + LANES - 1) / LANES + (var ? 3 : 0)) {
+    case 1: attend_shared_dot_qv(1, 0, DOT_ARGS); return;
+    case 2: attend_shared_dot_qv(2, 0, DOT_ARGS); return;
+    case 3: attend_shared_dot_qv(DOT_QV, 0, DOT_ARGS); return;
+    case 4: attend_shared_dot_qv(1, 1, DOT_ARGS); return;
+    case 5: attend_shared_dot_qv(2, 1, DOT_ARGS); return;
+    default: attend_shared_dot_qv(DOT_QV, 1, DOT_ARGS); return;
   }
 #undef DOT_ARGS
 }
@@ -262,7 +268,7 @@ static void attend_shared_dot(state_t *st, const int32_t *table, long t_from, lo
 static inline void attend_shared_dot(state_t *st, const int32_t *table, long t_from,
                                      long t_to, const void *k_cache, const void *v_cache,
                                      long block_size, long num_kv_heads, long h,
-                                     long head_dim) {}
+                                     long head_dim, int var) {}
 #endif
 
 #endif /* PLAIT_CPU_ATTENTION_BF16_H */

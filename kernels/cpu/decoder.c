@@ -66,14 +66,14 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
                PTR(PLAIT_STACK_QKV_BIAS), qkv));
     float *q = qkv, *k = qkv + q_dim, *v = k + kv_dim;
     RUN(plait_rope_write_kv(q, qkv_dim, k, qkv_dim, v, qkv_dim, rows, num_heads, num_kv_heads,
-                            head_dim, cos_sin, positions, CACHE(PLAIT_STACK_K_CACHE),
+                            head_dim, head_dim, cos_sin, positions, CACHE(PLAIT_STACK_K_CACHE),
                             CACHE(PLAIT_STACK_V_CACHE), kv_dtype & ~PLAIT_ATTN_BF16_DOT,
                             slot_mapping));
     RUN(plait_decode_attention(q, qkv_dim, CACHE(PLAIT_STACK_K_CACHE),
                                CACHE(PLAIT_STACK_V_CACHE), kv_dtype, block_size,
                                num_kv_heads, num_heads, head_dim, block_tables, table_stride,
                                num_chunks, chunk_start, chunk_shared, q_rows, table_rows,
-                               ctx_len, scale, att, q_rows));
+                               ctx_len, scale, 0, 0.0f, att, q_rows));
     RUN(linear(att, rows, q_dim, DESC(PLAIT_STACK_O_WEIGHT), hidden, NULL, m));
     RUN(plait_add_rms_norm(x, hidden, m, hidden, PTR(PLAIT_STACK_POST_NORM), rows, hidden, eps,
                            x, h));

@@ -325,6 +325,8 @@ def decode_attention(
     scale: float,
     out_rows: torch.Tensor | None = None,  # [S] int64 distinct: output row of each sequence
     compute_dtype: torch.dtype = torch.float32,  # or torch.bfloat16 (bf16 caches only)
+    window: int = 0,  # > 0: each sequence attends only its last `window` tokens
+    softcap: float = 0.0,  # > 0: scores s = scale q.k become softcap * tanh(s / softcap)
 ) -> torch.Tensor:  # [S, H, D] float32 in chunk order; [T, H, D] with out_rows
     """Softmax attention of each sequence's one query over its tokens [0, ctx_len), read
     from the paged cache in place. The sequences of a chunk share their first
@@ -337,8 +339,14 @@ def decode_attention(
     that of float32 caches holding the same values. With `compute_dtype` torch.bfloat16 over
     bfloat16 caches (`kv_dtype_code`), the tokens a chunk shares are attended with bf16 dot
     products (queries and softmax weights rounded to bf16, float32 sums; AVX512-BF16 builds,
-    else float32 as without it); the rows' own tokens stay float32."""
+    else float32 as without it); the rows' own tokens stay float32. `window` and `softcap`
+    (0: off) as `reference.paged_attention_reference` takes them: a sequence's query sits at
+    ctx_len - 1, so it attends tokens [ctx_len - window, ctx_len); the chunk still reads its
+    shared tokens once, from its rows' lowest window start, each query masked to its own."""
     lib = loaded()
+    if window < 0 or not softcap >= 0:
+        raise ValueError(f"decode_attention: window must be >= 0 and softcap >= 0, not "
+                         f"{window}, {softcap}")
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if query.stride(2) != 1 or query.stride(1) != head_dim:
@@ -365,7 +373,7 @@ def decode_attention(
         block_size, num_kv_heads, num_heads, head_dim, block_tables.data_ptr(),
         block_tables.stride(0), chunk_shared.shape[0], chunk_start.data_ptr(),
         chunk_shared.data_ptr(), q_rows.data_ptr(), table_rows.data_ptr(),
-        ctx_lens.data_ptr(), scale, out.data_ptr(),
+        ctx_lens.data_ptr(), scale, window, softcap, out.data_ptr(),
         None if out_rows is None else out_rows.data_ptr())
     _check(rc, "decode_attention", f" (H={num_heads}, H_kv={num_kv_heads}, D={head_dim}, "
            f"block={block_size}, or a chunk of more than "
@@ -389,7 +397,13 @@ class StackShape:
 class NativeStack:
     """A model's decoder stack bound to its KV caches, as `decoder_stack` takes it: built
     once at load (`LlamaForCausalLM.bind`). `tensors` keeps every tensor whose address
-    `layers` holds alive."""
+    `layers` holds alive.
+
+    Its limits: every layer is a Llama layer with full causal attention (no sliding
+    window, no logit softcap), RoPE over whole heads from the one `cos_sin` table (one
+    theta for every layer, no partial rotary, no NoPE layer), pre-norms only. A model with
+    any of those variants must not bind a stack (it runs layer by layer through the ops
+    table, which takes them)."""
 
     layers: torch.Tensor  # [L, len(STACK_POINTERS)] int64 addresses, 0 = no bias; the
     # projections' are those of int64 descriptors (`QuantWeight.desc`, `panels_desc`)
@@ -451,23 +465,29 @@ def rope_write_kv(
     q: torch.Tensor,  # [T, H, D] float32, rotated in place; rows may be strided
     k: torch.Tensor,  # [T, H_kv, D] float32
     v: torch.Tensor,  # [T, H_kv, D] float32
-    cos_sin: torch.Tensor,  # [max_positions, D] float32: cos | sin halves
+    cos_sin: torch.Tensor,  # [max_positions, R] float32: cos | sin halves, R even <= D
     positions: torch.Tensor,  # [T] int64
     k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] float32 or bf16 contiguous
     v_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] as k_cache
     slot_mapping: torch.Tensor,  # [T] int64, -1 = not written
 ) -> torch.Tensor:  # q
-    """`apply_rope` (neox style) of q in place and of k, then `write_kv` of the rotated k and
-    of v, in one pass over the step's tokens; the same bits as the plain-torch path (into a
-    bfloat16 cache: the float32 values rounded to nearest even, as `.to(torch.bfloat16)`)."""
+    """`apply_rope` (neox style, over the first R dims of each head: partial rotary when
+    R < D, the rest passed through) of q in place and of k, then `write_kv` of the rotated k
+    and of v, in one pass over the step's tokens; the same bits as the plain-torch path
+    (into a bfloat16 cache: the float32 values rounded to nearest even, as
+    `.to(torch.bfloat16)`)."""
     if not rope_fits(q, k, v, k_cache, v_cache):
         raise ValueError("rope_write_kv: tensors do not fit (see rope_fits)")
+    rot = cos_sin.shape[-1]
+    if rot % 2 or not 0 < rot <= q.shape[2]:
+        raise ValueError(f"rope_write_kv: a RoPE table of width {rot} for heads of "
+                         f"{q.shape[2]}: the width must be even, > 0 and <= the head size")
     positions = positions.to(torch.int64).contiguous()
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     cos_sin = cos_sin.contiguous()
     _check(loaded().plait_rope_write_kv(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-        q.shape[0], q.shape[1], k.shape[1], q.shape[2], cos_sin.data_ptr(),
+        q.shape[0], q.shape[1], k.shape[1], q.shape[2], rot, cos_sin.data_ptr(),
         positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         KV_DTYPES[k_cache.dtype], slot_mapping.data_ptr()), "rope_write_kv")
     return q

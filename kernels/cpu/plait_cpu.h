@@ -148,23 +148,26 @@ int plait_qgemm_i8_pack(const int64_t *desc, long K, void *out);
 
 /* attention.c: one query per sequence over its paged K/V (PLAIT_KV_* kv_dtype elements,
  * PLAIT_KV_BF16 possibly with PLAIT_ATTN_BF16_DOT), read in place; the sequences of a chunk
- * read their chunk_shared[c] common tokens once. Limits: PLAIT_MAX_HEAD_DIM,
- * PLAIT_MAX_BLOCK, chunk rows x (H / H_kv) <= PLAIT_MAX_QUERIES, D a multiple of lanes,
- * kv_dtype one of those (PLAIT_ERR_SHAPES). PLAIT_ERR_NOMEM. */
+ * read their chunk_shared[c] common tokens once. window > 0: sequence i attends only its
+ * last `window` tokens; softcap > 0: scores s become softcap * tanh(s / softcap); 0: off.
+ * Limits: PLAIT_MAX_HEAD_DIM, PLAIT_MAX_BLOCK, chunk rows x (H / H_kv) <=
+ * PLAIT_MAX_QUERIES, D a multiple of lanes, kv_dtype one of those, window and softcap >= 0
+ * (PLAIT_ERR_SHAPES). PLAIT_ERR_NOMEM. */
 int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
                            const void *v_cache, int kv_dtype, long block_size, long num_kv_heads,
                            long num_heads, long head_dim, const int32_t *block_tables,
                            long table_stride, long num_chunks, const int64_t *chunk_start,
                            const int32_t *chunk_shared, const int64_t *q_rows,
                            const int64_t *table_rows, const int32_t *ctx_len, float scale,
-                           float *out, const int64_t *out_rows);
+                           long window, float softcap, float *out, const int64_t *out_rows);
 
-/* rowwise.c: neox RoPE of q (in place) and k, k and v written to the caches (PLAIT_KV_*
+/* rowwise.c: neox RoPE of the first rot_dim dims of each head of q (in place) and k (the
+ * rest pass through; cos_sin rows of rot_dim), k and v written to the caches (PLAIT_KV_*
  * kv_dtype elements; bfloat16 rounded to nearest even) at slots (-1: not written); the same
- * bits as the torch path. Odd D, another kv_dtype: PLAIT_ERR_SHAPES. */
+ * bits as the torch path. rot_dim odd, <= 0 or > D, another kv_dtype: PLAIT_ERR_SHAPES. */
 int plait_rope_write_kv(float *q, long q_stride, const float *k, long k_stride, const float *v,
                         long v_stride, long num_tokens, long num_heads, long num_kv_heads,
-                        long head_dim, const float *cos_sin, const int64_t *positions,
+                        long head_dim, long rot_dim, const float *cos_sin, const int64_t *positions,
                         void *k_cache, void *v_cache, int kv_dtype, const int64_t *slots);
 
 /* rowwise.c: sum_out = x + add (add NULL: nothing added, sum_out unused), out =
@@ -189,7 +192,8 @@ int plait_sample_inverse_cdf(const float *logits, long rows, long vocab, long st
                              const float *u, float *scratch, int64_t *out);
 
 /* decoder.c: every layer of a Llama decoder over a step's rows in one call, through the
- * kernels above in the eager forward's order; layers [num_layers, PLAIT_STACK_POINTERS]
+ * kernels above in the eager forward's order (full causal attention, no softcap, RoPE over
+ * whole heads of cos_sin [P, D]: a stack of layers with other variants is not for it); layers [num_layers, PLAIT_STACK_POINTERS]
  * addresses (the four projections as plait_qgemm descriptors whose rows must match the
  * shapes, else PLAIT_ERR_SHAPES; the caches of kv_dtype elements, its PLAIT_ATTN_BF16_DOT
  * flag, if set, for plait_decode_attention alone); x [rows, hidden] updated

@@ -13,16 +13,17 @@ static inline __attribute__((always_inline)) void put_kv(void *cache, long i, fl
 }
 
 /* plait_rope_write_kv for caches of float32 (bf16 = 0) or bfloat16 (bf16 = 1), a constant
- * in each of the two copies the entry point calls. */
+ * in each of the two copies the entry point calls. Dims [0, rot_dim) rotated, pairs
+ * (i, i + rot_dim / 2); dims [rot_dim, D) of q untouched, of k copied to the cache. */
 static inline __attribute__((always_inline, optimize("fp-contract=off"))) void rope_write_kv(
     float *q, long q_stride, const float *k, long k_stride, const float *v, long v_stride,
-    long num_tokens, long num_heads, long num_kv_heads, long head_dim, const float *cos_sin,
-    const int64_t *positions, void *k_cache, void *v_cache, const int64_t *slots,
-    const int bf16) {
-  const long half = head_dim / 2, kv_dim = num_kv_heads * head_dim;
+    long num_tokens, long num_heads, long num_kv_heads, long head_dim, long rot_dim,
+    const float *cos_sin, const int64_t *positions, void *k_cache, void *v_cache,
+    const int64_t *slots, const int bf16) {
+  const long half = rot_dim / 2, kv_dim = num_kv_heads * head_dim;
 #pragma omp parallel for schedule(static) if (num_tokens >= 64)
   for (long t = 0; t < num_tokens; t++) {
-    const float *cs = cos_sin + positions[t] * head_dim, *sn = cs + half;
+    const float *cs = cos_sin + positions[t] * rot_dim, *sn = cs + half;
     for (long h = 0; h < num_heads; h++) {
       float *x = q + t * q_stride + h * head_dim;
       for (long i = 0; i < half; i++) {
@@ -41,6 +42,7 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
         put_kv(k_cache, o + i, x1 * cs[i] - x2 * sn[i], bf16);
         put_kv(k_cache, o + i + half, x2 * cs[i] + x1 * sn[i], bf16);
       }
+      for (long i = rot_dim; i < head_dim; i++) put_kv(k_cache, o + i, x[i], bf16);
     }
     if (bf16)
       for (long i = 0; i < kv_dim; i++) put_kv(v_cache, at + i, v[t * v_stride + i], 1);
@@ -49,29 +51,32 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
   }
 }
 
-/* Rotary embedding (neox style: rotate halves) and the KV-cache write of one layer's new
- * tokens, in one pass. q [T, H, D] (row stride q_stride floats, heads dense) is rotated in
+/* Rotary embedding (neox style: rotate halves of the first rot_dim dims of each head, the
+ * rest passed through: partial rotary when rot_dim < D) and the KV-cache write of one
+ * layer's new tokens, in one pass. q [T, H, D] (row stride q_stride floats, heads dense) is
+ * rotated in
  * place; k [T, H_kv, D] (row stride k_stride) is rotated into k_cache and v (row stride
  * v_stride) copied into v_cache at slot slots[t] (caches [num_slots, H_kv, D] contiguous, of
  * kv_dtype elements: PLAIT_KV_F32, or PLAIT_KV_BF16, each value rounded to nearest even as
  * torch's .to(torch.bfloat16) rounds it; slot -1: not written). Token t's angles are row
- * positions[t] of cos_sin [P, D] (cos | sin halves). Without FMA contraction, each element
+ * positions[t] of cos_sin [P, rot_dim] (cos | sin halves). Without FMA contraction, each element
  * is (x1 * cos) - (x2 * sin) rounded as torch's separate multiplies and subtraction round
  * it, so the result is the same bits as the plain-torch path. Returns PLAIT_OK, or
- * PLAIT_ERR_SHAPES if D is odd or kv_dtype another value. */
+ * PLAIT_ERR_SHAPES if rot_dim is odd, <= 0 or > D, or kv_dtype another value. */
 __attribute__((optimize("fp-contract=off"))) int plait_rope_write_kv(
     float *q, long q_stride, const float *k, long k_stride, const float *v, long v_stride,
-    long num_tokens, long num_heads, long num_kv_heads, long head_dim, const float *cos_sin,
-    const int64_t *positions, void *k_cache, void *v_cache, int kv_dtype,
-    const int64_t *slots) {
-  if (head_dim % 2 || (kv_dtype != PLAIT_KV_F32 && kv_dtype != PLAIT_KV_BF16))
+    long num_tokens, long num_heads, long num_kv_heads, long head_dim, long rot_dim,
+    const float *cos_sin, const int64_t *positions, void *k_cache, void *v_cache,
+    int kv_dtype, const int64_t *slots) {
+  if (rot_dim % 2 || rot_dim <= 0 || rot_dim > head_dim ||
+      (kv_dtype != PLAIT_KV_F32 && kv_dtype != PLAIT_KV_BF16))
     return PLAIT_ERR_SHAPES;
   if (kv_dtype == PLAIT_KV_BF16)
     rope_write_kv(q, q_stride, k, k_stride, v, v_stride, num_tokens, num_heads, num_kv_heads,
-                  head_dim, cos_sin, positions, k_cache, v_cache, slots, 1);
+                  head_dim, rot_dim, cos_sin, positions, k_cache, v_cache, slots, 1);
   else
     rope_write_kv(q, q_stride, k, k_stride, v, v_stride, num_tokens, num_heads, num_kv_heads,
-                  head_dim, cos_sin, positions, k_cache, v_cache, slots, 0);
+                  head_dim, rot_dim, cos_sin, positions, k_cache, v_cache, slots, 0);
   return PLAIT_OK;
 }
 

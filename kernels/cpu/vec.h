@@ -76,8 +76,11 @@ static inline vf vmax(vf a, vf b) {
 
 /* e^x for x in [-87, 88] to within a few ulp (Cody-Waite reduction x = n ln2 + r, |r| <=
  * ln2 / 2, a degree-6 polynomial for e^r, 2^n put into the exponent bits); smaller x
- * returns e^-87 (~1.6e-38), which the callers only ever add to sums of order >= 1. */
-static inline vf vexp(vf x) {
+ * returns e^-87 (~1.6e-38), which the callers only ever add to sums of order >= 1.
+ * vexp, hsum and hmax are always inlined: where a source's size made the compiler call
+ * them instead, its float contractions around them changed, and with them the last bit
+ * of results (attention.c's, when it grew its variants). */
+static inline __attribute__((always_inline)) vf vexp(vf x) {
   const vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f;
   x = vselect(x < lo, lo, x);
   x = vselect(x > hi, hi, x);
@@ -98,7 +101,7 @@ static inline vf vexp(vf x) {
 }
 
 /* The sum of a vector's lanes, as a tree (a serial sum would chain LANES dependent adds). */
-static inline float hsum(vf v) {
+static inline __attribute__((always_inline)) float hsum(vf v) {
 #if LANES == 16
   return _mm512_reduce_add_ps((__m512)v);
 #elif LANES == 8
@@ -115,7 +118,7 @@ static inline float hsum(vf v) {
 }
 
 /* The largest of a vector's lanes, as a tree. */
-static inline float hmax(vf v) {
+static inline __attribute__((always_inline)) float hmax(vf v) {
 #if LANES == 16
   return _mm512_reduce_max_ps((__m512)v);
 #else

@@ -218,7 +218,7 @@ def _raw_attention(lib: ctypes.CDLL, batch: PagedBatch, rows: NativeRows,
         batch.block_tables.data_ptr(), batch.block_tables.stride(0),
         rows.chunk_shared.shape[0], rows.chunk_start.data_ptr(), rows.chunk_shared.data_ptr(),
         rows.q_rows.data_ptr(), rows.table_rows.data_ptr(), rows.ctx_lens.data_ptr(),
-        batch.scale, out.data_ptr(), rows.q_rows.data_ptr())
+        batch.scale, 0, 0.0, out.data_ptr(), rows.q_rows.data_ptr())
     return rc, out
 
 

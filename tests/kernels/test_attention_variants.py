@@ -23,11 +23,20 @@ from helpers.kernel_cases import (
     dense_attention,
     share_prefix,
 )
+from helpers.threads import torch_threads
 
-from plait.kernels import AttentionMetadata, AttentionShape, TorchOps
-from plait.kernels.cpu.attention import cascade_attention_reference, plan_cascade
+from plait.kernels import AttentionMetadata, AttentionShape, CpuNativeOps, TorchOps, select_ops
+from plait.kernels.cpu import build, native
+from plait.kernels.cpu.attention import (
+    cascade_attention_reference,
+    native_attention,
+    plan_cascade,
+    plan_native,
+)
 from plait.kernels.ops import apply_rope
-from plait.kernels.reference import paged_attention_reference
+from plait.kernels.reference import paged_attention_reference, write_kv_reference
+
+BF16 = torch.bfloat16
 
 # (atol, rtol) of float32 paths against float64
 ATOL, RTOL = 2e-6, 1e-5
@@ -269,3 +278,155 @@ def _planned(ops: TorchOps, batch: PagedBatch) -> AttentionMetadata:
                              batch.context_lens, batch.block_tables, batch.max_query_len,
                              batch.max_context_len)
     return ops.plan(meta, torch.zeros(0, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------- native
+needs_native = pytest.mark.skipif(not build.available(),
+                                  reason="no C compiler / not x86-64: native kernels off")
+
+
+def _native(batch: PagedBatch, window: int, softcap: float,
+            compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`batch` through `plan_native` (every shared run of a block or more cascaded) and
+    `native_attention` with the variant."""
+    _, block_size, num_kv_heads, _ = batch.k_cache.shape
+    rows = plan_native(batch.cu_seqlens_q, batch.context_lens, batch.block_tables, block_size,
+                       batch.query.shape[1] // num_kv_heads, batch.max_query_len,
+                       batch.max_context_len, min_prefix_blocks=1)
+    return native_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables,
+                            rows, batch.scale, compute_dtype, window=window, softcap=softcap)
+
+
+def _to_bf16_cache(batch: PagedBatch) -> None:
+    """The batch's caches (and its dense K/V, the truth) in bfloat16, in place."""
+    batch.k_cache, batch.v_cache = batch.k_cache.to(BF16), batch.v_cache.to(BF16)
+    batch.keys = [k.to(BF16).float() for k in batch.keys]
+    batch.values = [v.to(BF16).float() for v in batch.values]
+
+
+@needs_native
+@pytest.mark.parametrize("cache", ["f32", "bf16"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("batch_name", list(BATCHES))
+def test_native_matches_dense(batch_name, variant, cache):
+    """The native kernel (decode chunks, prefill tiles, the shared prefix read once) with
+    each variant, over float32 and bfloat16 caches (float32 compute: bf16 values widened)."""
+    batch, window, softcap = _batch(batch_name, variant, head_dim=64)
+    if cache == "bf16":
+        _to_bf16_cache(batch)
+    out = _native(batch, window, softcap)
+    torch.testing.assert_close(out.double(), _dense(batch, window, softcap), atol=ATOL,
+                               rtol=RTOL)
+
+
+@needs_native
+@pytest.mark.parametrize("variant", ["window", "softcap", "both", "all"])
+@pytest.mark.parametrize("batch_name", ["prefill", "shared_prefix"])
+def test_native_bf16_dot_products_with_variants(batch_name, variant):
+    """compute_dtype bfloat16 over a bf16 cache: the shared tokens (prefill tiles'
+    prefixes, the shared prompt) through bf16 dot products, masked and capped as the float32
+    path: within bf16 rounding of the truth (queries and weights rounded: 2^-8 relative),
+    far closer to it than to the result without the variant."""
+    batch, window, softcap = _batch(batch_name, variant, head_dim=64)
+    _to_bf16_cache(batch)
+    expected = _dense(batch, window, softcap)
+    out = _native(batch, window, softcap, compute_dtype=BF16).double()
+    error = (out - expected).abs()
+    effect = (dense_attention(batch) - expected).abs()
+    assert error.max() < 2e-2 and error.mean() < 2e-3
+    assert effect.mean() > 10 * error.mean()
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window", [1, 50, 300, 700])
+def test_native_pieces_with_a_window(window, threads):
+    """Few chunks x KV heads and long ranges, so the kernel splits each chunk's main range
+    into pieces (from the block of its lowest window start) and merges them: 6 rows sharing
+    40 blocks (the window cuts into the prompt, or past it), and a lone row of 37 blocks."""
+    spec = BatchSpec(seqs=(*((1, 640 + 1 + 9 * r) for r in range(6)), (1, 37 * 16 + 5)),
+                     num_heads=4, num_kv_heads=1, head_dim=64, block_size=16, seed=window)
+    batch = build_batch(spec)
+    share_prefix(batch, list(range(6)), 40, 16)
+    with torch_threads(threads):
+        out = _native(batch, window, 0.0)
+    torch.testing.assert_close(out.double(), dense_attention(batch, window=window), atol=ATOL,
+                               rtol=RTOL)
+
+
+@needs_native
+def test_native_defaults_and_a_window_past_every_context_are_the_plain_kernel():
+    """window=0, softcap=0.0 and a window no row's context reaches: bit for bit the
+    kernel's result without them (no base, no mask)."""
+    batch, _, _ = _batch("shared_prefix", "scale", head_dim=64)
+    plain = _native(batch, 0, 0.0)
+    assert torch.equal(_native(batch, batch.max_context_len, 0.0), plain)
+    with pytest.raises(ValueError, match="window must be"):
+        _native(batch, -1, 0.0)
+    with pytest.raises(ValueError, match="window must be"):
+        _native(batch, 0, -2.0)
+
+
+@needs_native
+@pytest.mark.parametrize("batch_name", ["mixed", "shared_prefix"])
+def test_one_plan_serves_every_variant_through_the_native_ops(batch_name):
+    """`CpuNativeOps` (what a float32 CPU engine gets), planned once, attending with a
+    different window and cap per call, each equal to the dense truth."""
+    batch, _, _ = _batch(batch_name, "all", head_dim=64)
+    ops = select_ops(torch.device("cpu"), torch.float32, _shape(batch))
+    assert isinstance(ops, CpuNativeOps) and ops.native_attention
+    meta = _planned(ops, batch)
+    for window, softcap in ((0, 0.0), (7, 0.0), (0, 1.5), (11, 2.0), (1, 0.0)):
+        out = ops.attention(batch.query, batch.k_cache, batch.v_cache, meta, batch.scale,
+                            window=window, softcap=softcap)
+        torch.testing.assert_close(out.double(), _dense(batch, window, softcap), atol=ATOL,
+                                   rtol=RTOL)
+
+
+@needs_native
+@pytest.mark.parametrize("rot", [96, 128])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_native_partial_rotary_is_the_torch_path_bit_for_bit(rot, cache_dtype):
+    """`native.rope_write_kv` with a table of width R (96 of 128: Phi-3) equals
+    `apply_rope` then `write_kv_reference` exactly: q in place in its strided qkv buffer,
+    the rotated k and v at their slots, a slot of -1 not written."""
+    from plait.engine.models.rope import rope_cos_sin
+
+    gen = torch.Generator().manual_seed(rot)
+    heads, kv_heads, head_dim, tokens = 4, 2, 128, 19
+    cos_sin = rope_cos_sin(rot, 512, 10000.0, None)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    slots = torch.randperm(10 * 8, generator=gen)[:tokens]
+    slots[5] = -1
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v = t.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), -1)
+        return (q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim),
+                v.view(tokens, kv_heads, head_dim))
+
+    caches = [torch.randn(10, 8, kv_heads, head_dim, generator=gen).to(cache_dtype)
+              for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    q, k, v = split(qkv.clone())
+    q_ref, k_ref = apply_rope(cos_sin, positions, q, k)
+    write_kv_reference(k_ref, v, *expected, slots)
+    q, k, v = split(qkv.clone())
+    out = native.rope_write_kv(q, k, v, cos_sin, positions, *caches, slots)
+    assert out.data_ptr() == q.data_ptr()
+    assert torch.equal(q, q_ref)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    torch.testing.assert_close(q.double(), _explicit_rope(split(qkv)[0], positions, rot,
+                                                           10000.0), atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="RoPE table"):
+        native.rope_write_kv(q, k, v, cos_sin[:, :rot - 1], positions, *caches, slots)
+
+
+@needs_native
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_native_ops_nope_write_kv_then_attention(cache_dtype):
+    batch = build_batch(BatchSpec(((1, 9), (4, 4)), num_heads=4, num_kv_heads=2,
+                                  head_dim=32, block_size=4, seed=5))
+    ops = select_ops(torch.device("cpu"), torch.float32, _shape(batch))
+    assert isinstance(ops, CpuNativeOps)
+    _nope_case(ops, batch, cache_dtype)

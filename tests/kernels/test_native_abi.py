@@ -93,7 +93,8 @@ def test_library_exports_exactly_the_declared_functions_with_generated_signature
         assert list(fn.argtypes) == [ctypes.c_void_p if p.endswith("*") else c_types[p]
                                      for p in params], name
     # spot checks against the C, independent of the parser
-    assert len(lib.plait_decode_attention.argtypes) == 20
+    assert len(lib.plait_decode_attention.argtypes) == 22
+    assert len(lib.plait_rope_write_kv.argtypes) == 17
     assert len(lib.plait_decoder_stack.argtypes) == 26
     assert lib.plait_lanes.argtypes == []
     assert len(lib.plait_qgemm.argtypes) == 8 and len(lib.plait_dequantize.argtypes) == 5
@@ -227,17 +228,26 @@ def test_return_codes_follow_the_header_convention() -> None:
     assert lib.plait_add_rms_norm(out.data_ptr(), 8, None, 0, out.data_ptr(), 1, -1, 1e-6, None,
                                   out.data_ptr()) == shapes
     f32, bf16 = ABI.constants["PLAIT_KV_F32"], ABI.constants["PLAIT_KV_BF16"]
-    assert lib.plait_rope_write_kv(*(None, 0) * 3, 0, 1, 1, 3, *(None,) * 4, f32, None) == shapes
+    # a rotated width odd, zero, or past the head: refused before anything is read
+    for head_dim, rot_dim in ((3, 3), (4, 3), (4, 0), (4, 6)):
+        assert lib.plait_rope_write_kv(*(None, 0) * 3, 0, 1, 1, head_dim, rot_dim,
+                                       *(None,) * 4, f32, None) == shapes
     # a KV element type the kernels do not know: refused before anything is read
-    assert lib.plait_rope_write_kv(*(None, 0) * 3, 0, 1, 1, 2, *(None,) * 4, 7, None) == shapes
+    assert lib.plait_rope_write_kv(*(None, 0) * 3, 0, 1, 1, 2, 2, *(None,) * 4, 7,
+                                   None) == shapes
     # attention: a head_dim beyond PLAIT_MAX_HEAD_DIM is refused before anything is read
     lanes = native.lanes()
     assert lib.plait_decode_attention(
         None, 0, None, None, bf16, 16, 1, 1, build.MAX_HEAD_DIM + lanes, None, 0, 0, None,
-        None, None, None, None, 1.0, None, None) == shapes
+        None, None, None, None, 1.0, 0, 0.0, None, None) == shapes
     assert lib.plait_decode_attention(
         None, 0, None, None, 7, 16, 1, 1, lanes, None, 0, 0, None, None, None, None, None,
-        1.0, None, None) == shapes
+        1.0, 0, 0.0, None, None) == shapes
+    # a negative window or softcap (a NaN softcap too)
+    for window, softcap in ((-1, 0.0), (0, -1.0), (0, float("nan"))):
+        assert lib.plait_decode_attention(
+            None, 0, None, None, f32, 16, 1, 1, lanes, None, 0, 0, None, None, None, None,
+            None, 1.0, window, softcap, None, None) == shapes
 
 
 # --- (e) the build refuses warnings and a definition that disagrees with the header ------
