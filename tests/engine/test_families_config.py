@@ -217,3 +217,24 @@ def test_gguf_granite_scales_and_unsupported_architectures() -> None:
         hf_config_from_gguf(_gguf("falcon", keys))
     with pytest.raises(ModelLoadError, match="differs between layers"):
         hf_config_from_gguf(_gguf("qwen3", {**GGUF_BASE, "attention.head_count_kv": (2, 4)}))
+
+
+def test_gguf_of_an_unsupported_architecture_is_one_line(tmp_path, monkeypatch) -> None:
+    """resolve_model on a GGUF whose general.architecture Plait does not serve names it and
+    lists the supported ones; nothing is left in the cache."""
+    from gguf import GGUFWriter
+
+    monkeypatch.setenv("PLAIT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "falcon.gguf"
+    writer = GGUFWriter(str(path), "falcon")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError) as err:
+        resolve_model(str(path))
+    message = str(err.value)
+    assert message.startswith("unsupported GGUF architecture 'falcon'; expected ")
+    assert "a .gguf file (llama, qwen2, qwen3, gemma2, gemma3, phi3, granite, smollm3, " \
+        "olmo2)" in message and "\n" not in message
+    assert not any((tmp_path / "cache").glob("gguf-*"))
