@@ -257,6 +257,8 @@ _QWEN2 = ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer")
 DIRECT_TOKENIZERS: dict[tuple[str, str], tuple[str, str]] = {
     ("TokenizersBackend", "llama"): _BACKEND,
     ("TokenizersBackend", "mistral"): _BACKEND,
+    # the tokenizer `_convert_family_gguf` saves for a GGUF of each other family
+    **{("TokenizersBackend", model_type): _BACKEND for model_type in GGUF_MODEL_TYPES.values()},
     ("TokenizersBackend", "qwen2"): _QWEN2,
     ("Qwen2Tokenizer", "qwen2"): _QWEN2,
     ("Qwen2TokenizerFast", "qwen2"): _QWEN2,
