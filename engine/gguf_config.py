@@ -13,7 +13,10 @@ Where llama.cpp derives a value instead of reading a key, so does this, the same
                      `rope.freq_base_swa` (default 10000), unscaled
     phi3             longrope when the file holds rope_factors_long / rope_factors_short
                      (their values become the factor lists), its attention factor
-                     `rope.scaling.attn_factor`; a sliding window of 0 is none
+                     `rope.scaling.attn_factor`; a sliding window of 0 is none. A window
+                     > 0 (Phi-3-mini's 2047) windows every layer as transformers does;
+                     llama.cpp currently ignores it (its "Phi SWA is disabled" warning),
+                     so the two differ past that many positions
     smollm3          every 4th layer without RoPE (llama.cpp's fixed step)
 
 The norms of a Gemma GGUF already hold Gemma's + 1; the GGUF loader copies them as they

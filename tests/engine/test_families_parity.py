@@ -31,6 +31,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.5,
                                 attention_multiplier=0.2, logits_scaling=2.5)),
     "smollm3": ("smollm3", {}),
+    # Qwen2.5's long-context yarn on the Llama shape (the native whole stack reads the
+    # scaled table); prompts past original_max_position_embeddings
+    "qwen2-yarn": ("qwen2", dict(rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+        rope_theta=10000.0))),
     # partial rotary (8 of 16 dims), longrope past original_max_position_embeddings (the
     # prompts are longer: transformers takes the long factors, as Plait does for a context
     # beyond it), every layer windowed
