@@ -2,8 +2,9 @@
 
 `gguf.GGUFReader` builds a numpy view for every metadata element: for a file carrying a
 150k-token vocabulary and its merges that takes ~10 s. The loader needs only the tensors
-and two keys, so this reads the header (GGUF v2/v3, little-endian), skips each value by its
-type, and maps the tensor data:
+and the architecture's hyper-parameters, so this reads the header (GGUF v2/v3,
+little-endian), keeps scalar values and short numeric arrays, skips the rest (the
+vocabulary, the merges) by type, and maps the tensor data:
 
     magic "GGUF" | version u32 | num_tensors u64 | num_kv u64
     num_kv x (key: string, type: u32, value)         string = u64 length + bytes
@@ -24,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _FORMATS = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd", strict=True))
 _STRING, _ARRAY = 8, 9
+_KEPT_ARRAY = 4096  # numeric arrays up to this many items are kept (per-layer values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +41,12 @@ class GgufTensor:
 
 @dataclass(frozen=True, slots=True)
 class GgufFile:
+    """`metadata`: every scalar key's value, and numeric arrays of at most 4096 items as
+    tuples; string arrays (the vocabulary) and longer arrays are left out."""
+
     architecture: str
     tensors: dict[str, GgufTensor]
+    metadata: dict[str, object]
 
 
 class _Cursor:
@@ -58,7 +64,8 @@ class _Cursor:
         return bytes(self.buf[self.pos - length : self.pos]).decode("utf-8", "replace")
 
     def value(self, kind: int, keep: bool) -> object:
-        """Read (or, unless `keep`, skip) a value of GGUF type `kind`; arrays are skipped."""
+        """Read (or, unless `keep`, skip) a value of GGUF type `kind`: a numeric array of at
+        most `_KEPT_ARRAY` items as a tuple; other arrays are skipped (None)."""
         if kind in _FIXED:
             if keep:
                 return self.unpack(_FORMATS[kind])
@@ -70,6 +77,11 @@ class _Cursor:
             self.pos += length
         elif kind == _ARRAY:
             item, count = self.unpack("IQ")
+            if item in _FIXED and keep and count <= _KEPT_ARRAY:
+                fmt = f"<{count}{_FORMATS[item]}"
+                values = struct.unpack_from(fmt, self.buf, self.pos)
+                self.pos += struct.calcsize(fmt)
+                return values
             if item in _FIXED:
                 self.pos += _FIXED[item] * count
             else:
@@ -89,9 +101,12 @@ def read_gguf(path: Path) -> GgufFile:
     if magic != b"GGUF" or version not in (2, 3):
         raise ValueError(f"not a GGUF v2/v3 file (magic {magic!r}, version {version})")
     wanted: dict[str, object] = {"general.architecture": None, "general.alignment": 32}
+    metadata: dict[str, object] = {}
     for _ in range(num_kv):
         key, kind = cursor.string(), cursor.unpack("I")
-        value = cursor.value(kind, keep=key in wanted)
+        value = cursor.value(kind, keep=True)
+        if value is not None:
+            metadata[key] = value
         if key in wanted:
             wanted[key] = value
     infos = []
@@ -113,7 +128,7 @@ def read_gguf(path: Path) -> GgufFile:
         data = buf[begin : begin + rows * row_bytes]
         tensors[name] = GgufTensor(name, kind, shape,
                                    data.reshape(rows, row_bytes) if len(shape) > 1 else data)
-    return GgufFile(str(wanted["general.architecture"]), tensors)
+    return GgufFile(str(wanted["general.architecture"]), tensors, metadata)
 
 
 __all__ = ["GgufFile", "GgufTensor", "read_gguf"]

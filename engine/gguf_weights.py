@@ -1,4 +1,6 @@
-"""Load a GGUF file's tensors straight into Plait's model, each kept in the file's format.
+"""Load a GGUF file's tensors straight into Plait's model, each kept in the file's format
+(or, with `keep=False`, every tensor dequantized to float32: the families whose GGUF is
+not converted to safetensors by transformers, model_loader.py).
 
 The file is memory-mapped (`gguf_file.read_gguf`) and each tensor's bytes copied once into a
 `QuantPart`; a type the native kernels do not take (`KEPT_TYPES`) is dequantized at load,
@@ -6,20 +8,27 @@ with a log line. GGUF names map onto Plait's fused modules:
 
     token_embd                      -> embed_tokens (QuantEmbedding)
     blk.N.attn_q | attn_k | attn_v  -> layers.N.self_attn.qkv_proj, three parts in that order
-                                       (their types may differ), biases concatenated
+                                       (their types may differ), biases concatenated;
+                                       or blk.N.attn_qkv, fused in the file (phi3)
     blk.N.attn_output               -> layers.N.self_attn.o_proj
-    blk.N.ffn_gate | ffn_up         -> layers.N.mlp.gate_up_proj, two parts
+    blk.N.ffn_gate | ffn_up         -> layers.N.mlp.gate_up_proj, two parts; or ffn_up alone
+                                       holding gate | up (phi3)
     blk.N.ffn_down                  -> layers.N.mlp.down_proj
     output (absent: tied)           -> lm_head (a tied head shares token_embd's QuantWeight)
+    blk.N.attn_norm | post_attention_norm | ffn_norm | post_ffw_norm
+                                    -> the layer's norms by role (models/layers.py NORMS)
+    blk.N.attn_q_norm | attn_k_norm -> layers.N.self_attn.q_norm | k_norm
     *_norm, biases                  -> float32 parameters
 
-llama.cpp's converter permutes the rows of attn_q / attn_k in "llama" files (the interleaved
-RoPE layout GGML computes in); Plait rotates halves as Hugging Face does, so the rows are
+llama.cpp's converter permutes the rows of attn_q / attn_k in the files of the families whose
+llama.cpp RoPE type is NORM (`PERMUTED`: llama, granite, smollm3; the interleaved RoPE
+layout GGML computes in); Plait rotates halves as Hugging Face does, so the rows are
 put back, per head, as transformers' GGUF loader does (`_reverse_permute_weights`):
 
     file row  h * 2d + 2i + j   ->   row  h * 2d + j * d + i      (d = head_dim / 2, j < 2)
 
-GGML rows are independent, so this reorders row bytes. qwen2 files are not permuted.
+GGML rows are independent, so this reorders row bytes. The NEOX families (qwen2, qwen3,
+gemma2, gemma3, phi3, olmo2) are not permuted.
 """
 
 from __future__ import annotations
@@ -49,22 +58,27 @@ from plait.kernels.cpu.quant import (
 logger = logging.getLogger("plait.engine")
 
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# GGUF tensors Plait does not read: llama3's RoPE factors (computed from the config).
-_IGNORED = ("rope_freqs.weight",)
+# GGUF tensors Plait does not read: llama3's RoPE factors (computed from the config), phi3's
+# longrope factors (read into the config at conversion, gguf_config.py).
+_IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# architectures whose q / k rows the converter permutes (llama.cpp's LLAMA_ROPE_TYPE_NORM)
+PERMUTED = ("llama", "granite", "smollm3")
+# a layer's norm tensors by role (models/layers.py: ATTN_IN, ATTN_OUT, FFN_IN, FFN_OUT)
+_NORM_TENSORS = ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
 Piece = QuantPart | torch.Tensor  # a kept part, or rows dequantized to float32 [rows, K]
 
 
 def load_gguf_weights(model: LlamaForCausalLM, path: Path,
-                      compute_dtype: torch.dtype = torch.float32) -> None:
+                      compute_dtype: torch.dtype = torch.float32, keep: bool = True) -> None:
     """Replace `model`'s embedding, linear layers and norms with the file's tensors:
-    `QuantLinear` / `QuantEmbedding` where every piece is a kept type, float32 modules
-    otherwise. Raises `ModelLoadError` for a missing or misshapen tensor."""
+    `QuantLinear` / `QuantEmbedding` where every piece is a kept type (and `keep`), float32
+    modules otherwise. Raises `ModelLoadError` for a missing or misshapen tensor."""
     try:
         file = read_gguf(path)
     except Exception as exc:
         raise ModelLoadError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
     tensors = file.tensors
-    loader = _Loader(tensors, model, file.architecture == "llama", compute_dtype, path)
+    loader = _Loader(tensors, model, file.architecture in PERMUTED, compute_dtype, path, keep)
     loader.load()
     unused = sorted(set(tensors) - loader.used - set(_IGNORED))
     if unused:
@@ -75,24 +89,34 @@ class _Loader:
     """One pass over a model's modules, reading each from the file's tensors by name."""
 
     def __init__(self, tensors: dict[str, GgufTensor], model: LlamaForCausalLM, permuted: bool,
-                 compute_dtype: torch.dtype, path: Path) -> None:
+                 compute_dtype: torch.dtype, path: Path, keep: bool = True) -> None:
         self.tensors, self.model, self.permuted = tensors, model, permuted
-        self.compute_dtype, self.path = compute_dtype, path
+        self.compute_dtype, self.path, self.keep = compute_dtype, path, keep
         self.used: set[str] = set()
 
     def load(self) -> None:
         cfg, model = self.model.config, self.model
         for i, layer in enumerate(model.decoder_layers()):
             attn, mlp = layer.self_attn, layer.mlp
-            heads = (cfg.num_heads, cfg.num_kv_heads, None)
-            names = [f"blk.{i}.attn_{p}" for p in "qkv"]
-            attn.qkv_proj = self.linear(attn.qkv_proj, names, heads)
+            if f"blk.{i}.attn_qkv.weight" in self.tensors:  # fused in the file (phi3)
+                attn.qkv_proj = self.linear(attn.qkv_proj, [f"blk.{i}.attn_qkv"])
+            else:
+                heads = (cfg.num_heads, cfg.num_kv_heads, None)
+                names = [f"blk.{i}.attn_{p}" for p in "qkv"]
+                attn.qkv_proj = self.linear(attn.qkv_proj, names, heads)
             attn.o_proj = self.linear(attn.o_proj, [f"blk.{i}.attn_output"])
-            mlp.gate_up_proj = self.linear(mlp.gate_up_proj,
-                                           [f"blk.{i}.ffn_gate", f"blk.{i}.ffn_up"])
+            gate_up = [f"blk.{i}.ffn_gate", f"blk.{i}.ffn_up"]
+            if f"blk.{i}.ffn_gate.weight" not in self.tensors:  # ffn_up holds gate | up
+                gate_up = gate_up[1:]
+            mlp.gate_up_proj = self.linear(mlp.gate_up_proj, gate_up)
             mlp.down_proj = self.linear(mlp.down_proj, [f"blk.{i}.ffn_down"])
-            self.norm(layer.input_layernorm.weight, f"blk.{i}.attn_norm.weight")
-            self.norm(layer.post_attention_layernorm.weight, f"blk.{i}.ffn_norm.weight")
+            for role, name in enumerate(_NORM_TENSORS):
+                norm = layer.norm(role)
+                if norm is not None:
+                    self.norm(norm.weight, f"blk.{i}.{name}.weight")
+            if attn.qk_norm is not None:
+                self.norm(attn.q_norm.weight, f"blk.{i}.attn_q_norm.weight")
+                self.norm(attn.k_norm.weight, f"blk.{i}.attn_k_norm.weight")
         self.norm(model.norm.weight, "output_norm.weight")
         embedding = self.embedding("token_embd.weight", cfg.vocab_size, cfg.hidden_size)
         model.embed_tokens = embedding
@@ -163,12 +187,13 @@ class _Loader:
         ggml_type, in_features = int(t.tensor_type), int(t.shape[0])
         rows = int(np.prod(t.shape[1:]))
         order = _unpermute(rows, heads) if self.permuted and heads else None
-        if ggml_type in KEPT_TYPES:
+        if ggml_type in KEPT_TYPES and self.keep:
             data = torch.from_numpy(np.array(t.data).view(np.uint8).reshape(rows, -1))
             data = data if order is None else data[order].contiguous()
             return QuantPart(data, ggml_type, rows)
-        logger.info("%s: %s is %s, dequantized to float32 at load", self.path.name, name,
-                    type_name(ggml_type))
+        if self.keep:
+            logger.info("%s: %s is %s, dequantized to float32 at load", self.path.name,
+                        name, type_name(ggml_type))
         return self.dense(name, heads).reshape(rows, in_features)
 
     def dense(self, name: str, heads: int | None = None) -> torch.Tensor:

