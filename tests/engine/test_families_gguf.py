@@ -1,14 +1,14 @@
 """Each family's GGUF, as llama.cpp's own converter writes it (helpers/gguf_convert.py, F32
-and Q8_0), through the engine against transformers on the same weights: greedy tokens
-and their logprobs.
+and Q8_0, and Q4_K requantized from the F32 file by helpers/q4k.py), through the engine
+against transformers on the same weights: greedy tokens and their logprobs.
 
 F32 files hold the checkpoint's own values (Gemma's norms as 1 + w, exact in float32), so
 the reference is transformers on the checkpoint itself: this checks the config read from
 the file's keys (gguf_config.py) and the tensor mapping (gguf_weights.py) independently.
-Q8_0 files hold quantized weights; the reference is transformers on those weights
+Q8_0 and Q4_K files hold quantized weights; the reference is transformers on those weights
 dequantized (the file's blocks decoded by Plait's loader with `keep=False` and copied back
 under transformers' names, Gemma's norms minus 1), so the one difference left is the order
-of float32 additions in the kept Q8_0 products: the same tight tolerance applies.
+of float32 additions in the kept Q8_0 / Q4_K products: the same tight tolerance applies.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _hf_greedy(hf, ids: list[int]) -> tuple[list[int], list[float]]:
     return tokens, [logprobs[i, t].item() for i, t in enumerate(tokens)]
 
 
-@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("outtype", ["f32", "q8_0", "q4_k"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gguf_greedy_matches_transformers(family, outtype) -> None:
     """Both weight modes: the file's format kept (`--weights auto`, native kernels) and
