@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.engine import prompt
-from helpers.families import tiny_family_checkpoint
+from helpers.families import families_cache, tiny_family_checkpoint
 from helpers.gguf_convert import family_gguf
 
 from plait import LLM, SamplingParams
@@ -42,11 +42,17 @@ MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="module")
 def conversion_cache(tmp_path_factory):
-    """A fresh $PLAIT_CACHE for this module's GGUF conversions (so none is stale), the
-    native kernels loaded from the usual cache first (not rebuilt in the fresh one)."""
+    """A fresh $PLAIT_CACHE for the engine's conversions of this module's GGUF files (so
+    none is stale), the native kernels loaded from the usual cache first (not rebuilt in
+    the fresh one), and the fixtures' own cache (checkpoints, llama.cpp's tree, the
+    converted files) shared with the other tests through a link: converted once a run."""
     build.library()
+    fresh = tmp_path_factory.mktemp("cache")
+    shared = families_cache()
+    shared.mkdir(parents=True, exist_ok=True)
+    (fresh / shared.name).symlink_to(shared, target_is_directory=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PLAIT_CACHE", str(tmp_path_factory.mktemp("cache")))
+        patch.setenv("PLAIT_CACHE", str(fresh))
         yield
 
 

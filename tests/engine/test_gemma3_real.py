@@ -72,3 +72,27 @@ def test_gemma3_270m_top_k_probabilities_match_transformers(llm) -> None:
             # the greedy pick is transformers' top token, or within the tolerance of it
             assert probs[step].max().item() - probs[step, choice.token_ids[step]].item() \
                 < PROB_ATOL
+
+
+def test_plait_serve_answers_the_openai_sdk_on_gemma3_270m() -> None:
+    """The real file through `plait serve` (a base model: completions answer, chat is the
+    400 naming the missing template)."""
+    import openai
+    from helpers.server import start_server
+
+    server = start_server([str(GEMMA_GGUF), "--served-model-name", "gemma-3-270m",
+                           "--num-kv-blocks", "256"])
+    try:
+        server.wait_healthy()
+        client = server.openai()
+        out = client.completions.create(model="gemma-3-270m", n=2, seed=1, max_tokens=12,
+                                        prompt="The capital of France is")
+        assert [c.index for c in out.choices] == [0, 1] and out.usage.completion_tokens >= 2
+        greedy = client.completions.create(model="gemma-3-270m", max_tokens=12,
+                                           temperature=0, prompt="The capital of France is")
+        assert "Paris" in greedy.choices[0].text or "France" in greedy.choices[0].text
+        with pytest.raises(openai.BadRequestError, match="chat template"):
+            client.chat.completions.create(model="gemma-3-270m", max_tokens=4,
+                                           messages=[{"role": "user", "content": "Hi"}])
+    finally:
+        server.stop()
