@@ -20,8 +20,9 @@ import torch
 from helpers.engine import prompt
 from helpers.families import families_cache, tiny_family_checkpoint
 from helpers.gguf_convert import family_gguf
+from helpers.hf_greedy import assert_greedy_matches, hf_greedy
 
-from plait import LLM, SamplingParams
+from plait import LLM
 from plait.engine.gguf_weights import load_gguf_weights
 from plait.engine.model_config import ModelConfig
 from plait.engine.model_loader import resolve_model
@@ -97,15 +98,6 @@ def _plait_tensor(model: LlamaForCausalLM, cfg: ModelConfig, hf_name: str) -> to
     return tensor
 
 
-def _hf_greedy(hf, ids: list[int]) -> tuple[list[int], list[float]]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS, do_sample=False,
-                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        tokens = out[0, len(ids):].tolist()
-        logprobs = torch.log_softmax(hf(out).logits[0, len(ids) - 1:-1].float(), dim=-1)
-    return tokens, [logprobs[i, t].item() for i, t in enumerate(tokens)]
-
-
 @pytest.mark.parametrize("outtype", ["f32", "q8_0", "q4_k"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gguf_greedy_matches_transformers(family, outtype) -> None:
@@ -116,20 +108,13 @@ def test_gguf_greedy_matches_transformers(family, outtype) -> None:
     hf = _hf(ckpt) if outtype == "f32" else _dequantized_reference(ckpt, gguf)
     vocab = hf.config.vocab_size
     prompts = [[3 + t % (vocab - 3) for t in prompt(seed, 21)] for seed in (1, 2)]
-    refs = [_hf_greedy(hf, ids) for ids in prompts]
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True,
-                            logprobs=0)
+    refs = [hf_greedy(hf, ids, NUM_TOKENS) for ids in prompts]
     for weights in ("auto", "float32"):
         llm = LLM(str(gguf), num_kv_blocks=64, block_size=4, weights=weights,
                   max_model_len=MAX_MODEL_LEN)
         assert llm.engine.runner.model_config.model_type == hf.config.model_type
-        for ids, (tokens, logprobs) in zip(prompts, refs, strict=True):
-            (choice,) = llm.generate([ids], params)[0].outputs
-            assert choice.token_ids == tokens, (weights, ids)
-            assert choice.logprobs is not None
-            ours = [lp.logprob for lp in choice.logprobs]
-            assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) \
-                < LOGPROB_ATOL, weights
+        for ids, ref in zip(prompts, refs, strict=True):
+            assert_greedy_matches(llm, ids, ref, LOGPROB_ATOL, weights)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -140,11 +125,4 @@ def test_fixture_checkpoint_directory_matches_transformers(family) -> None:
     hf = _hf(ckpt)
     llm = LLM(str(ckpt), num_kv_blocks=64, block_size=4, max_model_len=MAX_MODEL_LEN)
     ids = [3 + t % (hf.config.vocab_size - 3) for t in prompt(3, 25)]
-    tokens, logprobs = _hf_greedy(hf, ids)
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True,
-                            logprobs=0)
-    (choice,) = llm.generate([ids], params)[0].outputs
-    assert choice.token_ids == tokens
-    assert choice.logprobs is not None
-    ours = [lp.logprob for lp in choice.logprobs]
-    assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) < LOGPROB_ATOL
+    assert_greedy_matches(llm, ids, hf_greedy(hf, ids, NUM_TOKENS), LOGPROB_ATOL)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.engine import make_llm, prompt
+from helpers.hf_greedy import assert_greedy_matches, hf_greedy
 from helpers.model import PagedHarness, load_model
 from helpers.tiny_model import TOKENIZER_FILES
 
@@ -123,31 +124,14 @@ def test_logits_match_transformers(family, native) -> None:
     torch.testing.assert_close(logits, ref, atol=LOGITS_ATOL, rtol=0)
 
 
-def _hf_greedy(hf, ids: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and the logprob of each under its full forward."""
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS, do_sample=False,
-                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        tokens = out[0, len(ids):].tolist()
-        logprobs = torch.log_softmax(hf(out).logits[0, len(ids) - 1:-1].float(), dim=-1)
-    return tokens, [logprobs[i, t].item() for i, t in enumerate(tokens)]
-
-
 def test_greedy_tokens_and_logprobs_match_transformers(family) -> None:
     """16 greedy tokens through the engine (decode steps on the native stack's size) equal
     transformers' `generate`, and their logprobs its full forward's."""
     _, path, hf = family
     llm = make_llm(path, num_kv_blocks=64, block_size=4)
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True,
-                            logprobs=0)
     for seed in (1, 2):
         ids = prompt(seed, 21)
-        (choice,) = llm.generate([ids], params)[0].outputs
-        tokens, logprobs = _hf_greedy(hf, ids)
-        assert choice.token_ids == tokens
-        assert choice.logprobs is not None
-        ours = [lp.logprob for lp in choice.logprobs]
-        assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) < LOGPROB_ATOL
+        assert_greedy_matches(llm, ids, hf_greedy(hf, ids, NUM_TOKENS), LOGPROB_ATOL)
 
 
 def test_seeded_choices_cache_and_batch(family) -> None:
@@ -181,11 +165,4 @@ def test_chunked_prefill_matches_transformers(family) -> None:
     _, path, hf = family
     llm = make_llm(path, num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
     ids = prompt(5, 45)
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True,
-                            logprobs=0)
-    (choice,) = llm.generate([ids], params)[0].outputs
-    tokens, logprobs = _hf_greedy(hf, ids)
-    assert choice.token_ids == tokens
-    assert choice.logprobs is not None
-    ours = [lp.logprob for lp in choice.logprobs]
-    assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) < LOGPROB_ATOL
+    assert_greedy_matches(llm, ids, hf_greedy(hf, ids, NUM_TOKENS), LOGPROB_ATOL)
