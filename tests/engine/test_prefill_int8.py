@@ -14,7 +14,7 @@ from helpers.quant_cases import random_part
 
 from plait import LLM, SamplingParams
 from plait.bench.workloads import random_words
-from plait.engine.models import llama
+from plait.engine.models import layers
 from plait.engine.models.linear import INT8_MIN_ROWS, QuantLinear
 from plait.kernels.cpu import build, native, quant
 from plait.kernels.cpu.quant import QuantWeight, dequantize_reference
@@ -63,7 +63,7 @@ def test_mlp_fuses_silu_in_row_chunks(kept, monkeypatch: pytest.MonkeyPatch) -> 
     assert torch.equal(mlp(x), down(native.silu_mul(gate_up.product_int8(x))))
     monkeypatch.setattr(down, "int8_rows", INT8_MIN_ROWS)
     whole = down.product_int8(native.silu_mul(gate_up.product_int8(x)))
-    monkeypatch.setattr(llama, "MLP_CHUNK_BYTES", 4 * gate_up.out_features)  # -> the minimum
+    monkeypatch.setattr(layers, "MLP_CHUNK_BYTES", 4 * gate_up.out_features)  # -> the minimum
     cats: list[int] = []
     real_cat = torch.cat
     monkeypatch.setattr(torch, "cat", lambda ts: cats.append(len(ts)) or real_cat(ts))
