@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""One build's prefill and decode speed in-process, without HTTP, for before/after
+comparisons of two checkouts (BENCHMARKS.md, "Model families"):
+
+    python scripts/bench_prefill_ab.py FILE.gguf   # prefill_ms=... decode_ms_per_token=...
+
+`LLM` on the file (its defaults), one warm-up, then 6 times: a prefill of 520 random words
+(about W1's prompt) with 1 output token, and another prompt with 65 greedy tokens, whose
+time less the prefill's, over 64, is the decode time per token. Prints the medians. Run it
+once per build, alternating, with PYTHONPATH naming the build's `plait` only (a folder
+holding a link to that checkout's plait/) and a PLAIT_CACHE of its own."""
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+
+from plait import LLM, SamplingParams
+
+path = sys.argv[1]
+llm = LLM(path, num_kv_blocks=512)
+rng = random.Random(0)
+words = ["river", "stone", "light", "apple", "quiet", "number", "garden", "cloud", "paper",
+         "iron", "silver", "market"]
+
+
+def prompt() -> str:
+    return " ".join(rng.choice(words) for _ in range(520))
+
+
+llm.generate([prompt()], SamplingParams(max_tokens=1))  # warm-up
+pre, dec = [], []
+for _ in range(6):
+    t = time.perf_counter()
+    llm.generate([prompt()], SamplingParams(max_tokens=1, temperature=0))
+    pre.append(time.perf_counter() - t)
+    p = prompt()
+    t = time.perf_counter()
+    llm.generate([p], SamplingParams(max_tokens=65, temperature=0, ignore_eos=True))
+    total = time.perf_counter() - t
+    dec.append((total - pre[-1]) / 64)
+print(f"prefill_ms={statistics.median(pre) * 1000:.1f} decode_ms_per_token="
+      f"{statistics.median(dec) * 1000:.2f}")
