@@ -20,7 +20,7 @@ import torch
 from helpers.engine import prompt
 from helpers.families import families_cache, tiny_family_checkpoint
 from helpers.gguf_convert import family_gguf
-from helpers.hf_greedy import assert_greedy_matches, hf_greedy
+from helpers.hf_greedy import assert_greedy_matches, hf_greedy, hf_model
 
 from plait import LLM
 from plait.engine.gguf_weights import load_gguf_weights
@@ -57,13 +57,6 @@ def conversion_cache(tmp_path_factory):
         yield
 
 
-def _hf(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
-
-
 def _dequantized_reference(ckpt: Path, gguf: Path):
     """transformers' model of `ckpt` with every weight replaced by the GGUF's, dequantized."""
     resolved = resolve_model(str(gguf), float32_weights=False)
@@ -71,7 +64,7 @@ def _dequantized_reference(ckpt: Path, gguf: Path):
     ours = LlamaForCausalLM(cfg, 64, TorchOps(AttentionShape(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 4)))
     load_gguf_weights(ours, gguf, keep=False)
-    hf = _hf(ckpt)
+    hf = hf_model(ckpt)
     state = {name: _plait_tensor(ours, cfg, name) for name in hf.state_dict()}
     hf.load_state_dict(state)
     return hf
@@ -105,7 +98,7 @@ def test_gguf_greedy_matches_transformers(family, outtype) -> None:
     dequantized to float32 at load (`--weights float32`). The prompts are longer than the
     Gemma fixtures' 16-token window once generation starts."""
     ckpt, gguf = tiny_family_checkpoint(family), family_gguf(family, outtype)
-    hf = _hf(ckpt) if outtype == "f32" else _dequantized_reference(ckpt, gguf)
+    hf = hf_model(ckpt) if outtype == "f32" else _dequantized_reference(ckpt, gguf)
     vocab = hf.config.vocab_size
     prompts = [[3 + t % (vocab - 3) for t in prompt(seed, 21)] for seed in (1, 2)]
     refs = [hf_greedy(hf, ids, NUM_TOKENS) for ids in prompts]
@@ -122,7 +115,7 @@ def test_fixture_checkpoint_directory_matches_transformers(family) -> None:
     """The same fixture checkpoints as Hugging Face directories (their own tokenizers:
     SentencePiece for gemma and phi3)."""
     ckpt = tiny_family_checkpoint(family)
-    hf = _hf(ckpt)
+    hf = hf_model(ckpt)
     llm = LLM(str(ckpt), num_kv_blocks=64, block_size=4, max_model_len=MAX_MODEL_LEN)
     ids = [3 + t % (hf.config.vocab_size - 3) for t in prompt(3, 25)]
     assert_greedy_matches(llm, ids, hf_greedy(hf, ids, NUM_TOKENS), LOGPROB_ATOL)

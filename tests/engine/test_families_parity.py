@@ -6,16 +6,15 @@ seeds, prefix caching, and a batch equal to each request alone."""
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from helpers.engine import make_llm, prompt
-from helpers.hf_greedy import assert_greedy_matches, hf_greedy
+from helpers.hf_greedy import assert_greedy_matches, hf_greedy, hf_model
 from helpers.model import PagedHarness, load_model
-from helpers.tiny_model import TOKENIZER_FILES
+from helpers.tiny_model import save_checkpoint
 
 from plait import SamplingParams
 from plait.engine.model_loader import ResolvedModel
@@ -86,19 +85,7 @@ def make_family_model(out_dir: Path, tokenizer_dir: Path, family: str, seed: int
                 param.normal_(0.0, 0.2)
             else:
                 param.normal_(identity, 0.2)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, out_dir / name)
-    return out_dir
-
-
-def hf_model(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+    return save_checkpoint(model, out_dir, tokenizer_dir)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

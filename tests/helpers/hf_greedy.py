@@ -1,6 +1,7 @@
 """transformers' greedy tokens as the reference of an engine's (the family parity tests:
 tests/engine/test_families_parity.py, test_families_gguf.py).
 
+    hf_model(path)                          transformers' float32 eager model of a checkpoint
     hf_greedy(hf, ids, n)                   transformers' n greedy tokens and their logprobs
     assert_greedy_matches(llm, hf, ids, n)  the engine's n greedy tokens equal them, and its
                                             logprobs are within `atol`
@@ -8,9 +9,19 @@ tests/engine/test_families_parity.py, test_families_gguf.py).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from plait import LLM, SamplingParams
+
+
+def hf_model(path: Path):
+    """transformers' model of the checkpoint at `path`, float32, eager attention, eval."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
 
 
 def hf_greedy(hf, ids: list[int], num_tokens: int) -> tuple[list[int], list[float]]:

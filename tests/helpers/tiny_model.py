@@ -35,6 +35,12 @@ def make_tiny_model(out_dir: Path, tokenizer_dir: Path, model_type: str = "llama
                 param.normal_(0.0, 0.2)
             elif model_type == "qwen2":
                 param.normal_(0.0, 0.5)
+    return save_checkpoint(model, out_dir, tokenizer_dir)
+
+
+def save_checkpoint(model, out_dir: Path, tokenizer_dir: Path) -> Path:
+    """`model`'s config.json and model.safetensors in `out_dir`, with the tokenizer files of
+    `tokenizer_dir` (the default model's) copied beside them; returns `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in TOKENIZER_FILES:
