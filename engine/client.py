@@ -208,9 +208,7 @@ class EngineClient:
                 self.num_queued -= 1
 
     def _fail_all(self) -> None:
-        message = self.dead_error or "the engine stopped"
-        for request_id in list(self._streams):
-            self._dispatch([RequestDelta(request_id, finish_reason="error", error=message)])
+        self.fail_all(self.dead_error or "the engine stopped")  # dead: nothing is sent
 
 
 # ---------------------------------------------------------------- the core's side
