@@ -49,7 +49,7 @@ from plait.server.prompts import (
     template_kwargs,
 )
 from plait.server.protocol import ChatCompletionRequest, reject_unsupported
-from plait.server.reasoning import reasoning_format
+from plait.server.reasoning import REASONING_TAIL_TOKENS, for_prompt, reasoning_format
 from plait.server.routing import ApiRoute
 from plait.server.serving import chunk_base, serve_generation, with_tail
 from plait.server.sse import encode
@@ -77,8 +77,8 @@ async def chat_input(body: ChatCompletionRequest, state: ServerState) -> ChatInp
     engine = state.engine
     template = state.chat_template
     settings = state.settings
-    output = await chat_output_plan(body, template, settings.tool_call_parser,
-                                    reasoning_format(settings.reasoning_parser))
+    fmt = reasoning_format(settings.reasoning_parser)
+    output = await chat_output_plan(body, template, settings.tool_call_parser, fmt)
     plan = chat_plan(body, output.spec, keep_special=output.keep_special)
     check_params(engine, plan.params)
     flags = template_flags(body.messages, body.add_generation_prompt,
@@ -90,7 +90,18 @@ async def chat_input(body: ChatCompletionRequest, state: ServerState) -> ChatInp
         flags, output.template_tools, template, template_kwargs(body.chat_template_kwargs)))
     token_ids = truncated(body, token_ids, engine.info.max_model_len)
     check_prompt(engine, token_ids, "messages")
+    if fmt is not None and (opened := for_prompt(fmt, _tail(engine.tokenizer, token_ids))) != fmt:
+        # the template closed the think block itself: the plan reads (and, with a grammar,
+        # constrains) the output as starting outside it
+        output = await chat_output_plan(body, template, settings.tool_call_parser, opened)
+        plan = chat_plan(body, output.spec, keep_special=output.keep_special)
     return ChatInput(plan, output, token_ids)
+
+
+def _tail(tokenizer: Any, token_ids: list[int]) -> str:
+    """The rendered prompt's last few tokens as text, special tokens kept (<think> is one
+    in the families that use it)."""
+    return str(tokenizer.decode(token_ids[-REASONING_TAIL_TOKENS:], skip_special_tokens=False))
 
 
 @router.post("/v1/chat/completions")

@@ -9,6 +9,8 @@ reasoning parser.
     deepseek_r1  the template already opened <think>: the output starts inside reasoning
                  (a <think> the model writes again is dropped) up to </think>:
                  "plan</think>answer"             -> reasoning "plan", rest "answer"
+                 unless the prompt ends with the block closed (a template that turns
+                 thinking off writes "<think>\n</think>"): then read as qwen3 (`for_prompt`)
 
 Without </think> (cut by length, say) everything after the opening is reasoning. The
 rest starts at its first non-whitespace character. `ReasoningSplitter` does this
@@ -22,6 +24,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 THINK_START, THINK_END = "<think>", "</think>"
+# How many of the prompt's last tokens `for_prompt` reads (the generation prompt's
+# "<｜Assistant｜><think>\n</think>" is a few tokens, as text tokens up to ~12).
+REASONING_TAIL_TOKENS = 16
 State = Literal["opening", "reasoning", "after", "content"]
 
 
@@ -43,6 +48,16 @@ REASONING_FORMATS = {
 def reasoning_format(name: str | None) -> ReasoningFormat | None:
     """The format --reasoning-parser `name` means (None: off)."""
     return None if name is None else REASONING_FORMATS[name]
+
+
+def for_prompt(fmt: ReasoningFormat, prompt_tail: str) -> ReasoningFormat:
+    """`fmt` for a prompt whose rendered text ends with `prompt_tail`: a format that starts
+    inside the reasoning does not when the tail's last <think> block is closed (the
+    template turned thinking off); the output then holds reasoning only if the model opens
+    a block itself."""
+    closed = prompt_tail.rfind(THINK_END) > prompt_tail.rfind(THINK_START) >= 0
+    return ReasoningFormat(fmt.name, starts_inside=False) if fmt.starts_inside and closed \
+        else fmt
 
 
 @dataclass(frozen=True, slots=True)

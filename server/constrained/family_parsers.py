@@ -3,7 +3,10 @@ names; registered and detected in call_parsers.py):
 
     mistral         text[TOOL_CALLS][{"name":..,"arguments":{..}}, ...]    v3 tokenizers
                     text[TOOL_CALLS]name{..}[TOOL_CALLS]name{..}         v11+ ([ARGS] may
-                                                                         follow the name)
+                                                                         follow the name,
+                                                                         [CALL_ID]id before
+                                                                         it: Mistral Small
+                                                                         3.2's history form)
     pythonic        [f(a=1, b="x"), g()]  the whole output: a Python list of calls with
                     literal keyword arguments (Llama 3.2, Gemma 3 pythonic templates)
     phi4_mini_json  text functools[{"name":..,"arguments":{..}}, ...]     Phi-4-mini
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from typing import Any
 
 from plait.server.constrained.parsed import (
@@ -32,7 +36,10 @@ from plait.server.constrained.parsed import (
 )
 
 MISTRAL_MARKER = "[TOOL_CALLS]"
-_MISTRAL_ARGS = "[ARGS]"
+# What comes before a call's `{` in the v11+ form: the name, then optionally the call id the
+# template shows in history and [ARGS].
+_MISTRAL_HEAD = re.compile(r"\s*(?P<name>[^\[\]{}]+?)\s*(?:\[CALL_ID\][A-Za-z0-9]+)?"
+                           r"\s*(?:\[ARGS\])?\s*")
 PHI4_MARKER = "functools["
 GRANITE_MARKERS = ("<|tool_call|>", "<tool_call>")
 
@@ -75,13 +82,15 @@ def parse_mistral(text: str, names: frozenset[str]) -> ParsedOutput:
 
 
 def _named_calls(pieces: list[str], names: frozenset[str]) -> list[ParsedCall] | None:
-    """Each piece is `name{...}` (or `name[ARGS]{...}`) with name a declared tool."""
+    """Each piece is `name{...}` (or `name[ARGS]{...}`, `name[CALL_ID]id[ARGS]{...}`) with
+    name a declared tool."""
     calls = []
     for piece in pieces:
-        name, brace, rest = piece.partition("{")
-        name = name.strip().removesuffix(_MISTRAL_ARGS).strip()
-        if not brace or name not in names:
+        head, brace, rest = piece.partition("{")
+        match = _MISTRAL_HEAD.fullmatch(head)
+        if not brace or match is None or match["name"] not in names:
             return None
+        name = match["name"]
         try:
             args = _json_value(brace + rest)
         except ValueError:

