@@ -433,11 +433,15 @@ def _kept_rows(compute_dtype: torch.dtype) -> list[Product]:
 
 
 # ---------------------------------------------------------------- the table
-@functools.cache
 def table() -> dict[str, Product]:
     """Every row by name (the native rows only where the kernels are built)."""
+    return _table(native.available())
+
+
+@functools.cache
+def _table(with_native: bool) -> dict[str, Product]:
     rows = [TORCH, MKL, ONEDNN]
-    if native.available():
+    if with_native:
         rows += [_panels_row(blas) for blas in BLAS.values()]
         rows += [r for dtype in _DTYPE_NAMES for r in _kept_rows(dtype)]
     return {r.name: r for r in rows}
