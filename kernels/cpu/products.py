@@ -8,8 +8,10 @@ A row (`Product`) holds:
     prepare   the weight packed once into the row's own layout and its descriptor written:
               a `ProductState`, which the row's kernels (and the native stack) read
     ladder    ((max_rows, kernel), ...): a product of M rows runs the first rung with
-              M <= max_rows (None: any M). Every row threshold lives here or is read from
-              plait_cpu.h through build.py (`NATIVE_MAX_ROWS`, `BF16_MIN_ROWS`)
+              M <= max_rows (None: any M). The rows' thresholds live here or are read from
+              plait_cpu.h through build.py (`NATIVE_MAX_ROWS`, `BF16_MIN_ROWS`); inside a
+              rung, the dequantized product pads bf16 rows (dequantized.PAD_FROM_ROWS) and
+              the C kernels pick their own tiles (qgemm_batch.h's BATCH_MIN_ROWS, ...)
     silu      the fused SiLU kernel: a rung's `silu` computes silu(gate) * up of a gate | up
               weight's product in one go; rungs without one run the row's `silu_mul` on
               the product (`native.silu_mul` for native rows, torch for the others)
