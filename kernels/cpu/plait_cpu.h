@@ -146,6 +146,36 @@ int plait_qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long K
 long plait_qgemm_i8_panels_bytes(const int64_t *desc, long K);
 int plait_qgemm_i8_pack(const int64_t *desc, long K, void *out);
 
+/* repack.c: weights repacked once at load at their own bit width (repack.h: 16 rows
+ * interleaved per block, codes kept at 4, 5, 6 or 8 bits, the file's fp16 scales and 6-bit
+ * sub-block scales beside them; Q4_0, Q4_1, Q5_0, Q8_0, Q6_K the file's bytes, Q4_K 1.028x,
+ * Q5_K 1.023x, rows padded to a multiple of 16). plait_repack_isa: the fastest product this
+ * build has, PLAIT_REPACK_VNNI512 (AVX512-VNNI, BW, VL) or PLAIT_REPACK_C (plain C, every
+ * build; the same bits). */
+#define PLAIT_REPACK_C 0
+#define PLAIT_REPACK_VNNI512 1
+int plait_repack_isa(void);
+/* repack.c: the bytes of `rows` rows of K weights of GGML `type` repacked; PLAIT_ERR_SHAPES
+ * for a type not repacked, K not a whole number of its blocks, or negative rows. */
+long plait_repack_bytes(int type, long rows, long K);
+/* repack.c: src [rows, K] in the file's blocks of `type` into dst (plait_repack_bytes of
+ * them, any alignment). PLAIT_ERR_SHAPES as plait_repack_bytes. */
+int plait_repack(const void *src, int type, long rows, long K, void *dst);
+/* repack.c: y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T + bias (NULL: none),
+ * W [N, K] given by desc = [num_parts, (address, PLAIT_GGML_* type, rows) per part] of
+ * repacked parts stacked along N. x quantized to int8 per 32 weights (sx = max |x| / 127, q
+ * = round(x / sx) to nearest even), exact int32 dot products of q with the codes, float32
+ * scales and sums (repack.c states the order). isa: PLAIT_REPACK_C, or up to
+ * plait_repack_isa(); both give the same bits. K % 32 != 0, a part plait_repack_bytes
+ * refuses, more than PLAIT_MAX_PARTS parts, another isa: PLAIT_ERR_SHAPES. PLAIT_ERR_NOMEM. */
+int plait_repack_gemm(const float *x, long M, long ldx, const int64_t *desc, long K,
+                      const float *bias, float *y, long ldy, int isa);
+/* repack.c: out[num_rows, K] = rows[i] of the repacked W (rows NULL: all N in order,
+ * num_rows = N) in float32, the same bits as gguf-py's dequantizer of the file's blocks.
+ * A row outside [0, N) or a descriptor plait_repack_gemm refuses: PLAIT_ERR_SHAPES. */
+int plait_repack_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_rows,
+                            float *out);
+
 /* attention.c: one query per sequence over its paged K/V (PLAIT_KV_* kv_dtype elements,
  * PLAIT_KV_BF16 possibly with PLAIT_ATTN_BF16_DOT), read in place; the sequences of a chunk
  * read their chunk_shared[c] common tokens once. window > 0: sequence i attends only its
