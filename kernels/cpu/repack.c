@@ -287,27 +287,35 @@ int plait_repack_isa(void) {
 #endif
 }
 
-/* Tile t of parts (counting across parts) for x rows [0, M): y's columns of the tile. */
-static void rp_column_tile(const rp_part_t *parts, int num_parts, long t, const rp_acts_t *a,
-                           long M, long K, const float *bias, float *y, long ldy, int isa) {
+/* Units of work: up to 2 adjacent tiles of one part (32 columns), which the VNNI kernel
+ * takes together so that each broadcast activation feeds two tiles. */
+static long rp_units(const rp_part_t *p) { return (p->tiles + 1) / 2; }
+
+/* Unit t of parts (counting across parts) for x rows [0, M): y's columns of its tiles. */
+static void rp_unit(const rp_part_t *parts, long t, const rp_acts_t *a, long M, long K,
+                    const float *bias, float *y, long ldy, int isa) {
   int i = 0;
-  while (t >= parts[i].tiles) t -= parts[i++].tiles;
+  while (t >= rp_units(&parts[i])) t -= rp_units(&parts[i++]);
   const rp_part_t *p = &parts[i];
-  long n0 = p->first + 16 * t;
-  int cols = (int)(p->rows - 16 * t < 16 ? p->rows - 16 * t : 16);
-  const uint8_t *tile = p->data + t * p->tile_bytes;
+  long n0 = p->first + 32 * t;
+  int cols = (int)(p->rows - 32 * t < 32 ? p->rows - 32 * t : 32), T = cols > 16 ? 2 : 1;
+  const uint8_t *tile = p->data + 2 * t * p->tile_bytes;
   const float *b = bias ? bias + n0 : NULL;
-  for (long m = 0; m < M; m += RP_TILE_ROWS) {
-    int R = (int)(M - m < RP_TILE_ROWS ? M - m : RP_TILE_ROWS);
+  int rows_per = T == 2 ? RP_PAIR_ROWS : RP_TILE_ROWS;
+  for (long m = 0; m < M; m += rows_per) {
+    int R = (int)(M - m < rows_per ? M - m : rows_per);
     rp_acts_t at = {a->q + m * a->ldq, a->sx + m * a->groups, a->sxq + m * a->groups,
                     a->sum16 + m * 2 * a->groups, a->ldq, a->groups};
+    float *yt = y + m * ldy + n0;
 #if REPACK_VNNI
     if (isa == PLAIT_REPACK_VNNI512) {
-      vnni_tile_any(p->type, R, tile, &at, K, b, y + m * ldy + n0, ldy, cols);
+      vnni_tiles_any(p->type, T, R, tile, p->tile_bytes, &at, K, b, yt, ldy, cols);
       continue;
     }
 #endif
-    c_tile(p, tile, &at, R, K, b, y + m * ldy + n0, ldy, cols);
+    for (int u = 0; u < T; u++)
+      c_tile(p, tile + u * p->tile_bytes, &at, R, K, b ? b + 16 * u : NULL, yt + 16 * u, ldy,
+             cols - 16 * u < 16 ? cols - 16 * u : 16);
   }
 }
 
@@ -315,18 +323,17 @@ int plait_repack_gemm(const float *x, long M, long ldx, const int64_t *desc, lon
                       const float *bias, float *y, long ldy, int isa) {
   rp_part_t parts[PLAIT_MAX_PARTS];
   int num_parts;
-  long N, tiles = 0;
+  long N, units = 0;
   if (rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK || M < 0 || K % 32 ||
       isa < PLAIT_REPACK_C || isa > plait_repack_isa())
     return PLAIT_ERR_SHAPES;
   if (M == 0 || N == 0) return PLAIT_OK;
-  for (int i = 0; i < num_parts; i++) tiles += parts[i].tiles;
+  for (int i = 0; i < num_parts; i++) units += rp_units(&parts[i]);
   rp_acts_t acts;
   void *mem;
   if (quantize_acts(x, M, ldx, K, &acts, &mem) != PLAIT_OK) return PLAIT_ERR_NOMEM;
 #pragma omp parallel for schedule(static)
-  for (long t = 0; t < tiles; t++)
-    rp_column_tile(parts, num_parts, t, &acts, M, K, bias, y, ldy, isa);
+  for (long t = 0; t < units; t++) rp_unit(parts, t, &acts, M, K, bias, y, ldy, isa);
   free(mem);
   return PLAIT_OK;
 }

@@ -15,8 +15,10 @@
 #ifndef PLAIT_CPU_REPACK_VNNI_H
 #define PLAIT_CPU_REPACK_VNNI_H
 
-/* x rows per register tile: 8 int32 and 8 float32 accumulators, 16 of 32 registers. */
+/* x rows per register tile: one tile of 16 columns against 8 rows, or two against 4 (8
+ * int32 and 8 float32 accumulators, 16 of the 32 registers). */
 #define RP_TILE_ROWS 8
+#define RP_PAIR_ROWS 4
 
 #if LANES == 16 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define REPACK_VNNI 1
@@ -48,81 +50,130 @@ ALWAYS_INLINE __m512 vn_bytes(const uint8_t *p, int is_signed) {
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 }
 
-/* Columns 0 .. cols - 1 of a tile against R rows of a; see repack.c's c_tile. `type` and R
- * constants once inlined. */
-ALWAYS_INLINE void vnni_tile(int type, int R, const uint8_t *tile, const rp_acts_t *a, long K,
-                             const float *bias, float *y, long ldy, int cols) {
+/* The codes of V_s for T tiles' records (T constant once inlined). */
+#define VN_RECS(expr) for (int u = 0; u < T; u++) expr
+
+/* Columns 0 .. cols - 1 (cols <= 16 T) of T adjacent tiles (tile u at tile + u tile_bytes)
+ * against R rows of a; see repack.c's c_tile. type, T and R constants once inlined. */
+ALWAYS_INLINE void vnni_tiles(int type, int T, int R, const uint8_t *tile, long tile_bytes,
+                              const rp_acts_t *a, long K, const float *bias, float *y, long ldy,
+                              int cols) {
   const rp_layout_t *L = rp_layout(type);
   const int groups = L->qk / 32, halves = type == PLAIT_GGML_Q6_K ? 2 : 1, steps = 8 / halves;
-  __m512 f[RP_TILE_ROWS];
-  for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps();
+  __m512 f[2][RP_TILE_ROWS];
+  for (int u = 0; u < T; u++)
+    for (int r = 0; r < R; r++) f[u][r] = _mm512_setzero_ps();
   for (long blk = 0; blk < K / L->qk; blk++) {
-    const uint8_t *rec = tile + blk * L->rec_bytes;
-    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + L->d)));
-    __m512 dm = L->m >= 0 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + L->m)))
-                          : _mm512_setzero_ps();
+    const uint8_t *rec[2];
+    __m512 d[2], dm[2];
+    VN_RECS({
+      rec[u] = tile + u * tile_bytes + blk * L->rec_bytes;
+      d[u] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec[u] + L->d)));
+      dm[u] = L->m >= 0 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec[u] + L->m)))
+                        : _mm512_setzero_ps();
+    });
     for (int gi = 0; gi < groups; gi++) {
       long g = blk * groups + gi;
-      const uint8_t *cg = rec + gi * L->code_group;
       for (int h = 0; h < halves; h++) {
-        __m512i acc[RP_TILE_ROWS];
+        __m512i acc[2][RP_TILE_ROWS];
         for (int r = 0; r < R; r++) {
           const int32_t *s16 = a->sum16 + r * 2 * a->groups + 2 * g;
           int32_t S = halves == 2 ? s16[h] : s16[0] + s16[1];
-          acc[r] = _mm512_set1_epi32(-L->offset * S);
+          VN_RECS(acc[u][r] = _mm512_set1_epi32(-L->offset * S));
         }
 #pragma GCC unroll 8
         for (int s = steps * h; s < steps * (h + 1); s++) {
-          __m512i v = vn_codes(type, L, rec, cg, gi, s);
+          __m512i v[2];
+          VN_RECS(v[u] = vn_codes(type, L, rec[u], rec[u] + gi * L->code_group, gi, s));
           for (int r = 0; r < R; r++) {
             int32_t quad;
             memcpy(&quad, a->q + r * a->ldq + 32 * g + 4 * s, sizeof quad);
-            acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(quad));
+            __m512i xb = _mm512_set1_epi32(quad);
+            VN_RECS(acc[u][r] = _mm512_dpbusd_epi32(acc[u][r], v[u], xb));
           }
         }
-        __m512 sa = d, o = dm;
-        if (type == PLAIT_GGML_Q4_K || type == PLAIT_GGML_Q5_K) {
-          sa = _mm512_mul_ps(d, vn_bytes(rec + L->sc + 16 * gi, 0));
-          o = _mm512_mul_ps(dm, vn_bytes(rec + L->mn + 16 * gi, 0));
-        } else if (type == PLAIT_GGML_Q6_K) {
-          sa = _mm512_mul_ps(d, vn_bytes(rec + L->sc + 16 * (2 * gi + h), 1));
-        }
+        __m512 sa[2], o[2];
+        VN_RECS({
+          sa[u] = d[u];
+          o[u] = dm[u];
+          if (type == PLAIT_GGML_Q4_K || type == PLAIT_GGML_Q5_K) {
+            sa[u] = _mm512_mul_ps(d[u], vn_bytes(rec[u] + L->sc + 16 * gi, 0));
+            o[u] = _mm512_mul_ps(dm[u], vn_bytes(rec[u] + L->mn + 16 * gi, 0));
+          } else if (type == PLAIT_GGML_Q6_K) {
+            sa[u] = _mm512_mul_ps(d[u], vn_bytes(rec[u] + L->sc + 16 * (2 * gi + h), 1));
+          }
+        });
         for (int r = 0; r < R; r++) {
-          __m512 as = _mm512_mul_ps(sa, _mm512_set1_ps(a->sx[r * a->groups + g]));
-          f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), as, f[r]);
+          __m512 sx = _mm512_set1_ps(a->sx[r * a->groups + g]);
           __m512 t = _mm512_set1_ps(a->sxq[r * a->groups + g]);
-          if (type == PLAIT_GGML_Q4_1) f[r] = _mm512_fmadd_ps(o, t, f[r]); /* o = -m */
-          if (type == PLAIT_GGML_Q4_K || type == PLAIT_GGML_Q5_K)
-            f[r] = _mm512_fnmadd_ps(o, t, f[r]);
+          VN_RECS({
+            f[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[u][r]), _mm512_mul_ps(sa[u], sx),
+                                      f[u][r]);
+            if (type == PLAIT_GGML_Q4_1) f[u][r] = _mm512_fmadd_ps(o[u], t, f[u][r]); /* -m */
+            if (type == PLAIT_GGML_Q4_K || type == PLAIT_GGML_Q5_K)
+              f[u][r] = _mm512_fnmadd_ps(o[u], t, f[u][r]);
+          });
         }
       }
     }
   }
-  __mmask16 mask = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
-  __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(f[r], b));
+  VN_RECS({
+    int c = cols - 16 * u;
+    __mmask16 mask = c >= 16 ? 0xffff : (__mmask16)((1u << c) - 1);
+    __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * u) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++)
+      _mm512_mask_storeu_ps(y + r * ldy + 16 * u, mask, _mm512_add_ps(f[u][r], b));
+  });
 }
+#undef VN_RECS
 
-#define VN_TILE(T, N) \
-  case N: vnni_tile(T, N, tile, a, K, bias, y, ldy, cols); return;
-#define VN_TYPE(T)                                                                        \
-  case T:                                                                                 \
-    switch (R) { VN_TILE(T, 1) VN_TILE(T, 2) VN_TILE(T, 3) VN_TILE(T, 4) VN_TILE(T, 5)     \
-                 VN_TILE(T, 6) VN_TILE(T, 7) default: vnni_tile(T, 8, tile, a, K, bias, y, \
-                                                                ldy, cols); return; }
+#define VN_CALL(T, R) vnni_tiles(ty, T, R, tile, tile_bytes, a, K, bias, y, ldy, cols)
+/* One type's vnni_tiles for T = 2 (R <= RP_PAIR_ROWS) or 1 (R <= RP_TILE_ROWS). */
+#define VN_SHAPES(NAME)                                                                  \
+  ALWAYS_INLINE void vn_shapes_##NAME(int T, int R, const uint8_t *tile, long tile_bytes, \
+                                      const rp_acts_t *a, long K, const float *bias,      \
+                                      float *y, long ldy, int cols) {                     \
+    const int ty = PLAIT_GGML_##NAME;                                                     \
+    if (T == 2) {                                                                         \
+      switch (R) {                                                                        \
+        case 1: VN_CALL(2, 1); return;                                                   \
+        case 2: VN_CALL(2, 2); return;                                                   \
+        case 3: VN_CALL(2, 3); return;                                                   \
+        default: VN_CALL(2, 4); return;                                                  \
+      }                                                                                   \
+    }                                                                                     \
+    switch (R) {                                                                          \
+      case 1: VN_CALL(1, 1); return;                                                     \
+      case 2: VN_CALL(1, 2); return;                                                     \
+      case 3: VN_CALL(1, 3); return;                                                     \
+      case 4: VN_CALL(1, 4); return;                                                     \
+      case 5: VN_CALL(1, 5); return;                                                     \
+      case 6: VN_CALL(1, 6); return;                                                     \
+      case 7: VN_CALL(1, 7); return;                                                     \
+      default: VN_CALL(1, 8); return;                                                    \
+    }                                                                                     \
+  }
+VN_SHAPES(Q4_0) VN_SHAPES(Q4_1) VN_SHAPES(Q5_0) VN_SHAPES(Q8_0) VN_SHAPES(Q4_K)
+VN_SHAPES(Q5_K) VN_SHAPES(Q6_K)
+#undef VN_SHAPES
+#undef VN_CALL
 
-/* vnni_tile for R in 1 .. RP_TILE_ROWS and a repacked type. */
-static void vnni_tile_any(int type, int R, const uint8_t *tile, const rp_acts_t *a, long K,
-                          const float *bias, float *y, long ldy, int cols) {
+/* vnni_tiles of a repacked type: T tiles (1 or 2) against R rows (R <= RP_PAIR_ROWS where
+ * T = 2, else <= RP_TILE_ROWS). */
+static void vnni_tiles_any(int type, int T, int R, const uint8_t *tile, long tile_bytes,
+                           const rp_acts_t *a, long K, const float *bias, float *y, long ldy,
+                           int cols) {
   switch (type) {
-    VN_TYPE(PLAIT_GGML_Q4_0) VN_TYPE(PLAIT_GGML_Q4_1) VN_TYPE(PLAIT_GGML_Q5_0)
-    VN_TYPE(PLAIT_GGML_Q8_0) VN_TYPE(PLAIT_GGML_Q4_K) VN_TYPE(PLAIT_GGML_Q5_K)
-    VN_TYPE(PLAIT_GGML_Q6_K)
+#define VN_TYPE(t)                                                                  \
+  case PLAIT_GGML_##t:                                                              \
+    vn_shapes_##t(T, R, tile, tile_bytes, a, K, bias, y, ldy, cols);                \
+    return;
+    VN_TYPE(Q4_0) VN_TYPE(Q4_1) VN_TYPE(Q5_0) VN_TYPE(Q8_0) VN_TYPE(Q4_K) VN_TYPE(Q5_K)
+    VN_TYPE(Q6_K)
+#undef VN_TYPE
     default: return;
   }
 }
-#undef VN_TYPE
-#undef VN_TILE
 
 #endif /* VNNI */
 #endif /* PLAIT_CPU_REPACK_VNNI_H */
