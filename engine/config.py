@@ -51,7 +51,7 @@ class EngineConfig:
     GGUF's blocks, a checkpoint's bf16: the model's memory is about the file's size);
     "float32" dequantizes them at load, as on CUDA, where the weights take the model dtype.
     `compute_dtype` "bfloat16" runs the kept weights' GEMMs as bf16 x bf16 with float32
-    accumulation: large ones (more than linear.QGEMM_MAX_ROWS rows, 256: prefills)
+    accumulation: large ones (more than products.QGEMM_MAX_ROWS rows, 256: prefills)
     dequantized to bf16 for BLAS, from 2 (quant.BF16_MIN_ROWS) to 256 rows in the native
     quantized GEMM (x and each decoded weight rounded to bf16, vdpbf16ps; CPUs without
     AVX512-BF16 keep float32 there), the decoder stack's projections and the LM head alike;
@@ -61,7 +61,7 @@ class EngineConfig:
     is exact: float32 products of the dequantized weights.
 
     `prefill_int8` sends the kept GGUF weights' products of at least
-    linear.INT8_MIN_ROWS rows (48: prefills) to the int8 kernel (kernels/cpu/qgemm_i8.h,
+    products.INT8_MIN_ROWS rows (48: prefills) to the int8 kernel (kernels/cpu/qgemm_i8.h,
     AVX512-VNNI): x quantized to int8 per group of 32 weights (16 for Q6_K), one float32
     scale per group, as llama.cpp does, dot products with the blocks' integer codes, float32
     sums; about 1.5x the bf16 GEMM's rate on this project's 2-core host. It changes the
@@ -71,7 +71,7 @@ class EngineConfig:
 
     `int8_panels` sends every product of those weights, from one row (decode steps, one
     stream's included), to the same kernel, reading an int8 copy of each weight packed at
-    load (linear.INT8_PANEL_MIN_ROWS; `native.qgemm_i8_panels`, 1.25 bytes a weight, 1.5
+    load (products.INT8_PANEL_MIN_ROWS; `native.qgemm_i8_panels`, 1.25 bytes a weight, 1.5
     where a part is Q6_K, kept beside the blocks, which the embedding still reads): memory
     traded for speed, with prefill_int8's numerics at every step.
 

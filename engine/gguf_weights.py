@@ -45,7 +45,7 @@ from torch import nn
 
 from plait.engine.gguf_file import GgufTensor, read_gguf
 from plait.engine.model_config import ModelLoadError
-from plait.engine.models.linear import Linear, QuantEmbedding, QuantLinear
+from plait.engine.models.linear import Linear, QuantEmbedding
 from plait.engine.models.llama import LlamaForCausalLM
 from plait.kernels.cpu.quant import (
     KEPT_TYPES,
@@ -68,17 +68,16 @@ _NORM_TENSORS = ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"
 Piece = QuantPart | torch.Tensor  # a kept part, or rows dequantized to float32 [rows, K]
 
 
-def load_gguf_weights(model: LlamaForCausalLM, path: Path,
-                      compute_dtype: torch.dtype = torch.float32, keep: bool = True) -> None:
+def load_gguf_weights(model: LlamaForCausalLM, path: Path, keep: bool = True) -> None:
     """Replace `model`'s embedding, linear layers and norms with the file's tensors:
-    `QuantLinear` / `QuantEmbedding` where every piece is a kept type (and `keep`), float32
+    kept `Linear`s / `QuantEmbedding` where every piece is a kept type (and `keep`), float32
     modules otherwise. Raises `ModelLoadError` for a missing or misshapen tensor."""
     try:
         file = read_gguf(path)
     except Exception as exc:
         raise ModelLoadError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
     tensors = file.tensors
-    loader = _Loader(tensors, model, file.architecture in PERMUTED, compute_dtype, path, keep)
+    loader = _Loader(tensors, model, file.architecture in PERMUTED, path, keep)
     loader.load()
     unused = sorted(set(tensors) - loader.used - set(_IGNORED))
     if unused:
@@ -89,9 +88,9 @@ class _Loader:
     """One pass over a model's modules, reading each from the file's tensors by name."""
 
     def __init__(self, tensors: dict[str, GgufTensor], model: LlamaForCausalLM, permuted: bool,
-                 compute_dtype: torch.dtype, path: Path, keep: bool = True) -> None:
+                 path: Path, keep: bool = True) -> None:
         self.tensors, self.model, self.permuted = tensors, model, permuted
-        self.compute_dtype, self.path, self.keep = compute_dtype, path, keep
+        self.path, self.keep = path, keep
         self.used: set[str] = set()
 
     def load(self) -> None:
@@ -123,7 +122,7 @@ class _Loader:
         if "output.weight" in self.tensors:
             model.lm_head = self.linear(model.lm_head, ["output"])
         elif isinstance(embedding, QuantEmbedding):
-            model.lm_head = QuantLinear(embedding.qweight, compute_dtype=self.compute_dtype)
+            model.lm_head = Linear.kept(embedding.qweight)
         else:  # a float32 embedding: the head shares its Parameter
             model.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
             model.lm_head.weight = embedding.weight
@@ -146,7 +145,7 @@ class _Loader:
         quant = [p for p in pieces if isinstance(p, QuantPart)]
         if len(quant) == len(pieces):
             weight = QuantWeight.build(quant, in_features)
-            return QuantLinear(weight, bias_t, self.compute_dtype)
+            return Linear.kept(weight, bias_t)
         dense = [p if isinstance(p, torch.Tensor)
                  else dequantize_reference(QuantWeight.build([p], in_features))
                  for p in pieces]
@@ -214,8 +213,9 @@ def _unpermute(rows: int, heads: int) -> torch.Tensor:  # [rows] int64: file row
 
 
 def _dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-    """A float32 `Linear` over `weight` [out, in] (convert_linears gives it its format)."""
+    """A float32 `Linear` over `weight` [out, in] (select_products gives it its row)."""
     linear = Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    assert linear.weight is not None
     with torch.no_grad():
         linear.weight.copy_(weight)
         if linear.bias is not None and bias is not None:

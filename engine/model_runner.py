@@ -30,15 +30,7 @@ from plait.engine.model_loader import (
     ensure_float32_weights,
     reads_gguf_directly,
 )
-from plait.engine.models.linear import (
-    INT8_MIN_ROWS,
-    INT8_PANEL_MIN_ROWS,
-    QuantLinear,
-    convert_linears,
-    resolve_cpu_gemm,
-    use_prefill_int8,
-    weight_bytes,
-)
+from plait.engine.models.linear import resolve_cpu_gemm, select_products, weight_bytes
 from plait.engine.models.llama import LlamaForCausalLM
 from plait.engine.outputs import TokenLogprob
 from plait.engine.sampler import Sampler, SamplingMetadata
@@ -154,30 +146,16 @@ class ModelRunner:
         # kept weights compute through the native kernels: without them, float32 weights
         keep = config.weights == "auto" and self.device.type == "cpu" \
             and self.dtype == torch.float32 and self.ops.native
-        compute_dtype = DTYPES[config.compute_dtype]
         if config.weights == "auto" and not keep:
             logger.info("weights: dequantized to %s (the file's format is kept only on a "
                         "float32 CPU engine with the native kernels)",
                         str(self.dtype).removeprefix("torch."))
         if resolved.gguf is not None and (keep or reads_gguf_directly(resolved)):
-            load_gguf_weights(model, resolved.gguf, compute_dtype, keep)
+            load_gguf_weights(model, resolved.gguf, keep)
         else:
-            load_weights(model, ensure_float32_weights(resolved), keep, compute_dtype)
+            load_weights(model, ensure_float32_weights(resolved), keep)
         model = model.to(self.device, self.dtype)  # (the GGUF loader builds on the CPU)
-        if self.device.type == "cpu":
-            chosen = convert_linears(model, self.ops.cpu_gemm, panels=self.ops.native)
-            logger.info("CPU GEMMs: %s", chosen)
-        if config.prefill_int8 or config.int8_panels:
-            taken, kept_linears = use_prefill_int8(model, panels=config.int8_panels)
-            panels = sum(m.i8_panels.numel() for m in model.modules()
-                         if isinstance(m, QuantLinear) and m.i8_panels is not None)
-            (logger.info if taken else logger.warning)(
-                "%s: %d of %d kept linears compute products of %d rows or more with int8 x "
-                "%s(the others, and every one without an AVX512-VNNI build, as before)",
-                "int8_panels" if config.int8_panels else "prefill_int8", taken,
-                kept_linears, INT8_PANEL_MIN_ROWS if config.int8_panels else INT8_MIN_ROWS,
-                f"from {panels / 2**20:.1f} MiB of int8 panels packed at load "
-                if config.int8_panels else "")
+        select_products(model, config)  # every linear's product row, chosen once
         kept, dense = weight_bytes(model)
         logger.info("weights: %.1f MiB (%.1f MiB kept in the file's format, %.1f MiB "
                     "float or packed copies)", (kept + dense) / 2**20, kept / 2**20, dense / 2**20)

@@ -7,7 +7,7 @@ every norm computes x / rms * weight.
 
 With `keep`, a projection or embedding whose tensors the checkpoint stores in bf16 (or f16)
 stays so: a one-part BF16 (F16) `QuantWeight` of the raw bytes (lossless; the native
-kernels widen it), in a `QuantLinear` / `QuantEmbedding`. Everything else, and every weight
+kernels widen it), in a kept `Linear` / `QuantEmbedding`. Everything else, and every weight
 without `keep`, is copied into the model's float parameters.
 """
 
@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from plait.engine.model_config import ModelLoadError
-from plait.engine.models.linear import Linear, QuantEmbedding, QuantLinear
+from plait.engine.models.linear import Linear, QuantEmbedding
 from plait.engine.models.llama import LlamaForCausalLM, RMSNorm
 from plait.kernels.cpu.quant import BF16, F16, QuantPart, QuantWeight
 
@@ -50,14 +50,13 @@ def _plait_name(hf_name: str) -> str:
     return hf_name.removeprefix("model.")
 
 
-def load_weights(model: LlamaForCausalLM, path: Path, keep: bool = False,
-                 compute_dtype: torch.dtype = torch.float32) -> None:
+def load_weights(model: LlamaForCausalLM, path: Path, keep: bool = False) -> None:
     """Copy every parameter from the checkpoint (with `keep`, bf16/f16 projections and
     embeddings kept as they are: the module docstring); a missing one is a
     `ModelLoadError`."""
     hf = {_plait_name(k): v for k, v in _read_all(path).items()}
     if keep:
-        _keep_half(model, hf, compute_dtype)
+        _keep_half(model, hf)
     params = dict(model.named_parameters())
     for name, param in params.items():
         tensor = _lookup(hf, name)
@@ -93,8 +92,7 @@ def _lookup(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
     return hf.get(name)
 
 
-def _keep_half(model: LlamaForCausalLM, hf: dict[str, torch.Tensor],
-               compute_dtype: torch.dtype) -> None:
+def _keep_half(model: LlamaForCausalLM, hf: dict[str, torch.Tensor]) -> None:
     """Swap each Linear / the embedding whose checkpoint tensor is bf16 or f16 for its kept
     module over the raw bytes; the LM head of a tied model shares the embedding's."""
     embedding = hf.get("embed_tokens.weight")
@@ -102,19 +100,18 @@ def _keep_half(model: LlamaForCausalLM, hf: dict[str, torch.Tensor],
         model.embed_tokens = QuantEmbedding(_half_weight(embedding))
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is not Linear:
+            if not isinstance(child, Linear) or child.qweight is not None:
                 continue
             full = next(n for n, m in model.named_modules() if m is child)
             weight = _lookup(hf, f"{full}.weight")
             if full == "lm_head" and weight is None and \
                     isinstance(model.embed_tokens, QuantEmbedding):
-                setattr(module, name, QuantLinear(model.embed_tokens.qweight,
-                                                  compute_dtype=compute_dtype))
+                setattr(module, name, Linear.kept(model.embed_tokens.qweight))
             elif weight is not None and weight.dtype in _KEPT_DTYPES:
                 bias = _lookup(hf, f"{full}.bias") if child.bias is not None else None
                 if child.bias is not None and bias is None:
                     raise ModelLoadError(f"checkpoint lacks weight {full + '.bias'!r}")
-                setattr(module, name, QuantLinear(_half_weight(weight), bias, compute_dtype))
+                setattr(module, name, Linear.kept(_half_weight(weight), bias))
 
 
 def _half_weight(tensor: torch.Tensor) -> QuantWeight:  # tensor: [N, K] bf16 or f16

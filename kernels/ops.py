@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.kernels.cpu import build, native
+from plait.kernels.cpu import build, native, stack
 from plait.kernels.cpu.attention import (
     cascade_attention_reference,
     native_attention,
     plan_cascade,
     plan_native,
 )
-from plait.kernels.cpu.native import NativeStack
+from plait.kernels.cpu.stack import NativeStack
 from plait.kernels.metadata import AttentionMetadata, rows_metadata
 from plait.kernels.reference import (
     paged_attention_reference,
@@ -267,13 +267,13 @@ class CpuNativeOps(TorchOps):
         return native_attention(q, k_cache, v_cache, meta.block_tables, meta.plan, scale,
                                 self.compute_dtype, window, softcap)
 
-    def decoder_stack(self, stack: NativeStack, x: torch.Tensor,
+    def decoder_stack(self, native_stack: NativeStack, x: torch.Tensor,
                       positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Every layer and the final norm in one native call (`native.decoder_stack`), for
-        a step `plan` marked `whole_stack`; `stack` is the model's, bound at load."""
+        """Every layer and the final norm in one native call (`stack.decoder_stack`), for
+        a step `plan` marked `whole_stack`; `native_stack` is the model's, bound at load."""
         rows = meta.plan
-        return native.decoder_stack(
-            stack, x, positions.to(torch.int64).contiguous(),
+        return stack.decoder_stack(
+            native_stack, x, positions.to(torch.int64).contiguous(),
             meta.slot_mapping.to(torch.int64).contiguous(), meta.block_tables.int().contiguous(),
             rows.chunk_start, rows.chunk_shared, rows.q_rows, rows.table_rows, rows.ctx_lens)
 
@@ -322,7 +322,7 @@ def select_ops(device: torch.device, dtype: torch.dtype, shape: AttentionShape, 
     * otherwise `TorchOps` (the plain reference attention with `attention_backend`
       "reference" or `cascade` False, else the torch cascade).
 
-    `cpu_gemm` is the BLAS format the CPU linear layers get (a resolved `linear.FORMATS`
+    `cpu_gemm` is the BLAS format the CPU linear layers get (a resolved `products.BLAS`
     name); `compute_dtype` the engine's (`CpuNativeOps`' attention over bf16 caches). Logged
     once; never changes afterwards."""
     if attention_backend not in ATTENTION_BACKENDS:

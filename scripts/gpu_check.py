@@ -34,10 +34,11 @@ import torch
 
 from plait import LLM, SamplingParams
 from plait.engine.model_config import ModelConfig
-from plait.engine.models.linear import convert_linears, resolve_cpu_gemm
+from plait.engine.models.linear import apply_products, resolve_cpu_gemm
 from plait.engine.models.llama import LlamaForCausalLM
 from plait.engine.weights import load_weights
 from plait.kernels import AttentionMetadata, AttentionShape, TorchOps, TritonOps, select_ops
+from plait.kernels.cpu.products import ProductSettings
 
 # ~1.1B parameters, Llama-shaped (GQA 32/8, SwiGLU, RoPE).
 BIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -184,8 +185,8 @@ def _parity_one(shape: dict, device: str, dtype: torch.dtype, tol: float) -> dic
             ours = LlamaForCausalLM(cfg, 2048, ops)
         load_weights(ours, Path(tmp))
         ours = ours.to(dtype).eval()
-        if device == "cpu":  # the weight format the runner gives the ops table's linears
-            convert_linears(ours, ops.cpu_gemm, panels=ops.native)
+        if device == "cpu":  # the product rows the runner gives the ops table's linears
+            apply_products(ours, ProductSettings(ops.cpu_gemm, ops.native))
     ids = torch.randint(2, shape["vocab_size"], (200,), device=device)
     kv = [(torch.zeros(nb, bs, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype),
            torch.zeros(nb, bs, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype))

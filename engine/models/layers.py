@@ -20,13 +20,8 @@ import torch
 from torch import nn
 
 from plait.engine.model_config import ModelConfig
-from plait.engine.models.linear import INT8_MIN_ROWS, Linear, QuantLinear
+from plait.engine.models.linear import Linear
 from plait.kernels import AttentionMetadata, TorchOps
-from plait.kernels.cpu import native
-
-# The most bytes of an int8 MLP chunk's [rows, I] float32 silu(gate) * up (see MLP.forward):
-# under host_memory.MMAP_THRESHOLD (32 MiB), so chunks reuse the heap's mapped pages.
-MLP_CHUNK_BYTES = 24 << 20
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # 2 x [num_blocks, block_size, H_kv, D]
 
@@ -137,28 +132,17 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        """down(silu_mul(gate_up(x))). The fused SiLU kernel of gate_up's product row is
+        used where down runs the same row (which takes its output as it is); that row may
+        ask for row chunks (bounded temporaries), each computed as the whole's rows are (a
+        row's result does not depend on its chunk)."""
         gate_up, down, rows = self.gate_up_proj, self.down_proj, x.shape[0]
-        if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear) \
-                and gate_up.takes_int8(rows) and down.takes_int8(rows) \
-                and gate_up.out_features % 32 == 0:
-            # int8 gate_up with silu_mul fused (no [T, 2 I] product), in row chunks whose
-            # [rows, I] float32 stays below glibc's raised mmap threshold (host_memory.py),
-            # so each chunk reuses mapped pages instead of faulting in a fresh mapping; a
-            # row's result does not depend on its chunk
-            most = max(INT8_MIN_ROWS, MLP_CHUNK_BYTES // (2 * gate_up.out_features))
-            if rows <= most:  # one chunk: no copy through torch.cat
-                return down.product_int8(gate_up.silu_mul_int8(x))
-            chunk = -(-rows // -(-rows // most))  # equal chunks, each at most `most` rows
-            return torch.cat([down.product_int8(gate_up.silu_mul_int8(x[i:i + chunk]))
-                              for i in range(0, rows, chunk)])
-        if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear) \
-                and gate_up.rounds_to_bf16(rows) and down.rounds_to_bf16(rows):
-            # both products in bf16 BLAS: gate_up's bf16 output goes to the native silu_mul
-            # as it is and its bf16 result to down_proj, which rounds its input to bf16
-            # anyway: the bits of the float32 path below with the native ops, without two
-            # float32 copies of [T, 2 I] and [T, I] (QuantLinear implies the native kernels)
-            return down(native.silu_mul(gate_up(x, widen=False)))
-        return down(self.ops.silu_mul(gate_up(x)))
+        fused = gate_up.product is down.product
+        chunk = gate_up.chunk_rows(rows) if fused else None
+        if chunk is None:
+            return down(gate_up.silu_mul(x, fused))
+        return torch.cat([down(gate_up.silu_mul(x[i:i + chunk], fused, rows), rows)
+                          for i in range(0, rows, chunk)])
 
 
 class GeluMLP(MLP):

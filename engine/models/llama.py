@@ -30,10 +30,10 @@ from plait.engine.models.layers import (
     KVCache,
     RMSNorm,
 )
-from plait.engine.models.linear import Linear, PanelLinear, QuantEmbedding, QuantLinear
+from plait.engine.models.linear import Linear, QuantEmbedding
 from plait.engine.models.rope import rope_cos_sin
 from plait.kernels import AttentionMetadata, TorchOps
-from plait.kernels.cpu import native
+from plait.kernels.cpu.stack import NativeStack, StackLayer, StackShape, gather_stack
 
 __all__ = ["MLP", "Attention", "DecoderLayer", "KVCache", "LlamaForCausalLM", "RMSNorm"]
 
@@ -64,7 +64,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.kv_caches: list[KVCache] = []
-        self.stack: native.NativeStack | None = None
+        self.stack: NativeStack | None = None
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """The layers, typed (an `nn.ModuleList` yields plain modules)."""
@@ -113,66 +113,27 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
 
-    def _native_stack(self) -> native.NativeStack | None:
-        """The layers' addresses for `native.decoder_stack`, or None when a layer does not
-        fit it (the Llama shape; every projection in native panels or kept in a format the
-        native kernels take, no bias but q|k|v's, float32 dense; KV caches the kernels
-        take)."""
+    def _native_stack(self) -> NativeStack | None:
+        """The layers' parts for the native stack (kernels/cpu/stack.py), or None when the
+        model is not of the Llama shape or a part does not fit the C (a projection whose
+        product row has no stack descriptor, a bias but q|k|v's, caches it cannot read)."""
         cfg = self.config
         if not cfg.is_plain:
             return None
-
-        def dense(t: torch.Tensor | None) -> bool:
-            return t is not None and t.dtype == torch.float32 and t.device.type == "cpu" \
-                and t.is_contiguous()
-
-        def address(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.data_ptr()
-
-        layers = self.decoder_layers()
-        rows: list[list[int]] = []
-        tensors: list[torch.Tensor] = []
-        for layer, (k, v) in zip(layers, self.kv_caches, strict=True):
+        parts: list[StackLayer] = []
+        for layer, (k, v) in zip(self.decoder_layers(), self.kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            weights = [w for lin in linears if (w := _stack_weight(lin)) is not None]
-            if len(weights) < len(linears):
-                return None
-            bias = attn.qkv_proj.bias
             attn_in, ffn_in = layer.norm(ATTN_IN), layer.norm(FFN_IN)
-            if attn_in is None or ffn_in is None:
-                return None
-            norms = (attn_in.weight, ffn_in.weight)
-            if not all(dense(t) for t in norms) or not native.kv_caches_fit(k, v) \
-                    or any(lin.bias is not None for lin in linears[1:]) \
-                    or (bias is not None and not dense(bias)):
-                return None
-            descs = [w[0] for w in weights]
-            named: dict[str, torch.Tensor | None] = {
-                "input_norm": norms[0], "qkv_weight": descs[0], "qkv_bias": bias,
-                "o_weight": descs[1], "post_norm": norms[1], "gate_up_weight": descs[2],
-                "down_weight": descs[3], "k_cache": k, "v_cache": v}
-            rows.append([address(named[n]) for n in native.STACK_POINTERS])
-            tensors += [t for w in weights for t in w[1]]
-            tensors += [t for t in named.values() if t is not None]
-        if not dense(self.norm.weight) or not dense(self.cos_sin):
-            return None
-        shape = native.StackShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                                  cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
-        k_cache, v_cache = self.kv_caches[0]
-        return native.NativeStack(
-            torch.tensor(rows, dtype=torch.int64), shape, self.norm.weight.detach(),
-            self.cos_sin, native.kv_dtype_code(k_cache, v_cache, self.ops.compute_dtype),
-            k_cache.shape[1], layers[0].self_attn.scale, tuple(tensors))
-
-
-def _stack_weight(linear: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-    """A projection's weight descriptor for the native stack and the tensors it points
-    into, or None when the stack cannot take it."""
-    if isinstance(linear, PanelLinear) and linear.panels.is_contiguous():
-        return native.panels_desc(linear.panels, linear.out_features), [linear.panels]
-    if isinstance(linear, QuantLinear):  # its parts are native types (check_native)
-        desc = linear.descriptor()  # qgemm's, as forward gives it
-        held = [part.data for part in linear.qweight.parts]
-        return desc, held if linear.i8_panels is None else [*held, linear.i8_panels]
-    return None
+            parts.append(StackLayer(
+                input_norm=None if attn_in is None else attn_in.weight,
+                post_norm=None if ffn_in is None else ffn_in.weight,
+                qkv=attn.qkv_proj.stack_weight(), qkv_bias=attn.qkv_proj.bias,
+                o=attn.o_proj.stack_weight(), gate_up=mlp.gate_up_proj.stack_weight(),
+                down=mlp.down_proj.stack_weight(),
+                extra_bias=any(lin.bias is not None for lin in
+                               (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                k_cache=k, v_cache=v))
+        shape = StackShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.intermediate_size, cfg.rms_norm_eps)
+        return gather_stack(parts, shape, self.norm.weight.detach(), self.cos_sin,
+                            self.decoder_layers()[0].self_attn.scale, self.ops.compute_dtype)

@@ -11,8 +11,7 @@
   prefill positions, in tiles).
 * `rope_write_kv`, `add_rms_norm`, `silu_mul`: a layer's small per-row operations, one pass
   each; `sample_inverse_cdf`: the sampler's draw.
-* `decoder_stack(...)`: a step's whole Llama decoder stack through the kernels above in one
-  call, no Python between layers (`decoder.c`).
+(The whole decoder stack in one call, `decoder.c`, is `stack.py`'s.)
 
 Every function raises RuntimeError when the kernels are not available (`build.available()`).
 """
@@ -20,7 +19,6 @@ Every function raises RuntimeError when the kernels are not available (`build.av
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
@@ -89,7 +87,7 @@ def kv_dtype_code(k_cache: torch.Tensor, v_cache: torch.Tensor,
     return code
 
 
-def _check(rc: int, kernel: str, limits: str = "") -> None:
+def check_rc(rc: int, kernel: str, limits: str = "") -> None:
     """A kernel's return code (plait_cpu.h: 0 ok, -1 shapes refused, -2 out of memory) as
     an exception."""
     if rc == -2:
@@ -132,7 +130,7 @@ def gemm(
         return y
     if bias is not None:
         bias = bias.contiguous()
-    _check(lib.plait_gemm(x.data_ptr(), rows, x.stride(0), panels.data_ptr(), out_features, k,
+    check_rc(lib.plait_gemm(x.data_ptr(), rows, x.stride(0), panels.data_ptr(), out_features, k,
                           None if bias is None else bias.data_ptr(), y.data_ptr(),
                           out_features), "gemm")
     return y
@@ -187,7 +185,7 @@ def qgemm(
     if rows == 0:
         return y
     desc = weight.descriptor(compute_dtype)
-    _check(lib.plait_qgemm(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
+    check_rc(lib.plait_qgemm(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
                            None if bias is None else bias.data_ptr(), y.data_ptr(),
                            weight.out_features), "qgemm", f" ({weight.describe()})")
     return y
@@ -230,7 +228,7 @@ def qgemm_i8(
     if rows == 0:
         return y
     desc = weight.desc if desc is None else desc
-    _check(lib.plait_qgemm_i8(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
+    check_rc(lib.plait_qgemm_i8(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
                               None if bias is None else bias.data_ptr(), int(silu),
                               y.data_ptr(), cols), "qgemm_i8", f" ({weight.describe()})")
     return y
@@ -245,11 +243,11 @@ def qgemm_i8_panels(weight: QuantWeight) -> torch.Tensor:  # uint8 [bytes], 64-b
         raise ValueError(f"qgemm_i8_panels: W {weight.describe()} [{weight.out_features}, "
                          f"{weight.in_features}] is not read by qgemm_i8")
     nbytes = int(lib.plait_qgemm_i8_panels_bytes(weight.desc.data_ptr(), weight.in_features))
-    _check(min(nbytes, 0), "qgemm_i8_panels", " (a build without AVX512-VNNI)")
+    check_rc(min(nbytes, 0), "qgemm_i8_panels", " (a build without AVX512-VNNI)")
     panels = torch.empty(nbytes, dtype=torch.uint8)
     if panels.data_ptr() % 64:
         raise RuntimeError("qgemm_i8_panels: torch's allocation is not 64-byte aligned")
-    _check(lib.plait_qgemm_i8_pack(weight.desc.data_ptr(), weight.in_features,
+    check_rc(lib.plait_qgemm_i8_pack(weight.desc.data_ptr(), weight.in_features,
                                    panels.data_ptr()), "qgemm_i8_panels")
     return panels
 
@@ -297,7 +295,7 @@ def dequantize(
     if num_rows == 0:
         return out
     kernel = lib.plait_dequantize if dtype == torch.float32 else lib.plait_dequantize_bf16
-    _check(kernel(weight.desc.data_ptr(), weight.in_features,
+    check_rc(kernel(weight.desc.data_ptr(), weight.in_features,
                   None if rows is None else rows.data_ptr(), num_rows, out.data_ptr()),
            "dequantize", f" ({weight.describe()}, rows in [0, {weight.out_features}))")
     return out
@@ -375,79 +373,9 @@ def decode_attention(
         chunk_shared.data_ptr(), q_rows.data_ptr(), table_rows.data_ptr(),
         ctx_lens.data_ptr(), scale, window, softcap, out.data_ptr(),
         None if out_rows is None else out_rows.data_ptr())
-    _check(rc, "decode_attention", f" (H={num_heads}, H_kv={num_kv_heads}, D={head_dim}, "
+    check_rc(rc, "decode_attention", f" (H={num_heads}, H_kv={num_kv_heads}, D={head_dim}, "
            f"block={block_size}, or a chunk of more than "
            f"{max_chunk_rows(num_heads // num_kv_heads)} rows)")
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class StackShape:
-    """The sizes of a Llama decoder stack that `decoder_stack` needs beside its pointers."""
-
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
-    eps: float
-
-
-@dataclass(frozen=True, slots=True)
-class NativeStack:
-    """A model's decoder stack bound to its KV caches, as `decoder_stack` takes it: built
-    once at load (`LlamaForCausalLM.bind`). `tensors` keeps every tensor whose address
-    `layers` holds alive.
-
-    Its limits: every layer is a Llama layer with full causal attention (no sliding
-    window, no logit softcap), RoPE over whole heads from the one `cos_sin` table (one
-    theta for every layer, no partial rotary, no NoPE layer), pre-norms only. A model with
-    any of those variants must not bind a stack (it runs layer by layer through the ops
-    table, which takes them)."""
-
-    layers: torch.Tensor  # [L, len(STACK_POINTERS)] int64 addresses, 0 = no bias; the
-    # projections' are those of int64 descriptors (`QuantWeight.desc`, `panels_desc`)
-    shape: StackShape
-    final_norm: torch.Tensor  # [hidden] float32
-    cos_sin: torch.Tensor  # [max_positions, D] float32 contiguous: cos | sin halves
-    kv_dtype: int  # `kv_dtype_code` of the caches (and the compute dtype)
-    block_size: int
-    scale: float
-    tensors: tuple[torch.Tensor, ...]
-
-
-def decoder_stack(
-    stack: NativeStack,
-    x: torch.Tensor,  # [T, hidden] float32 dense: the embeddings, then the residual stream
-    positions: torch.Tensor,  # [T] int64 contiguous
-    slot_mapping: torch.Tensor,  # [T] int64 contiguous, -1 = not written
-    block_tables: torch.Tensor,  # [S, W] int32 contiguous
-    chunk_start: torch.Tensor,  # [C + 1] int64, as `decode_attention` takes them
-    chunk_shared: torch.Tensor,  # [C] int32
-    q_rows: torch.Tensor,  # [T] int64: token row of each attention row, chunk order
-    table_rows: torch.Tensor,  # [T] int64
-    ctx_lens: torch.Tensor,  # [T] int32
-) -> torch.Tensor:  # [T, hidden] float32: the final norm of the last residual stream
-    """Every layer of a Llama decoder over the T tokens of a step, one token per sequence
-    (T at most `NATIVE_MAX_ROWS`; every projection a `qgemm` descriptor: a `QuantWeight`'s
-    `desc`, or `panels_desc` of weights packed by `pack_weight`), in one C call:
-    the kernels the layer-by-layer forward runs (`add_rms_norm`, `gemm`/`qgemm`, `rope_write_kv`,
-    `decode_attention`, `silu_mul`), in its order, with no Python between them, so the same
-    bits. `stack.layers[l]` holds layer l's tensors' `data_ptr()`s in `STACK_POINTERS`
-    order. x is updated in place."""
-    rows, shape = x.shape[0], stack.shape
-    if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == shape.hidden):
-        raise ValueError(f"decoder_stack: x must be [T, {shape.hidden}] float32 contiguous")
-    out = torch.empty(rows, shape.hidden, dtype=torch.float32)
-    rc = loaded().plait_decoder_stack(
-        stack.layers.shape[0], stack.layers.data_ptr(), rows, shape.hidden, shape.num_heads,
-        shape.num_kv_heads, shape.head_dim, shape.intermediate, shape.eps,
-        stack.final_norm.data_ptr(), x.data_ptr(), stack.cos_sin.data_ptr(),
-        positions.data_ptr(), slot_mapping.data_ptr(), stack.kv_dtype, stack.block_size,
-        block_tables.data_ptr(), block_tables.stride(0), chunk_shared.shape[0],
-        chunk_start.data_ptr(), chunk_shared.data_ptr(), q_rows.data_ptr(),
-        table_rows.data_ptr(), ctx_lens.data_ptr(), stack.scale, out.data_ptr())
-    _check(rc, "decoder_stack")
     return out
 
 
@@ -485,7 +413,7 @@ def rope_write_kv(
     positions = positions.to(torch.int64).contiguous()
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     cos_sin = cos_sin.contiguous()
-    _check(loaded().plait_rope_write_kv(
+    check_rc(loaded().plait_rope_write_kv(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         q.shape[0], q.shape[1], k.shape[1], q.shape[2], rot, cos_sin.data_ptr(),
         positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -508,7 +436,7 @@ def sample_inverse_cdf(
     u = u.reshape(rows).to(torch.float32).contiguous()
     out = torch.empty(rows, dtype=torch.int64)
     scratch = torch.empty(rows, vocab, dtype=torch.float32)
-    _check(loaded().plait_sample_inverse_cdf(logits.data_ptr(), rows, vocab, logits.stride(0),
+    check_rc(loaded().plait_sample_inverse_cdf(logits.data_ptr(), rows, vocab, logits.stride(0),
                                              u.data_ptr(), scratch.data_ptr(), out.data_ptr()),
            "sample_inverse_cdf")
     return out
@@ -536,7 +464,7 @@ def add_rms_norm(
     weight = weight.contiguous()
     total = x if add is None else torch.empty(rows, dim, dtype=torch.float32)
     out = torch.empty(rows, dim, dtype=torch.float32)
-    _check(loaded().plait_add_rms_norm(
+    check_rc(loaded().plait_add_rms_norm(
         x.data_ptr(), x.stride(0), None if add is None else add.data_ptr(),
         0 if add is None else add.stride(0), weight.data_ptr(), rows, dim, eps,
         None if add is None else total.data_ptr(), out.data_ptr()), "add_rms_norm")
@@ -554,7 +482,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
     kernel = loaded().plait_silu_mul_bf16 if bf16 else loaded().plait_silu_mul
-    _check(kernel(gate_up.data_ptr(), gate_up.stride(0), rows, inter, out.data_ptr()),
+    check_rc(kernel(gate_up.data_ptr(), gate_up.stride(0), rows, inter, out.data_ptr()),
            "silu_mul")
     return out
 
@@ -576,8 +504,8 @@ def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int,
 
 
 __all__ = ["ATTN_BF16_DOT", "F32_PANELS", "I8_PANELS", "I8_TYPES", "KV_DTYPES", "MAX_QUERIES",
-           "QUANT_TYPES", "STACK_POINTERS", "NativeStack", "StackShape", "add_rms_norm",
-           "available", "decode_attention", "decoder_stack", "dequantize", "dequantize_bf16",
+           "QUANT_TYPES", "STACK_POINTERS", "add_rms_norm",
+           "available", "check_rc", "decode_attention", "dequantize", "dequantize_bf16",
            "gemm", "has_qgemm_i8", "i8_descriptor", "kv_caches_fit", "kv_dtype_code", "lanes",
            "max_chunk_rows", "pack_weight", "panels_desc", "qgemm", "qgemm_i8", "qgemm_i8_fits",
            "qgemm_i8_panels", "rope_fits", "rope_write_kv", "rows_fit", "sample_inverse_cdf",

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.kept import FUSED, cache_without_weights
-from helpers.model import PagedHarness, cpu_ops, greedy_reference, load_model
+from helpers.model import PagedHarness, cpu_ops, greedy_reference, load_model, select_rows
 from helpers.tiny_model import make_tiny_model
 
 from plait import LLM, SamplingParams
@@ -30,17 +30,11 @@ from plait.engine.kv_cache import block_bytes, blocks_from_memory
 from plait.engine.model_config import ModelConfig, ModelLoadError
 from plait.engine.model_loader import default_gguf_path, resolve_model
 from plait.engine.model_runner import ModelRunner
-from plait.engine.models.linear import (
-    NATIVE_MAX_ROWS,
-    Linear,
-    QuantEmbedding,
-    QuantLinear,
-    convert_linears,
-    weight_bytes,
-)
+from plait.engine.models.linear import Linear, QuantEmbedding, weight_bytes
 from plait.engine.models.llama import LlamaForCausalLM
 from plait.engine.weights import load_weights
 from plait.kernels.cpu import build
+from plait.kernels.cpu.build import NATIVE_MAX_ROWS
 from plait.kernels.cpu.quant import dequantize_reference, type_name
 
 PROMPTS = ["The capital of France is",
@@ -87,7 +81,7 @@ def test_kept_linears_hold_the_files_types_in_its_size(kept, file_types) -> None
     for i, layer in enumerate(model.layers):
         for name, sources in FUSED.items():
             linear = layer.get_submodule(name)
-            assert isinstance(linear, QuantLinear), (i, name)
+            assert linear.qweight is not None, (i, name)
             assert linear.qweight.describe() == "+".join(file_types[f"blk.{i}.{s}"]
                                                          for s in sources)
     assert isinstance(model.embed_tokens, QuantEmbedding)
@@ -132,7 +126,7 @@ def test_greedy_tokens_equal_transformers_on_the_gguf(hf_greedy, weights) -> Non
     prompts, expected = hf_greedy
     llm = LLM(weights=weights, num_kv_blocks=64, block_size=16)
     linear = llm.engine.runner.model.layers[0].mlp.down_proj
-    assert isinstance(linear, QuantLinear) == (weights == "auto")
+    assert (linear.qweight is not None) == (weights == "auto")
     weight_bytes = llm.engine.runner.weight_bytes
     assert llm.engine.info.weight_bytes == llm.engine.stats().model_weight_bytes \
         == weight_bytes
@@ -148,7 +142,8 @@ def test_float32_weights(default_model, options) -> None:
     """--weights float32, or auto without the native kernels (nothing else computes from
     the kept blocks): every weight dequantized at load."""
     runner = ModelRunner(EngineConfig(num_kv_blocks=16, **options), default_model)
-    assert not any(isinstance(m, QuantLinear | QuantEmbedding) for m in runner.model.modules())
+    assert not any(isinstance(m, QuantEmbedding) or getattr(m, "qweight", None) is not None
+               for m in runner.model.modules())
     assert runner.weight_bytes > 3 * default_gguf_path().stat().st_size
 
 
@@ -200,7 +195,7 @@ def test_bf16_checkpoint_kept_as_bf16(tmp_path, default_model, model_type) -> No
     kept = LlamaForCausalLM(cfg, 512, cpu_ops(cfg, 4))
     load_weights(kept, path, keep=True)
     dense = load_model(path, 512)
-    linears = [m for m in kept.modules() if isinstance(m, QuantLinear)]
+    linears = [m for m in kept.modules() if isinstance(m, Linear) and m.qweight is not None]
     assert len(linears) == 4 * cfg.num_layers + 1
     assert {m.qweight.describe() for m in linears} == {"BF16"}
     assert isinstance(kept.embed_tokens, QuantEmbedding)
@@ -209,7 +204,7 @@ def test_bf16_checkpoint_kept_as_bf16(tmp_path, default_model, model_type) -> No
     ids = list(range(100, 100 + NATIVE_MAX_ROWS + 11))
     table = list(range(16))
     for model in (kept, dense):
-        convert_linears(model, model.ops.cpu_gemm, panels=model.ops.native)
+        select_rows(model)
     got, want = (PagedHarness(cfg, 32).run(m, [(ids, 0, table)])[0] for m in (kept, dense))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -282,13 +277,13 @@ def test_tiny_gguf_of_mixed_types(tmp_path, default_model, model_type) -> None:
     model = LlamaForCausalLM(cfg, 512, cpu_ops(cfg, 4))
     load_gguf_weights(model, tmp_path / "tiny.gguf")
     layer = model.layers[0]
-    assert type(layer.self_attn.qkv_proj) is Linear  # v is Q5_1: not kept
+    assert layer.self_attn.qkv_proj.qweight is None  # v is Q5_1: not kept
     assert layer.self_attn.o_proj.qweight.describe() == "Q5_0"
     assert layer.mlp.gate_up_proj.qweight.describe() == "F16+BF16"
-    assert type(layer.mlp.down_proj) is Linear  # F32
+    assert layer.mlp.down_proj.qweight is None  # F32
     assert model.embed_tokens.qweight.describe() == "Q4_1"
     assert (model.lm_head.qweight is model.embed_tokens.qweight) == cfg.tie_word_embeddings
-    convert_linears(model, model.ops.cpu_gemm, panels=model.ops.native)
+    select_rows(model)
     reference = load_model(ref_dir, 512)
     ids = list(range(200, 200 + NATIVE_MAX_ROWS + 5))
     got, want = (PagedHarness(cfg, 32).run(m, [(ids, 0, list(range(16)))])[0]

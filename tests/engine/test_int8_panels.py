@@ -13,8 +13,9 @@ from helpers import greedy
 
 from plait import LLM, SamplingParams
 from plait.bench.workloads import random_words
-from plait.engine.models.linear import INT8_PANEL_MIN_ROWS, QuantLinear, weight_bytes
+from plait.engine.models.linear import Linear, weight_bytes
 from plait.kernels.cpu import build, native
+from plait.kernels.cpu.products import INT8_PANEL_MIN_ROWS
 
 pytestmark = pytest.mark.skipif(not build.available() or not native.has_qgemm_i8(),
                                 reason="no qgemm_i8 in this build (needs AVX512-VNNI)")
@@ -34,23 +35,26 @@ def _prompt_logprobs(llm: LLM, prompt: str) -> list[float]:
 def test_int8_panels_engine() -> None:
     llm = _llm(int8_panels=True)
     model = llm.engine.runner.model
-    kept = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    kept = [m for m in model.modules() if isinstance(m, Linear) and m.qweight is not None]
     assert kept and model.lm_head in kept
     for linear in kept:
-        assert linear.int8_rows == INT8_PANEL_MIN_ROWS and linear.i8_panels is not None
-        assert linear.descriptor() is linear.i8_desc
+        state = linear.state
+        assert linear.product.name == "kept-i8panels/f32" and state is not None
+        assert state.packed is not None and state.desc is not None
+        assert int(state.desc[-1]) == INT8_PANEL_MIN_ROWS  # the flagged descriptor's i8 rows
+        assert int(state.desc[0]) & native.I8_PANELS
     kept_bytes, dense_bytes = weight_bytes(model)
-    panel_bytes = sum(linear.i8_panels.numel() for linear in {id(m): m for m in kept}.values())
+    panel_bytes = sum(m.state.packed.numel() for m in {id(m): m for m in kept}.values())
     assert dense_bytes >= panel_bytes > kept_bytes  # 1.25 bytes a weight against ~0.6
     assert model.stack is not None
     layer = model.layers[0]
     for name, linear in (("qkv_weight", layer.self_attn.qkv_proj),
                          ("gate_up_weight", layer.mlp.gate_up_proj)):
         assert model.stack.layers[0, native.STACK_POINTERS.index(name)] \
-            == linear.i8_desc.data_ptr()
+            == linear.state.desc.data_ptr()
 
     stacked = greedy.decode(llm)
-    stack, model.stack = model.stack, None  # the layer loop through QuantLinear.forward
+    stack, model.stack = model.stack, None  # the layer loop through the rows' kernels
     try:
         assert greedy.decode(llm) == stacked
     finally:

@@ -12,8 +12,8 @@ from helpers.tiny_model import make_tiny_model
 
 from plait import LLM, SamplingParams
 from plait.engine.model_loader import ResolvedModel
-from plait.engine.models.linear import NATIVE_MAX_ROWS
 from plait.kernels.cpu import build
+from plait.kernels.cpu.build import NATIVE_MAX_ROWS
 
 PROMPTS = [
     "The capital of France is",

@@ -16,9 +16,9 @@ from helpers.engine import prompt
 from helpers.model import PagedHarness, load_model
 from helpers.tiny_model import make_tiny_model
 
-from plait.engine.models.linear import NATIVE_MAX_ROWS
 from plait.engine.models.llama import LlamaForCausalLM
 from plait.kernels.cpu import build, native, quant
+from plait.kernels.cpu.build import NATIVE_MAX_ROWS
 from plait.kernels.cpu.native import STACK_POINTERS
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="native kernels unavailable")
@@ -146,7 +146,7 @@ def test_quantized_descriptors_through_the_stack(tmp_path, default_model) -> Non
             weight = quant.QuantWeight.build([part], lin.in_features)
             with torch.no_grad():  # the float weights become exactly the quantized ones
                 lin.weight.copy_(quant.dequantize_reference(weight))
-            lin.prepack()
+            lin.select(lin.product)  # its row packs the new weights again
             weights.append(weight)
     harness = _prefilled(model)
     seqs = _sequences()

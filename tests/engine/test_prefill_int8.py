@@ -1,5 +1,5 @@
-"""`prefill_int8` on the default GGUF: which products `QuantLinear` sends to `qgemm_i8`
-(INT8_MIN_ROWS rows or more, weights it takes), the MLP's fused gate_up + silu_mul in row
+"""`prefill_int8` on the default GGUF: which products the kept-i8 rows send to `qgemm_i8`
+(INT8_MIN_ROWS rows or more, weights they take), the MLP's fused gate_up + silu_mul in row
 chunks, and an engine whose prompt logprobs stay close to the exact mode's but are not its
 (x's int8 rounding)."""
 
@@ -10,13 +10,15 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers.products import on_row
 from helpers.quant_cases import random_part
 
 from plait import LLM, SamplingParams
 from plait.bench.workloads import random_words
 from plait.engine.models import layers
-from plait.engine.models.linear import INT8_MIN_ROWS, QuantLinear
-from plait.kernels.cpu import build, native, quant
+from plait.engine.models.linear import Linear
+from plait.kernels.cpu import build, native, products, quant
+from plait.kernels.cpu.products import INT8_MIN_ROWS, ProductSettings, qgemm_max_rows
 from plait.kernels.cpu.quant import QuantWeight, dequantize_reference
 
 pytestmark = pytest.mark.skipif(not build.available() or not native.has_qgemm_i8(),
@@ -26,15 +28,16 @@ pytestmark = pytest.mark.skipif(not build.available() or not native.has_qgemm_i8
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
 def test_products_from_int8_min_rows(kept, compute_dtype: torch.dtype) -> None:
     src = kept.model.layers[0].self_attn.qkv_proj
-    linear = QuantLinear(src.qweight, compute_dtype=compute_dtype)
-    assert linear.int8_rows is None and linear.use_int8() and linear.int8_rows == INT8_MIN_ROWS
+    tag = "f32" if compute_dtype == torch.float32 else "bf16"
+    assert ProductSettings(compute_dtype=compute_dtype, int8="prefill").choose(src.qweight) \
+        is products.row(f"kept-i8/{tag}")
+    linear = on_row(src, f"kept-i8/{tag}")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(INT8_MIN_ROWS, linear.in_features, generator=gen)
     assert torch.equal(linear(x), native.qgemm_i8(x, src.qweight))
     few = x[:INT8_MIN_ROWS - 1]
     assert torch.equal(linear(few), native.qgemm(few, src.qweight, None, compute_dtype))
-    big = torch.randn(linear.qgemm_rows + 40, linear.in_features, generator=gen)
-    assert not linear.rounds_to_bf16(big.shape[0])  # int8 takes it, not bf16 BLAS
+    big = torch.randn(qgemm_max_rows(compute_dtype) + 40, linear.in_features, generator=gen)
     out = linear(big)
     assert torch.equal(out, native.qgemm_i8(big, src.qweight))
     ref = big @ dequantize_reference(src.qweight).t()
@@ -44,26 +47,28 @@ def test_products_from_int8_min_rows(kept, compute_dtype: torch.dtype) -> None:
 def test_weights_it_does_not_take_keep_their_path() -> None:
     rng = np.random.default_rng(0)
     weight = QuantWeight.build([random_part(quant.BF16, 32, 64, rng)], 64)
-    linear = QuantLinear(weight)
-    assert not linear.use_int8() and linear.int8_rows is None
+    linear = Linear.kept(weight)
+    assert not products.row("kept-i8/f32").takes(weight)
+    assert ProductSettings(int8="prefill").choose(weight) is products.row("kept/f32")
     x = torch.randn(INT8_MIN_ROWS + 1, 64)
-    assert not linear.takes_int8(x.shape[0])
     torch.testing.assert_close(linear(x), x @ dequantize_reference(weight).t())
 
 
 def test_mlp_fuses_silu_in_row_chunks(kept, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 200-row MLP in chunks (the byte cap lowered: chunks of at most INT8_MIN_ROWS rows):
-    every row's result is the unchunked int8 MLP's, bit for bit; without int8 on down_proj
-    the MLP keeps its ordinary path (gate_up's product, then silu_mul, unfused)."""
-    mlp = kept.model.layers[0].mlp
-    gate_up, down = mlp.gate_up_proj, mlp.down_proj
-    x = torch.randn(200, gate_up.in_features, generator=torch.Generator().manual_seed(2))
-    plain = mlp(x)
-    monkeypatch.setattr(gate_up, "int8_rows", INT8_MIN_ROWS)
-    assert torch.equal(mlp(x), down(native.silu_mul(gate_up.product_int8(x))))
-    monkeypatch.setattr(down, "int8_rows", INT8_MIN_ROWS)
-    whole = down.product_int8(native.silu_mul(gate_up.product_int8(x)))
-    monkeypatch.setattr(layers, "MLP_CHUNK_BYTES", 4 * gate_up.out_features)  # -> the minimum
+    every row's result is the unchunked int8 MLP's, bit for bit; with gate_up alone on the
+    kept-i8 row the MLP keeps its ordinary path (gate_up's product, then silu_mul, unfused)."""
+    model = kept.model
+    src = model.layers[0].mlp
+    x = torch.randn(200, src.gate_up_proj.in_features, generator=torch.Generator().manual_seed(2))
+    plain = src(x)
+    mlp = layers.MLP(model.config, model.ops)
+    mlp.gate_up_proj, mlp.down_proj = on_row(src.gate_up_proj, "kept-i8/f32"), src.down_proj
+    gate_up = mlp.gate_up_proj
+    assert torch.equal(mlp(x), src.down_proj(native.silu_mul(native.qgemm_i8(x, gate_up.qweight))))
+    mlp.down_proj = down = on_row(src.down_proj, "kept-i8/f32")
+    whole = native.qgemm_i8(native.silu_mul(native.qgemm_i8(x, gate_up.qweight)), down.qweight)
+    monkeypatch.setattr(products, "MLP_CHUNK_BYTES", 4 * gate_up.out_features)  # -> the minimum
     cats: list[int] = []
     real_cat = torch.cat
     monkeypatch.setattr(torch, "cat", lambda ts: cats.append(len(ts)) or real_cat(ts))
@@ -78,8 +83,9 @@ def test_engine_prefill_int8_is_close_to_exact() -> None:
     runs = {}
     for int8 in (False, True):
         llm = LLM(prefill_int8=int8, num_kv_blocks=64, block_size=16, warm_up_tokens=0)
-        kept = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
-        assert kept and all((m.int8_rows is not None) == int8 for m in kept)
+        kept = [m for m in llm.engine.runner.model.modules()
+                if isinstance(m, Linear) and m.qweight is not None]
+        assert kept and all(m.product.name.startswith("kept-i8/") == int8 for m in kept)
         out = llm.generate([prompt], params)[0]
         assert out.prompt_logprobs is not None
         runs[int8] = [lp.logprob for lp in out.prompt_logprobs[1:] if lp is not None]

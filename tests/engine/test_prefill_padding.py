@@ -1,4 +1,4 @@
-"""A bfloat16 prefill product's rows padded to a multiple of 16 (engine/models/quant_ops.py
+"""A bfloat16 prefill product's rows padded to a multiple of 16 (kernels/cpu/dequantized.py
 `padded_rows`): the padding is zeros, only bf16 products of PAD_FROM_ROWS rows or more get
 it, and the caller sees exactly its own rows, equal to the unpadded product's."""
 
@@ -9,9 +9,13 @@ import pytest
 import torch
 from helpers.quant_cases import random_weight
 
-from plait.engine.models import quant_ops
-from plait.engine.models.quant_ops import PAD_FROM_ROWS, PAD_ROWS, matmul_dequantized, padded_rows
-from plait.kernels.cpu import native, quant
+from plait.kernels.cpu import dequantized, native, quant
+from plait.kernels.cpu.dequantized import (
+    PAD_FROM_ROWS,
+    PAD_ROWS,
+    matmul_dequantized,
+    padded_rows,
+)
 
 BF16 = torch.bfloat16
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernels not built")
@@ -47,9 +51,9 @@ def test_padded_product_is_the_unpadded_one(monkeypatch, chunked: bool, widen: b
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(533, 512, generator=gen)
     bias = torch.randn(weight.out_features, generator=gen)
-    scratch = 16 * 512 * 2 if chunked else quant_ops.SCRATCH_BYTES
+    scratch = 16 * 512 * 2 if chunked else dequantized.SCRATCH_BYTES
     padded = matmul_dequantized(x, weight, bias, BF16, {}, scratch, widen)
-    monkeypatch.setattr(quant_ops, "PAD_FROM_ROWS", 1 << 30)
+    monkeypatch.setattr(dequantized, "PAD_FROM_ROWS", 1 << 30)
     plain = matmul_dequantized(x, weight, bias, BF16, {}, scratch, widen)
     assert padded.shape == plain.shape == (533, 63) and padded.is_contiguous()
     assert padded.dtype == plain.dtype == (torch.float32 if widen else BF16)

@@ -1,17 +1,20 @@
-"""A kept GGUF weight's products (`QuantLinear`, engine/models/quant_ops.py) on the default
-model: against x @ dequantize_reference(W)^T at decode, short and long prefill row counts,
-routed by row count between the quantized GEMM and a dequantized copy for oneDNN, and the
-prefill path in row chunks that cut across parts."""
+"""A kept GGUF weight's products (the kept rows of kernels/cpu/products.py, the large rung
+in kernels/cpu/dequantized.py) on the default model: against x @ dequantize_reference(W)^T
+at decode, short and long prefill row counts, routed by row count between the quantized
+GEMM and a dequantized copy for oneDNN, and the prefill path in row chunks that cut across
+parts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from helpers.kept import FUSED
+from helpers.products import on_row
 
-from plait.engine.models.linear import NATIVE_MAX_ROWS, QGEMM_MAX_ROWS, QuantLinear
-from plait.engine.models.quant_ops import matmul_dequantized
 from plait.kernels.cpu import native
+from plait.kernels.cpu.build import NATIVE_MAX_ROWS
+from plait.kernels.cpu.dequantized import matmul_dequantized
+from plait.kernels.cpu.products import QGEMM_MAX_ROWS, qgemm_max_rows
 from plait.kernels.cpu.quant import BF16_MIN_ROWS, QuantWeight, dequantize_reference
 
 
@@ -37,8 +40,9 @@ def test_bf16_compute_of_large_products(kept) -> None:
     """compute_dtype bfloat16: a prefill-sized product as bf16 x bf16 (the kept weight's
     bf16 rounding, the output's), within bf16 error of the float product."""
     src = kept.model.layers[0].mlp.gate_up_proj
-    linear = QuantLinear(src.qweight, compute_dtype=torch.bfloat16)
-    x = torch.randn(linear.qgemm_rows + 40, linear.in_features,
+    linear = on_row(src, "kept/bf16")
+    qgemm_rows = qgemm_max_rows(torch.bfloat16)
+    x = torch.randn(qgemm_rows + 40, linear.in_features,
                     generator=torch.Generator().manual_seed(1))
     ref = x @ dequantize_reference(src.qweight).t()
     out = linear(x)
@@ -46,8 +50,7 @@ def test_bf16_compute_of_large_products(kept) -> None:
     assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
     # routed by row count: up to QGEMM_MAX_ROWS the quantized GEMM, past it oneDNN
     assert torch.equal(out, matmul_dequantized(x, src.qweight, None, torch.bfloat16))
-    short = x[:linear.qgemm_rows]
-    assert not linear.rounds_to_bf16(short.shape[0]) and linear.rounds_to_bf16(x.shape[0])
+    short = x[:qgemm_rows]
     assert torch.equal(linear(short), native.qgemm(short, src.qweight, None, torch.bfloat16))
     few = x[:BF16_MIN_ROWS - 1]  # decode rows below BF16_MIN_ROWS stay float32
     torch.testing.assert_close(linear(few), src(few))

@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 
 from plait.engine.model_config import ModelConfig
-from plait.engine.models.linear import convert_linears, resolve_cpu_gemm
+from plait.engine.models.linear import apply_products, resolve_cpu_gemm
 from plait.engine.models.llama import LlamaForCausalLM
 from plait.engine.weights import load_weights
 from plait.kernels import AttentionMetadata, AttentionShape, TorchOps, select_ops
+from plait.kernels.cpu.products import ProductSettings
 
 
 def cpu_ops(cfg: ModelConfig, block_size: int, native: bool = True,
@@ -26,14 +27,21 @@ def load_model(path: Path, max_positions: int = 4096, block_size: int = 4,
                native: bool = True, cascade: bool = True,
                convert: bool = True) -> LlamaForCausalLM:
     """The model at `path` as the runner builds it on CPU in float32: its ops table, its
-    weights, and (with `convert`) its linear layers in the table's format."""
+    weights, and (with `convert`) its linear layers on the product rows the runner picks
+    for that table (without: the unselected "torch" row)."""
     cfg = ModelConfig.from_dir(path)
     ops = cpu_ops(cfg, block_size, native, cascade)
     model = LlamaForCausalLM(cfg, max_positions, ops)
     load_weights(model, path)
     if convert:
-        convert_linears(model, ops.cpu_gemm, panels=ops.native)
+        select_rows(model)
     return model.eval()
+
+
+def select_rows(model: LlamaForCausalLM) -> None:
+    """Every linear of `model` on the rows the runner picks for its ops table in the
+    default mode (float32 compute, no int8)."""
+    apply_products(model, ProductSettings(model.ops.cpu_gemm, model.ops.native))
 
 
 class PagedHarness:

@@ -1,25 +1,20 @@
-"""The CPU linear formats (engine/models/linear.py) against plain `F.linear` in float64:
-every format, every row count a step can have (the MKL pack is used for any number of
-rows, not only its hint), bias or none, strided inputs; the conversion the runner makes
-once at load; and the choice of format."""
+"""The dense CPU rows of the product table (kernels/cpu/products.py: torch, mkl, onednn)
+against plain `F.linear` in float64: every row, every row count a step can have (the MKL
+pack is used for any number of rows, not only its hint), bias or none, strided inputs; the
+selection the runner makes once at load; and the choice of BLAS."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.products import on_row
 from torch import nn
 
-from plait.engine.models.linear import (
-    FORMATS,
-    Linear,
-    PanelLinear,
-    convert_linears,
-    cpu_vendor,
-    resolve_cpu_gemm,
-)
+from plait.engine.models.linear import Linear, apply_products, cpu_vendor, resolve_cpu_gemm
 from plait.kernels.cpu import build
+from plait.kernels.cpu.products import BLAS, ProductSettings
 
-AVAILABLE = [name for name in FORMATS
+AVAILABLE = [name for name in BLAS
              if name == "none" or (name == "mkl" and torch.backends.mkl.is_available())
              or (name == "onednn" and torch.backends.mkldnn.is_available())]
 
@@ -42,8 +37,9 @@ def _expected(layer: Linear, x: torch.Tensor) -> torch.Tensor:
 def test_every_format_equals_plain_for_every_row_count(name, bias) -> None:
     torch.manual_seed(0)
     plain = _linear(96, 200, bias)
-    layer = FORMATS[name].adopt(plain)
-    assert layer.format == name and layer.weight is plain.weight and layer.bias is plain.bias
+    layer = on_row(plain, BLAS[name].name)
+    assert layer.product is BLAS[name] and layer.weight is plain.weight \
+        and layer.bias is plain.bias
     for rows in (0, 1, 2, 3, 7, 16, 17, 33, 128, 129, 300):
         x = torch.randn(rows, 96)
         out = layer(x)
@@ -55,12 +51,12 @@ def test_every_format_equals_plain_for_every_row_count(name, bias) -> None:
 
 
 @pytest.mark.parametrize("name", AVAILABLE)
-def test_prepack_follows_the_weights(name) -> None:
-    """`prepack()` again after the weights change: the new weights are used."""
-    layer = FORMATS[name].adopt(_linear(32, 48, bias=False))
+def test_select_again_follows_the_weights(name) -> None:
+    """`select` again after the weights change: the row packs the new weights."""
+    layer = on_row(_linear(32, 48, bias=False), BLAS[name].name)
     with torch.no_grad():
         layer.weight.mul_(2)
-    layer.prepack()
+    layer.select(layer.product)
     x = torch.randn(5, 32)
     torch.testing.assert_close(layer(x), x @ layer.weight.t(), rtol=0, atol=1e-5)
 
@@ -78,9 +74,9 @@ def test_resolve_cpu_gemm() -> None:
 
 
 @pytest.mark.parametrize("panels", [False, True])
-def test_convert_linears_gives_float32_cpu_linears_their_format(panels) -> None:
-    """Every float32 `Linear` of the tree is replaced once, sharing its Parameters (a tied
-    weight stays tied); other dtypes keep torch's GEMM; nothing else is touched."""
+def test_apply_products_gives_float32_cpu_linears_their_row(panels) -> None:
+    """Every float32 `Linear` of the tree gets its row once, over its own Parameters (a
+    tied weight stays tied); other dtypes keep torch's GEMM; nothing else is touched."""
     if panels and not build.available():
         pytest.skip("native kernels unavailable: no panels")
     name = AVAILABLE[-1]
@@ -89,13 +85,13 @@ def test_convert_linears_gives_float32_cpu_linears_their_format(panels) -> None:
                           nn.Sequential(tied), nn.LayerNorm(8))
     embedding = nn.Embedding(16, 8)
     embedding.weight = tied.weight
-    convert_linears(model, name, panels=panels)
-    expected = PanelLinear if panels else FORMATS[name]
-    assert type(model[0]) is expected and type(model[2][0]) is expected
-    assert type(model[1]) is Linear and isinstance(model[3], nn.LayerNorm)
+    apply_products(model, ProductSettings(name, panels))
+    expected = f"panels/{BLAS[name].name}" if panels else BLAS[name].name
+    assert model[0].product.name == expected and model[2][0].product.name == expected
+    assert model[1].product.name == "torch" and isinstance(model[3], nn.LayerNorm)
     assert model[2][0].weight is embedding.weight
     if panels:
-        assert model[0].large.format == name
+        assert model[0].state.large.weight is model[0].weight
     x = torch.randn(3, 8)
     torch.testing.assert_close(model[0](x).double(), _expected(model[0], x), rtol=0,
                                atol=1e-5)

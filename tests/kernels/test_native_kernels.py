@@ -8,20 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.kernel_cases import BatchSpec, build_batch, dense_attention, share_prefix
+from helpers.products import on_row
 from helpers.threads import torch_threads
 from torch import nn
 
-from plait.engine.models.linear import (
-    FORMATS,
-    NATIVE_MAX_ROWS,
-    Linear,
-    PanelLinear,
-    convert_linears,
-    resolve_cpu_gemm,
-)
+from plait.engine.models.linear import Linear, apply_products, resolve_cpu_gemm
 from plait.kernels import AttentionMetadata, AttentionShape, select_ops
 from plait.kernels.cpu import attention, build, native
 from plait.kernels.cpu.attention import native_attention, plan_native
+from plait.kernels.cpu.build import NATIVE_MAX_ROWS
+from plait.kernels.cpu.products import BLAS, ProductSettings
 from plait.kernels.reference import paged_attention_reference
 
 needs_native = pytest.mark.skipif(not build.available(),
@@ -67,10 +63,11 @@ def test_gemm_rejects_a_mismatched_input() -> None:
 
 @needs_native
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("large", sorted(FORMATS))
+@pytest.mark.parametrize("large", sorted(BLAS))
 def test_panel_linear_takes_the_panels_up_to_the_row_limit(bias, large, monkeypatch) -> None:
-    """`PanelLinear`: the native GEMM for 1..NATIVE_MAX_ROWS rows, its BLAS format (any of
-    them) above, a dense output either way; the same weight Parameter as the loaded one."""
+    """The panels/<blas> rows: the native GEMM for 1..NATIVE_MAX_ROWS rows, their BLAS row
+    (any of them) above, a dense output either way; the same weight Parameter as the loaded
+    one."""
     if large == "mkl" and not torch.backends.mkl.is_available():
         pytest.skip("torch without MKL")
     torch.manual_seed(0)
@@ -78,9 +75,11 @@ def test_panel_linear_takes_the_panels_up_to_the_row_limit(bias, large, monkeypa
     nn.init.normal_(plain.weight)
     if bias:
         nn.init.normal_(plain.bias)
-    layer = PanelLinear.over(plain, FORMATS[large])
-    assert layer.weight is plain.weight and layer.large.weight is plain.weight
-    assert layer.panels.shape == (-(-80 // native.lanes()), 64, native.lanes())
+    layer = on_row(plain, f"panels/{BLAS[large].name}")
+    state = layer.state
+    assert state is not None and state.large is not None and state.packed is not None
+    assert state.weight is plain.weight and state.large.weight is plain.weight
+    assert state.packed.shape == (-(-80 // native.lanes()), 64, native.lanes())
     calls = []
     real = native.gemm
     monkeypatch.setattr(native, "gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
@@ -363,8 +362,8 @@ def test_without_the_kernels_everything_falls_back(fresh_library, monkeypatch,
     model = nn.Sequential(Linear(16, 24))
     nn.init.normal_(model[0].weight)
     nn.init.normal_(model[0].bias)
-    convert_linears(model, resolve_cpu_gemm(), panels=False)
-    assert not isinstance(model[0], PanelLinear)
+    apply_products(model, ProductSettings(resolve_cpu_gemm()))
+    assert model[0].product is BLAS[resolve_cpu_gemm()]
     x = torch.randn(3, 16)
     torch.testing.assert_close(model(x), nn.functional.linear(x, model[0].weight,
                                                               model[0].bias))

@@ -1,6 +1,7 @@
 """`native.silu_mul` over bfloat16 (rowwise.c `plait_silu_mul_bf16`) and the MLP that feeds
-it gate_up's bf16 product in bf16 compute (engine/models/llama.py `MLP`): the same bits as
-the float32 kernel on the widened input, rounded to nearest even."""
+it gate_up's bf16 product on the kept/bf16 row (engine/models/layers.py `MLP`, the row's
+fused SiLU kernel): the same bits as the float32 kernel on the widened input, rounded to
+nearest even."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 import torch
 from helpers.quant_cases import random_weight
 
-from plait.engine.models.linear import QuantLinear, qgemm_max_rows
+from plait.engine.models.linear import Linear
 from plait.engine.models.llama import MLP
 from plait.kernels.cpu import native, quant
+from plait.kernels.cpu.products import qgemm_max_rows, row
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built")
 
@@ -49,13 +51,15 @@ def test_bf16_silu_mul_refuses_what_it_cannot_take() -> None:
 
 
 def _mlp(compute_dtype: torch.dtype, hidden: int = 512, inter: int = 768) -> MLP:
-    """An MLP whose projections are kept Q4_K / Q6_K weights, with the native ops."""
+    """An MLP whose projections are kept Q4_K / Q6_K weights on the kept row of
+    `compute_dtype`."""
     cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=inter)
-    mlp = MLP(cfg, SimpleNamespace(silu_mul=native.silu_mul))  # type: ignore[arg-type]
-    mlp.gate_up_proj = QuantLinear(random_weight((quant.Q4_K,), (2 * inter,), hidden, seed=1),
-                                   compute_dtype=compute_dtype)
-    mlp.down_proj = QuantLinear(random_weight((quant.Q6_K,), (hidden,), inter, seed=2),
-                                compute_dtype=compute_dtype)
+    mlp = MLP(cfg, SimpleNamespace())  # type: ignore[arg-type]
+    name = "kept/bf16" if compute_dtype == torch.bfloat16 else "kept/f32"
+    mlp.gate_up_proj = Linear.kept(random_weight((quant.Q4_K,), (2 * inter,), hidden, seed=1))
+    mlp.down_proj = Linear.kept(random_weight((quant.Q6_K,), (hidden,), inter, seed=2))
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        linear.select(row(name))
     return mlp
 
 
@@ -83,9 +87,9 @@ def test_an_mlp_outside_bf16_blas_stays_float32(compute_dtype: torch.dtype, extr
     in float32."""
     rows = qgemm_max_rows(compute_dtype) + extra
     mlp = _mlp(compute_dtype)
-    assert mlp.gate_up_proj(torch.randn(rows, 512), widen=False).dtype == torch.float32
+    assert mlp.gate_up_proj.product.rung(rows).silu is None  # no fused kernel there
     seen: list[torch.dtype] = []
-    monkeypatch.setattr(mlp.ops, "silu_mul", lambda g: (seen.append(g.dtype),
-                                                        native.silu_mul(g))[1])
+    real = native.silu_mul
+    monkeypatch.setattr(native, "silu_mul", lambda g: (seen.append(g.dtype), real(g))[1])
     assert mlp(torch.randn(rows, 512)).dtype == torch.float32
     assert seen == [torch.float32]

@@ -1,6 +1,5 @@
-"""The prefill product of a `QuantLinear` (engine/models/linear.py), whose weights are kept
-only where the native kernels take every part (the runner keeps them only with the native
-kernels on; `QuantLinear` checks its parts' types).
+"""The large-row rung of the kept rows of the product table (kernels/cpu/products.py): a
+weight kept in its file's GGML blocks (`quant.QuantWeight`) multiplied by BLAS.
 
 `matmul_dequantized` is a prefill's product (more rows than `qgemm` is fastest for): W is
 dequantized into one process-wide scratch, reused by every weight, never a fresh tensor
@@ -55,15 +54,6 @@ class _Scratch:
 
 
 _SCRATCH = _Scratch()
-
-
-def check_native(weight: QuantWeight) -> None:
-    """Raise unless the native kernels are here and take every part of `weight` (what a
-    kept weight computes through: there is no other path)."""
-    missing = sorted({p.ggml_type for p in weight.parts} - native.QUANT_TYPES)
-    if not native.available() or missing:
-        raise RuntimeError(f"weights kept as {weight.describe()} need the native CPU kernels "
-                           "for every part type; load with weights='float32' instead")
 
 
 def row_chunks(weight: QuantWeight, chunk_rows: int,
@@ -152,5 +142,5 @@ def matmul_dequantized(x: torch.Tensor, weight: QuantWeight,  # x: [M, K] float3
             scratch.lock.release()
 
 
-__all__ = ["PAD_FROM_ROWS", "PAD_ROWS", "SCRATCH_BYTES", "ChunkCache", "RowChunks", "check_native",
+__all__ = ["PAD_FROM_ROWS", "PAD_ROWS", "SCRATCH_BYTES", "ChunkCache", "RowChunks",
            "matmul_dequantized", "padded_rows", "row_chunks"]

@@ -1,0 +1,497 @@
+"""The product table: every way Plait computes a linear layer's y = x @ W^T + bias, one
+frozen row each, chosen once at load (`engine/models/linear.py: select_products`).
+
+A row (`Product`) holds:
+
+    name      what the load log and the tests call it ("kept/f32", "panels/onednn", ...)
+    takes     whether the row computes a given weight (its format, its shape, the build)
+    prepare   the weight packed once into the row's own layout and its descriptor written:
+              a `ProductState`, which the row's kernels (and the native stack) read
+    ladder    ((max_rows, kernel), ...): a product of M rows runs the first rung with
+              M <= max_rows (None: any M). Every row threshold lives here or is read from
+              plait_cpu.h through build.py (`NATIVE_MAX_ROWS`, `BF16_MIN_ROWS`)
+    silu      the fused SiLU kernel: a rung's `silu` computes silu(gate) * up of a gate | up
+              weight's product in one go; rungs without one run the row's `silu_mul` on
+              the product (`native.silu_mul` for native rows, torch for the others)
+    stack     the stack descriptor: what `plait_decoder_stack` reads for this weight (an
+              int64 descriptor and the tensors it points into), or None: the row cannot run
+              in the native stack, and a model with such a linear runs layer by layer
+
+    row                 ladder (rows -> kernel)
+    torch               <= 32: W @ x^T (CPU) | any: F.linear
+    mkl / onednn        any: the BLAS pack
+    panels/<blas>       <= NATIVE_MAX_ROWS: native.gemm | any: <blas>
+    kept/<dtype>        < BF16_MIN_ROWS: qgemm exact | <= QGEMM_MAX_ROWS: qgemm | any: BLAS
+                        over W dequantized to <dtype> (float32: the first two are one rung)
+    kept-i8/<dtype>     kept/<dtype> below INT8_MIN_ROWS | any: qgemm_i8 (x int8)
+    kept-i8panels/<dt>  any: qgemm_i8 from int8 panels packed at load
+
+How to add a row (for example a repacked format): write its `prepare` (pack the weight,
+return a `ProductState` whose `packed` holds the new layout and whose `desc` is what your
+kernels read), its kernels `(state, x [M, K] float32) -> y [M, N] float32`, and its ladder;
+build the `Product` in `_build_rows` below (a new name), and put it in `preference(...)`'s
+order for the settings that should choose it (the first row of that order whose `takes`
+accepts a weight computes it). A row the native stack cannot read returns None from
+`stack`. The tests force a row by name (`row(name)`), so add the row's kernel test there
+against the float64 or dequantized reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from plait.kernels.cpu import native
+from plait.kernels.cpu.build import NATIVE_MAX_ROWS
+from plait.kernels.cpu.dequantized import ChunkCache, matmul_dequantized
+from plait.kernels.cpu.quant import BF16_MIN_ROWS, QuantWeight
+
+# ---------------------------------------------------------------- row thresholds
+# The most rows the plain torch row multiplies as W @ x^T on CPU (faster than x @ W^T for
+# skinny batches in BLAS); also oneDNN's row hint.
+SKINNY_ROWS = 32
+# Row hint given to the MKL pack: as fast as 16 or faster at every row count from 1 to 512.
+MKL_ROW_HINT = 128
+# The most rows a kept weight's product takes through `qgemm` (blocks decoded in registers
+# and L1, weight rows decoded once for all x rows) where the AVX-512 batch kernel is built,
+# per compute dtype; more go to `matmul_dequantized` (a dequantized copy, then oneDNN).
+# Measured on the 2-core AVX512-BF16 host over every linear weight of a model's layers
+# (docs/bench/history.md, "qgemm up to 256 rows"): in bf16 qgemm took 0.34-0.91x the time
+# from 24 to 256 rows and broke even at 320-384; in float32 0.69-0.94x up to 128.
+QGEMM_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 256}
+# The fewest rows a kept product takes through `qgemm_i8` in the kept-i8 rows (below:
+# `qgemm`, whose decode in registers costs less than qgemm_i8's packing of every weight row
+# for few rows). Measured on the 2-core AVX512-VNNI host over every linear of a model's
+# layers, against qgemm in bf16: Qwen2.5-0.5B 1.37x its time at 16 rows, 1.09x at 32, 0.95x
+# at 48, 0.87x at 64, 0.70x at 256; SmolLM2 1.31x, 1.06x, 0.93x, 0.86x, 0.71x (against
+# qgemm in float32: faster from 16 rows; at 523 rows 0.63-0.66x dequantize + bf16 BLAS).
+INT8_MIN_ROWS = 48
+# The fewest rows in the kept-i8panels rows: with the weights' int8 panels resident
+# (`native.qgemm_i8_panels`) there is no packing to amortise, and the panels' plain codes
+# cost less to read than the blocks cost to decode even for one row. Measured over all
+# kept linears of a model in a step's order (weights cold), against qgemm in bf16:
+# Qwen2.5-0.5B 15.2 against 18.1 ms at 1 row, 20.8/27.1 at 2, 37.8/66.5 at 16, 68.9/111.6
+# at 32; SmolLM2 6.3/6.7 at 1 row, 13.6/20.5 at 16 (docs/bench/history.md).
+INT8_PANEL_MIN_ROWS = 1
+# The most bytes of an int8 MLP chunk's [rows, I] float32 silu(gate) * up: under
+# host_memory.MMAP_THRESHOLD (32 MiB), so chunks reuse the heap's mapped pages.
+MLP_CHUNK_BYTES = 24 << 20
+
+_DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # in row names
+Kernel = Callable[["ProductState", torch.Tensor], torch.Tensor]  # (state, x [M, K]) -> y
+Weight = torch.Tensor | QuantWeight  # [N, K] dense (a Parameter), or kept GGML blocks
+
+
+@dataclass(frozen=True, slots=True)
+class ProductState:
+    """What a row's kernels read for one weight, written once by the row's `prepare`.
+    `weight` / `qweight`: the weight as loaded (the module's Parameter, shared by ties; or
+    the kept blocks); `packed`: the row's own copy (MKL pack, oneDNN layout, float32 or
+    int8 panels); `large`: the BLAS row's state under native panels; `desc`: the int64
+    descriptor qgemm and the native stack read; `scratch`: the dequantized product's row
+    chunks."""
+
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None  # [N] (kept rows: float32 contiguous)
+    weight: torch.Tensor | None = None  # [N, K]
+    qweight: QuantWeight | None = None
+    packed: torch.Tensor | None = None
+    large: ProductState | None = None
+    desc: torch.Tensor | None = None  # int64
+    scratch: ChunkCache = field(default_factory=dict)
+
+    def copies(self) -> tuple[torch.Tensor, ...]:
+        """The tensors this state holds beside the loaded weight (their bytes are resident
+        on top of it)."""
+        own = () if self.packed is None else (self.packed,)
+        return own if self.large is None else (*own, *self.large.copies())
+
+
+@dataclass(frozen=True, slots=True)
+class Rung:
+    """Products of at most `max_rows` rows (None: any) run `kernel`. `silu`: the fused form
+    of silu_mul(kernel(x)) for a gate | up weight (None: not fused); `chunk_rows(state, M)`:
+    the rows per chunk an MLP of two products of this row should run in (None: one pass)."""
+
+    max_rows: int | None
+    kernel: Kernel
+    silu: Kernel | None = None
+    chunk_rows: Callable[[ProductState, int], int | None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StackWeight:
+    """A weight as `plait_decoder_stack` reads it: its descriptor and the tensors the
+    descriptor points into (kept alive by the stack)."""
+
+    desc: torch.Tensor  # int64
+    tensors: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Product:
+    """One row of the table (the module docstring). `out_dtype`: the dtype of a product of
+    zero rows (None: x's)."""
+
+    name: str
+    takes: Callable[[Weight], bool]
+    prepare: Callable[[Weight, torch.Tensor | None], ProductState]
+    ladder: tuple[Rung, ...]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]  # [T, 2 I] -> [T, I]
+    stack: Callable[[ProductState], StackWeight | None]
+    out_dtype: torch.dtype | None = None
+    native: bool = False  # whether the row needs the native kernels
+
+    def rung(self, rows: int) -> Rung:
+        """The rung a product of `rows` rows runs."""
+        for rung in self.ladder:
+            if rung.max_rows is None or rows <= rung.max_rows:
+                return rung
+        raise ValueError(f"product {self.name}: no rung for {rows} rows")
+
+    def __call__(self, state: ProductState, x: torch.Tensor,  # [M, K] -> [M, N]
+                 rows: int | None = None) -> torch.Tensor:
+        """x @ W^T + bias through the rung of `rows` rows (default: x's; a chunk of a
+        larger product passes the whole's, so that its rows compute as the whole's)."""
+        if x.shape[0] == 0:
+            return x.new_empty(0, state.out_features, dtype=self.out_dtype or x.dtype)
+        return self.rung(x.shape[0] if rows is None else rows).kernel(state, x)
+
+    def silu(self, state: ProductState, x: torch.Tensor,  # [M, K] -> [M, N / 2]
+             fused: bool = True, rows: int | None = None) -> torch.Tensor:
+        """silu(gate) * up of this gate | up weight's product (the rung of `rows` rows, as
+        `__call__`): the rung's fused kernel where it has one and `fused`, else the row's
+        `silu_mul` on the product."""
+        if x.shape[0] == 0:
+            return self.silu_mul(self(state, x))
+        rung = self.rung(x.shape[0] if rows is None else rows)
+        if fused and rung.silu is not None:
+            return rung.silu(state, x)
+        return self.silu_mul(rung.kernel(state, x))
+
+    def describe(self) -> str:
+        """The ladder in words: "<= 24: gemm | any: onednn"."""
+        return " | ".join(f"{'any' if r.max_rows is None else f'<= {r.max_rows}'}: "
+                          f"{getattr(r.kernel, '__name__', 'kernel').strip('_')}"
+                          for r in self.ladder)
+
+
+# ---------------------------------------------------------------- shared pieces
+def _torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
+def _native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
+    return native.silu_mul(gate_up)
+
+
+def _no_stack(state: ProductState) -> StackWeight | None:
+    return None
+
+
+def _dense(weight: Weight) -> bool:
+    return isinstance(weight, torch.Tensor)
+
+
+def _dense_cpu_f32(weight: Weight) -> bool:
+    return isinstance(weight, torch.Tensor) and weight.device.type == "cpu" \
+        and weight.dtype == torch.float32
+
+
+def _dense_state(weight: Weight, bias: torch.Tensor | None,
+                 packed: torch.Tensor | None = None,
+                 large: ProductState | None = None) -> ProductState:
+    assert isinstance(weight, torch.Tensor)
+    out_features, in_features = weight.shape
+    return ProductState(in_features, out_features, bias, weight=weight, packed=packed,
+                        large=large)
+
+
+def check_native(weight: QuantWeight) -> None:
+    """Raise unless the native kernels are here and take every part of `weight` (what a
+    kept weight computes through: there is no other path)."""
+    missing = sorted({p.ggml_type for p in weight.parts} - native.QUANT_TYPES)
+    if not native.available() or missing:
+        raise RuntimeError(f"weights kept as {weight.describe()} need the native CPU kernels "
+                           "for every part type; load with weights='float32' instead")
+
+
+def qgemm_max_rows(compute_dtype: torch.dtype) -> int:
+    """The most rows a kept weight's product in `compute_dtype` computes through `qgemm`:
+    `QGEMM_MAX_ROWS` with the AVX-512 batch kernel (16 lanes), NATIVE_MAX_ROWS without it.
+    Needs the native kernels."""
+    return QGEMM_MAX_ROWS[compute_dtype] if native.lanes() == 16 else NATIVE_MAX_ROWS
+
+
+# ---------------------------------------------------------------- dense rows
+def _skinny(state: ProductState, x: torch.Tensor) -> torch.Tensor:
+    assert state.weight is not None
+    if x.device.type != "cpu":
+        return nn.functional.linear(x, state.weight, state.bias)
+    out = torch.mm(state.weight, x.t()).t()  # a transposed view
+    return out if state.bias is None else out + state.bias
+
+
+def _linear(state: ProductState, x: torch.Tensor) -> torch.Tensor:
+    assert state.weight is not None
+    return nn.functional.linear(x, state.weight, state.bias)
+
+
+def _mkl(state: ProductState, x: torch.Tensor) -> torch.Tensor:
+    # rows passed as the pack's batch size: always the packed kernel, never a fallback
+    return torch.ops.mkl._mkl_linear(x, state.packed, state.weight, state.bias, x.shape[0])
+
+
+def _onednn(state: ProductState, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, state.packed, state.bias, "none", [], "")
+
+
+def _prepare_torch(weight: Weight, bias: torch.Tensor | None) -> ProductState:
+    return _dense_state(weight, bias)
+
+
+def _prepare_mkl(weight: Weight, bias: torch.Tensor | None) -> ProductState:
+    assert isinstance(weight, torch.Tensor)
+    return _dense_state(weight, bias, torch.ops.mkl._mkl_reorder_linear_weight(
+        weight.detach(), MKL_ROW_HINT))
+
+
+def _prepare_onednn(weight: Weight, bias: torch.Tensor | None) -> ProductState:
+    assert isinstance(weight, torch.Tensor)
+    return _dense_state(weight, bias, torch.ops.mkldnn._reorder_linear_weight(
+        weight.detach(), SKINNY_ROWS))
+
+
+TORCH = Product("torch", _dense, _prepare_torch,
+                (Rung(SKINNY_ROWS, _skinny), Rung(None, _linear)), _torch_silu_mul, _no_stack)
+MKL = Product("mkl", _dense_cpu_f32, _prepare_mkl, (Rung(None, _mkl),), _torch_silu_mul,
+              _no_stack)
+ONEDNN = Product("onednn", _dense_cpu_f32, _prepare_onednn, (Rung(None, _onednn),),
+                 _torch_silu_mul, _no_stack)
+# The BLAS rows by the engine's `cpu_gemm` name.
+BLAS: dict[str, Product] = {"none": TORCH, "mkl": MKL, "onednn": ONEDNN}
+
+
+def _panels_row(large: Product) -> Product:
+    """Native float32 panels for at most NATIVE_MAX_ROWS rows (a decode step: the weights
+    stream once), `large` (a BLAS row over the same weight) for more; the output is always
+    dense (the native row-wise kernels that follow take only that)."""
+
+    def prepare(weight: Weight, bias: torch.Tensor | None) -> ProductState:
+        assert isinstance(weight, torch.Tensor)
+        return _dense_state(weight, bias, native.pack_weight(weight.detach()),
+                            large.prepare(weight, bias))
+
+    def gemm(state: ProductState, x: torch.Tensor) -> torch.Tensor:
+        assert state.packed is not None
+        return native.gemm(x, state.packed, state.out_features, state.bias)
+
+    def blas(state: ProductState, x: torch.Tensor) -> torch.Tensor:
+        assert state.large is not None
+        return large(state.large, x).contiguous()
+
+    blas.__name__ = large.name
+
+    def stack(state: ProductState) -> StackWeight | None:
+        panels = state.packed
+        if panels is None or not panels.is_contiguous():
+            return None
+        return StackWeight(native.panels_desc(panels, state.out_features), (panels,))
+
+    return Product(f"panels/{large.name}", _dense_cpu_f32, prepare,
+                   (Rung(NATIVE_MAX_ROWS, gemm), Rung(None, blas)), _native_silu_mul, stack,
+                   native=True)
+
+
+# ---------------------------------------------------------------- kept rows
+
+
+def _kept(weight: Weight) -> bool:
+    return isinstance(weight, QuantWeight)
+
+
+def _kept_i8(weight: Weight) -> bool:
+    return isinstance(weight, QuantWeight) and native.has_qgemm_i8() \
+        and native.qgemm_i8_fits(weight)
+
+
+def _kept_state(weight: Weight, bias: torch.Tensor | None, desc: torch.Tensor,
+                packed: torch.Tensor | None = None) -> ProductState:
+    assert isinstance(weight, QuantWeight)
+    return ProductState(weight.in_features, weight.out_features, bias, qweight=weight,
+                        packed=packed, desc=desc)
+
+
+def _kept_stack(state: ProductState) -> StackWeight | None:
+    assert state.qweight is not None and state.desc is not None
+    held = tuple(part.data for part in state.qweight.parts)
+    return StackWeight(state.desc, held if state.packed is None else (*held, state.packed))
+
+
+def _qgemm(compute_dtype: torch.dtype) -> Kernel:
+    def qgemm(state: ProductState, x: torch.Tensor) -> torch.Tensor:
+        assert state.qweight is not None
+        return native.qgemm(x.float(), state.qweight, state.bias, compute_dtype)
+    qgemm.__name__ = f"qgemm_{_DTYPE_NAMES[compute_dtype]}"
+    return qgemm
+
+
+def _dequantized(compute_dtype: torch.dtype, widen: bool = True) -> Kernel:
+    def dequantized(state: ProductState, x: torch.Tensor) -> torch.Tensor:
+        assert state.qweight is not None
+        return matmul_dequantized(x, state.qweight, state.bias, compute_dtype, state.scratch,
+                                  widen=widen)
+    dequantized.__name__ = f"dequantized_{_DTYPE_NAMES[compute_dtype]}"
+    return dequantized
+
+
+def _dequantized_silu(state: ProductState, x: torch.Tensor) -> torch.Tensor:
+    """bf16 BLAS: the bf16 product as BLAS rounded it goes to the native silu_mul as it is,
+    its bf16 result to the next product of the same row, which rounds its input to bf16
+    anyway: the bits of the float32 path without two float32 copies of [T, 2 I], [T, I]."""
+    return native.silu_mul(_dequantized(torch.bfloat16, widen=False)(state, x))
+
+
+def _int8(state: ProductState, x: torch.Tensor) -> torch.Tensor:
+    assert state.qweight is not None
+    desc = state.desc if state.packed is not None else None  # the panels' descriptor
+    return native.qgemm_i8(x.float(), state.qweight, state.bias, desc=desc)
+
+
+def _int8_silu(state: ProductState, x: torch.Tensor) -> torch.Tensor:
+    assert state.qweight is not None
+    if state.out_features % 32:  # the fused kernel's limit: the same bits unfused
+        return native.silu_mul(_int8(state, x))
+    desc = state.desc if state.packed is not None else None
+    return native.qgemm_i8(x.float(), state.qweight, state.bias, silu=True, desc=desc)
+
+
+def _int8_chunk_rows(state: ProductState, rows: int) -> int | None:
+    """Row chunks whose [rows, I] float32 stays below glibc's raised mmap threshold
+    (host_memory.py), so each chunk reuses mapped pages instead of faulting in a fresh
+    mapping; a row's result does not depend on its chunk. None: one chunk."""
+    if state.out_features % 32:
+        return None
+    most = max(INT8_MIN_ROWS, MLP_CHUNK_BYTES // (2 * state.out_features))
+    if rows <= most:
+        return None
+    return -(-rows // -(-rows // most))  # equal chunks, each at most `most` rows
+
+
+def _kept_ladder(compute_dtype: torch.dtype, below: int | None = None) -> tuple[Rung, ...]:
+    """qgemm up to `qgemm_max_rows`, then BLAS over W dequantized, cut at `below` rows (the
+    rungs of rows < below); bf16: one row stays exact (C: the flag's BF16_MIN_ROWS)."""
+    most = qgemm_max_rows(compute_dtype)
+    rungs: list[Rung] = []
+    if compute_dtype == torch.bfloat16:
+        rungs.append(Rung(BF16_MIN_ROWS - 1, _qgemm(torch.float32)))
+    rungs.append(Rung(most, _qgemm(compute_dtype)))
+    rungs.append(Rung(None, _dequantized(compute_dtype), silu=_dequantized_silu
+                      if compute_dtype == torch.bfloat16 else None))
+    if below is None:
+        return tuple(rungs)
+    cut: list[Rung] = []
+    for r in rungs:
+        top = below - 1 if r.max_rows is None else min(r.max_rows, below - 1)
+        if top >= 1:
+            cut.append(Rung(top, r.kernel, r.silu))
+        if top == below - 1:
+            break
+    return tuple(cut)
+
+
+def _kept_rows(compute_dtype: torch.dtype) -> list[Product]:
+    tag = _DTYPE_NAMES[compute_dtype]
+
+    def prepare(weight: Weight, bias: torch.Tensor | None) -> ProductState:
+        assert isinstance(weight, QuantWeight)
+        return _kept_state(weight, bias, weight.descriptor(compute_dtype))
+
+    def prepare_panels(weight: Weight, bias: torch.Tensor | None) -> ProductState:
+        assert isinstance(weight, QuantWeight)
+        panels = native.qgemm_i8_panels(weight)
+        return _kept_state(weight, bias, native.i8_descriptor(
+            weight, panels, INT8_PANEL_MIN_ROWS, compute_dtype), panels)
+
+    int8 = Rung(None, _int8, silu=_int8_silu, chunk_rows=_int8_chunk_rows)
+    f32 = torch.float32
+    kept = Product(f"kept/{tag}", _kept, prepare, _kept_ladder(compute_dtype),
+                   _native_silu_mul, _kept_stack, f32, native=True)
+    kept_i8 = Product(f"kept-i8/{tag}", _kept_i8, prepare,
+                      (*_kept_ladder(compute_dtype, INT8_MIN_ROWS), int8), _native_silu_mul,
+                      _kept_stack, f32, native=True)
+    panels = Product(f"kept-i8panels/{tag}", _kept_i8, prepare_panels,
+                     (*_kept_ladder(compute_dtype, INT8_PANEL_MIN_ROWS), int8),
+                     _native_silu_mul, _kept_stack, f32, native=True)
+    return [kept, kept_i8, panels]
+
+
+# ---------------------------------------------------------------- the table
+@functools.cache
+def table() -> dict[str, Product]:
+    """Every row by name (the native rows only where the kernels are built)."""
+    rows = [TORCH, MKL, ONEDNN]
+    if native.available():
+        rows += [_panels_row(blas) for blas in BLAS.values()]
+        rows += [r for dtype in _DTYPE_NAMES for r in _kept_rows(dtype)]
+    return {r.name: r for r in rows}
+
+
+def row(name: str) -> Product:
+    """The row called `name`; KeyError naming the rows there are."""
+    rows = table()
+    if name not in rows:
+        raise KeyError(f"no product row {name!r} (rows: {', '.join(rows)})")
+    return rows[name]
+
+
+@dataclass(frozen=True, slots=True)
+class ProductSettings:
+    """What chooses the rows: `blas` (a resolved `BLAS` name) for float32 CPU weights,
+    under native panels with `panels`; the kept weights' `compute_dtype` and `int8`
+    (None, "prefill": kept-i8 rows, "panels": kept-i8panels rows)."""
+
+    blas: str = "none"
+    panels: bool = False
+    compute_dtype: torch.dtype = torch.float32
+    int8: str | None = None
+
+    def preference(self) -> tuple[Product, ...]:
+        """The rows these settings choose from, in order: a weight takes the first whose
+        `takes` accepts it (the "torch" row takes every dense weight)."""
+        rows = table()
+        dense: list[Product] = [BLAS[self.blas], TORCH]
+        if self.panels and native.available():
+            dense.insert(0, rows[f"panels/{BLAS[self.blas].name}"])
+        if not native.available():
+            return tuple(dense)
+        tag = _DTYPE_NAMES[self.compute_dtype]
+        kept = [rows[f"kept/{tag}"]]
+        if self.int8 is not None:
+            kept.insert(0, rows[f"kept-{'i8panels' if self.int8 == 'panels' else 'i8'}/{tag}"])
+        return (*kept, *dense)
+
+    def choose(self, weight: Weight) -> Product:
+        """The row that computes `weight` under these settings."""
+        for product in self.preference():
+            if product.takes(weight):
+                return product
+        raise ValueError(f"no product row takes a weight of {_weight_text(weight)}")
+
+
+def _weight_text(weight: Weight) -> str:
+    if isinstance(weight, QuantWeight):
+        return weight.describe()
+    return f"{weight.dtype} on {weight.device}"
+
+
+__all__ = ["BLAS", "INT8_MIN_ROWS", "INT8_PANEL_MIN_ROWS", "MKL", "MKL_ROW_HINT",
+           "MLP_CHUNK_BYTES", "NATIVE_MAX_ROWS", "ONEDNN", "QGEMM_MAX_ROWS", "SKINNY_ROWS",
+           "TORCH", "Kernel", "Product", "ProductSettings", "ProductState", "Rung",
+           "StackWeight", "Weight", "check_native", "qgemm_max_rows", "row", "table"]

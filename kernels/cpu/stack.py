@@ -1,0 +1,161 @@
+"""The native decoder stack (kernels/cpu/decoder.c): a step's whole Llama decoder in one C
+call, and the pointer table it reads, gathered here once at load from each layer's parts.
+
+`gather_stack` takes the layers as `StackLayer`s (norm weights, the projections' stack
+descriptors from the product table, the KV caches) and returns a `NativeStack`, or None when
+a layer does not fit the C (then the model runs layer by layer through the ops table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plait.kernels.cpu import native
+from plait.kernels.cpu.build import STACK_POINTERS, loaded
+from plait.kernels.cpu.products import StackWeight
+
+
+@dataclass(frozen=True, slots=True)
+class StackShape:
+    """The sizes of a Llama decoder stack that `decoder_stack` needs beside its pointers."""
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+@dataclass(frozen=True, slots=True)
+class NativeStack:
+    """A model's decoder stack bound to its KV caches, as `decoder_stack` takes it: built
+    once at load (`LlamaForCausalLM.bind`). `tensors` keeps every tensor whose address
+    `layers` holds alive.
+
+    Its limits: every layer is a Llama layer with full causal attention (no sliding
+    window, no logit softcap), RoPE over whole heads from the one `cos_sin` table (one
+    theta for every layer, no partial rotary, no NoPE layer), pre-norms only. A model with
+    any of those variants must not bind a stack (it runs layer by layer through the ops
+    table, which takes them)."""
+
+    layers: torch.Tensor  # [L, len(STACK_POINTERS)] int64 addresses, 0 = no bias; the
+    # projections' are those of int64 descriptors (`QuantWeight.desc`, `panels_desc`)
+    shape: StackShape
+    final_norm: torch.Tensor  # [hidden] float32
+    cos_sin: torch.Tensor  # [max_positions, D] float32 contiguous: cos | sin halves
+    kv_dtype: int  # `kv_dtype_code` of the caches (and the compute dtype)
+    block_size: int
+    scale: float
+    tensors: tuple[torch.Tensor, ...]
+
+
+def decoder_stack(
+    stack: NativeStack,
+    x: torch.Tensor,  # [T, hidden] float32 dense: the embeddings, then the residual stream
+    positions: torch.Tensor,  # [T] int64 contiguous
+    slot_mapping: torch.Tensor,  # [T] int64 contiguous, -1 = not written
+    block_tables: torch.Tensor,  # [S, W] int32 contiguous
+    chunk_start: torch.Tensor,  # [C + 1] int64, as `decode_attention` takes them
+    chunk_shared: torch.Tensor,  # [C] int32
+    q_rows: torch.Tensor,  # [T] int64: token row of each attention row, chunk order
+    table_rows: torch.Tensor,  # [T] int64
+    ctx_lens: torch.Tensor,  # [T] int32
+) -> torch.Tensor:  # [T, hidden] float32: the final norm of the last residual stream
+    """Every layer of a Llama decoder over the T tokens of a step, one token per sequence
+    (T at most `NATIVE_MAX_ROWS`; every projection a `qgemm` descriptor: a `QuantWeight`'s
+    `desc`, or `panels_desc` of weights packed by `pack_weight`), in one C call:
+    the kernels the layer-by-layer forward runs (`add_rms_norm`, `gemm`/`qgemm`, `rope_write_kv`,
+    `decode_attention`, `silu_mul`), in its order, with no Python between them, so the same
+    bits. `stack.layers[l]` holds layer l's tensors' `data_ptr()`s in `STACK_POINTERS`
+    order. x is updated in place."""
+    rows, shape = x.shape[0], stack.shape
+    if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == shape.hidden):
+        raise ValueError(f"decoder_stack: x must be [T, {shape.hidden}] float32 contiguous")
+    out = torch.empty(rows, shape.hidden, dtype=torch.float32)
+    rc = loaded().plait_decoder_stack(
+        stack.layers.shape[0], stack.layers.data_ptr(), rows, shape.hidden, shape.num_heads,
+        shape.num_kv_heads, shape.head_dim, shape.intermediate, shape.eps,
+        stack.final_norm.data_ptr(), x.data_ptr(), stack.cos_sin.data_ptr(),
+        positions.data_ptr(), slot_mapping.data_ptr(), stack.kv_dtype, stack.block_size,
+        block_tables.data_ptr(), block_tables.stride(0), chunk_shared.shape[0],
+        chunk_start.data_ptr(), chunk_shared.data_ptr(), q_rows.data_ptr(),
+        table_rows.data_ptr(), ctx_lens.data_ptr(), stack.scale, out.data_ptr())
+    native.check_rc(rc, "decoder_stack")
+    return out
+
+
+
+
+@dataclass(frozen=True, slots=True)
+class StackLayer:
+    """One decoder layer's parts as the stack reads them. A projection is its product
+    row's `StackWeight` (None: the row has none); `extra_bias`: a projection besides q|k|v
+    has a bias (the C takes none)."""
+
+    input_norm: torch.Tensor | None  # [hidden]
+    post_norm: torch.Tensor | None  # [hidden]
+    qkv: StackWeight | None
+    qkv_bias: torch.Tensor | None  # [(H + 2 H_kv) D]
+    o: StackWeight | None
+    gate_up: StackWeight | None
+    down: StackWeight | None
+    extra_bias: bool
+    k_cache: torch.Tensor  # [num_blocks, block_size, H_kv, D]
+    v_cache: torch.Tensor
+
+
+def _dense(t: torch.Tensor | None) -> bool:
+    return t is not None and t.dtype == torch.float32 and t.device.type == "cpu" \
+        and t.is_contiguous()
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _layer_row(layer: StackLayer) -> tuple[list[int], list[torch.Tensor]] | None:
+    """The layer's addresses in STACK_POINTERS order and the tensors they point into, or
+    None when the C cannot take it."""
+    weights = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    if any(w is None for w in weights) or layer.extra_bias \
+            or not (_dense(layer.input_norm) and _dense(layer.post_norm)) \
+            or not native.kv_caches_fit(layer.k_cache, layer.v_cache) \
+            or (layer.qkv_bias is not None and not _dense(layer.qkv_bias)):
+        return None
+    qkv, o, gate_up, down = (w.desc for w in weights if w is not None)
+    named: dict[str, torch.Tensor | None] = {
+        "input_norm": layer.input_norm, "qkv_weight": qkv, "qkv_bias": layer.qkv_bias,
+        "o_weight": o, "post_norm": layer.post_norm, "gate_up_weight": gate_up,
+        "down_weight": down, "k_cache": layer.k_cache, "v_cache": layer.v_cache}
+    held = [t for w in weights if w is not None for t in w.tensors]
+    held += [t for t in named.values() if t is not None]
+    return [_address(named[n]) for n in STACK_POINTERS], held
+
+
+def gather_stack(layers: list[StackLayer], shape: StackShape, final_norm: torch.Tensor,
+                 cos_sin: torch.Tensor, scale: float,
+                 compute_dtype: torch.dtype) -> NativeStack | None:
+    """The stack over `layers` (one Llama decoder layer each; the caller checked the
+    model's shape fits, see `NativeStack`), or None when a layer, the final norm or the
+    RoPE table does not fit the C. `compute_dtype`: the attention's, for the caches' kv
+    dtype code."""
+    rows: list[list[int]] = []
+    tensors: list[torch.Tensor] = []
+    for layer in layers:
+        row = _layer_row(layer)
+        if row is None:
+            return None
+        rows.append(row[0])
+        tensors += row[1]
+    if not layers or not _dense(final_norm) or not _dense(cos_sin):
+        return None
+    k_cache, v_cache = layers[0].k_cache, layers[0].v_cache
+    return NativeStack(torch.tensor(rows, dtype=torch.int64), shape, final_norm, cos_sin,
+                       native.kv_dtype_code(k_cache, v_cache, compute_dtype),
+                       k_cache.shape[1], scale, tuple(tensors))
+
+
+__all__ = ["NativeStack", "StackLayer", "StackShape", "decoder_stack", "gather_stack"]
