@@ -193,8 +193,9 @@ def product_settings(config: EngineConfig, ops: TorchOps) -> ProductSettings:
     """The table's settings for an engine of `config` over the ops table `ops`: its BLAS
     (`cpu_gemm`, resolved), native panels where it runs the native kernels, and its
     `compute_dtype` (the engine's one copy: the attention's and the kept products'); the
-    int8 modes from `config` (int8_panels over prefill_int8)."""
-    int8 = "panels" if config.int8_panels else "prefill" if config.prefill_int8 else None
+    int8 modes from `config` (repacked_weights over int8_panels over prefill_int8)."""
+    int8 = "repacked" if config.repacked_weights else "panels" if config.int8_panels \
+        else "prefill" if config.prefill_int8 else None
     return ProductSettings(ops.cpu_gemm, ops.native, ops.compute_dtype, int8)
 
 

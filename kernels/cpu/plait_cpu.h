@@ -82,6 +82,11 @@
  * int8) from the panels, fewer rows as without the flag; plait_qgemm_i8 reads the panels
  * for any M. The panels must be those of the same parts and K. */
 #define PLAIT_QGEMM_I8 512
+/* A flag OR-ed into desc[0] (alone): the parts are repacked (plait_repack, below), and
+ * plait_qgemm computes as plait_repack_gemm with plait_repack_isa()'s kernel (x quantized
+ * to int8 per 32 weights), plait_dequantize as plait_repack_dequantize; the plait_repack_*
+ * functions take it or not. The native stack reads such a weight through plait_qgemm. */
+#define PLAIT_QGEMM_REPACKED 1024
 
 /* The pointers of one layer in plait_decoder_stack's table, in this order (as int64). */
 enum plait_stack_pointer {
@@ -112,13 +117,15 @@ int plait_gemm(const float *x, long M, long ldx, const float *w, long N, long K,
  * dequantized on the fly (exact: float32 products of the dequantized values); any M;
  * desc[0] may carry PLAIT_QGEMM_BF16 (above). A type it does not read, K not a whole number
  * of the type's blocks, F32 panels beside other parts, more than PLAIT_MAX_PARTS parts,
- * another flag: PLAIT_ERR_SHAPES. PLAIT_ERR_NOMEM. */
+ * another flag: PLAIT_ERR_SHAPES; a PLAIT_QGEMM_REPACKED descriptor: plait_repack_gemm.
+ * PLAIT_ERR_NOMEM. */
 int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
                 const float *bias, float *y, long ldy);
 
 /* qgemm.c: out[num_rows, K] = rows[i] of the descriptor's W (rows NULL: all N rows in order,
  * num_rows = N) in float32, the same bits as gguf-py's dequantizer. A row outside [0, N) or
- * a descriptor plait_qgemm refuses: PLAIT_ERR_SHAPES (nothing written). */
+ * a descriptor plait_qgemm refuses: PLAIT_ERR_SHAPES (nothing written). A
+ * PLAIT_QGEMM_REPACKED descriptor: plait_repack_dequantize. */
 int plait_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_rows,
                      float *out);
 
@@ -162,8 +169,8 @@ long plait_repack_bytes(int type, long rows, long K);
  * them, any alignment). PLAIT_ERR_SHAPES as plait_repack_bytes. */
 int plait_repack(const void *src, int type, long rows, long K, void *dst);
 /* repack.c: y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T + bias (NULL: none),
- * W [N, K] given by desc = [num_parts, (address, PLAIT_GGML_* type, rows) per part] of
- * repacked parts stacked along N. x quantized to int8 per 32 weights (sx = max |x| / 127, q
+ * W [N, K] given by desc = [num_parts (| PLAIT_QGEMM_REPACKED), (address, PLAIT_GGML_* type,
+ * rows) per part] of repacked parts stacked along N. x quantized to int8 per 32 weights (sx = max |x| / 127, q
  * = round(x / sx) to nearest even), exact int32 dot products of q with the codes, float32
  * scales and sums (repack.c states the order). isa: PLAIT_REPACK_C, or up to
  * plait_repack_isa(); both give the same bits. K % 32 != 0, a part plait_repack_bytes

@@ -119,12 +119,14 @@ int plait_repack(const void *src, int type, long rows, long K, void *dst) {
 /* Descriptors                                                                           */
 /* ------------------------------------------------------------------------------------ */
 
-/* desc = [num_parts, (address, type, rows) per part] of repacked parts into parts[], their
+/* desc = [num_parts (| PLAIT_QGEMM_REPACKED), (address, type, rows) per part] of repacked
+ * parts into parts[], their
  * total rows into *N; PLAIT_ERR_SHAPES for a type not repacked, K not a whole number of its
  * blocks, a count outside [1, PLAIT_MAX_PARTS], negative rows or rows at address 0. */
 static int rp_read_desc(const int64_t *desc, long K, rp_part_t *parts, int *num_parts, long *N) {
-  if (!desc || K <= 0 || desc[0] < 1 || desc[0] > PLAIT_MAX_PARTS) return PLAIT_ERR_SHAPES;
-  *num_parts = (int)desc[0];
+  int64_t count = desc ? desc[0] & ~(int64_t)PLAIT_QGEMM_REPACKED : 0;
+  if (K <= 0 || count < 1 || count > PLAIT_MAX_PARTS) return PLAIT_ERR_SHAPES;
+  *num_parts = (int)count;
   *N = 0;
   for (int i = 0; i < *num_parts; i++) {
     rp_part_t *p = &parts[i];

@@ -34,6 +34,9 @@ REPACKED_TYPES: frozenset[int] = frozenset({Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, 
 ISA_C: int = ABI.constants["PLAIT_REPACK_C"]
 ISA_VNNI512: int = ABI.constants["PLAIT_REPACK_VNNI512"]
 ISA_NAMES = {ISA_C: "c", ISA_VNNI512: "avx512-vnni"}
+# The flag of a descriptor's first word that marks repacked parts (plait_cpu.h's
+# PLAIT_QGEMM_REPACKED): `native.qgemm` and the native stack then compute as `repack_gemm`.
+REPACKED_FLAG: int = ABI.constants["PLAIT_QGEMM_REPACKED"]
 _ALIGN = 64  # each part's tiles start on a cache line
 
 
@@ -59,8 +62,10 @@ def repackable(weight: QuantWeight) -> bool:
 @dataclass(frozen=True, slots=True)
 class RepackedWeight:
     """W [out_features, in_features] repacked: `data` holds every part's tiles (part i at
-    byte `offsets[i]`, 64-byte aligned); `desc` int64 [1 + 3 parts] = [num_parts, (address,
-    type, rows) per part] is what the kernels read, valid while `data` lives."""
+    byte `offsets[i]`, 64-byte aligned); `desc` int64 [1 + 3 parts] = [num_parts |
+    REPACKED_FLAG, (address, type, rows) per part] is what the kernels read (the plait_repack
+    functions, and plait_qgemm / the native stack, which the flag sends there), valid while
+    `data` lives."""
 
     data: torch.Tensor  # uint8 [nbytes]
     offsets: tuple[int, ...]
@@ -96,7 +101,7 @@ def repack(weight: QuantWeight) -> RepackedWeight:
     data = torch.empty(total + _ALIGN, dtype=torch.uint8)
     shift = -data.data_ptr() % _ALIGN
     data = data[shift:shift + total]
-    flat: list[int] = [len(weight.parts)]
+    flat: list[int] = [len(weight.parts) | REPACKED_FLAG]
     for part, at in zip(weight.parts, offsets, strict=True):
         _check(lib.plait_repack(part.data.data_ptr(), part.ggml_type, part.rows, k,
                                 data.data_ptr() + at), "repack")
@@ -116,27 +121,40 @@ def repack_gemm(
     round(x / sx) to nearest even) and exact int32 dot products with W's codes, float32
     scales and sums: W's values are the file's, x's rounding the only approximation (as
     llama.cpp's CPU path). Any M (fastest for a decode step's few rows up to ~64)."""
+    return product(x, weight.desc, weight.in_features, weight.out_features, bias, kernel_isa,
+                   weight.describe())
+
+
+def product(
+    x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
+    desc: torch.Tensor,  # int64: a RepackedWeight's desc
+    in_features: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [N] float32
+    kernel_isa: int | None = None,
+    what: str = "W",
+) -> torch.Tensor:  # [M, N] float32
+    """`repack_gemm` given the weight's descriptor and shape (what a product row keeps)."""
     lib = loaded()
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, k = x.shape
-    if k != weight.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+    if k != in_features or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"repack_gemm: x {tuple(x.shape)} {x.dtype} does not fit W "
-                         f"[{weight.out_features}, {weight.in_features}] {weight.describe()}")
+                         f"[{out_features}, {in_features}] {what}")
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
-        if bias.shape != (weight.out_features,):
-            raise ValueError(f"repack_gemm: bias {tuple(bias.shape)}, W has "
-                             f"{weight.out_features} rows")
+        if bias.shape != (out_features,):
+            raise ValueError(f"repack_gemm: bias {tuple(bias.shape)}, W has {out_features} rows")
     chosen = isa() if kernel_isa is None else kernel_isa
     if chosen not in ISA_NAMES or chosen > isa():
         raise ValueError(f"repack_gemm: kernel isa {chosen} (this build has up to {isa()})")
-    y = torch.empty(rows, weight.out_features, dtype=torch.float32)
+    y = torch.empty(rows, out_features, dtype=torch.float32)
     if rows == 0:
         return y
-    _check(lib.plait_repack_gemm(x.data_ptr(), rows, x.stride(0), weight.desc.data_ptr(), k,
+    _check(lib.plait_repack_gemm(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
                                  None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                 weight.out_features, chosen), "repack_gemm")
+                                 out_features, chosen), "repack_gemm")
     return y
 
 
@@ -160,5 +178,6 @@ def repack_dequantize(
     return out
 
 
-__all__ = ["ISA_C", "ISA_NAMES", "ISA_VNNI512", "REPACKED_TYPES", "RepackedWeight", "isa",
-           "repack", "repack_dequantize", "repack_gemm", "repackable"]
+__all__ = ["ISA_C", "ISA_NAMES", "ISA_VNNI512", "REPACKED_FLAG", "REPACKED_TYPES",
+           "RepackedWeight", "isa", "product", "repack", "repack_dequantize", "repack_gemm",
+           "repackable"]
