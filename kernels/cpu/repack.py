@@ -165,19 +165,30 @@ def repack_dequantize(
     """Rows of W in float32 from the repacked tiles: the same bits as gguf-py's dequantizer
     of the original blocks (`quant.dequantize_reference`); the embedding lookup takes
     token ids as rows. ValueError for a row outside [0, N)."""
+    return dequantize_rows(weight.desc, weight.in_features, weight.out_features, rows)
+
+
+def dequantize_rows(
+    desc: torch.Tensor,  # int64: a RepackedWeight's desc
+    in_features: int,
+    out_features: int,
+    rows: torch.Tensor | None = None,  # [R] integer row ids in [0, N); None: all N rows
+) -> torch.Tensor:  # [R, K] float32
+    """`repack_dequantize` given the weight's descriptor and shape (what a product row
+    keeps)."""
     lib = loaded()
     if rows is not None:
         rows = rows.reshape(-1).to(torch.int64).contiguous()
-    num_rows = weight.out_features if rows is None else rows.shape[0]
-    out = torch.empty(num_rows, weight.in_features, dtype=torch.float32)
+    num_rows = out_features if rows is None else rows.shape[0]
+    out = torch.empty(num_rows, in_features, dtype=torch.float32)
     if num_rows == 0:
         return out
-    _check(lib.plait_repack_dequantize(weight.desc.data_ptr(), weight.in_features,
+    _check(lib.plait_repack_dequantize(desc.data_ptr(), in_features,
                                        None if rows is None else rows.data_ptr(), num_rows,
                                        out.data_ptr()), "repack_dequantize")
     return out
 
 
 __all__ = ["ISA_C", "ISA_NAMES", "ISA_VNNI512", "REPACKED_FLAG", "REPACKED_TYPES",
-           "RepackedWeight", "isa", "product", "repack", "repack_dequantize", "repack_gemm",
-           "repackable"]
+           "RepackedWeight", "dequantize_rows", "isa", "product", "repack", "repack_dequantize",
+           "repack_gemm", "repackable"]
