@@ -12,6 +12,7 @@
  * (repack_vnni.h; vpdpbusd computes I), and the plain C one below, which every build has:
  * they give the same bits. Threads (OpenMP, torch's pool) share the tiles of 16 columns.
  */
+#include "plait_cpu.h"
 #include "repack.h"
 
 /* ------------------------------------------------------------------------------------ */
