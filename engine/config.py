@@ -77,7 +77,8 @@ class EngineConfig:
 
     `repacked_weights` repacks the kept GGUF weights once at load at their own bit width
     (kernels/cpu/repack.py: 16 rows interleaved per block for AVX512-VNNI, 1.0-1.03x the
-    blocks' bytes, kept beside the blocks for now) and sends every product of them, decode
+    blocks' bytes, which are then released; a tied embedding reads its rows from the LM
+    head's repacked layout) and sends every product of them, decode
     steps and the native stack included, to the repacked kernel: x quantized to int8 per 32
     weights (prefill_int8's rounding, one rule for every type). It wins over the two int8
     options; without VNNI, or for F16 / BF16 weights, those products run as without it.
