@@ -215,11 +215,21 @@ static void quantize_row(const float *x, long K, int8_t *q, float *sx, float *sx
 #endif
     float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     int32_t sums[2] = {0, 0};
+#if LANES == 16
+    /* vcvtps2dq rounds as lrintf (the default rounding mode: nearest even) */
+    for (int h = 0; h < 2; h++) {
+      __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * h),
+                                                   _mm512_set1_ps(inv)));
+      _mm_storeu_si128((__m128i *)(q + 32 * g + 16 * h), _mm512_cvtepi32_epi8(c));
+      sums[h] = _mm512_reduce_add_epi32(c);
+    }
+#else
     for (int i = 0; i < 32; i++) {
       int32_t c = (int32_t)lrintf(v[i] * inv);
       q[32 * g + i] = (int8_t)c;
       sums[i / 16] += c;
     }
+#endif
     sx[g] = amax / 127.0f;
     sxq[g] = sx[g] * (float)(sums[0] + sums[1]);
     sum16[2 * g] = sums[0];
