@@ -10,7 +10,8 @@
  * with q = round(x / sx) (nearest even), sx = max |x| / 127 over the group, sxq = sx sum q.
  * The two float32 steps are FMAs in this order in both kernels: the AVX512-VNNI one
  * (repack_vnni.h; vpdpbusd computes I), and the plain C one below, which every build has:
- * they give the same bits. Threads (OpenMP, torch's pool) share the tiles of 16 columns.
+ * they give the same bits. Threads (OpenMP, torch's pool) share units of two tiles (32
+ * columns).
  */
 #include "plait_cpu.h"
 #include "repack.h"
