@@ -2,24 +2,32 @@
 """One build's prefill and decode speed in-process, without HTTP, for before/after
 comparisons of two checkouts (BENCHMARKS.md, "Model families"):
 
-    python scripts/bench_prefill_ab.py FILE.gguf   # prefill_ms=... decode_ms_per_token=...
+    python scripts/bench_prefill_ab.py FILE.gguf [--compute-dtype bfloat16]
+        [--kv-cache-dtype bfloat16] [--int8-panels]   # prefill_ms=... decode_ms_per_token=...
 
-`LLM` on the file (its defaults), one warm-up, then 6 times: a prefill of 520 random words
-(about W1's prompt) with 1 output token, and another prompt with 65 greedy tokens, whose
-time less the prefill's, over 64, is the decode time per token. Prints the medians. Run it
-once per build, alternating, with PYTHONPATH naming the build's `plait` only (a folder
-holding a link to that checkout's plait/) and a PLAIT_CACHE of its own."""
+`LLM` on the file (its defaults, or the mode the flags name), one warm-up, then 6 times: a
+prefill of 520 random words (about W1's prompt) with 1 output token, and another prompt
+with 65 greedy tokens, whose time less the prefill's, over 64, is the decode time per
+token. Prints the medians. Run it once per build, alternating, with PYTHONPATH naming the
+build's `plait` only (a folder holding a link to that checkout's plait/) and a PLAIT_CACHE
+of its own."""
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
-import sys
 import time
 
 from plait import LLM, SamplingParams
 
-path = sys.argv[1]
-llm = LLM(path, num_kv_blocks=512)
+parser = argparse.ArgumentParser()
+parser.add_argument("path")
+parser.add_argument("--compute-dtype", default="float32")
+parser.add_argument("--kv-cache-dtype", default="auto")
+parser.add_argument("--int8-panels", action="store_true")
+args = parser.parse_args()
+llm = LLM(args.path, num_kv_blocks=512, compute_dtype=args.compute_dtype,
+          kv_cache_dtype=args.kv_cache_dtype, int8_panels=args.int8_panels)
 rng = random.Random(0)
 words = ["river", "stone", "light", "apple", "quiet", "number", "garden", "cloud", "paper",
          "iron", "silver", "market"]

@@ -27,16 +27,26 @@ from plait.kernels.cpu import native
 
 
 def _label_native_kernels() -> None:
-    """Make the native kernels' calls visible to torch.profiler."""
+    """Make the native kernels' calls visible to torch.profiler (the whole-stack call lives
+    in `plait.kernels.cpu.stack`; older checkouts had it in `native`: either is wrapped)."""
+    modules = [native]
+    try:
+        from plait.kernels.cpu import stack
+        modules.append(stack)
+    except ImportError:
+        pass
     for name in ("gemm", "qgemm", "qgemm_i8", "dequantize", "decode_attention", "rope_write_kv",
                  "sample_inverse_cdf", "add_rms_norm", "silu_mul", "decoder_stack"):
-        kernel = getattr(native, name)
+        for module in modules:
+            kernel = getattr(module, name, None)
+            if kernel is None:
+                continue
 
-        def labelled(*args, _kernel=kernel, _label=f"plait::native_{name}", **kwargs):
-            with torch.profiler.record_function(_label):
-                return _kernel(*args, **kwargs)
+            def labelled(*args, _kernel=kernel, _label=f"plait::native_{name}", **kwargs):
+                with torch.profiler.record_function(_label):
+                    return _kernel(*args, **kwargs)
 
-        setattr(native, name, labelled)
+            setattr(module, name, labelled)
 
 
 def main() -> None:

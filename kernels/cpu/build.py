@@ -307,7 +307,16 @@ def loaded() -> ctypes.CDLL:
     return lib
 
 
+def check_rc(rc: int, kernel: str, limits: str = "") -> None:
+    """A kernel's return code (plait_cpu.h: 0 ok, -1 shapes refused, -2 out of memory) as
+    an exception."""
+    if rc == -2:
+        raise MemoryError(f"native {kernel} could not allocate its buffers")
+    if rc != 0:
+        raise ValueError(f"{kernel}: shapes beyond the kernel's limits{limits}")
+
+
 __all__ = ["ABI", "FLAGS", "HEADER", "HEADERS", "MAX_BLOCK", "MAX_HEAD_DIM", "MAX_QUERIES",
            "NATIVE_MAX_ROWS", "SOURCES", "STACK_POINTERS", "Abi", "AbiError", "available",
-           "build_environment_problem", "ctypes_signature", "library", "loaded",
+           "build_environment_problem", "check_rc", "ctypes_signature", "library", "loaded",
            "parse_header", "unavailable_reason"]

@@ -34,11 +34,34 @@
  * 12 rows of K = 576 (27 KiB) still in L1 (16 rows measured 1.5x slower per row). */
 #define FUSED_ROWS (RMAX < 12 ? RMAX : 12)
 
+/* What qgemm, qgemm_i8 and dequantize need of a type, one row of QUANT_TRAITS per GGML type
+ * id (defined after qgemm_i8.h, once every type's functions are): its block shape and its
+ * row functions, each an instantiation for the type (its decoder inlined, the type a
+ * constant), in place of a switch over the type. */
+typedef struct {
+  long per_block, block_bytes;  /* weights and bytes per block; 0: a type not read here */
+  /* 32-weight groups g0 .. g0 + n - 1 of a row into dst [32 n] float32 */
+  void (*groups)(const uint8_t *row, long g0, long n, float *dst);
+  /* y[r * ldy] = x[r] . row + bias for the R <= FUSED_ROWS rows of a tile (K % 32 == 0) */
+  void (*tiles)(const float *x, int R, long ldx, const uint8_t *row, long K, float *y,
+                long ldy, float bias);
+  /* one x row factored (quants_32; xsum [K / 32] its group sums), or NULL: tiles */
+  float (*factored)(const float *x, const uint8_t *row, long K, const float *xsum);
+  /* qgemm_i8.h: a row's K / 32 groups as codes [K] and (a, a, o, o) per group, or NULL: a
+   * type qgemm_i8 does not read (or a build without it) */
+  void (*i8_row)(const uint8_t *row, long groups, uint8_t *codes, float *ao);
+  int i8_group;  /* qgemm_i8's x group for this type: 32, or 16 (Q6_K's 16-weight scales) */
+} quant_traits_t;
+
 typedef struct {
   const uint8_t *data;
   int type;
   long first, rows, row_bytes;  /* first: the part's first row in W */
+  const quant_traits_t *traits;  /* the type's traits (NULL for F32 panels) */
 } part_t;
+
+/* The traits of `type`, or NULL for a type this file does not read (after the table). */
+static const quant_traits_t *traits_of(int type);
 
 /* ------------------------------------------------------------------------------------ */
 /* Rows -> float32                                                                       */
@@ -66,22 +89,9 @@ static void deq_bf16_row(const uint8_t *src, long K, float *dst) {  /* the high 
 }
 
 /* 32-weight groups g0 .. g0 + num_groups - 1 of row `row` of part p (K % 32 == 0) into dst
- * [32 * num_groups] float32: a loop per type, so that each group's decoder is inlined. */
+ * [32 * num_groups] float32: the type's `groups` (its decoder inlined in a loop). */
 static void dequant_groups(const part_t *p, long row, long g0, long num_groups, float *dst) {
-  const uint8_t *src = p->data + row * p->row_bytes;
-  vf w[32 / LANES];
-  switch (p->type) {
-#define GROUPS(type)                                                          \
-  case type:                                                                  \
-    for (long g = 0; g < num_groups; g++) {                                   \
-      decode_group(type, src, g0 + g, w);                                     \
-      for (int j = 0; j < 32 / LANES; j++) store(dst + 32 * g + j * LANES, w[j]); \
-    }                                                                         \
-    return;
-    FOR_EACH_TYPE(GROUPS)
-#undef GROUPS
-    default: return;
-  }
+  p->traits->groups(p->data + row * p->row_bytes, g0, num_groups, dst);
 }
 
 /* Row `row` of part p (K weights) into dst [K] float32; F16 / BF16 rows of K % 32 != 0
@@ -94,21 +104,6 @@ static void dequant_row(const part_t *p, long row, long K, float *dst) {
     deq_f16_row(src, K, dst);
   else
     deq_bf16_row(src, K, dst);
-}
-
-/* Weights per block and bytes per block of a type this file reads; 0 for any other. */
-static void type_shape(int type, long *per_block, long *bytes) {
-  switch (type) {
-    case PLAIT_GGML_F16: case PLAIT_GGML_BF16: *per_block = 1; *bytes = 2; return;
-    case PLAIT_GGML_Q4_0: *per_block = 32; *bytes = 18; return;
-    case PLAIT_GGML_Q4_1: *per_block = 32; *bytes = 20; return;
-    case PLAIT_GGML_Q5_0: *per_block = 32; *bytes = 22; return;
-    case PLAIT_GGML_Q8_0: *per_block = 32; *bytes = 34; return;
-    case PLAIT_GGML_Q4_K: *per_block = 256; *bytes = 144; return;
-    case PLAIT_GGML_Q5_K: *per_block = 256; *bytes = 176; return;
-    case PLAIT_GGML_Q6_K: *per_block = 256; *bytes = 210; return;
-    default: *per_block = 0; *bytes = 0; return;
-  }
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -137,8 +132,9 @@ static int read_desc(const int64_t *desc, long K, part_t *parts, int *num_parts,
     p->type = (int)desc[2 + 3 * i];
     p->rows = desc[3 + 3 * i];
     p->first = *N;
-    long per_block, bytes;
-    type_shape(p->type, &per_block, &bytes);
+    p->traits = traits_of(p->type);
+    long per_block = p->traits ? p->traits->per_block : 0;
+    long bytes = p->traits ? p->traits->block_bytes : 0;
     if (p->type == PLAIT_GGML_F32 && *num_parts == 1) {
       per_block = 1;
       bytes = 4;
@@ -243,39 +239,50 @@ ALWAYS_INLINE float factored_dot(int type, const float *x, const uint8_t *row, l
   return hsum(acc) + macc;
 }
 
-/* y[r * ldy] = x[r] . row + bias for the R <= FUSED_ROWS rows of a tile (K % 32 == 0); a
- * single x row of a 32-weight block type factored when its group sums are given (xsum
- * [K / 32], else NULL). */
-static void fused_row(int type, const float *x, int R, long ldx, const uint8_t *row, long K,
-                      const float *xsum, float *y, long ldy, float bias) {
-  if (xsum) {
-    switch (type) {
-#define ONE(t) \
-  case t: *y = factored_dot(t, x, row, K, xsum) + bias; return;
-      ONE(PLAIT_GGML_Q4_0) ONE(PLAIT_GGML_Q4_1) ONE(PLAIT_GGML_Q5_0) ONE(PLAIT_GGML_Q8_0)
-#undef ONE
-      default: break;
-    }
-  }
+/* Each type's row functions for its QUANT_TRAITS row (an X-macro instantiation per type). */
 #if RMAX > 8
 #define MORE_TILES(t) TILE(9, t) TILE(10, t) TILE(11, t) TILE(12, t)
 #else
 #define MORE_TILES(t)
 #endif
-  switch (type) {
 #define TILE(n, t) \
-  case n: fused_tile(n, t, x, ldx, row, K, y, ldy, bias); break;
-#define TYPE(t)                                                                   \
-  case t:                                                                         \
-    switch (R) { TILE(1, t) TILE(2, t) TILE(3, t) TILE(4, t) TILE(5, t) TILE(6, t) \
-                 TILE(7, t) TILE(8, t) MORE_TILES(t) }                             \
-    break;
-    FOR_EACH_TYPE(TYPE)
-#undef TYPE
+  case n: fused_tile(n, t, x, ldx, row, K, y, ldy, bias); return;
+#define ROW_FUNCTIONS(t)                                                                  \
+  static void groups_##t(const uint8_t *row, long g0, long n, float *dst) {               \
+    vf w[32 / LANES];                                                                     \
+    for (long g = 0; g < n; g++) {                                                        \
+      decode_group(t, row, g0 + g, w);                                                    \
+      for (int j = 0; j < 32 / LANES; j++) store(dst + 32 * g + j * LANES, w[j]);          \
+    }                                                                                     \
+  }                                                                                       \
+  static void tiles_##t(const float *x, int R, long ldx, const uint8_t *row, long K,      \
+                        float *y, long ldy, float bias) {                                 \
+    switch (R) { TILE(1, t) TILE(2, t) TILE(3, t) TILE(4, t) TILE(5, t) TILE(6, t)         \
+                 TILE(7, t) TILE(8, t) MORE_TILES(t) default: return; }                   \
+  }
+FOR_EACH_TYPE(ROW_FUNCTIONS)
+#undef ROW_FUNCTIONS
 #undef TILE
 #undef MORE_TILES
-    default: break;
+#define FACTORED(t)                                                                       \
+  static float factored_##t(const float *x, const uint8_t *row, long K, const float *xsum) { \
+    return factored_dot(t, x, row, K, xsum);                                              \
   }
+FACTORED(PLAIT_GGML_Q4_0) FACTORED(PLAIT_GGML_Q4_1) FACTORED(PLAIT_GGML_Q5_0)
+FACTORED(PLAIT_GGML_Q8_0)
+#undef FACTORED
+
+/* y[r * ldy] = x[r] . row + bias for the R <= FUSED_ROWS rows of a tile (K % 32 == 0); a
+ * single x row of a 32-weight block type factored when its group sums are given (xsum
+ * [K / 32], else NULL). */
+static void fused_row(const quant_traits_t *t, const float *x, int R, long ldx,
+                      const uint8_t *row, long K, const float *xsum, float *y, long ldy,
+                      float bias) {
+  if (xsum && t->factored) {
+    *y = t->factored(x, row, K, xsum) + bias;
+    return;
+  }
+  t->tiles(x, R, ldx, row, K, y, ldy, bias);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -313,7 +320,7 @@ static void row_dot(const acts_t *a, int R, const part_t *p, long n, long K, flo
     return;
   }
 #endif
-  fused_row(p->type, a->x, R, a->ldx, row, K, R == 1 ? a->xsum : NULL, y, ldy, b);
+  fused_row(p->traits, a->x, R, a->ldx, row, K, R == 1 ? a->xsum : NULL, y, ldy, b);
 }
 
 /* y[M, N] = x[M, K] @ W^T + bias for W of quantized parts (see the top of the file). Each
@@ -554,6 +561,36 @@ int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long
 /* ------------------------------------------------------------------------------------ */
 
 #include "qgemm_i8.h"
+
+/* ------------------------------------------------------------------------------------ */
+/* The traits table: one row per GGML type id                                             */
+/* ------------------------------------------------------------------------------------ */
+
+#if QGEMM_I8
+#define I8_ROW(t) i8_row_##t
+#else
+#define I8_ROW(t) NULL
+#endif
+#define TRAITS(t, per_block, bytes, factored, i8_row, i8_group) \
+  [t] = {per_block, bytes, groups_##t, tiles_##t, factored, i8_row, i8_group},
+static const quant_traits_t QUANT_TRAITS[PLAIT_GGML_BF16 + 1] = {
+  TRAITS(PLAIT_GGML_F16, 1, 2, NULL, NULL, 0)
+  TRAITS(PLAIT_GGML_BF16, 1, 2, NULL, NULL, 0)
+  TRAITS(PLAIT_GGML_Q4_0, 32, 18, factored_PLAIT_GGML_Q4_0, I8_ROW(PLAIT_GGML_Q4_0), 32)
+  TRAITS(PLAIT_GGML_Q4_1, 32, 20, factored_PLAIT_GGML_Q4_1, I8_ROW(PLAIT_GGML_Q4_1), 32)
+  TRAITS(PLAIT_GGML_Q5_0, 32, 22, factored_PLAIT_GGML_Q5_0, I8_ROW(PLAIT_GGML_Q5_0), 32)
+  TRAITS(PLAIT_GGML_Q8_0, 32, 34, factored_PLAIT_GGML_Q8_0, I8_ROW(PLAIT_GGML_Q8_0), 32)
+  TRAITS(PLAIT_GGML_Q4_K, 256, 144, NULL, I8_ROW(PLAIT_GGML_Q4_K), 32)
+  TRAITS(PLAIT_GGML_Q5_K, 256, 176, NULL, I8_ROW(PLAIT_GGML_Q5_K), 32)
+  TRAITS(PLAIT_GGML_Q6_K, 256, 210, NULL, I8_ROW(PLAIT_GGML_Q6_K), 16)
+};
+#undef TRAITS
+#undef I8_ROW
+
+static const quant_traits_t *traits_of(int type) {
+  if (type < 0 || type > PLAIT_GGML_BF16 || QUANT_TRAITS[type].per_block == 0) return NULL;
+  return &QUANT_TRAITS[type];
+}
 
 int plait_has_qgemm_i8(void) {
 #if QGEMM_I8

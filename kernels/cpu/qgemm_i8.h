@@ -122,17 +122,14 @@ ALWAYS_INLINE void i8_row_of(int type, const uint8_t *row, long groups, uint8_t 
   }
 }
 
-static void i8_row(int type, const uint8_t *row, long groups, uint8_t *codes, float *ao) {
-  switch (type) {
-    case PLAIT_GGML_Q4_0: i8_row_of(PLAIT_GGML_Q4_0, row, groups, codes, ao); return;
-    case PLAIT_GGML_Q4_1: i8_row_of(PLAIT_GGML_Q4_1, row, groups, codes, ao); return;
-    case PLAIT_GGML_Q5_0: i8_row_of(PLAIT_GGML_Q5_0, row, groups, codes, ao); return;
-    case PLAIT_GGML_Q8_0: i8_row_of(PLAIT_GGML_Q8_0, row, groups, codes, ao); return;
-    case PLAIT_GGML_Q4_K: i8_row_of(PLAIT_GGML_Q4_K, row, groups, codes, ao); return;
-    case PLAIT_GGML_Q5_K: i8_row_of(PLAIT_GGML_Q5_K, row, groups, codes, ao); return;
-    default: i8_row_of(PLAIT_GGML_Q6_K, row, groups, codes, ao); return;
+#define I8_ROW_OF(t)                                                                     \
+  static void i8_row_##t(const uint8_t *row, long groups, uint8_t *codes, float *ao) {     \
+    i8_row_of(t, row, groups, codes, ao);                                                  \
   }
-}
+I8_ROW_OF(PLAIT_GGML_Q4_0) I8_ROW_OF(PLAIT_GGML_Q4_1) I8_ROW_OF(PLAIT_GGML_Q5_0)
+I8_ROW_OF(PLAIT_GGML_Q8_0) I8_ROW_OF(PLAIT_GGML_Q4_K) I8_ROW_OF(PLAIT_GGML_Q5_K)
+I8_ROW_OF(PLAIT_GGML_Q6_K)
+#undef I8_ROW_OF
 
 /* Weight rows n0 .. n0 + 15 of W [N, K] (rows past N: zeros) packed into dst as above, through
  * the caller's scratch (i8_scratch_bytes(K): rows [16][K] codes, then ao [16][K / 32][4]
@@ -149,7 +146,7 @@ static void i8_pack_panel(const part_t *parts, int num_parts, long N, long K, in
     long n = n0 + r;
     if (n < N) {
       const part_t *p = part_of(parts, num_parts, n);
-      i8_row(p->type, p->data + (n - p->first) * p->row_bytes, groups, rows + r * K,
+      p->traits->i8_row(p->data + (n - p->first) * p->row_bytes, groups, rows + r * K,
              ao + r * groups * 4);
     } else {
       memset(rows + r * K, 0, (size_t)K);
@@ -275,16 +272,14 @@ static void i8_quantize(const float *x, long M, long ldx, long K, int G, int8_t 
 }
 
 
-/* G of parts (16 where one is Q6_K, else 32), or 0 where a part's type is not read here. */
+/* G of parts (16 where one is Q6_K, else 32: the least of their traits' i8_group), or 0
+ * where a part's type is not read here. */
 static int i8_group(const part_t *parts, int num_parts) {
   int G = 32;
   for (int i = 0; i < num_parts; i++) {
-    switch (parts[i].type) {
-      case PLAIT_GGML_Q6_K: G = 16; break;
-      case PLAIT_GGML_Q4_0: case PLAIT_GGML_Q4_1: case PLAIT_GGML_Q5_0: case PLAIT_GGML_Q8_0:
-      case PLAIT_GGML_Q4_K: case PLAIT_GGML_Q5_K: break;
-      default: return 0;
-    }
+    const quant_traits_t *t = parts[i].traits;
+    if (!t || !t->i8_row) return 0;
+    if (t->i8_group < G) G = t->i8_group;
   }
   return G;
 }

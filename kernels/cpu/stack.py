@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from plait.kernels.cpu import native
-from plait.kernels.cpu.build import STACK_POINTERS, loaded
+from plait.kernels.cpu.build import STACK_POINTERS, check_rc, loaded
 from plait.kernels.cpu.products import StackWeight
 
 
@@ -83,7 +83,7 @@ def decoder_stack(
         block_tables.data_ptr(), block_tables.stride(0), chunk_shared.shape[0],
         chunk_start.data_ptr(), chunk_shared.data_ptr(), q_rows.data_ptr(),
         table_rows.data_ptr(), ctx_lens.data_ptr(), stack.scale, out.data_ptr())
-    native.check_rc(rc, "decoder_stack")
+    check_rc(rc, "decoder_stack")
     return out
 
 

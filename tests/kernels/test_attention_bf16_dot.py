@@ -23,7 +23,7 @@ from helpers.kernel_cases import BatchSpec, PagedBatch, build_batch, share_prefi
 from helpers.native_builds import library_without_avx512bf16
 from helpers.threads import torch_threads
 
-from plait.kernels.cpu import build, native
+from plait.kernels.cpu import build, native, native_attn
 from plait.kernels.cpu.attention import NativeRows, native_attention, plan_native
 
 HAS_DOT = build.available() and "avx512_bf16" in build._cpu_flags()
@@ -236,7 +236,7 @@ def test_the_flag_with_float32_caches_is_refused() -> None:
 def test_a_build_without_avx512bf16_computes_float32(tmp_path, monkeypatch) -> None:
     """`-mno-avx512bf16`: the flag is taken and computes the float32 path's bits."""
     lib = library_without_avx512bf16(tmp_path)
-    monkeypatch.setattr(native, "loaded", lambda: lib)
+    monkeypatch.setattr(native_attn, "loaded", lambda: lib)  # decode_attention's
     for group in (3, 7):
         batch = _batch(group, 64, 16)
         rows = _plan(batch)

@@ -227,6 +227,7 @@ def test_descriptors_the_kernels_cannot_read_are_refused() -> None:
     bad = [
         (_desc((addr, int(GGMLQuantizationType.Q2_K), 4)), K),  # a type not kept native
         (_desc((addr, 99, 4)), K),
+        (_desc((addr, -3, 4)), K),  # outside the traits table
         (weight.desc, K - 16),  # K not a whole number of blocks
         (_desc((addr, quant.Q4_1, 4), (addr, 0, 4)), K),  # F32 panels beside another part
         (_desc((addr, quant.Q4_1, -1)), K),
