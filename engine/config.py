@@ -75,6 +75,14 @@ class EngineConfig:
     where a part is Q6_K, kept beside the blocks, which the embedding still reads): memory
     traded for speed, with prefill_int8's numerics at every step.
 
+    `repacked_weights` repacks the kept GGUF weights once at load at their own bit width
+    (kernels/cpu/repack.py: 16 rows interleaved per block for AVX512-VNNI, 1.0-1.03x the
+    blocks' bytes, which are then released; a tied embedding reads its rows from the LM
+    head's repacked layout) and sends every product of them, decode
+    steps and the native stack included, to the repacked kernel: x quantized to int8 per 32
+    weights (prefill_int8's rounding, one rule for every type). It wins over the two int8
+    options; without VNNI, or for F16 / BF16 weights, those products run as without it.
+
     `kv_cache_dtype` "auto" stores K and V in the model dtype (float32 on a float32 CPU
     engine); "bfloat16" stores them as bf16, rounded to nearest even when written and widened
     to float32 (exactly) inside the attention, which still computes in float32 (but for
@@ -113,6 +121,7 @@ class EngineConfig:
     compute_dtype: str = "float32"
     prefill_int8: bool = False
     int8_panels: bool = False
+    repacked_weights: bool = False
     kv_cache_dtype: str = "auto"
     # KV-cache events (engine/kv_events.py): off unless an endpoint is given.
     kv_events_endpoint: str | None = None

@@ -122,7 +122,7 @@ class _Loader:
         if "output.weight" in self.tensors:
             model.lm_head = self.linear(model.lm_head, ["output"])
         elif isinstance(embedding, QuantEmbedding):
-            model.lm_head = Linear.kept(embedding.qweight)
+            model.lm_head = Linear.kept(embedding.blocks)
         else:  # a float32 embedding: the head shares its Parameter
             model.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
             model.lm_head.weight = embedding.weight

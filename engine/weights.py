@@ -106,7 +106,7 @@ def _keep_half(model: LlamaForCausalLM, hf: dict[str, torch.Tensor]) -> None:
             weight = _lookup(hf, f"{full}.weight")
             if full == "lm_head" and weight is None and \
                     isinstance(model.embed_tokens, QuantEmbedding):
-                setattr(module, name, Linear.kept(model.embed_tokens.qweight))
+                setattr(module, name, Linear.kept(model.embed_tokens.blocks))
             elif weight is not None and weight.dtype in _KEPT_DTYPES:
                 bias = _lookup(hf, f"{full}.bias") if child.bias is not None else None
                 if child.bias is not None and bias is None:

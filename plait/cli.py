@@ -139,6 +139,11 @@ OPTIONS: tuple[Option, ...] = (
            "from an int8 copy of the weights packed at load (+1.25 bytes a weight beside "
            "the blocks): decode steps faster too, one stream included (off: as "
            "--prefill-int8 and --compute-dtype say)"),
+    Option("--repacked-weights", bool,
+           "kept GGUF weights repacked once at load at their own bit width (16 rows "
+           "interleaved for AVX512-VNNI, 1.0-1.03x the blocks' bytes, which are released), "
+           "every product with x quantized to int8 per 32 weights (over --int8-panels "
+           "and --prefill-int8; without VNNI: no change)"),
     Option("--kv-cache-dtype", str,
            "the KV cache's element type: auto (the model dtype) or bfloat16 (half the bytes "
            "of a float32 CPU engine's, so twice the blocks; attention in float32 unless "

@@ -24,7 +24,7 @@ from torch import nn
 
 from plait.engine.config import CPU_GEMMS, EngineConfig
 from plait.kernels import TorchOps
-from plait.kernels.cpu import native
+from plait.kernels.cpu import native, repack
 from plait.kernels.cpu.products import (
     TORCH,
     Product,
@@ -56,6 +56,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.qweight, self.product, self.state = None, TORCH, None
+        self.dropped: str | None = None  # the types of blocks released by drop_blocks
 
     @classmethod
     def kept(cls, qweight: QuantWeight, bias: torch.Tensor | None = None) -> Linear:
@@ -68,16 +69,29 @@ class Linear(nn.Module):
         new.register_parameter("weight", None)  # no float copy: `qweight` is the weight
         new.bias = None if bias is None else nn.Parameter(bias.float().contiguous(),
                                                           requires_grad=False)
-        new.qweight = qweight
+        new.qweight, new.dropped = qweight, None
         new.select(row("kept/f32"))
         return new
 
     def source(self) -> torch.Tensor | QuantWeight:
-        """The weight as loaded: the kept blocks, or the dense Parameter."""
+        """The weight as loaded: the kept blocks, or the dense Parameter. RuntimeError once
+        `drop_blocks` released the blocks."""
         if self.qweight is not None:
             return self.qweight
-        assert self.weight is not None
+        if self.weight is None:
+            raise RuntimeError(f"this layer's kept blocks ({self.dropped}) were released "
+                               f"once repacked: it computes only through {self.product.name}")
         return self.weight
+
+    def drop_blocks(self) -> bool:
+        """Release the kept blocks where the row's state does not read them (the repacked
+        row's: its own layout replaces them), so that they are freed once nothing else
+        holds them; the layer then computes only through that row (`select` raises).
+        Returns whether it released them."""
+        if self.qweight is None or self.state is None or self.state.qweight is not None:
+            return False
+        self.dropped, self.qweight = self.qweight.describe(), None
+        return True
 
     def select(self, product: Product) -> None:
         """Compute through `product` from now on: its `prepare` packs the weight once (call
@@ -129,14 +143,40 @@ class QuantEmbedding(nn.Module):
     def __init__(self, qweight: QuantWeight) -> None:
         super().__init__()
         check_native(qweight)
-        self.qweight = qweight
+        self.qweight: QuantWeight | None = qweight  # None once use_repacked
         self.num_embeddings, self.embedding_dim = qweight.out_features, qweight.in_features
 
+        self.repacked: ProductState | None = None  # use_repacked's
+
+    @property
+    def blocks(self) -> QuantWeight:
+        """The kept blocks (what a tied LM head is built over at load); RuntimeError once
+        `use_repacked` released them."""
+        if self.qweight is None:
+            raise RuntimeError("the embedding's blocks were released once repacked")
+        return self.qweight
+
+    def use_repacked(self, state: ProductState) -> None:
+        """Read the rows from a repacked row's state over the same weight (a tied LM head's:
+        `repack.dequantize_rows`, gguf-py's bits, as before) and release the blocks."""
+        if state.desc is None or state.packed is None or \
+                (state.out_features, state.in_features) != (self.num_embeddings,
+                                                             self.embedding_dim):
+            raise ValueError("use_repacked: not a repacked state of this embedding's shape")
+        self.repacked, self.qweight = state, None
+
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] f32
-        return native.dequantize(self.qweight, token_ids.to(torch.int64).contiguous())
+        ids = token_ids.to(torch.int64).contiguous()
+        if self.repacked is not None:
+            assert self.repacked.desc is not None
+            return repack.dequantize_rows(self.repacked.desc, self.embedding_dim,
+                                          self.num_embeddings, ids)
+        assert self.qweight is not None
+        return native.dequantize(self.qweight, ids)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, types={self.qweight.describe()}"
+        held = "repacked" if self.qweight is None else f"types={self.qweight.describe()}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {held}"
 
 
 def weight_bytes(model: nn.Module) -> tuple[int, int]:
@@ -193,8 +233,9 @@ def product_settings(config: EngineConfig, ops: TorchOps) -> ProductSettings:
     """The table's settings for an engine of `config` over the ops table `ops`: its BLAS
     (`cpu_gemm`, resolved), native panels where it runs the native kernels, and its
     `compute_dtype` (the engine's one copy: the attention's and the kept products'); the
-    int8 modes from `config` (int8_panels over prefill_int8)."""
-    int8 = "panels" if config.int8_panels else "prefill" if config.prefill_int8 else None
+    int8 modes from `config` (repacked_weights over int8_panels over prefill_int8)."""
+    int8 = "repacked" if config.repacked_weights else "panels" if config.int8_panels \
+        else "prefill" if config.prefill_int8 else None
     return ProductSettings(ops.cpu_gemm, ops.native, ops.compute_dtype, int8)
 
 
@@ -207,7 +248,27 @@ def apply_products(model: nn.Module, settings: ProductSettings) -> dict[Product,
             product = settings.choose(module.source())
             module.select(product)
             chosen.setdefault(product, []).append(module)
+    drop_replaced_blocks(model)
     return chosen
+
+
+def drop_replaced_blocks(model: nn.Module) -> None:
+    """Every kept linear whose row no longer reads its blocks (the repacked row) releases
+    them (`Linear.drop_blocks`); an embedding over the same blocks (a tied LM head's) then
+    reads its rows from that linear's repacked layout (`QuantEmbedding.use_repacked`), so
+    the blocks are freed. An embedding of its own keeps its blocks."""
+    dropped: dict[int, tuple[QuantWeight, Linear]] = {}
+    for module in model.modules():
+        if isinstance(module, Linear) and module.qweight is not None:
+            qweight = module.qweight
+            if module.drop_blocks():
+                dropped[id(qweight)] = (qweight, module)
+    for module in model.modules():
+        if isinstance(module, QuantEmbedding) and module.qweight is not None \
+                and id(module.qweight) in dropped:
+            state = dropped[id(module.qweight)][1].state
+            assert state is not None
+            module.use_repacked(state)
 
 
 def select_products(model: nn.Module, config: EngineConfig) -> dict[Product, list[Linear]]:
@@ -218,7 +279,7 @@ def select_products(model: nn.Module, config: EngineConfig) -> dict[Product, lis
     settings = product_settings(config, cast(TorchOps, model.ops))
     chosen = apply_products(model, settings)
     for product, linears in chosen.items():
-        types = Counter(m.qweight.describe() if m.qweight is not None else
+        types = Counter(m.qweight.describe() if m.qweight is not None else m.dropped or
                         str(m.weight.dtype if m.weight is not None else None).removeprefix(
                             "torch.") for m in linears)
         logger.info("products: %s for %d linears (%s): %s", product.name, len(linears),
@@ -231,4 +292,5 @@ def select_products(model: nn.Module, config: EngineConfig) -> dict[Product, lis
 
 
 __all__ = ["CPU_GEMMS", "Linear", "QuantEmbedding", "apply_products", "cpu_vendor",
+           "drop_replaced_blocks",
            "product_settings", "resolve_cpu_gemm", "select_products", "weight_bytes"]

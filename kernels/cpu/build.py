@@ -43,11 +43,11 @@ _HERE = Path(__file__).parent
 # The C sources, built together into one library; the ABI header (parsed here) and the
 # vector helpers they include. The cache key hashes all of them.
 SOURCES = tuple(_HERE / name for name in ("gemm.c", "qgemm.c", "attention.c", "rowwise.c",
-                                             "decoder.c"))
+                                             "decoder.c", "repack.c"))
 HEADER = _HERE / "plait_cpu.h"
 HEADERS = (HEADER, _HERE / "vec.h", _HERE / "quant.h", _HERE / "qgemm_bf16.h",
            _HERE / "qgemm_batch.h", _HERE / "qgemm_batch_bf16.h", _HERE / "attention_bf16.h",
-           _HERE / "qgemm_i8.h")
+           _HERE / "qgemm_i8.h", _HERE / "repack.h", _HERE / "repack_vnni.h")
 # -Wall -Werror: a warning fails the build; -Wmissing-prototypes: so does a non-static
 # function plait_cpu.h does not declare (each definition is checked against its prototype).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall", "-Werror",

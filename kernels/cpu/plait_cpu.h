@@ -82,6 +82,11 @@
  * int8) from the panels, fewer rows as without the flag; plait_qgemm_i8 reads the panels
  * for any M. The panels must be those of the same parts and K. */
 #define PLAIT_QGEMM_I8 512
+/* A flag OR-ed into desc[0] (alone): the parts are repacked (plait_repack, below), and
+ * plait_qgemm computes as plait_repack_gemm with plait_repack_isa()'s kernel (x quantized
+ * to int8 per 32 weights), plait_dequantize as plait_repack_dequantize; the plait_repack_*
+ * functions take it or not. The native stack reads such a weight through plait_qgemm. */
+#define PLAIT_QGEMM_REPACKED 1024
 
 /* The pointers of one layer in plait_decoder_stack's table, in this order (as int64). */
 enum plait_stack_pointer {
@@ -112,13 +117,15 @@ int plait_gemm(const float *x, long M, long ldx, const float *w, long N, long K,
  * dequantized on the fly (exact: float32 products of the dequantized values); any M;
  * desc[0] may carry PLAIT_QGEMM_BF16 (above). A type it does not read, K not a whole number
  * of the type's blocks, F32 panels beside other parts, more than PLAIT_MAX_PARTS parts,
- * another flag: PLAIT_ERR_SHAPES. PLAIT_ERR_NOMEM. */
+ * another flag: PLAIT_ERR_SHAPES; a PLAIT_QGEMM_REPACKED descriptor: plait_repack_gemm.
+ * PLAIT_ERR_NOMEM. */
 int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
                 const float *bias, float *y, long ldy);
 
 /* qgemm.c: out[num_rows, K] = rows[i] of the descriptor's W (rows NULL: all N rows in order,
  * num_rows = N) in float32, the same bits as gguf-py's dequantizer. A row outside [0, N) or
- * a descriptor plait_qgemm refuses: PLAIT_ERR_SHAPES (nothing written). */
+ * a descriptor plait_qgemm refuses: PLAIT_ERR_SHAPES (nothing written). A
+ * PLAIT_QGEMM_REPACKED descriptor: plait_repack_dequantize. */
 int plait_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_rows,
                      float *out);
 
@@ -145,6 +152,36 @@ int plait_qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long K
  * _pack writes them to out (64-byte aligned, that many bytes). */
 long plait_qgemm_i8_panels_bytes(const int64_t *desc, long K);
 int plait_qgemm_i8_pack(const int64_t *desc, long K, void *out);
+
+/* repack.c: weights repacked once at load at their own bit width (repack.h: 16 rows
+ * interleaved per block, codes kept at 4, 5, 6 or 8 bits, the file's fp16 scales and 6-bit
+ * sub-block scales beside them; Q4_0, Q4_1, Q5_0, Q8_0, Q6_K the file's bytes, Q4_K 1.028x,
+ * Q5_K 1.023x, rows padded to a multiple of 16). plait_repack_isa: the fastest product this
+ * build has, PLAIT_REPACK_VNNI512 (AVX512-VNNI, BW, VL) or PLAIT_REPACK_C (plain C, every
+ * build; the same bits). */
+#define PLAIT_REPACK_C 0
+#define PLAIT_REPACK_VNNI512 1
+int plait_repack_isa(void);
+/* repack.c: the bytes of `rows` rows of K weights of GGML `type` repacked; PLAIT_ERR_SHAPES
+ * for a type not repacked, K not a whole number of its blocks, or negative rows. */
+long plait_repack_bytes(int type, long rows, long K);
+/* repack.c: src [rows, K] in the file's blocks of `type` into dst (plait_repack_bytes of
+ * them, any alignment). PLAIT_ERR_SHAPES as plait_repack_bytes. */
+int plait_repack(const void *src, int type, long rows, long K, void *dst);
+/* repack.c: y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T + bias (NULL: none),
+ * W [N, K] given by desc = [num_parts (| PLAIT_QGEMM_REPACKED), (address, PLAIT_GGML_* type,
+ * rows) per part] of repacked parts stacked along N. x quantized to int8 per 32 weights (sx = max |x| / 127, q
+ * = round(x / sx) to nearest even), exact int32 dot products of q with the codes, float32
+ * scales and sums (repack.c states the order). isa: PLAIT_REPACK_C, or up to
+ * plait_repack_isa(); both give the same bits. K % 32 != 0, a part plait_repack_bytes
+ * refuses, more than PLAIT_MAX_PARTS parts, another isa: PLAIT_ERR_SHAPES. PLAIT_ERR_NOMEM. */
+int plait_repack_gemm(const float *x, long M, long ldx, const int64_t *desc, long K,
+                      const float *bias, float *y, long ldy, int isa);
+/* repack.c: out[num_rows, K] = rows[i] of the repacked W (rows NULL: all N in order,
+ * num_rows = N) in float32, the same bits as gguf-py's dequantizer of the file's blocks.
+ * A row outside [0, N) or a descriptor plait_repack_gemm refuses: PLAIT_ERR_SHAPES. */
+int plait_repack_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_rows,
+                            float *out);
 
 /* attention.c: one query per sequence over its paged K/V (PLAIT_KV_* kv_dtype elements,
  * PLAIT_KV_BF16 possibly with PLAIT_ATTN_BF16_DOT), read in place; the sequences of a chunk

@@ -27,6 +27,7 @@ A row (`Product`) holds:
                         over W dequantized to <dtype> (float32: the first two are one rung)
     kept-i8/<dtype>     kept/<dtype> below INT8_MIN_ROWS | any: qgemm_i8 (x int8)
     kept-i8panels/<dt>  any: qgemm_i8 from int8 panels packed at load
+    repacked/<isa>      any: repack.product over the weight repacked at load (x int8)
 
 How to add a row (for example a repacked format): write its `prepare` (pack the weight,
 return a `ProductState` whose `packed` holds the new layout and whose `desc` is what your
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from plait.kernels.cpu import native
+from plait.kernels.cpu import native, repack
 from plait.kernels.cpu.build import NATIVE_MAX_ROWS
 from plait.kernels.cpu.dequantized import matmul_dequantized
 from plait.kernels.cpu.product_row import (
@@ -343,9 +344,43 @@ def _kept_rows(compute_dtype: torch.dtype) -> list[Product]:
     return [kept, kept_i8, panels]
 
 
+# ---------------------------------------------------------------- repacked row
+def _repacked(weight: Weight) -> bool:
+    return isinstance(weight, QuantWeight) and repack.repackable(weight)
+
+
+def _prepare_repacked(weight: Weight, bias: torch.Tensor | None) -> ProductState:
+    assert isinstance(weight, QuantWeight)
+    packed = repack.repack(weight)
+    return ProductState(weight.in_features, weight.out_features, bias, packed=packed.data,
+                        desc=packed.desc)
+
+
+def _repacked_gemm(state: ProductState, x: torch.Tensor) -> torch.Tensor:
+    assert state.desc is not None
+    return repack.product(x.float(), state.desc, state.in_features, state.out_features,
+                          state.bias)
+
+
+def _repacked_stack(state: ProductState) -> StackWeight | None:
+    assert state.desc is not None and state.packed is not None
+    return StackWeight(state.desc, (state.packed,))  # the flag sends plait_qgemm there
+
+
+def _repacked_row() -> Product:
+    """`repacked/<isa>`: the kept weight repacked once at its own bit width (repack.py:
+    16 rows interleaved per block, 1.0-1.03x the blocks' bytes), every product through
+    `repack.product` (x quantized to int8 per 32 weights, VNNI dot products), the native
+    stack's included (the descriptor's PLAIT_QGEMM_REPACKED flag)."""
+    return Product(f"repacked/{repack.ISA_NAMES[repack.isa()]}", _repacked, _prepare_repacked,
+                   (Rung(None, _repacked_gemm, chunk_rows=_int8_chunk_rows),),
+                   _native_silu_mul, _repacked_stack, torch.float32, native=True)
+
+
 # ---------------------------------------------------------------- the table
 def table() -> dict[str, Product]:
-    """Every row by name (the native rows only where the kernels are built)."""
+    """Every row by name (the native rows only where the kernels are built; the repacked
+    row only where its AVX512-VNNI kernel is: the plain C one is for tests)."""
     return _table(native.available())
 
 
@@ -355,7 +390,14 @@ def _table(with_native: bool) -> dict[str, Product]:
     if with_native:
         rows += [_panels_row(blas) for blas in BLAS.values()]
         rows += [r for dtype in _DTYPE_NAMES for r in _kept_rows(dtype)]
+        if repack.isa() == repack.ISA_VNNI512:
+            rows.append(_repacked_row())
     return {r.name: r for r in rows}
+
+
+def repacked_row() -> Product | None:
+    """The table's repacked row, or None in a build without its VNNI kernel."""
+    return next((r for r in table().values() if r.name.startswith("repacked/")), None)
 
 
 def row(name: str) -> Product:
@@ -370,7 +412,8 @@ def row(name: str) -> Product:
 class ProductSettings:
     """What chooses the rows: `blas` (a resolved `BLAS` name) for float32 CPU weights,
     under native panels with `panels`; the kept weights' `compute_dtype` and `int8`
-    (None, "prefill": kept-i8 rows, "panels": kept-i8panels rows)."""
+    (None, "prefill": kept-i8 rows, "panels": kept-i8panels rows, "repacked": the repacked
+    row where the build has it, the kept rows for the weights it does not take)."""
 
     blas: str = "none"
     panels: bool = False
@@ -388,7 +431,10 @@ class ProductSettings:
             return tuple(dense)
         tag = _DTYPE_NAMES[self.compute_dtype]
         kept = [rows[f"kept/{tag}"]]
-        if self.int8 is not None:
+        repacked = repacked_row()
+        if self.int8 == "repacked" and repacked is not None:
+            kept.insert(0, repacked)
+        elif self.int8 in ("prefill", "panels"):
             kept.insert(0, rows[f"kept-{'i8panels' if self.int8 == 'panels' else 'i8'}/{tag}"])
         return (*kept, *dense)
 
@@ -409,4 +455,5 @@ def _weight_text(weight: Weight) -> str:
 __all__ = ["BLAS", "INT8_MIN_ROWS", "INT8_PANEL_MIN_ROWS", "MKL", "MKL_ROW_HINT",
            "MLP_CHUNK_BYTES", "NATIVE_MAX_ROWS", "ONEDNN", "QGEMM_MAX_ROWS", "SKINNY_ROWS",
            "TORCH", "Kernel", "Product", "ProductSettings", "ProductState", "Rung",
-           "StackWeight", "Weight", "check_native", "qgemm_max_rows", "row", "table"]
+           "StackWeight", "Weight", "check_native", "qgemm_max_rows", "repacked_row", "row",
+           "table"]

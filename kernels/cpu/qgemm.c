@@ -422,6 +422,8 @@ static int qgemm_i8(const float *x, long M, long ldx, const part_t *parts, int n
 
 int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
                 const float *bias, float *y, long ldy) {
+  if (desc && desc[0] & PLAIT_QGEMM_REPACKED)
+    return plait_repack_gemm(x, M, ldx, desc, K, bias, y, ldy, plait_repack_isa());
   part_t parts[PLAIT_MAX_PARTS];
   int num_parts, bf16;
   long N, i8_rows;
@@ -495,6 +497,8 @@ static void row_to_f32(const part_t *parts, int num_parts, long n, long K, float
 
 int plait_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_rows,
                      float *out) {
+  if (desc && desc[0] & PLAIT_QGEMM_REPACKED)
+    return plait_repack_dequantize(desc, K, rows, num_rows, out);
   part_t parts[PLAIT_MAX_PARTS];
   int num_parts;
   if (read_rows(desc, K, rows, num_rows, parts, &num_parts) != PLAIT_OK)

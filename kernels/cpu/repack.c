@@ -1,0 +1,353 @@
+/* Weights repacked once at load at their own bit width (layout: repack.h), their products
+ * with x quantized to int8 per 32 weights, and their rows dequantized (plait_repack_*,
+ * plait_cpu.h).
+ *
+ * The product, per x row, output column n and 32-weight group g (Q6_K: per half):
+ *
+ *   sum_k x_k w_nk  ~  f += (float)I * (a sx)  [+ (-o) sxq where o is not C a]
+ *   I = sum_k q_k c_nk - C sum_k q_k    (int32, exact; C = 8, 16, 128, 32 or 0)
+ *
+ * with q = round(x / sx) (nearest even), sx = max |x| / 127 over the group, sxq = sx sum q.
+ * The two float32 steps are FMAs in this order in both kernels: the AVX512-VNNI one
+ * (repack_vnni.h; vpdpbusd computes I), and the plain C one below, which every build has:
+ * they give the same bits. Threads (OpenMP, torch's pool) share units of two tiles (32
+ * columns).
+ */
+#include "plait_cpu.h"
+#include "repack.h"
+
+/* ------------------------------------------------------------------------------------ */
+/* Repacking                                                                             */
+/* ------------------------------------------------------------------------------------ */
+
+/* Code of weight k of a file block of `type` (the unsigned c of w = a c - o). */
+static int src_code(int type, const uint8_t *b, int k) {
+  int s = k / 32, l = k % 32;
+  switch (type) {
+    case PLAIT_GGML_Q4_0: return k < 16 ? b[2 + k] & 15 : b[2 + k - 16] >> 4;
+    case PLAIT_GGML_Q4_1: return k < 16 ? b[4 + k] & 15 : b[4 + k - 16] >> 4;
+    case PLAIT_GGML_Q5_0: {
+      uint32_t qh;
+      memcpy(&qh, b + 2, sizeof qh);
+      int lo = k < 16 ? b[6 + k] & 15 : b[6 + k - 16] >> 4;
+      return lo | (int)(qh >> k & 1) << 4;
+    }
+    case PLAIT_GGML_Q8_0: return b[2 + k] ^ 0x80;
+    case PLAIT_GGML_Q4_K: {
+      int q = b[16 + 32 * (s / 2) + l];
+      return s & 1 ? q >> 4 : q & 15;
+    }
+    case PLAIT_GGML_Q5_K: {
+      int q = b[48 + 32 * (s / 2) + l];
+      return (s & 1 ? q >> 4 : q & 15) | (b[16 + l] >> s & 1) << 4;
+    }
+    default: { /* Q6_K: see quant.h's grp_q6_k */
+      int h = s / 4, c = s % 4, lo = b[64 * h + 32 * (c % 2) + l];
+      return (c < 2 ? lo & 15 : lo >> 4) | (b[128 + 32 * h + l] >> 2 * c & 3) << 4;
+    }
+  }
+}
+
+/* The 6-bit scale (*sc) and min (*mn) of sub-block s of Q4_K / Q5_K scale bytes q[12]. */
+static void k4_scale_min(const uint8_t *q, int s, uint8_t *sc, uint8_t *mn) {
+  if (s < 4) {
+    *sc = q[s] & 63;
+    *mn = q[s + 4] & 63;
+  } else {
+    *sc = (uint8_t)((q[s + 4] & 0xf) | (q[s - 4] >> 6) << 4);
+    *mn = (uint8_t)((q[s + 4] >> 4) | (q[s] >> 6) << 4);
+  }
+}
+
+/* Row n's file block b into record rec (zeroed beforehand; see repack.h). */
+static void pack_row(int type, const rp_layout_t *L, const uint8_t *b, int n, uint8_t *rec) {
+  for (int k = 0; k < L->qk; k++) {
+    int c = src_code(type, b, k), gi = k / 32, s = k % 32 / 4, lane = 4 * n + k % 4;
+    uint8_t *codes = rec + gi * L->code_group;
+    if (type == PLAIT_GGML_Q8_0) {
+      codes[64 * s + lane] = (uint8_t)c;
+      continue;
+    }
+    codes[64 * (s / 2) + lane] |= (uint8_t)((c & 15) << (s & 1 ? 4 : 0));
+    if (type == PLAIT_GGML_Q6_K)
+      rec[L->hbits + gi * 128 + 64 * (s / 4) + lane] |= (uint8_t)((c >> 4) << 2 * (s % 4));
+    else if (L->hbits >= 0)
+      rec[L->hbits + gi * 64 + lane] |= (uint8_t)((c >> 4) << s);
+  }
+  switch (type) {
+    case PLAIT_GGML_Q4_K:
+    case PLAIT_GGML_Q5_K:
+      memcpy(rec + L->d + 2 * n, b, 2);
+      memcpy(rec + L->m + 2 * n, b + 2, 2);
+      for (int s = 0; s < 8; s++)
+        k4_scale_min(b + 4, s, rec + L->sc + 16 * s + n, rec + L->mn + 16 * s + n);
+      return;
+    case PLAIT_GGML_Q6_K:
+      memcpy(rec + L->d + 2 * n, b + 208, 2);
+      for (int h = 0; h < 16; h++) rec[L->sc + 16 * h + n] = b[192 + h];
+      return;
+    default:
+      memcpy(rec + L->d + 2 * n, b, 2);
+      if (L->m >= 0) memcpy(rec + L->m + 2 * n, b + 2, 2);
+      return;
+  }
+}
+
+long plait_repack_bytes(int type, long rows, long K) {
+  const rp_layout_t *L = rp_layout(type);
+  if (!L || rows < 0 || K <= 0 || K % L->qk) return PLAIT_ERR_SHAPES;
+  return (rows + RP_ROWS - 1) / RP_ROWS * (K / L->qk) * L->rec_bytes;
+}
+
+int plait_repack(const void *src, int type, long rows, long K, void *dst) {
+  long nbytes = plait_repack_bytes(type, rows, K);
+  if (nbytes < 0 || (rows && (!src || !dst))) return PLAIT_ERR_SHAPES;
+  const rp_layout_t *L = rp_layout(type);
+  long blocks = K / L->qk, row_bytes = blocks * L->src_bytes, tiles = (rows + 15) / 16;
+  memset(dst, 0, (size_t)nbytes);
+#pragma omp parallel for schedule(static) if (rows * K > 65536)
+  for (long t = 0; t < tiles; t++) {
+    uint8_t *tile = (uint8_t *)dst + t * blocks * L->rec_bytes;
+    for (int n = 0; n < RP_ROWS && 16 * t + n < rows; n++) {
+      const uint8_t *row = (const uint8_t *)src + (16 * t + n) * row_bytes;
+      for (long blk = 0; blk < blocks; blk++)
+        pack_row(type, L, row + blk * L->src_bytes, n, tile + blk * L->rec_bytes);
+    }
+  }
+  return PLAIT_OK;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Descriptors                                                                           */
+/* ------------------------------------------------------------------------------------ */
+
+/* desc = [num_parts (| PLAIT_QGEMM_REPACKED), (address, type, rows) per part] of repacked
+ * parts into parts[], their
+ * total rows into *N; PLAIT_ERR_SHAPES for a type not repacked, K not a whole number of its
+ * blocks, a count outside [1, PLAIT_MAX_PARTS], negative rows or rows at address 0. */
+static int rp_read_desc(const int64_t *desc, long K, rp_part_t *parts, int *num_parts, long *N) {
+  int64_t count = desc ? desc[0] & ~(int64_t)PLAIT_QGEMM_REPACKED : 0;
+  if (K <= 0 || count < 1 || count > PLAIT_MAX_PARTS) return PLAIT_ERR_SHAPES;
+  *num_parts = (int)count;
+  *N = 0;
+  for (int i = 0; i < *num_parts; i++) {
+    rp_part_t *p = &parts[i];
+    p->data = (const uint8_t *)(intptr_t)desc[1 + 3 * i];
+    p->type = (int)desc[2 + 3 * i];
+    p->rows = desc[3 + 3 * i];
+    p->lay = rp_layout(p->type);
+    if (!p->lay || K % p->lay->qk || p->rows < 0 || (p->rows && !p->data)) return PLAIT_ERR_SHAPES;
+    p->first = *N;
+    p->tiles = (p->rows + 15) / 16;
+    p->tile_bytes = K / p->lay->qk * p->lay->rec_bytes;
+    *N += p->rows;
+  }
+  return PLAIT_OK;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Dequantization                                                                        */
+/* ------------------------------------------------------------------------------------ */
+
+/* Weight c of row n of a record in float32 with gguf-py's operations (its bits). */
+static float rp_weight(const rp_layout_t *L, int type, const uint8_t *rec, int gi, int n, int k) {
+  int c = rp_code(L, type, rec, gi, n, k);
+  float d = rp_f16(rec, L->d, n), a, o;
+  switch (type) {
+    case PLAIT_GGML_Q4_0: return d * (float)(c - 8);
+    case PLAIT_GGML_Q4_1: return rp_mul_add(d, (float)c, rp_f16(rec, L->m, n));
+    case PLAIT_GGML_Q5_0: return d * (float)(c - 16);
+    case PLAIT_GGML_Q8_0: return (float)(c - 128) * d;
+    case PLAIT_GGML_Q6_K:
+      rp_scale(L, type, rec, gi, k / 16, n, &a, &o);
+      return a * (float)(c - 32);
+    default: /* Q4_K, Q5_K */
+      rp_scale(L, type, rec, gi, 0, n, &a, &o);
+      return rp_mul_add(a, (float)c, -o);
+  }
+}
+
+static void rp_dequant_row(const rp_part_t *p, long r, long K, float *dst) {
+  const rp_layout_t *L = p->lay;
+  const uint8_t *tile = p->data + r / 16 * p->tile_bytes;
+  int n = (int)(r % 16);
+  for (long k = 0; k < K; k++) {
+    const uint8_t *rec = tile + k / L->qk * L->rec_bytes;
+    int kb = (int)(k % L->qk);
+    dst[k] = rp_weight(L, p->type, rec, kb / 32, n, kb % 32);
+  }
+}
+
+int plait_repack_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_rows,
+                            float *out) {
+  rp_part_t parts[PLAIT_MAX_PARTS];
+  int num_parts;
+  long N;
+  if (rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK || num_rows < 0 ||
+      (!rows && num_rows != N) || (num_rows && !out))
+    return PLAIT_ERR_SHAPES;
+  for (long i = 0; rows && i < num_rows; i++)
+    if (rows[i] < 0 || rows[i] >= N) return PLAIT_ERR_SHAPES;
+#pragma omp parallel for schedule(static) if (num_rows * K > 65536)
+  for (long i = 0; i < num_rows; i++) {
+    long n = rows ? rows[i] : i;
+    int j = 0;
+    while (j + 1 < num_parts && n >= parts[j + 1].first) j++;
+    rp_dequant_row(&parts[j], n - parts[j].first, K, out + i * K);
+  }
+  return PLAIT_OK;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Activations                                                                           */
+/* ------------------------------------------------------------------------------------ */
+
+/* Row x [K] into q [K], sx, sxq [K / 32], sum16 [K / 16] (see repack.h's rp_acts_t). */
+static void quantize_row(const float *x, long K, int8_t *q, float *sx, float *sxq,
+                         int32_t *sum16) {
+  for (long g = 0; g < K / 32; g++) {
+    const float *v = x + 32 * g;
+    float amax = 0.0f;
+#if LANES == 16
+    amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v)),
+                                              _mm512_abs_ps(_mm512_loadu_ps(v + 16))));
+#else
+    for (int i = 0; i < 32; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+#endif
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sums[2] = {0, 0};
+#if LANES == 16
+    /* vcvtps2dq rounds as lrintf (the default rounding mode: nearest even) */
+    for (int h = 0; h < 2; h++) {
+      __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * h),
+                                                   _mm512_set1_ps(inv)));
+      _mm_storeu_si128((__m128i *)(q + 32 * g + 16 * h), _mm512_cvtepi32_epi8(c));
+      sums[h] = _mm512_reduce_add_epi32(c);
+    }
+#else
+    for (int i = 0; i < 32; i++) {
+      int32_t c = (int32_t)lrintf(v[i] * inv);
+      q[32 * g + i] = (int8_t)c;
+      sums[i / 16] += c;
+    }
+#endif
+    sx[g] = amax / 127.0f;
+    sxq[g] = sx[g] * (float)(sums[0] + sums[1]);
+    sum16[2 * g] = sums[0];
+    sum16[2 * g + 1] = sums[1];
+  }
+}
+
+/* The buffers of M quantized rows in one allocation (*mem, freed by the caller). */
+static int quantize_acts(const float *x, long M, long ldx, long K, rp_acts_t *a, void **mem) {
+  long ldq = (K + 63) / 64 * 64, G = K / 32;
+  size_t qbytes = (size_t)(M * ldq), fbytes = sizeof(float) * (size_t)(M * G);
+  uint8_t *buf = aligned_alloc(64, (qbytes + 2 * fbytes + 2 * fbytes + 63) / 64 * 64);
+  *mem = buf;
+  if (!buf) return PLAIT_ERR_NOMEM;
+  int8_t *q = (int8_t *)buf;
+  float *sx = (float *)(buf + qbytes), *sxq = sx + M * G;
+  int32_t *sum16 = (int32_t *)(sxq + M * G);
+#pragma omp parallel for schedule(static) if (M * K >= 16384)
+  for (long m = 0; m < M; m++)
+    quantize_row(x + m * ldx, K, q + m * ldq, sx + m * G, sxq + m * G, sum16 + m * 2 * G);
+  *a = (rp_acts_t){q, sx, sxq, sum16, ldq, G};
+  return PLAIT_OK;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Products: plain C                                                                     */
+/* ------------------------------------------------------------------------------------ */
+
+/* Columns 0 .. cols - 1 of a tile against rows 0 .. R - 1 of a (at the first row): y[r *
+ * ldy + n] = sum + bias[n] (bias NULL: none). */
+static void c_tile(const rp_part_t *p, const uint8_t *tile, const rp_acts_t *a, int R, long K,
+                   const float *bias, float *y, long ldy, int cols) {
+  const rp_layout_t *L = p->lay;
+  int type = p->type, halves = type == PLAIT_GGML_Q6_K ? 2 : 1, span = 32 / halves;
+  for (int r = 0; r < R; r++) {
+    const int8_t *q = a->q + r * a->ldq;
+    for (int n = 0; n < cols; n++) {
+      float f = 0.0f;
+      for (long g = 0; g < K / 32; g++) {
+        const uint8_t *rec = tile + g * 32 / L->qk * L->rec_bytes;
+        int gi = (int)(g % (L->qk / 32));
+        float sx = a->sx[r * a->groups + g];
+        for (int h = 0; h < halves; h++) {
+          int32_t I = 0, S = 0;
+          for (int k = h * span; k < (h + 1) * span; k++) {
+            I += q[32 * g + k] * rp_code(L, type, rec, gi, n, k);
+            S += q[32 * g + k];
+          }
+          I -= L->offset * S;
+          float sa, o;
+          rp_scale(L, type, rec, gi, h, n, &sa, &o);
+          f = fmaf((float)I, sa * sx, f);
+          if (L->offset == 0) f = fmaf(-o, a->sxq[r * a->groups + g], f);
+        }
+      }
+      y[r * ldy + n] = f + (bias ? bias[n] : 0.0f);
+    }
+  }
+}
+
+#include "repack_vnni.h"
+
+int plait_repack_isa(void) {
+#if REPACK_VNNI
+  return PLAIT_REPACK_VNNI512;
+#else
+  return PLAIT_REPACK_C;
+#endif
+}
+
+/* Units of work: up to 2 adjacent tiles of one part (32 columns), which the VNNI kernel
+ * takes together so that each broadcast activation feeds two tiles. */
+static long rp_units(const rp_part_t *p) { return (p->tiles + 1) / 2; }
+
+/* Unit t of parts (counting across parts) for x rows [0, M): y's columns of its tiles. */
+static void rp_unit(const rp_part_t *parts, long t, const rp_acts_t *a, long M, long K,
+                    const float *bias, float *y, long ldy, int isa) {
+  int i = 0;
+  while (t >= rp_units(&parts[i])) t -= rp_units(&parts[i++]);
+  const rp_part_t *p = &parts[i];
+  long n0 = p->first + 32 * t;
+  int cols = (int)(p->rows - 32 * t < 32 ? p->rows - 32 * t : 32), T = cols > 16 ? 2 : 1;
+  const uint8_t *tile = p->data + 2 * t * p->tile_bytes;
+  const float *b = bias ? bias + n0 : NULL;
+  int rows_per = T == 2 ? RP_PAIR_ROWS : RP_TILE_ROWS;
+  for (long m = 0; m < M; m += rows_per) {
+    int R = (int)(M - m < rows_per ? M - m : rows_per);
+    rp_acts_t at = {a->q + m * a->ldq, a->sx + m * a->groups, a->sxq + m * a->groups,
+                    a->sum16 + m * 2 * a->groups, a->ldq, a->groups};
+    float *yt = y + m * ldy + n0;
+#if REPACK_VNNI
+    if (isa == PLAIT_REPACK_VNNI512) {
+      vnni_tiles_any(p->type, T, R, tile, p->tile_bytes, &at, K, b, yt, ldy, cols);
+      continue;
+    }
+#endif
+    for (int u = 0; u < T; u++)
+      c_tile(p, tile + u * p->tile_bytes, &at, R, K, b ? b + 16 * u : NULL, yt + 16 * u, ldy,
+             cols - 16 * u < 16 ? cols - 16 * u : 16);
+  }
+}
+
+int plait_repack_gemm(const float *x, long M, long ldx, const int64_t *desc, long K,
+                      const float *bias, float *y, long ldy, int isa) {
+  rp_part_t parts[PLAIT_MAX_PARTS];
+  int num_parts;
+  long N, units = 0;
+  if (rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK || M < 0 || K % 32 ||
+      isa < PLAIT_REPACK_C || isa > plait_repack_isa())
+    return PLAIT_ERR_SHAPES;
+  if (M == 0 || N == 0) return PLAIT_OK;
+  for (int i = 0; i < num_parts; i++) units += rp_units(&parts[i]);
+  rp_acts_t acts;
+  void *mem;
+  if (quantize_acts(x, M, ldx, K, &acts, &mem) != PLAIT_OK) return PLAIT_ERR_NOMEM;
+#pragma omp parallel for schedule(static)
+  for (long t = 0; t < units; t++) rp_unit(parts, t, &acts, M, K, bias, y, ldy, isa);
+  free(mem);
+  return PLAIT_OK;
+}

@@ -1,0 +1,194 @@
+"""Weights repacked once at load at their own bit width (kernels/cpu/repack.c, repack.h).
+
+`repack(weight)` turns a kept `QuantWeight` (GGML blocks, byte for byte as the file holds
+them) into a `RepackedWeight`: each part's rows in tiles of 16, the 16 rows' blocks
+interleaved so that one AVX-512 register holds 4 codes of each of 16 output columns, the
+codes still at 4, 5, 6 or 8 bits, the file's scales beside them. After that the blocks are
+no longer read: products go through `repack_gemm` (x quantized to int8 per 32 weights,
+exact int32 dot products by vpdpbusd, float32 scales) and embedding rows through
+`repack_dequantize` (gguf-py's bits), so the caller can drop the `QuantWeight`.
+
+    type   bytes a weight, file -> repacked
+    Q4_0   0.5625 -> 0.5625    Q4_1 0.625 -> 0.625    Q5_0 0.6875 -> 0.6875
+    Q8_0   1.0625 -> 1.0625    Q6_K 0.8203 -> 0.8203
+    Q4_K   0.5625 -> 0.5781 (6-bit scales kept as bytes)    Q5_K 0.6875 -> 0.7031
+
+plus rows padded to a multiple of 16 (none in the models Plait serves). `REPACKED_TYPES`
+are the types this covers; F16 / BF16 parts are not repacked (`repackable`).
+
+The kernel is chosen once per process from the build (`isa()`: AVX512-VNNI where the CPU
+has it, else plain C); `repack_gemm(..., isa=ISA_C)` forces the plain C kernel, which gives
+the same bits (the tests compare them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plait.kernels.cpu.build import ABI, loaded
+from plait.kernels.cpu.quant import Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, QuantWeight, type_name
+
+REPACKED_TYPES: frozenset[int] = frozenset({Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K})
+ISA_C: int = ABI.constants["PLAIT_REPACK_C"]
+ISA_VNNI512: int = ABI.constants["PLAIT_REPACK_VNNI512"]
+ISA_NAMES = {ISA_C: "c", ISA_VNNI512: "avx512-vnni"}
+# The flag of a descriptor's first word that marks repacked parts (plait_cpu.h's
+# PLAIT_QGEMM_REPACKED): `native.qgemm` and the native stack then compute as `repack_gemm`.
+REPACKED_FLAG: int = ABI.constants["PLAIT_QGEMM_REPACKED"]
+_ALIGN = 64  # each part's tiles start on a cache line
+
+
+def _check(rc: int, kernel: str) -> None:
+    if rc == ABI.constants["PLAIT_ERR_NOMEM"]:
+        raise MemoryError(f"native {kernel} could not allocate its buffers")
+    if rc != ABI.constants["PLAIT_OK"]:
+        raise ValueError(f"{kernel}: shapes or types beyond the kernel's limits")
+
+
+def isa() -> int:
+    """The fastest repacked product of the loaded kernels: ISA_VNNI512 or ISA_C."""
+    return int(loaded().plait_repack_isa())
+
+
+def repackable(weight: QuantWeight) -> bool:
+    """Whether `repack` takes `weight`: every part of `REPACKED_TYPES`, K % 32 == 0 (the K
+    types' K a whole number of their 256-weight blocks, as `QuantWeight` guarantees)."""
+    return weight.in_features % 32 == 0 and all(p.ggml_type in REPACKED_TYPES
+                                                for p in weight.parts)
+
+
+@dataclass(frozen=True, slots=True)
+class RepackedWeight:
+    """W [out_features, in_features] repacked: `data` holds every part's tiles (part i at
+    byte `offsets[i]`, 64-byte aligned); `desc` int64 [1 + 3 parts] = [num_parts |
+    REPACKED_FLAG, (address, type, rows) per part] is what the kernels read (the plait_repack
+    functions, and plait_qgemm / the native stack, which the flag sends there), valid while
+    `data` lives."""
+
+    data: torch.Tensor  # uint8 [nbytes]
+    offsets: tuple[int, ...]
+    types: tuple[int, ...]
+    part_rows: tuple[int, ...]
+    in_features: int
+    out_features: int
+    desc: torch.Tensor  # int64 [1 + 3 * parts]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the repacked weight holds (its tiles and their alignment padding)."""
+        return self.data.numel()
+
+    def describe(self) -> str:
+        """The part types, e.g. "Q4_K+Q6_K"."""
+        return "+".join(type_name(t) for t in self.types)
+
+
+def repack(weight: QuantWeight) -> RepackedWeight:
+    """`weight`'s parts repacked (one pass over its blocks, threaded); the result does not
+    reference `weight`'s tensors. ValueError where `repackable(weight)` is False."""
+    if not repackable(weight):
+        raise ValueError(f"repack: W {weight.describe()} [{weight.out_features}, "
+                         f"{weight.in_features}] has a part of a type not repacked, or K % 32")
+    lib, k = loaded(), weight.in_features
+    sizes = [int(lib.plait_repack_bytes(p.ggml_type, p.rows, k)) for p in weight.parts]
+    offsets, total = [], 0
+    for size in sizes:
+        _check(min(size, 0), "repack")
+        offsets.append(total)
+        total += -(-size // _ALIGN) * _ALIGN
+    data = torch.empty(total + _ALIGN, dtype=torch.uint8)
+    shift = -data.data_ptr() % _ALIGN
+    data = data[shift:shift + total]
+    flat: list[int] = [len(weight.parts) | REPACKED_FLAG]
+    for part, at in zip(weight.parts, offsets, strict=True):
+        _check(lib.plait_repack(part.data.data_ptr(), part.ggml_type, part.rows, k,
+                                data.data_ptr() + at), "repack")
+        flat += [data.data_ptr() + at, part.ggml_type, part.rows]
+    return RepackedWeight(data, tuple(offsets), tuple(p.ggml_type for p in weight.parts),
+                          tuple(p.rows for p in weight.parts), k, weight.out_features,
+                          torch.tensor(flat, dtype=torch.int64))
+
+
+def repack_gemm(
+    x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
+    weight: RepackedWeight,  # W [N, K]
+    bias: torch.Tensor | None = None,  # [N] float32
+    kernel_isa: int | None = None,  # ISA_C or ISA_VNNI512; None: isa()
+) -> torch.Tensor:  # [M, N] float32
+    """x @ W^T + bias with x quantized to int8 per 32 weights (sx = max |x| / 127, q =
+    round(x / sx) to nearest even) and exact int32 dot products with W's codes, float32
+    scales and sums: W's values are the file's, x's rounding the only approximation (as
+    llama.cpp's CPU path). Any M (fastest for a decode step's few rows up to ~64)."""
+    return product(x, weight.desc, weight.in_features, weight.out_features, bias, kernel_isa,
+                   weight.describe())
+
+
+def product(
+    x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
+    desc: torch.Tensor,  # int64: a RepackedWeight's desc
+    in_features: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [N] float32
+    kernel_isa: int | None = None,
+    what: str = "W",
+) -> torch.Tensor:  # [M, N] float32
+    """`repack_gemm` given the weight's descriptor and shape (what a product row keeps)."""
+    lib = loaded()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    if k != in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"repack_gemm: x {tuple(x.shape)} {x.dtype} does not fit W "
+                         f"[{out_features}, {in_features}] {what}")
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+        if bias.shape != (out_features,):
+            raise ValueError(f"repack_gemm: bias {tuple(bias.shape)}, W has {out_features} rows")
+    chosen = isa() if kernel_isa is None else kernel_isa
+    if chosen not in ISA_NAMES or chosen > isa():
+        raise ValueError(f"repack_gemm: kernel isa {chosen} (this build has up to {isa()})")
+    y = torch.empty(rows, out_features, dtype=torch.float32)
+    if rows == 0:
+        return y
+    _check(lib.plait_repack_gemm(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
+                                 None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                 out_features, chosen), "repack_gemm")
+    return y
+
+
+def repack_dequantize(
+    weight: RepackedWeight,
+    rows: torch.Tensor | None = None,  # [R] integer row ids in [0, N); None: all N rows
+) -> torch.Tensor:  # [R, K] float32 (R = N without rows)
+    """Rows of W in float32 from the repacked tiles: the same bits as gguf-py's dequantizer
+    of the original blocks (`quant.dequantize_reference`); the embedding lookup takes
+    token ids as rows. ValueError for a row outside [0, N)."""
+    return dequantize_rows(weight.desc, weight.in_features, weight.out_features, rows)
+
+
+def dequantize_rows(
+    desc: torch.Tensor,  # int64: a RepackedWeight's desc
+    in_features: int,
+    out_features: int,
+    rows: torch.Tensor | None = None,  # [R] integer row ids in [0, N); None: all N rows
+) -> torch.Tensor:  # [R, K] float32
+    """`repack_dequantize` given the weight's descriptor and shape (what a product row
+    keeps)."""
+    lib = loaded()
+    if rows is not None:
+        rows = rows.reshape(-1).to(torch.int64).contiguous()
+    num_rows = out_features if rows is None else rows.shape[0]
+    out = torch.empty(num_rows, in_features, dtype=torch.float32)
+    if num_rows == 0:
+        return out
+    _check(lib.plait_repack_dequantize(desc.data_ptr(), in_features,
+                                       None if rows is None else rows.data_ptr(), num_rows,
+                                       out.data_ptr()), "repack_dequantize")
+    return out
+
+
+__all__ = ["ISA_C", "ISA_NAMES", "ISA_VNNI512", "REPACKED_FLAG", "REPACKED_TYPES",
+           "RepackedWeight", "dequantize_rows", "isa", "product", "repack", "repack_dequantize",
+           "repack_gemm", "repackable"]

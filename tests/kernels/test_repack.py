@@ -1,0 +1,153 @@
+"""Repacked weights (kernels/cpu/repack.py, repack.c): the product against a float64
+product of the same int8-quantized x (quantized here by the rule the kernel states) with
+gguf-py's dequantized weights, tight enough that the unquantized x fails it; against the
+float product within the activation rounding's bound; the plain C kernel's bits equal the
+AVX512-VNNI kernel's; embedding rows dequantized from the tiles are gguf-py's bits; the
+repacked bytes stay within 1.05x the file's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers.quant_cases import random_part, random_weight
+
+from plait.kernels.cpu import build, quant, repack
+from plait.kernels.cpu.quant import QuantWeight, dequantize_reference
+
+pytestmark = pytest.mark.skipif(not build.available(), reason="native kernels not built")
+
+TYPES = sorted(repack.REPACKED_TYPES)
+# |y - x_q @ W^T - bias| per element relative to sum |x_q| |w| (+ |bias|): float32 sums of
+# exact int32 dot products (measured ~1e-7); x unquantized is off by ~1e-3.
+TOLERANCE = 1e-6
+
+
+def _quantized(x: torch.Tensor) -> torch.Tensor:  # [M, K] float64
+    """x as the kernel quantizes it: per 32, amax = max |x|, q = round-half-even(x * (127 /
+    amax)) in float32 (0 where amax is 0), x_q = q * (amax / 127)."""
+    rows, k = x.shape
+    xg = x.view(rows, k // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xg * inv)
+    assert q.abs().max() <= 127
+    return (q.double() * (amax / 127.0).double()).view(rows, k)
+
+
+def _error(y: torch.Tensor, xd: torch.Tensor, w: torch.Tensor,
+           bias: torch.Tensor | None = None) -> float:
+    """max |y - (xd @ w^T + bias)| relative to |xd| @ |w|^T + |bias|, in float64."""
+    w = w.double()
+    want, scale = xd @ w.T, xd.abs() @ w.abs().T
+    if bias is not None:
+        want, scale = want + bias.double(), scale + bias.double().abs()
+    return ((y.double() - want).abs() / (scale + 1e-30)).max().item()
+
+
+def _rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # [M, N] float64
+    """sum_g (sx_g / 2) sum_{k in g} |w_nk|: the most x's rounding to int8 can move y."""
+    rows, k = x.shape
+    half_step = x.view(rows, k // 32, 32).abs().amax(-1).double() / 127.0 / 2  # [M, G]
+    wabs = w.double().abs().view(w.shape[0], k // 32, 32).sum(-1)  # [N, G]
+    return half_step @ wabs.T
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=quant.type_name)
+def test_embedding_rows_are_gguf_bits(ggml_type: int) -> None:
+    """37 rows (two tiles and a tail of 5) of K = 512, all rows and a shuffled subset."""
+    weight = random_weight((ggml_type,), (37,), 512, seed=ggml_type)
+    packed = repack.repack(weight)
+    want = dequantize_reference(weight)
+    assert torch.equal(repack.repack_dequantize(packed), want)
+    rows = torch.tensor([36, 0, 17, 17, 31, 32, 5])
+    assert torch.equal(repack.repack_dequantize(packed, rows), want[rows])
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=quant.type_name)
+@pytest.mark.parametrize("k", [512, 1536])
+def test_product_of_every_type(ggml_type: int, k: int) -> None:
+    """M = 1, 2, 3, 8, 9, 17 (register tiles of 8 and their tails), N = 37: the result is
+    the int8-quantized x's product (tight), within the rounding bound of x's, and not x's."""
+    weight = random_weight((ggml_type,), (37,), k, seed=ggml_type + k)
+    packed, w = repack.repack(weight), dequantize_reference(weight)
+    gen = torch.Generator().manual_seed(k)
+    for rows in (1, 2, 3, 8, 9, 17):
+        x = torch.randn(rows, k, generator=gen)
+        y = repack.repack_gemm(x, packed)
+        assert y.shape == (rows, 37)
+        assert _error(y, _quantized(x), w) <= TOLERANCE
+        exact = x.double() @ w.double().T
+        slack = TOLERANCE * (x.double().abs() @ w.double().abs().T)
+        assert ((y.double() - exact).abs() <= _rounding_bound(x, w) + slack).all()
+    assert _error(y, x.double(), w) > 10 * TOLERANCE
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=quant.type_name)
+def test_plain_c_kernel_gives_the_same_bits(ggml_type: int) -> None:
+    if repack.isa() == repack.ISA_C:
+        pytest.skip("this build's fastest kernel is the plain C one")
+    weight = random_weight((ggml_type,), (21,), 512, seed=3 * ggml_type)
+    packed = repack.repack(weight)
+    gen = torch.Generator().manual_seed(ggml_type)
+    x, bias = torch.randn(11, 512, generator=gen), torch.randn(21, generator=gen)
+    fast = repack.repack_gemm(x, packed, bias)
+    assert torch.equal(repack.repack_gemm(x, packed, bias, repack.ISA_C), fast)
+
+
+def test_mixed_parts_bias_and_strides() -> None:
+    """Parts of five types (rows 5, 16, 3, 20, 9: tiles that end inside a part), K = 768, a
+    bias, x rows inside wider rows: each part's columns from its own tiles."""
+    types = (quant.Q6_K, quant.Q4_K, quant.Q5_K, quant.Q8_0, quant.Q4_1)
+    weight = random_weight(types, (5, 16, 3, 20, 9), 768, seed=7)
+    packed, w = repack.repack(weight), dequantize_reference(weight)
+    gen = torch.Generator().manual_seed(7)
+    wide, bias = torch.randn(6, 768 + 40, generator=gen), torch.randn(53, generator=gen)
+    x = wide[:, 16:16 + 768]
+    y = repack.repack_gemm(x, packed, bias)
+    assert _error(y, _quantized(x.contiguous()), w, bias) <= TOLERANCE
+    assert torch.equal(repack.repack_gemm(x.contiguous(), packed, bias), y)
+    assert torch.equal(repack.repack_dequantize(packed), w)
+
+
+def test_zero_groups_of_x_give_the_bias() -> None:
+    weight = random_weight((quant.Q4_K,), (32,), 256)
+    packed, w = repack.repack(weight), dequantize_reference(weight)
+    x = torch.zeros(3, 256)
+    x[1, 40] = 2.0  # one group of one row nonzero: the others scale by 0, not by nan
+    bias = torch.randn(32)
+    y = repack.repack_gemm(x, packed, bias)
+    assert torch.equal(y[0], bias) and torch.equal(y[2], bias)
+    assert _error(y, _quantized(x), w, bias) <= TOLERANCE
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=quant.type_name)
+def test_repacked_bytes_within_five_percent_of_the_file(ggml_type: int) -> None:
+    """896 rows of K = 4864 (Qwen2.5-0.5B's down projection): 1.0x the file's bytes, Q4_K
+    and Q5_K 1.028x and 1.023x (their 6-bit scales kept as bytes)."""
+    rng = np.random.default_rng(0)
+    part = random_part(ggml_type, 896, 4864, rng)
+    packed = repack.repack(QuantWeight.build([part], 4864))
+    ratio = packed.nbytes / part.data.numel()
+    assert ratio == pytest.approx({quant.Q4_K: 2368 / 2304, quant.Q5_K: 2880 / 2816}
+                                  .get(ggml_type, 1.0))
+    assert ratio <= 1.05
+
+
+def test_what_it_refuses() -> None:
+    rng = np.random.default_rng(0)
+    mixed = QuantWeight.build([random_part(quant.Q8_0, 8, 64, rng),
+                               random_part(quant.F16, 8, 64, rng)], 64)
+    assert not repack.repackable(mixed)
+    with pytest.raises(ValueError, match="not repacked"):
+        repack.repack(mixed)
+    packed = repack.repack(random_weight((quant.Q4_0,), (48,), 64))
+    with pytest.raises(ValueError, match="does not fit"):
+        repack.repack_gemm(torch.randn(2, 96), packed)
+    with pytest.raises(ValueError, match="bias"):
+        repack.repack_gemm(torch.randn(2, 64), packed, torch.zeros(47))
+    with pytest.raises(ValueError, match="isa"):
+        repack.repack_gemm(torch.randn(2, 64), packed, kernel_isa=7)
+    with pytest.raises(ValueError, match="repack_dequantize"):
+        repack.repack_dequantize(packed, torch.tensor([48]))
+    assert repack.repack_gemm(torch.randn(0, 64), packed).shape == (0, 48)
