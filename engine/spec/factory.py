@@ -1,0 +1,43 @@
+"""The proposer a `SpeculativeConfig` names. Each method's module is imported only when
+chosen; a method whose proposer is not part of this build is a startup error."""
+
+from __future__ import annotations
+
+import importlib
+
+from plait.engine.spec.config import SpeculativeConfig
+from plait.engine.spec.ngram import NgramProposer
+from plait.engine.spec.proposer import Proposer
+
+# method -> (module under plait.engine.spec, class): the class is built as Class(config)
+_BUILT_ELSEWHERE = {
+    "suffix": ("suffix", "SuffixProposer"),
+    "draft_model": ("draft_model", "DraftModelProposer"),
+}
+
+
+class ProposerUnavailable(ValueError):
+    """The configured method has no proposer in this build."""
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer for `config.method`. ngram is built here; the others are classes
+    `Class(config: SpeculativeConfig)` in their own module (_BUILT_ELSEWHERE). Raises
+    ProposerUnavailable when that module or class does not exist."""
+    if config.method == "ngram":
+        return NgramProposer(*config.lookup_window)
+    module_name, class_name = _BUILT_ELSEWHERE[config.method]
+    try:
+        module = importlib.import_module(f"plait.engine.spec.{module_name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"plait.engine.spec.{module_name}":
+            raise
+        raise ProposerUnavailable(
+            f"speculative config: method {config.method!r} is not available in this build "
+            f"(no plait.engine.spec.{module_name}); use method 'ngram'") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ProposerUnavailable(f"speculative config: method {config.method!r} is not "
+                                  f"available in this build (no {class_name})")
+    proposer: Proposer = cls(config)
+    return proposer
