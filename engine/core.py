@@ -272,9 +272,11 @@ class EngineCore:
                 deltas.append(self._finish(req, "error", error=SAMPLING_FAILED))
                 continue
             accepted = run.accepted.get(row.request_id, [])
+            accepted_logprobs: list[TokenLogprob | None] = [None] * len(accepted)
+            if row.request_id in run.accepted_logprobs:
+                accepted_logprobs = list(run.accepted_logprobs[row.request_id])
             delta = self._safe_update(req, [*accepted, run.sampled[row.request_id]],
-                                      [*run.accepted_logprobs.get(row.request_id, []),
-                                       run.logprobs.get(row.request_id)],
+                                      [*accepted_logprobs, run.logprobs.get(row.request_id)],
                                       row.request_id in run.grammar_ended)
             if delta is not None:
                 deltas.append(delta)

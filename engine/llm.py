@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from plait.engine.config import EngineConfig
-from plait.engine.spec.config import SpeculativeConfig
 from plait.engine.core import EngineCore
 from plait.engine.core_api import EngineStats
 from plait.engine.outputs import ChoiceAccumulator, RequestOutput
 from plait.engine.sampling_params import SamplingParams
+from plait.engine.spec.config import SpeculativeConfig
 from plait.engine.validation import validate_request
 
 if TYPE_CHECKING:

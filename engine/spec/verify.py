@@ -20,9 +20,13 @@ with probability p_j(d_j) = min(1, p_j(d_j) / q(d_j)), and on a miss y_j is dist
 p_j restricted to tokens != d_j, renormalised, which is norm(max(0, p_j - q)). Better: y_j
 is drawn with the request's generator exactly as non-speculative sampling would draw it
 (one uniform per kept token, the same inverse-CDF rule), so a seeded request gives the
-very same tokens with and without speculation, and choice i of n still equals n=1 with
+same tokens with and without speculation, and choice i of n still equals n=1 with
 seed + i. Rows after the first miss are discarded, and the generator is rewound to have
-advanced once per kept token only.
+advanced once per kept token only. "The same" up to the logits' float rounding: a row
+of a (k + 1)-row chunk and the row of a one-row decode step differ by GEMM summation
+order (about 1e-6 in logprobs on the tests' tiny model), which can move a sampled pick
+across a boundary of the inverse CDF, rarely (a flat distribution's tail makes it less
+rare), exactly as a different batch composition can without speculation.
 
 Structured requests are verified row by row (`verify_one`): the grammar matcher must
 advance through the kept drafts before it can mask the next row, and a refused pick
