@@ -135,7 +135,8 @@ class EngineCore:
         self.last_error: str | None = None
         self.spec: SpecDecoder | None = None  # speculative decoding (engine/spec/)
         if config.speculative_config is not None:
-            self.spec = SpecDecoder(config.speculative_config, self.runner.max_model_len)
+            self.spec = SpecDecoder(config.speculative_config, self.runner.max_model_len,
+                                    vocab_size=resolved.config.vocab_size)
             logger.info("speculative decoding: %s", config.speculative_config.to_json())
 
     # ---------------------------------------------------------------- requests

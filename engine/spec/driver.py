@@ -46,8 +46,11 @@ class SpecDecoder:
     """Proposer + policy + counters for one engine (see the module docstring)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, vocab_size: int | None = None) -> None:
+        """`vocab_size`: draft tokens outside [0, vocab_size) end a draft (a proposer's
+        bug must not fail the step of every request); None: no check."""
         self.config = config
+        self.vocab_size = vocab_size
         self.max_k = config.num_tokens
         self.max_model_len = max_model_len
         self.proposer = proposer if proposer is not None else make_proposer(config)
@@ -81,6 +84,9 @@ class SpecDecoder:
         structured = {r.request_id for r in decoding if r.params.structured is not None}
         for seq, draft in zip(seqs, self.proposer.propose(seqs), strict=True):
             draft = list(draft[:seq.max_draft_tokens])
+            if self.vocab_size is not None:
+                draft = draft[:next((i for i, t in enumerate(draft)
+                                     if not 0 <= t < self.vocab_size), len(draft))]
             if draft and seq.request_id in structured and grammar_check is not None:
                 draft = draft[:grammar_check(seq.request_id, draft)]
             if draft:

@@ -28,7 +28,10 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def spec_server() -> RemoteServer:
-    server = start_server(["--speculative-config", NGRAM, "--log-level", "info"],
+    # the engine in the server's process: a spawned engine process imports `plait` from
+    # the installed distribution, which need not be this checkout (the config's crossing
+    # of the process pipe is tests/unit/test_spec_wire.py's)
+    server = start_server(["--speculative-config", NGRAM, "--no-engine-process"],
                           api_key=API_KEY, env={"PLAIT_API_KEY": API_KEY})
     try:
         server.wait_healthy()

@@ -91,6 +91,9 @@ def test_drafts_fit_max_tokens_context_and_batch_size() -> None:
     assert (c_.num_drafts, c_.num_draft_tokens, c_.num_accepted_tokens,
             c_.accepted_per_pos) == (2, 6, 2, [1, 1, 0, 0])
     assert spec.drafts([a])["a"] == [1, 2, 3]  # k = accepted + 1
+    # a token outside the vocabulary ends a draft
+    small = SpecDecoder(config, max_model_len=20, proposer=Echo(), vocab_size=3)
+    assert small.drafts([a]) == {"a": [1, 2]}
 
 
 def test_structured_drafts_are_cut_by_the_grammar() -> None:
