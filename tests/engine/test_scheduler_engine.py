@@ -29,8 +29,8 @@ def record_schedules(llm: LLM, measure) -> list:
     sched = llm.engine.scheduler
     original, recorded = sched.schedule, []
 
-    def recording_schedule() -> SchedulerOutput:
-        out = original()
+    def recording_schedule(drafts=None) -> SchedulerOutput:
+        out = original(drafts)
         recorded.append(measure(out))
         return out
 
