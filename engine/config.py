@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from plait.engine.spec.config import SpeculativeConfig
+
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The CPU linear layers' BLAS format (engine/models/linear.py) and the attention backends
 # (kernels/ops.py); "auto" picks by CPU vendor / device.
@@ -83,6 +85,9 @@ class EngineConfig:
     cache takes the model dtype: "bfloat16" is accepted there only with a bfloat16 model
     (`dtype` "auto" or "bfloat16"; ModelRunner raises at startup otherwise).
 
+    `speculative_config` turns on speculative decoding (engine/spec/; vLLM's
+    `--speculative-config`): a proposer drafts tokens that one step verifies. None: off.
+
     `kv_events_endpoint` (e.g. "tcp://*:5557") publishes KV-cache events as vLLM does
     (engine/kv_events.py) under `kv_events_topic`, with a replay socket at
     `kv_events_replay_endpoint`; `kv_events_encoding` "map" or "array" (older vLLM).
@@ -114,6 +119,7 @@ class EngineConfig:
     prefill_int8: bool = False
     int8_panels: bool = False
     kv_cache_dtype: str = "auto"
+    speculative_config: SpeculativeConfig | None = None
     # KV-cache events (engine/kv_events.py): off unless an endpoint is given.
     kv_events_endpoint: str | None = None
     kv_events_topic: str = ""
@@ -158,6 +164,10 @@ class EngineConfig:
                              f"got {self.kv_events_encoding!r}")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.speculative_config is not None and not isinstance(self.speculative_config,
+                                                                  SpeculativeConfig):
+            raise ValueError("speculative_config must be a SpeculativeConfig (build one "
+                             "with SpeculativeConfig.parse)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from plait.engine.block_pool import BlockPool
 from plait.engine.config import EngineConfig, RuntimeInfo
@@ -32,6 +32,7 @@ from plait.engine.request import Request
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.sched_output import RunnerOutput, SchedulerOutput
 from plait.engine.scheduler import Scheduler
+from plait.engine.spec.driver import SpecDecoder
 from plait.engine.structured import GRAMMAR_FAILED
 
 if TYPE_CHECKING:
@@ -132,6 +133,10 @@ class EngineCore:
         self.compiling: dict[str, tuple[Request, Future[None]]] = {}
         self.counters = StepCounters()
         self.last_error: str | None = None
+        self.spec: SpecDecoder | None = None  # speculative decoding (engine/spec/)
+        if config.speculative_config is not None:
+            self.spec = SpecDecoder(config.speculative_config, self.runner.max_model_len)
+            logger.info("speculative decoding: %s", config.speculative_config.to_json())
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -155,6 +160,8 @@ class EngineCore:
         if req is None:
             return None
         del self.outputs[request_id]
+        if self.spec is not None:
+            self.spec.finish(request_id)
         if self.compiling.pop(request_id, None) is None:
             self.scheduler.finish(req)
         return self._final(req, "abort")
@@ -178,7 +185,11 @@ class EngineCore:
         result is `stalled` when nothing was scheduled and no grammar is compiling: only a
         new or a finished request can change that."""
         admitted = self._admit_compiled()
-        out = self.scheduler.schedule()
+        drafts = None
+        if self.spec is not None:
+            drafts = self.spec.drafts(self.scheduler.running,
+                                      getattr(self.runner, "grammar_valid_prefix", None))
+        out = self.scheduler.schedule(drafts)
         stalled = not out.has_work and not out.unservable_ids and not self.compiling
         if not out.has_work and self.compiling and not admitted:
             # nothing to compute: wait a little for a grammar instead of spinning
@@ -248,6 +259,10 @@ class EngineCore:
                 output.prompt_logprobs = []
             output.prompt_logprobs.extend(scored)
         self._copy_shared_prompt_logprobs(out)
+        if self.spec is not None:
+            for request_id in out.preempted_ids:
+                self.spec.finish(request_id, preempted=True)
+        spec_chunks = {c.request_id: c for c in out.chunks if c.draft_token_ids}
         for row in out.samples:
             req = self.requests.get(row.request_id)
             if req is None:
@@ -256,11 +271,20 @@ class EngineCore:
                 self.last_error = run.errors[row.request_id]
                 deltas.append(self._finish(req, "error", error=SAMPLING_FAILED))
                 continue
-            delta = self._safe_update(req, run.sampled[row.request_id],
-                                      run.logprobs.get(row.request_id),
+            accepted = run.accepted.get(row.request_id, [])
+            accepted_logprobs: list[TokenLogprob | None] = [None] * len(accepted)
+            if row.request_id in run.accepted_logprobs:
+                accepted_logprobs = list(run.accepted_logprobs[row.request_id])
+            delta = self._safe_update(req, [*accepted, run.sampled[row.request_id]],
+                                      [*accepted_logprobs, run.logprobs.get(row.request_id)],
                                       row.request_id in run.grammar_ended)
             if delta is not None:
                 deltas.append(delta)
+            chunk = spec_chunks.get(row.request_id)
+            if chunk is not None and self.spec is not None:
+                self.spec.verified(req.request_id, len(chunk.draft_token_ids), len(accepted))
+                if req.request_id in self.requests:  # not finished by these tokens
+                    self.scheduler.verified(req, chunk.start, 1 + len(accepted))
         return deltas
 
     def _copy_shared_prompt_logprobs(self, out: SchedulerOutput) -> None:
@@ -276,12 +300,27 @@ class EngineCore:
                 self.outputs[row.request_id].prompt_logprobs = list(owner.prompt_logprobs)
 
     # ---------------------------------------------------------------- update
-    def _safe_update(self, req: Request, token_id: int, logprob: TokenLogprob | None,
+    def _safe_update(self, req: Request, token_ids: list[int],
+                     logprobs: list[TokenLogprob | None],
                      grammar_ended: bool = False) -> RequestDelta | None:
+        """Append the step's tokens of `req` (one, or a verified draft's accepted tokens
+        then the model's own) one at a time, each with its stop checks, as one delta; the
+        tokens after one that finishes the request are dropped. `grammar_ended` is about
+        the last token."""
         if req.request_id not in self.requests:
             return None
         try:
-            return self._append_token(req, token_id, logprob, grammar_ended)
+            delta: RequestDelta | None = None
+            last = len(token_ids) - 1
+            for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+                step = self._append_token(req, token_id, logprob, grammar_ended and i == last)
+                if delta is None:
+                    delta = step
+                else:
+                    delta.merge(step)
+                if delta.finished:
+                    break
+            return delta
         except Exception as exc:
             logger.exception("update of request %s failed", req.request_id)
             self.last_error = f"{type(exc).__name__}: {exc}"
@@ -342,6 +381,8 @@ class EngineCore:
         """Drop a finished request's entries (the scheduler frees what it holds)."""
         self.requests.pop(req.request_id, None)
         self.outputs.pop(req.request_id, None)
+        if self.spec is not None:
+            self.spec.finish(req.request_id)
 
     def _final(self, req: Request, reason: str, error: str | None = None) -> RequestDelta:
         return RequestDelta(req.request_id, finish_reason=reason, error=error,
@@ -367,4 +408,14 @@ class EngineCore:
             failed_steps=self.counters.failed_steps,
             last_error=self.last_error,
             model_weight_bytes=self.info.weight_bytes,
-            kv_events_dropped=0 if self.kv_events is None else self.kv_events.dropped)
+            kv_events_dropped=0 if self.kv_events is None else self.kv_events.dropped,
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.spec is None:
+            return {}
+        c = self.spec.counters
+        return dict(spec_decode_num_drafts=c.num_drafts,
+                    spec_decode_num_draft_tokens=c.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=c.num_accepted_tokens,
+                    spec_decode_accepted_per_pos=tuple(c.accepted_per_pos))

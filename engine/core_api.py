@@ -56,6 +56,13 @@ class EngineStats:
     last_error: str | None = None  # "Type: message" of the last step/sampling/decoding error
     model_weight_bytes: int = 0  # the model's weights in memory
     kv_events_dropped: int = 0  # KV-cache event batches never sent (engine/kv_events.py)
+    # Speculative decoding (engine/spec/; all 0 when it is off): drafts verified, their
+    # tokens, the tokens accepted, and per draft position i the drafts whose token i was
+    # accepted (num_speculative_tokens entries; empty when off).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:

@@ -61,6 +61,16 @@ class RequestGrammar:
         host): bit `t % 32` of word `t // 32` is set when token t is allowed."""
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens of `token_ids` the grammar would accept in a row, from
+        its current state (which is left unchanged). An EOS ends the count: a draft is
+        never verified past one."""
+        end = next((i for i, t in enumerate(token_ids)
+                    if t in self.eos_ids or not 0 <= t < self.vocab_size), len(token_ids))
+        if end == 0 or self.matcher.is_error():
+            return 0
+        return int(self.matcher.validate_tokens(token_ids[:end]))
+
     def accept(self, token_id: int) -> bool:
         """Advance past `token_id`; False (and the matcher in its error state) if the
         grammar does not allow it."""

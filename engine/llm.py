@@ -15,6 +15,7 @@ from plait.engine.core import EngineCore
 from plait.engine.core_api import EngineStats
 from plait.engine.outputs import ChoiceAccumulator, RequestOutput
 from plait.engine.sampling_params import SamplingParams
+from plait.engine.spec.config import SpeculativeConfig
 from plait.engine.validation import validate_request
 
 if TYPE_CHECKING:
@@ -27,6 +28,13 @@ class LLM:
     """Synchronous engine for scripts and tests. `model=None` is the embedded default."""
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        """`engine_options`: EngineConfig's fields; `speculative_config` may also be given
+        as `--speculative-config`'s text (JSON or a method name) or a dict of its fields."""
+        spec = engine_options.get("speculative_config")
+        if isinstance(spec, str):
+            engine_options["speculative_config"] = SpeculativeConfig.parse(spec)
+        elif isinstance(spec, dict):
+            engine_options["speculative_config"] = SpeculativeConfig.from_dict(spec)
         self.config = EngineConfig.from_kwargs(model=model, **engine_options)
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer

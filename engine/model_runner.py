@@ -9,6 +9,7 @@ input_batch.py) and the sampler. It knows nothing of queues or policy: `execute`
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 
@@ -43,6 +44,7 @@ from plait.engine.models.llama import LlamaForCausalLM
 from plait.engine.outputs import TokenLogprob
 from plait.engine.sampler import Sampler, SamplingMetadata
 from plait.engine.sched_output import RunnerOutput, SchedulerOutput
+from plait.engine.spec.verify import SpecRequest, Verified, verify_batch, verify_one
 from plait.engine.transfer import to_device
 from plait.engine.weights import load_weights
 from plait.kernels import AttentionMetadata, AttentionShape, TorchOps, select_ops
@@ -209,9 +211,12 @@ class ModelRunner:
             dst = self.to_device([d for _, d in out.block_copies], torch.int64)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         result = RunnerOutput()
-        computed, row_of = self._forward(out, result)  # [num_sample_chunks, vocab]
-        if out.samples:
-            self._sample(out, computed, row_of, result)
+        computed, row_of = self._forward(out, result)  # [num_sample_rows, vocab]
+        drafts = {c.request_id: c.draft_token_ids for c in out.chunks if c.draft_token_ids}
+        if drafts:
+            self._verify(drafts, computed, row_of, result)
+        if len(out.samples) > len(drafts):
+            self._sample(out, computed, row_of, result, drafts)
         for request_id, slot in out.keep_logits:
             self.kept_logits[slot] = computed[row_of[request_id]]
         return result
@@ -233,7 +238,13 @@ class ModelRunner:
         meta = self.ops.plan(meta, positions)  # the attention plan, once for every layer
         hidden = self.model(input_ids, positions, meta)  # [T, hidden], or [K, hidden]
         computed = self.model.compute_logits(hidden[sample_idx] if every_row else hidden)
-        row_of = {c.request_id: i for i, c in enumerate(c for c in out.chunks if c.sample)}
+        # request id -> its first row in `computed` (a speculative chunk has 1 + k rows)
+        row_of: dict[str, int] = {}
+        num_rows = 0
+        for chunk in out.chunks:
+            if chunk.sample:
+                row_of[chunk.request_id] = num_rows
+                num_rows += 1 + len(chunk.draft_token_ids)
         offset = 0
         for chunk in out.chunks:
             state = self.batch.states[chunk.request_id]
@@ -264,7 +275,9 @@ class ModelRunner:
         for chunk in out.chunks:
             state = batch.states[chunk.request_id]
             end = chunk.start + chunk.num_tokens
-            input_ids.extend(state.token_ids(chunk.start, end))
+            num_draft = len(chunk.draft_token_ids)
+            input_ids.extend(state.token_ids(chunk.start, end - num_draft))
+            input_ids.extend(chunk.draft_token_ids)
             positions.extend(range(chunk.start, end))
             ids = state.block_ids
             slots.extend(ids[p // bs] * bs + p % bs for p in range(chunk.start, end))
@@ -272,8 +285,8 @@ class ModelRunner:
             cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
             context_lens.append(end)
             max_blocks = max(max_blocks, state.num_blocks)
-            if chunk.sample:
-                sample_idx.append(cu_seqlens[-1] - 1)
+            if chunk.sample:  # the last row, or every row of a speculative chunk
+                sample_idx.extend(range(cu_seqlens[-1] - 1 - num_draft, cu_seqlens[-1]))
         tables = batch.block_table[torch.tensor(rows), :max_blocks]  # [S, max_blocks]
         meta = AttentionMetadata(
             slot_mapping=self.to_device(slots, torch.int64),  # [T]
@@ -308,20 +321,22 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- sampling
     def _sample(self, out: SchedulerOutput, computed: torch.Tensor, row_of: dict[str, int],
-                result: RunnerOutput) -> None:
-        """One token for every `SampleRow`, appended to the request's state.
+                result: RunnerOutput, drafts: Mapping[str, tuple[int, ...]]) -> None:
+        """One token for every `SampleRow` (but those of speculative chunks, `drafts`:
+        `_verify`), appended to the request's state.
 
         The rows are sampled as one batch. If that raises, each row is sampled alone (its
         seeded generator rewound first), so one request's failure is its own."""
-        states = [self.batch.states[row.request_id] for row in out.samples]
-        kept_slots = [row.kept_slot for row in out.samples if row.kept_slot is not None]
+        samples = [row for row in out.samples if row.request_id not in drafts]
+        states = [self.batch.states[row.request_id] for row in samples]
+        kept_slots = [row.kept_slot for row in samples if row.kept_slot is not None]
         table = computed
         if kept_slots:
             table = torch.cat([computed, self.kept_logits[self.to_device(kept_slots,
                                                                          torch.int64)]])
         index: list[int] = []
         num_kept = 0
-        for row in out.samples:
+        for row in samples:
             if row.computed_by is not None:
                 index.append(row_of[row.computed_by])
             else:
@@ -359,6 +374,65 @@ class ModelRunner:
             if logprob is not None:
                 result.logprobs[state.request_id] = logprob
 
+    def _verify(self, drafts: Mapping[str, tuple[int, ...]], computed: torch.Tensor,
+                row_of: dict[str, int], result: RunnerOutput) -> None:
+        """Verify the drafts of speculative chunks (engine/spec/verify.py): the kept
+        tokens are appended to each request's state and reported as `accepted` +
+        `sampled`. Requests without a grammar are verified in one batch; if that raises,
+        and for structured requests, each is verified alone (its generator rewound)."""
+        reqs = []
+        for request_id, draft in drafts.items():
+            state = self.batch.states[request_id]
+            reqs.append(SpecRequest(request_id, state.params, state.prompt_token_ids,
+                                    state.output_token_ids, state.generator, state.grammar,
+                                    draft))
+        rows = {r.request_id: computed[row_of[r.request_id]:
+                                       row_of[r.request_id] + len(r.draft) + 1] for r in reqs}
+        plain = [r for r in reqs if r.grammar is None]
+        verified: dict[str, Verified] = {}
+        if plain:
+            rewind = [r.generator.get_state() if r.generator is not None else None
+                      for r in plain]
+            try:
+                logits = torch.cat([rows[r.request_id] for r in plain])  # [sum(k + 1), vocab]
+                batch = verify_batch(self.sampler, logits, plain, self.eos_token_ids)
+                verified.update((r.request_id, v) for r, v in zip(plain, batch, strict=True))
+            except Exception:
+                logger.exception("batched verification failed; verifying each request alone")
+                for r, saved in zip(plain, rewind, strict=True):
+                    if r.generator is not None and saved is not None:
+                        r.generator.set_state(saved)
+        for r in reqs:
+            if r.request_id in verified:
+                continue
+            try:
+                verified[r.request_id] = verify_one(self.sampler, rows[r.request_id], r,
+                                                    self.eos_token_ids)
+            except Exception as exc:
+                logger.exception("verifying request %s failed", r.request_id)
+                verified[r.request_id] = Verified(error=f"{type(exc).__name__}: {exc}")
+        for r in reqs:
+            self._keep_verified(self.batch.states[r.request_id], verified[r.request_id],
+                                result)
+
+    def _keep_verified(self, state: CachedRequestState, verified: Verified,
+                       result: RunnerOutput) -> None:
+        """Append a verified request's kept tokens to its state and to `result`."""
+        request_id = state.request_id
+        if verified.error is not None:
+            result.errors[request_id] = verified.error
+            return
+        *accepted, last = verified.token_ids
+        state.output_token_ids.extend(verified.token_ids)
+        result.accepted[request_id] = accepted
+        result.sampled[request_id] = last
+        if state.params.logprobs is not None:
+            logprobs = [lp for lp in verified.logprobs if lp is not None]
+            result.accepted_logprobs[request_id] = logprobs[:-1]
+            result.logprobs[request_id] = logprobs[-1]
+        if verified.grammar_ended:
+            result.grammar_ended.add(request_id)
+
     def _metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         grammars = [s.grammar for s in states]
         return SamplingMetadata(
@@ -387,6 +461,16 @@ class ModelRunner:
                 result.errors[state.request_id] = f"{type(exc).__name__}: {exc}"
                 failed.add(state.request_id)
         return failed
+
+    def grammar_valid_prefix(self, request_id: str, draft: list[int]) -> int:
+        """How many leading tokens of `draft` the request's grammar accepts from its
+        current state (all of them for a request without a matcher yet)."""
+        state = self.batch.states.get(request_id)
+        if state is None:
+            return 0
+        if state.grammar is None:
+            return 0 if state.params.structured is not None else len(draft)
+        return state.grammar.valid_prefix(draft)
 
     def _advance(self, state: CachedRequestState, token_id: int, result: RunnerOutput) -> bool:
         """Advance the request's matcher past its sampled token; False (the request in

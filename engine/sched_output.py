@@ -34,12 +34,24 @@ class ScheduledChunk:
     """Tokens [start, start + num_tokens) of a request are computed in this step.
 
     `sample`: the chunk ends at the request's last known token, so its last position's
-    logits row is computed (and sampled from, see `SampleRow`)."""
+    logits row is computed (and sampled from, see `SampleRow`).
+
+    `draft_token_ids` (speculative decoding, engine/spec/): k guessed tokens that follow
+    the request's last known token. The chunk is then that token plus the draft
+    (`num_tokens` = 1 + k, `sample` True), every one of its k + 1 rows is scored, and the
+    runner keeps the longest prefix of the draft the model itself samples, plus one token
+    of its own (engine/spec/verify.py):
+
+        positions  start   start+1 ... start+k
+        tokens     last    d0      ... d(k-1)
+        rows       r0      r1      ... rk      r_j verifies d_j; the first miss (or rk) samples
+    """
 
     request_id: str
     start: int
     num_tokens: int
     sample: bool
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +107,17 @@ class RunnerOutput:
     `sampled` holds a token for every `SampleRow` whose sampling succeeded; a request whose
     own sampling failed is in `errors` instead (its neighbours are unaffected), and so is a
     structured request whose grammar could not be matched.
+    A speculative chunk's result is `accepted[id]` then `sampled[id]` (see ScheduledChunk).
     `prompt_logprobs` holds, for chunks of requests that asked for them, the logprobs of the
     prompt tokens this chunk scored (the first prompt token's `None` included when the
     chunk starts the prompt)."""
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # Speculative chunks: the draft tokens accepted (in order) before `sampled[id]`, which
+    # is then the model's own token after them; their logprobs where asked for.
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     # Structured requests whose grammar is complete after this step's token (it takes no

@@ -10,12 +10,15 @@ admissions together) are also capped by `max_prefill_tokens_with_decodes`, so a 
 arriving never stalls the running streams for a whole `max_num_batched_tokens` step.
 
 `num_computed_tokens` advances when a chunk is scheduled, so the step's output never has to
-be reconciled with the schedule. Never imports torch.
+be reconciled with the schedule; the one exception is a speculative decode (a draft given
+to `schedule`), which `verified()` rolls back to what the model accepted. Never imports
+torch.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from plait.engine.block_pool import BlockPool, hash_block, hash_partial_block
@@ -115,11 +118,15 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + self.share.num_parked
 
     # ---------------------------------------------------------------- scheduling
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
+        """The next step. `drafts` (speculative decoding): request id -> draft tokens for
+        running requests that decode; each one scheduled as a decode gets its draft as
+        extra rows, cut to the step's token budget, or dropped where the pool is short
+        (never preempting another request for a draft)."""
         self.step_idx += 1
         self._record = _StepRecord()
         step = _StepBuilder()
-        budget, prefill_budget = self._schedule_running(step)
+        budget, prefill_budget = self._schedule_running(step, drafts or {})
         self._schedule_waiting(step, min(budget, prefill_budget))
         return self._freeze(step)
 
@@ -151,9 +158,10 @@ class Scheduler:
             keep_logits=tuple(step.keep_logits), preempted_ids=tuple(step.preempted),
             unservable_ids=tuple(step.unservable))
 
-    def _schedule_running(self, step: _StepBuilder) -> tuple[int, int]:
-        """Decode tokens and prefill chunks of running requests; returns what is left of
-        the step's token budget and of its prefill budget."""
+    def _schedule_running(self, step: _StepBuilder,
+                          drafts: Mapping[str, Sequence[int]]) -> tuple[int, int]:
+        """Decode tokens (with their drafts) and prefill chunks of running requests;
+        returns what is left of the step's token budget and of its prefill budget."""
         budget = self.max_num_batched_tokens
         prefill_budget = self._prefill_budget()
         for req in list(self.running):
@@ -165,6 +173,11 @@ class Scheduler:
             if prefill:
                 num_new = min(num_new, prefill_budget)
             if num_new <= 0:
+                continue
+            draft = () if prefill else tuple(drafts.get(req.request_id, ()))[:budget - 1]
+            if draft and self._allocate(req, 1 + len(draft), step, len(draft)):
+                self._add_chunk(req, 1 + len(draft), step, draft)
+                budget -= 1 + len(draft)
                 continue
             while not self._allocate(req, num_new, step):
                 victim = next((r for r in reversed(self.running)
@@ -271,11 +284,12 @@ class Scheduler:
         self.stats.prompt_tokens_cached += req.num_prompt_tokens
         step.samples.append(row)
 
-    def _add_chunk(self, req: Request, num_new: int, step: _StepBuilder) -> None:
+    def _add_chunk(self, req: Request, num_new: int, step: _StepBuilder,
+                   draft: tuple[int, ...] = ()) -> None:
         start = req.num_computed_tokens
         req.num_computed_tokens += num_new
-        sample = req.num_computed_tokens == req.num_tokens
-        step.chunks.append(ScheduledChunk(req.request_id, start, num_new, sample))
+        sample = req.num_computed_tokens - len(draft) == req.num_tokens
+        step.chunks.append(ScheduledChunk(req.request_id, start, num_new, sample, draft))
         step.scheduled[req.request_id] = req
         if sample:
             step.samples.append(SampleRow(req.request_id, computed_by=req.request_id))
@@ -328,9 +342,39 @@ class Scheduler:
                 self.share.abandon_final_step(owner.share_entry)
         self._record = _StepRecord()
 
+    def verified(self, req: Request, start: int, num_kept: int) -> None:
+        """A speculative chunk of `req` that started at `start` kept `num_kept` tokens
+        (the last known one and the accepted drafts; the core has appended the accepted
+        drafts and the model's own next token to the output). Roll back to them: only
+        positions [0, start + num_kept) hold verified K/V; blocks past them are freed, and
+        the blocks they filled become findable by content (never before: a registered
+        block holds verified tokens only).
+
+            block size 4, start 5, draft of 4, 2 accepted (num_kept 3):
+            blocks  [0 1 2 3][4 5 6 7][8 9 . .]       kept: positions 0..7
+            K/V      v v v v  v v v v  x x            x: rejected drafts, overwritten later
+            block 1 becomes full and registered; block 2 is freed
+        """
+        num_computed = start + num_kept
+        if req.num_computed_tokens < num_computed:
+            raise ValueError(f"{req.request_id}: {num_kept} kept tokens from {start}, "
+                             f"only {req.num_computed_tokens} computed")
+        req.num_computed_tokens = num_computed
+        num_blocks = cdiv(num_computed, self.block_size)
+        if len(req.block_ids) > num_blocks:
+            self.pool.free(req.block_ids[num_blocks:])
+            del req.block_ids[num_blocks:]
+            req.blocks_changed = True
+        if self.pool.enable_caching:
+            self._register_full(req, (start + 1) // self.block_size,
+                                num_computed // self.block_size)
+
     # ---------------------------------------------------------------- blocks
-    def _allocate(self, req: Request, num_new: int, step: _StepBuilder) -> bool:
+    def _allocate(self, req: Request, num_new: int, step: _StepBuilder,
+                  num_draft: int = 0) -> bool:
         """Make room for tokens [computed, computed + num_new); False if the pool is short.
+        The last `num_draft` of them are unverified drafts: the blocks they fill are not
+        registered now (`verified` registers those the model accepts).
 
         A write into a last block that others still reference, or that is findable by
         content (a kept prompt's partial block), first copies it."""
@@ -360,16 +404,7 @@ class Scheduler:
             return True
         # Blocks that become full in this step are registered now, so a request scheduled
         # later in this step (or later) can share them.
-        first_full, last_full = start // bs, end // bs
-        if last_full > first_full:
-            self._extend_hashes(req, last_full)
-            for idx in range(first_full, last_full):
-                if self.pool.events is None:
-                    self._register(req.block_ids[idx], req.block_hashes[idx])
-                else:  # KV events announce a full block with its parent and tokens
-                    self._register(req.block_ids[idx], req.block_hashes[idx],
-                                   req.block_hashes[idx - 1] if idx else None,
-                                   req.token_ids(idx * bs, (idx + 1) * bs))
+        self._register_full(req, start // bs, (end - num_draft) // bs)
         # An owner's partial last prompt block is registered too: a kept prompt names it
         # (so it is copied before any write; pointless when no prompt is ever kept).
         entry = req.share_entry
@@ -383,6 +418,20 @@ class Scheduler:
                 parent, req.prompt_token_ids[num_prompt // bs * bs:], req.extra_key)
             self._register(req.block_ids[-1], req.partial_block_hash)
         return True
+
+    def _register_full(self, req: Request, first_full: int, last_full: int) -> None:
+        """Register `req`'s full blocks [first_full, last_full) under their content hash."""
+        if last_full <= first_full:
+            return
+        bs = self.block_size
+        self._extend_hashes(req, last_full)
+        for idx in range(first_full, last_full):
+            if self.pool.events is None:
+                self._register(req.block_ids[idx], req.block_hashes[idx])
+            else:  # KV events announce a full block with its parent and tokens
+                self._register(req.block_ids[idx], req.block_hashes[idx],
+                               req.block_hashes[idx - 1] if idx else None,
+                               req.token_ids(idx * bs, (idx + 1) * bs))
 
     def _register(self, block_id: int, block_hash: bytes, parent_hash: bytes | None = None,
                   token_ids: list[int] | None = None) -> None:

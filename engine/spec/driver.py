@@ -1,0 +1,97 @@
+"""The engine core's side of speculative decoding: which running sequences draft this step
+and how much (policy.py), the proposer call, and what verification taught (acceptance
+counters for the metrics, feedback to the policy and the proposer).
+
+    drafts = spec.drafts(running, ...)        before Scheduler.schedule(drafts)
+    spec.verified(id, proposed, accepted)     per speculative chunk, after the step
+    spec.finish(id)                           when a sequence ends or is preempted
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from plait.engine.request import Request, RequestStatus
+from plait.engine.spec.config import SpeculativeConfig
+from plait.engine.spec.factory import make_proposer
+from plait.engine.spec.policy import SpecPolicy
+from plait.engine.spec.proposer import Proposer, SpecInput
+
+# (request id, draft) -> how many leading draft tokens the request's grammar accepts
+GrammarCheck = Callable[[str, list[int]], int]
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    """Counters over the engine's life (vLLM's spec_decode_* metrics)."""
+
+    num_drafts: int = 0  # drafts verified
+    num_draft_tokens: int = 0  # tokens in them
+    num_accepted_tokens: int = 0  # of those, accepted
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at position i
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class SpecDecoder:
+    """Proposer + policy + counters for one engine (see the module docstring)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 proposer: Proposer | None = None) -> None:
+        self.config = config
+        self.max_k = config.num_tokens
+        self.max_model_len = max_model_len
+        self.proposer = proposer if proposer is not None else make_proposer(config)
+        self.policy = SpecPolicy(self.max_k, config.disable_by_batch_size)
+        self.counters = SpecCounters(accepted_per_pos=[0] * self.max_k)
+
+    def drafts(self, running: Iterable[Request],
+               grammar_check: GrammarCheck | None = None) -> dict[str, list[int]]:
+        """Drafts for the running sequences that decode in the next step (their K/V is
+        computed up to their last token), within each one's budget: the policy's k, the
+        tokens `max_tokens` leaves after the step's own token, and the context. A
+        structured sequence's draft is cut before the first token its grammar refuses
+        (`grammar_check`, given for those). Empty when the batch is too large."""
+        decoding = [r for r in running if r.status == RequestStatus.RUNNING
+                    and r.output_token_ids and r.num_computed_tokens == r.num_tokens - 1]
+        if not decoding or not self.policy.enabled_for_batch(len(decoding)):
+            return {}
+        seqs: list[SpecInput] = []
+        for req in decoding:
+            room = min(req.max_tokens - len(req.output_token_ids),
+                       self.max_model_len - req.num_tokens) - 1
+            k = min(self.policy.budget(req.request_id), room) if room > 0 else 0
+            if k > 0:
+                seqs.append(SpecInput(req.request_id, req.prompt_token_ids
+                                      + req.output_token_ids, req.num_prompt_tokens, k))
+        if not seqs:
+            return {}
+        found: dict[str, list[int]] = {}
+        structured = {r.request_id for r in decoding if r.params.structured is not None}
+        for seq, draft in zip(seqs, self.proposer.propose(seqs), strict=True):
+            draft = list(draft[:seq.max_draft_tokens])
+            if draft and seq.request_id in structured and grammar_check is not None:
+                draft = draft[:grammar_check(seq.request_id, draft)]
+            if draft:
+                found[seq.request_id] = draft
+        return found
+
+    def verified(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """A draft of `num_proposed` tokens was verified, `num_accepted` kept."""
+        c = self.counters
+        c.num_drafts += 1
+        c.num_draft_tokens += num_proposed
+        c.num_accepted_tokens += num_accepted
+        for pos in range(min(num_accepted, len(c.accepted_per_pos))):
+            c.accepted_per_pos[pos] += 1
+        self.policy.record(request_id, num_proposed, num_accepted)
+        self.proposer.on_verified(request_id, num_proposed, num_accepted)
+
+    def finish(self, request_id: str, preempted: bool = False) -> None:
+        """`request_id` ended (or, `preempted`, left the running batch for now)."""
+        if not preempted:
+            self.policy.forget(request_id)
+        self.proposer.finish(request_id)

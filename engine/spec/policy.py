@@ -1,0 +1,85 @@
+"""How many tokens each sequence drafts this step: acceptance feedback per sequence, and
+speculation stepping aside for large batches.
+
+Per sequence, k (the draft budget) follows what was accepted:
+
+    all of a draft accepted          k doubles (up to num_speculative_tokens)
+    some accepted (a of p)           k = a + 1
+    none accepted                    k halves; from k = 1 the sequence stops proposing for
+                                     a pause of 8 steps, doubling (to 64) while its drafts
+                                     keep missing, back to 8 once one is accepted
+
+A miss costs the extra rows of one step, so free text with few repeats settles at rare,
+short drafts. A proposal that finds nothing (an empty draft) costs no rows and changes
+nothing.
+
+Batch size: a decode step of B sequences reads every weight once for B rows; while B is
+small the step is bound by reading the weights, and k extra rows per sequence are nearly
+free. Past some B it is bound by computing them, and drafts only add work. A step with
+`disable_by_batch_size` or more decoding sequences proposes nothing (vLLM's option of the
+same name). DEFAULT_DISABLE_BY_BATCH_SIZE is measured (BENCHMARKS.md, issue 41): on the
+2-core dev host with SmolLM2-135M Q8_0, float32 compute, a step's time grows by about
+... (see the module's test-free measurement script, scripts/bench_spec_rows.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+PAUSE_MIN_STEPS = 8
+PAUSE_MAX_STEPS = 64
+
+
+@dataclass(slots=True)
+class _SeqState:
+    k: int
+    pause_left: int = 0  # steps left without proposing
+    pause_len: int = PAUSE_MIN_STEPS  # the next pause's length
+
+
+class SpecPolicy:
+    """Draft budgets per sequence id (see the module docstring). Core thread only."""
+
+    def __init__(self, max_k: int, disable_by_batch_size: int | None = None) -> None:
+        if max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {max_k}")
+        self.max_k = max_k
+        self.disable_by_batch_size = (DEFAULT_DISABLE_BY_BATCH_SIZE
+                                      if disable_by_batch_size is None
+                                      else disable_by_batch_size)
+        self._seqs: dict[str, _SeqState] = {}
+
+    def enabled_for_batch(self, num_decoding: int) -> bool:
+        """Whether a step with `num_decoding` decoding sequences speculates at all."""
+        return num_decoding < self.disable_by_batch_size
+
+    def budget(self, request_id: str) -> int:
+        """Tokens `request_id` may draft this step (0: none). Counts one step of a pause."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            seq = self._seqs[request_id] = _SeqState(self.max_k)
+        if seq.pause_left > 0:
+            seq.pause_left -= 1
+            return 0
+        return seq.k
+
+    def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """A draft of `num_proposed` (>= 1) tokens of `request_id` was verified."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            seq = self._seqs[request_id] = _SeqState(self.max_k)
+        if num_accepted >= num_proposed:
+            seq.k = min(self.max_k, 2 * max(seq.k, num_proposed))
+            seq.pause_len = PAUSE_MIN_STEPS
+        elif num_accepted > 0:
+            seq.k = min(self.max_k, num_accepted + 1)
+            seq.pause_len = PAUSE_MIN_STEPS
+        elif seq.k > 1:
+            seq.k //= 2
+        else:
+            seq.pause_left = seq.pause_len
+            seq.pause_len = min(PAUSE_MAX_STEPS, 2 * seq.pause_len)
+
+    def forget(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
