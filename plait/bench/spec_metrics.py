@@ -1,11 +1,11 @@
 """Speculative decoding's counters from a server's Prometheus /metrics, under vLLM's names
-(which Plait exports too), and what a run's difference of two scrapes says:
+(which Plait exports too; llama-server started with `--metrics` has the same ones under
+`llamacpp:`), and what a run's difference of two scrapes says:
 
     acceptance rate           accepted draft tokens / draft tokens
     mean acceptance length    1 + accepted draft tokens / drafts   (tokens per verify step)
 
-A server without these counters (no speculation, or llama.cpp, which logs its figures
-instead) scrapes as None, and the figures are left out.
+A server without these counters scrapes as None, and the figures are left out.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import httpx
 
-DRAFTS = "vllm:spec_decode_num_drafts"
-DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+DRAFTS = "spec_decode_num_drafts"
+DRAFT_TOKENS = "spec_decode_num_draft_tokens"
+ACCEPTED = "spec_decode_num_accepted_tokens"
+PREFIXES = ("vllm:", "llamacpp:")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,15 +55,16 @@ class SpecCounters:
 
 def parse_spec_counters(text: str) -> SpecCounters | None:
     """The counters in a Prometheus text exposition, or None when the drafts counter is
-    absent. A counter may be exposed with or without the `_total` suffix, with labels."""
+    absent. A counter may be exposed with either prefix (PREFIXES), with or without the
+    `_total` suffix, with labels."""
     sums = {DRAFTS: 0.0, DRAFT_TOKENS: 0.0, ACCEPTED: 0.0}
     seen = False
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name_part, _, value = line.rpartition(" ")
-        name = name_part.split("{", 1)[0].removesuffix("_total")
-        if name in sums:
+        prefix, _, name = name_part.split("{", 1)[0].removesuffix("_total").partition(":")
+        if f"{prefix}:" in PREFIXES and name in sums:
             try:
                 sums[name] += float(value)
             except ValueError:

@@ -37,6 +37,12 @@ def test_spec_counters_from_a_prometheus_exposition() -> None:
     assert counters.describe() == ("12 drafts, 48 draft tokens, 30 accepted (62.5%), "
                                    "mean acceptance length 3.50")
     assert parse_spec_counters("plait_prompt_tokens_computed_total 5\n") is None
+    # llama-server --metrics: the same names under its own prefix, no labels
+    llama = ("llamacpp:spec_decode_num_draft_tokens_total 40\n"
+             "llamacpp:spec_decode_num_accepted_tokens_total 10\n"
+             "llamacpp:spec_decode_num_drafts_total 10\n"
+             "other:spec_decode_num_drafts_total 99\n")
+    assert parse_spec_counters(llama) == SpecCounters(10.0, 40.0, 10.0)
     before = SpecCounters(2.0, 8.0, 6.0)
     assert spec_delta(before, counters) == SpecCounters(10.0, 40.0, 24.0)
     assert spec_delta(None, counters) is None
