@@ -31,6 +31,8 @@ from plait.engine import (
     WEIGHT_FORMATS,
     EngineConfig,
 )
+from plait.engine.spec.config import SpeculativeConfig
+from plait.engine.spec.factory import check_available
 from plait.server.settings import (  # plain dataclass and names: no HTTP stack
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
@@ -144,6 +146,11 @@ OPTIONS: tuple[Option, ...] = (
            "of a float32 CPU engine's, so twice the blocks; attention in float32 unless "
            "--compute-dtype bfloat16)",
            KV_CACHE_DTYPES),
+    Option("--speculative-config", "spec",
+           "speculative decoding, vLLM's JSON: e.g. '{\"method\": \"ngram\", "
+           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+           "\"prompt_lookup_max\": 5}', or a method name alone (ngram; suffix and "
+           "draft_model where built) (default: none, off)"),
     Option("--kv-events-endpoint", str,
            "publish KV-cache events as vLLM does on this ZeroMQ PUB endpoint, e.g. "
            "tcp://*:5557 (default: none, off)"),
@@ -214,8 +221,10 @@ def convert(option: Option, raw: str) -> Any:
             return parse_list(text)
         if option.kind == "int?":
             return None if text.lower() in ("", "none") else int(text)
+        if option.kind == "spec":
+            return None if text.lower() in ("", "none") else parse_speculative_config(text)
         value = option.kind(text)
-    except ValueError as exc:
+    except (ValueError, argparse.ArgumentTypeError) as exc:
         raise EnvError(f"{option.env}={raw!r}: {exc}") from None
     if option.choices and value not in option.choices:
         raise EnvError(f"{option.env}={raw!r}: expected one of {', '.join(option.choices)}")
@@ -230,6 +239,17 @@ def parse_list(text: str) -> list[str]:
             raise ValueError("expected a JSON array of strings")
         return value
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """--speculative-config's text -> the config; an error names the bad field, and a
+    method this build has no proposer for is refused here, before the model loads."""
+    try:
+        config = SpeculativeConfig.parse(text)
+        check_available(config)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return config
 
 
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -268,7 +288,8 @@ def _add(parser: argparse.ArgumentParser, option: Option, env: Mapping[str, str]
         parser.add_argument(option.flag, action=argparse.BooleanOptionalAction,
                             default=default, help=help_text)
         return
-    parsers: dict[str, Callable[[str], object]] = {"list": parse_list, "int?": int}
+    parsers: dict[str, Callable[[str], object]] = {"list": parse_list, "int?": int,
+                                                   "spec": parse_speculative_config}
     kind = parsers.get(option.kind, option.kind)
     parser.add_argument(option.flag, type=kind, default=default, choices=option.choices,
                         help=help_text, metavar=option.dest.upper())

@@ -164,11 +164,42 @@ def _vllm_families(stats: EngineStats, identity: EngineIdentity) -> Iterator[Met
         counter = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
         counter.add_metric(labels, float(value))
         yield counter
+    yield from _spec_decode_families(stats, labels)
     info = identity.cache_config_labels()
     family = GaugeMetricFamily("vllm:cache_config_info",
                                "Information of the LLMEngine CacheConfig", labels=list(info))
     family.add_metric(list(info.values()), 1.0)
     yield family
+
+
+def spec_decode_counters(s: EngineStats) -> list[Series]:
+    """Speculative decoding's counters (vLLM's names, `_total` appended)."""
+    return [
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+         s.spec_decode_num_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+         s.spec_decode_num_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+         s.spec_decode_num_accepted_tokens),
+    ]
+
+
+def _spec_decode_families(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:
+    """vLLM's spec_decode series, only when the engine speculates (as vLLM registers them
+    only with a speculative config): the three counters and the accepted tokens per
+    draft position (label `position`, 0 .. num_speculative_tokens - 1)."""
+    if not stats.spec_decode_accepted_per_pos:
+        return
+    for name, doc, value in spec_decode_counters(stats):
+        counter = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
+        counter.add_metric(labels, float(value))
+        yield counter
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.",
+                                  labels=[*VLLM_LABELS, "position"])
+    for position, value in enumerate(stats.spec_decode_accepted_per_pos):
+        per_pos.add_metric([*labels, str(position)], float(value))
+    yield per_pos
 
 
 class ServerMetrics:

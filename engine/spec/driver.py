@@ -9,6 +9,8 @@ counters for the metrics, feedback to the policy and the proposer).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -18,8 +20,12 @@ from plait.engine.spec.factory import make_proposer
 from plait.engine.spec.policy import SpecPolicy
 from plait.engine.spec.proposer import Proposer, SpecInput
 
+logger = logging.getLogger("plait.engine")
+
 # (request id, draft) -> how many leading draft tokens the request's grammar accepts
 GrammarCheck = Callable[[str, list[int]], int]
+# The acceptance log line comes at most this often, and only after drafts were verified.
+LOG_INTERVAL_S = 10.0
 
 
 @dataclass(slots=True)
@@ -47,6 +53,8 @@ class SpecDecoder:
         self.proposer = proposer if proposer is not None else make_proposer(config)
         self.policy = SpecPolicy(self.max_k, config.disable_by_batch_size)
         self.counters = SpecCounters(accepted_per_pos=[0] * self.max_k)
+        self._logged_at = time.monotonic()
+        self._logged_drafts = 0
 
     def drafts(self, running: Iterable[Request],
                grammar_check: GrammarCheck | None = None) -> dict[str, list[int]]:
@@ -89,6 +97,21 @@ class SpecDecoder:
             c.accepted_per_pos[pos] += 1
         self.policy.record(request_id, num_proposed, num_accepted)
         self.proposer.on_verified(request_id, num_proposed, num_accepted)
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_INTERVAL_S:
+            self._log(now)
+
+    def _log(self, now: float) -> None:
+        """The acceptance so far, as one info line (vLLM logs the same figures)."""
+        c = self.counters
+        per_pos = ", ".join(f"{n / c.num_drafts:.2f}" for n in c.accepted_per_pos)
+        logger.info("speculative decoding: acceptance rate %.1f%% (%d of %d draft tokens), "
+                    "%.2f tokens per draft, %d drafts (%d since the last line); per "
+                    "position: %s", 100 * c.acceptance_rate, c.num_accepted_tokens,
+                    c.num_draft_tokens, 1 + c.num_accepted_tokens / c.num_drafts,
+                    c.num_drafts, c.num_drafts - self._logged_drafts, per_pos)
+        self._logged_at = now
+        self._logged_drafts = c.num_drafts
 
     def finish(self, request_id: str, preempted: bool = False) -> None:
         """`request_id` ended (or, `preempted`, left the running batch for now)."""

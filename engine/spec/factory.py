@@ -4,9 +4,9 @@ chosen; a method whose proposer is not part of this build is a startup error."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from plait.engine.spec.config import SpeculativeConfig
-from plait.engine.spec.ngram import NgramProposer
 from plait.engine.spec.proposer import Proposer
 
 # method -> (module under plait.engine.spec, class): the class is built as Class(config)
@@ -20,11 +20,28 @@ class ProposerUnavailable(ValueError):
     """The configured method has no proposer in this build."""
 
 
+def check_available(config: SpeculativeConfig) -> None:
+    """Raise ProposerUnavailable now (at startup, before the model loads) when
+    `config.method` has no proposer module in this build; imports nothing heavy."""
+    if config.method == "ngram":
+        return
+    module_name, _ = _BUILT_ELSEWHERE[config.method]
+    if importlib.util.find_spec(f"plait.engine.spec.{module_name}") is None:
+        raise ProposerUnavailable(_unavailable(config.method, module_name))
+
+
+def _unavailable(method: str, module_name: str) -> str:
+    return (f"speculative config: method {method!r} is not available in this build "
+            f"(no plait.engine.spec.{module_name}); use method 'ngram'")
+
+
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     """The proposer for `config.method`. ngram is built here; the others are classes
     `Class(config: SpeculativeConfig)` in their own module (_BUILT_ELSEWHERE). Raises
     ProposerUnavailable when that module or class does not exist."""
     if config.method == "ngram":
+        from plait.engine.spec.ngram import NgramProposer
+
         return NgramProposer(*config.lookup_window)
     module_name, class_name = _BUILT_ELSEWHERE[config.method]
     try:
@@ -32,9 +49,7 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
     except ModuleNotFoundError as exc:
         if exc.name != f"plait.engine.spec.{module_name}":
             raise
-        raise ProposerUnavailable(
-            f"speculative config: method {config.method!r} is not available in this build "
-            f"(no plait.engine.spec.{module_name}); use method 'ngram'") from None
+        raise ProposerUnavailable(_unavailable(config.method, module_name)) from None
     cls = getattr(module, class_name, None)
     if cls is None:
         raise ProposerUnavailable(f"speculative config: method {config.method!r} is not "

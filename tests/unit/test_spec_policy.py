@@ -1,0 +1,110 @@
+"""Draft budgets (engine/spec/policy.py) and the core's draft selection
+(engine/spec/driver.py): acceptance feedback shrinks k down to pauses, large batches
+propose nothing, drafts never run past max_tokens or the context."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from plait import SamplingParams
+from plait.engine import StructuredSpec
+from plait.engine.request import Request, RequestStatus
+from plait.engine.spec.config import SpeculativeConfig
+from plait.engine.spec.driver import SpecDecoder
+from plait.engine.spec.policy import PAUSE_MAX_STEPS, PAUSE_MIN_STEPS, SpecPolicy
+from plait.engine.spec.proposer import Proposer, SpecInput
+
+
+def test_k_follows_acceptance() -> None:
+    policy = SpecPolicy(max_k=8)
+    assert policy.budget("a") == 8
+    policy.record("a", 8, 3)
+    assert policy.budget("a") == 4  # a + 1
+    policy.record("a", 4, 4)
+    assert policy.budget("a") == 8  # doubled, capped
+    policy.record("a", 8, 0)
+    policy.record("a", 4, 0)
+    policy.record("a", 2, 0)
+    assert policy.budget("a") == 1
+    policy.record("a", 1, 1)
+    assert policy.budget("a") == 2
+    assert policy.budget("b") == 8  # per sequence
+
+
+def test_misses_at_k_1_pause_proposals_longer_each_time() -> None:
+    policy = SpecPolicy(max_k=1)
+    policy.record("a", 1, 0)
+    assert [policy.budget("a") for _ in range(PAUSE_MIN_STEPS + 1)] == \
+        [0] * PAUSE_MIN_STEPS + [1]
+    policy.record("a", 1, 0)
+    assert [policy.budget("a") for _ in range(2 * PAUSE_MIN_STEPS + 1)] == \
+        [0] * (2 * PAUSE_MIN_STEPS) + [1]
+    for _ in range(10):
+        policy.record("a", 1, 0)
+    assert sum(policy.budget("a") == 0 for _ in range(200)) == PAUSE_MAX_STEPS
+    policy.record("a", 1, 1)  # an accepted draft resets the pause length
+    policy.record("a", 1, 0)
+    assert sum(policy.budget("a") == 0 for _ in range(200)) == PAUSE_MIN_STEPS
+    policy.forget("a")
+    assert policy.budget("a") == 1
+
+
+class Echo(Proposer):
+    """Drafts 1, 2, 3, ... up to the budget; records what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, int]] = []
+
+    def propose(self, seqs: Sequence[SpecInput]) -> list[list[int]]:
+        self.asked += [(s.request_id, s.max_draft_tokens) for s in seqs]
+        return [list(range(1, s.max_draft_tokens + 3)) for s in seqs]  # too long: cut
+
+
+def decoding(request_id: str, num_prompt: int, num_out: int, max_tokens: int) -> Request:
+    req = Request(request_id, list(range(10, 10 + num_prompt)), SamplingParams(),
+                  output_token_ids=[5] * num_out, status=RequestStatus.RUNNING,
+                  max_tokens=max_tokens)
+    req.num_computed_tokens = req.num_tokens - 1
+    return req
+
+
+def test_drafts_fit_max_tokens_context_and_batch_size() -> None:
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                               disable_by_batch_size=5)
+    proposer = Echo()
+    spec = SpecDecoder(config, max_model_len=20, proposer=proposer)
+    a = decoding("a", 5, 1, max_tokens=10)  # room for 4
+    b = decoding("b", 5, 7, max_tokens=10)  # 3 left after this one: 2 drafts
+    c = decoding("c", 15, 2, max_tokens=10)  # 17 of 20 context: 2 drafts
+    d = decoding("d", 5, 9, max_tokens=10)  # the step's token is its last: none
+    prefilling = decoding("e", 5, 0, max_tokens=10)
+    prefilling.num_computed_tokens = 2
+    drafts = spec.drafts([a, b, c, d, prefilling])
+    assert drafts == {"a": [1, 2, 3, 4], "b": [1, 2], "c": [1, 2]}
+    assert proposer.asked == [("a", 4), ("b", 2), ("c", 2)]
+    # 5 decoding sequences reach disable_by_batch_size: nothing is proposed
+    e = decoding("e", 5, 1, max_tokens=10)
+    assert spec.drafts([a, b, c, d, e]) == {}
+    spec.verified("a", 4, 2)
+    spec.verified("b", 2, 0)
+    c_ = spec.counters
+    assert (c_.num_drafts, c_.num_draft_tokens, c_.num_accepted_tokens,
+            c_.accepted_per_pos) == (2, 6, 2, [1, 1, 0, 0])
+    assert spec.drafts([a])["a"] == [1, 2, 3]  # k = accepted + 1
+
+
+def test_structured_drafts_are_cut_by_the_grammar() -> None:
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    spec = SpecDecoder(config, max_model_len=100, proposer=Echo())
+    a = decoding("a", 5, 1, max_tokens=50)
+    a.params = SamplingParams(structured=None)
+    b = decoding("b", 5, 1, max_tokens=50)
+    b.params = SamplingParams(structured=StructuredSpec("regex", "[0-9]+"))
+    checked: list[tuple[str, list[int]]] = []
+
+    def check(request_id: str, draft: list[int]) -> int:
+        checked.append((request_id, draft))
+        return 1
+
+    assert spec.drafts([a, b], check) == {"a": [1, 2, 3, 4], "b": [1]}
+    assert checked == [("b", [1, 2, 3, 4])]
