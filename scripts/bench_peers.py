@@ -20,12 +20,19 @@ Workloads (`--workloads`, sizes scale with `--tokens` T and `--prompt-tokens` P)
     W3  one request,   n=16,  T tokens       n-choice decode
     W4  16 concurrent, n=1,   T tokens       batched decode of 16 prompts
     W5  one request,   n=1,   T tokens       single-stream decode
+    W6  one request,   n=1,   greedy         code edit: a stdlib function given back changed
+    W7  one request,   n=1,   greedy         summary quoting a ~1500-token reference text
 
-Every request is a streamed /v1/completions call with its own prompt: a nonce, then about P
+W1-W5 are streamed /v1/completions calls, each with its own prompt: a nonce, then about P
 random words (the usage chunk reports the real token count), sent and timed by `plait
-bench`'s client (plait/bench/). Requests send `ignore_eos`
+bench`'s client (plait/bench/). They send `ignore_eos`
 and `min_tokens` = `max_tokens` (vLLM extras, which Plait accepts) so every choice makes
 exactly its tokens; `--no-extras` leaves them out for a server that rejects them.
+W6 and W7 are streamed /v1/chat/completions calls on real text the standard library ships
+(plait/bench/texts.py), at temperature 0 and without extras: the answer is as long as the
+model makes it (at most 640 / 384 tokens), and mostly repeats its context, the work that
+speculative decoding speeds up. They are the same on every server, so greedy outputs can
+be compared.
 
 `--rounds R` runs the servers R times in turn (A, B, ..., then A, B, ... again), each round
 a fresh start, so that a slow spell of a shared host falls on every server alike; each
@@ -34,8 +41,11 @@ and `--json` keeps every round.
 
 Per workload: wall time, output tokens (from usage) and tokens/s, time to first token and
 inter-token latency p50/p99 over all choices (a token = a chunk with non-empty text for that
-choice), and the delta of Plait's `plait_prompt_tokens_computed_total` from /metrics where
-the server exports it. After the workloads, before the server is stopped, its resident
+choice), decode tokens/s (after the first token: (tokens - 1) / (last - first token time),
+the figure speculation moves), the delta of Plait's `plait_prompt_tokens_computed_total`
+from /metrics where the server exports it, and the speculative decoding counters' deltas
+(vLLM's `vllm:spec_decode_*`, which Plait exports too) with the acceptance rate where the
+server has them. After the workloads, before the server is stopped, its resident
 memory: the VmRSS of every process in its process group (the API server, an engine child,
 vLLM's EngineCore and workers), summed; memory-mapped weight files count as far as they are
 resident.
@@ -58,16 +68,20 @@ from typing import Any
 
 import httpx
 
-from plait.bench.client import COMPLETIONS, make_client, stream_request
+from plait.bench.client import CHAT, COMPLETIONS, StreamResult, make_client, stream_request
 from plait.bench.launch import launch_command
 from plait.bench.metrics import latency_samples, percentile
 from plait.bench.runner import RequestRecord
+from plait.bench.spec_metrics import scrape_spec, spec_delta
+from plait.bench.texts import text_prompt
 from plait.bench.workloads import random_words
 
 # name -> (concurrent requests, n, max_tokens or None for --tokens)
 WORKLOADS: dict[str, tuple[int, int, int | None]] = {
     "W1": (1, 1, 1), "W2": (1, 100, 1), "W3": (1, 16, None), "W4": (16, 1, None),
-    "W5": (1, 1, None)}
+    "W5": (1, 1, None), "W6": (1, 1, 0), "W7": (1, 1, 0)}
+# the text workloads (plait/bench/texts.py): their own chat prompt and max_tokens
+TEXT_WORKLOADS = {"W6": "edit", "W7": "quote"}
 COMPUTED_METRICS = ("plait_prompt_tokens_computed_total", "plait_prompt_tokens_computed")
 
 
@@ -86,8 +100,13 @@ class Result:
     ttft_p99_ms: float | None
     itl_p50_ms: float | None
     itl_p99_ms: float | None
+    decode_tok_s: float | None
     prompt_tokens: list[int]
     prompt_tokens_computed: float | None
+    spec_drafts: float | None
+    spec_draft_tokens: float | None
+    spec_accepted_tokens: float | None
+    acceptance_rate: float | None
     errors: list[str]
 
 
@@ -112,8 +131,14 @@ async def scrape_computed(client: httpx.AsyncClient) -> float | None:
     return None
 
 
-async def run_workload(client: httpx.AsyncClient, model: str, name: str, args) -> Result:
+def workload_bodies(model: str, name: str, args) -> tuple[str, list[dict[str, Any]]]:
+    """(endpoint, request bodies) of one workload."""
     concurrent, n, max_tokens = WORKLOADS[name]
+    if name in TEXT_WORKLOADS:  # greedy chat on real text, ended by the model
+        prompt = text_prompt(TEXT_WORKLOADS[name])
+        return CHAT, [{"model": model, "messages": prompt.messages, "temperature": 0.0,
+                       "max_tokens": prompt.max_tokens, "stream": True,
+                       "stream_options": {"include_usage": True}}]
     max_tokens = max_tokens or args.tokens
     bodies = [{"model": model, "prompt": make_prompt(args.prompt_tokens), "n": n,
                "max_tokens": max_tokens, "temperature": 1.0, "stream": True,
@@ -121,23 +146,51 @@ async def run_workload(client: httpx.AsyncClient, model: str, name: str, args) -
     if not args.no_extras:
         for body in bodies:
             body.update(ignore_eos=True, min_tokens=max_tokens)
-    before = await scrape_computed(client)
+    return COMPLETIONS, bodies
+
+
+def decode_tok_s(streams: list[StreamResult]) -> float | None:
+    """Tokens after each choice's first over the time from its first to its last chunk,
+    summed over choices (None when no choice has two chunks)."""
+    tokens, seconds = 0.0, 0.0
+    for stream in streams:
+        chunks = sum(len(times) for times in stream.token_times.values())
+        for times in stream.token_times.values():
+            if len(times) < 2:
+                continue
+            # usage counts tokens; a chunk may carry several (speculation): share them out
+            share = (stream.completion_tokens or chunks) * len(times) / chunks
+            tokens += share - 1
+            seconds = max(seconds, times[-1] - times[0])
+    return tokens / seconds if seconds > 0 else None
+
+
+async def run_workload(client: httpx.AsyncClient, model: str, name: str, args) -> Result:
+    endpoint, bodies = workload_bodies(model, name, args)
+    before, spec_before = await scrape_computed(client), await scrape_spec(client)
     start = time.perf_counter()
-    streams = await asyncio.gather(*(stream_request(client, COMPLETIONS, body)
+    streams = await asyncio.gather(*(stream_request(client, endpoint, body)
                                      for body in bodies))
     wall = time.perf_counter() - start
-    after = await scrape_computed(client)
+    after, spec = await scrape_computed(client), spec_delta(spec_before,
+                                                            await scrape_spec(client))
     samples = latency_samples([RequestRecord(i, 0.0, s) for i, s in enumerate(streams)])
     ttfts, itls = [t * 1000 for t in samples.ttft], [t * 1000 for t in samples.itl]
     output = sum(s.completion_tokens or 0 for s in streams)
+    n, max_tokens = bodies[0].get("n", 1), bodies[0]["max_tokens"]
     return Result(
-        requests=concurrent, n=n, max_tokens=max_tokens,
-        expected_tokens=concurrent * n * max_tokens, output_tokens=output, wall_s=wall,
+        requests=len(bodies), n=n, max_tokens=max_tokens,
+        expected_tokens=len(bodies) * n * max_tokens, output_tokens=output, wall_s=wall,
         output_tok_s=output / wall if wall > 0 else 0.0,
         ttft_p50_ms=percentile(ttfts, 0.5), ttft_p99_ms=percentile(ttfts, 0.99),
         itl_p50_ms=percentile(itls, 0.5), itl_p99_ms=percentile(itls, 0.99),
+        decode_tok_s=decode_tok_s(streams),
         prompt_tokens=[s.prompt_tokens or 0 for s in streams],
         prompt_tokens_computed=None if before is None or after is None else after - before,
+        spec_drafts=None if spec is None else spec.drafts,
+        spec_draft_tokens=None if spec is None else spec.draft_tokens,
+        spec_accepted_tokens=None if spec is None else spec.accepted_tokens,
+        acceptance_rate=None if spec is None else spec.acceptance_rate,
         errors=[s.error for s in streams if s.error])
 
 
@@ -275,26 +328,38 @@ def _ranged(value: float | None, bounds: list[float] | None) -> str:
     return f"{_fmt(value)} ({_fmt(bounds[0])}-{_fmt(bounds[1])})"
 
 
+def _accepted(result: dict[str, Any]) -> str:
+    """"30/48 (62.5%)": accepted of drafted tokens, or "-" without the counters."""
+    drafted, accepted = result.get("spec_draft_tokens"), result.get("spec_accepted_tokens")
+    if drafted is None or accepted is None:
+        return "-"
+    rate = f" ({100 * accepted / drafted:.1f}%)" if drafted else ""
+    return f"{accepted:.0f}/{drafted:.0f}{rate}"
+
+
 def table(servers: list[dict[str, Any]]) -> str:
-    head = ("server", "load", "wall s", "tokens", "tok/s", "TTFT p50", "TTFT p99", "ITL p50",
-            "ITL p99", "prompt computed")
+    head = ("server", "load", "wall s", "tokens", "tok/s", "decode tok/s", "TTFT p50",
+            "TTFT p99", "ITL p50", "ITL p99", "prompt computed", "accepted")
     rows = [head]
     for server in servers:
         if server["error"]:
-            rows.append((server["name"], "FAILED", server["error"][:60], *[""] * 7))
+            rows.append((server["name"], "FAILED", server["error"][:60], *[""] * 9))
         for name, r in server["workloads"].items():
             tokens = f"{r['output_tokens']}/{r['expected_tokens']}"
             if r["errors"]:
                 tokens += f" ({len(r['errors'])} err)"
             rows.append((server["name"], name, _fmt(r["wall_s"], 2), tokens,
                          _ranged(r["output_tok_s"], r.get("output_tok_s_range")),
+                         _fmt(r.get("decode_tok_s")),
                          _ranged(r["ttft_p50_ms"], r.get("ttft_p50_ms_range")),
                          _fmt(r["ttft_p99_ms"]), _fmt(r["itl_p50_ms"]), _fmt(r["itl_p99_ms"]),
-                         _fmt(r["prompt_tokens_computed"], 0)))
+                         _fmt(r["prompt_tokens_computed"], 0), _accepted(r)))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += ["W6/W7 tokens = output/max_tokens: greedy, ended by the model"] if any(
+        name in TEXT_WORKLOADS for server in servers for name in server["workloads"]) else []
     lines += [f"{server['name']}: resident memory after the run "
               f"{server['rss_bytes'] / 1e9:.2f} GB" for server in servers
               if server.get("rss_bytes")]
@@ -308,7 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--server", action="append", default=[], metavar="NAME=COMMAND",
                         help="a server to start; COMMAND contains {port} (repeatable)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help="comma-separated subset of W1..W5 (default: all)")
+                        help="comma-separated subset of W1..W7 (default: all)")
     parser.add_argument("--tokens", type=int, default=128,
                         help="output tokens per choice in W3/W4/W5")
     parser.add_argument("--prompt-tokens", type=int, default=512,

@@ -13,6 +13,7 @@ from typing import Any
 
 from plait.bench.metrics import PERCENTILES, Summary
 from plait.bench.runner import RunResult
+from plait.bench.spec_metrics import SpecCounters
 
 FORMAT_VERSION = 1
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
@@ -62,8 +63,10 @@ def _jsonable(value: Any) -> Any:
 
 
 def write_json(path: Path, run: RunResult, summary: Summary, config: dict[str, Any],
-               command: list[str], expected_prompt_tokens: list[int | None]) -> None:
-    """Write the run to `path` (its folder is created)."""
+               command: list[str], expected_prompt_tokens: list[int | None],
+               spec: SpecCounters | None = None) -> None:
+    """Write the run to `path` (its folder is created); `spec`: the speculative decoding
+    counters' increase over the run, kept with its rates (null without counters)."""
     requests = [{
         "index": r.index, "start_s": r.start_s, "e2e_s": r.result.e2e_s,
         "status": r.result.status, "error": r.result.error,
@@ -76,7 +79,10 @@ def write_json(path: Path, run: RunResult, summary: Summary, config: dict[str, A
         "format": FORMAT_VERSION, "command": command,
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "config": {k: _jsonable(v) for k, v in config.items()},
-        "summary": dataclasses.asdict(summary), "requests": requests}
+        "summary": dataclasses.asdict(summary), "requests": requests,
+        "spec_decode": None if spec is None else {
+            **dataclasses.asdict(spec), "acceptance_rate": spec.acceptance_rate,
+            "mean_acceptance_length": spec.mean_acceptance_length}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=1))
 

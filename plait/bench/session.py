@@ -1,5 +1,7 @@
 """One `plait bench` run against a server: find the model, build the requests (fitting
-prompt lengths with /tokenize), send one warm-up request, run, then print, save and plot."""
+prompt lengths with /tokenize), send one warm-up request, run, then print, save and plot.
+Speculative decoding's counters are read from /metrics before and after the run (where the
+server has them) and their difference reported with the acceptance rate."""
 
 from __future__ import annotations
 
@@ -23,14 +25,17 @@ from plait.bench.client import (
 from plait.bench.metrics import Summary, summarize
 from plait.bench.report import format_summary, write_json
 from plait.bench.runner import RunResult, run_requests
+from plait.bench.spec_metrics import SpecCounters, scrape_spec, spec_delta
+from plait.bench.texts import TEXT_KINDS
 from plait.bench.workloads import DEFAULT_N, Workload, build_requests
 
 MAX_CONNECTIONS = 1024  # the client's pool when --concurrency sets no lower cap
 
 
 async def _run(args: argparse.Namespace, workload: Workload, dataset: list[RequestSpec] | None
-               ) -> tuple[str, RunResult, list[int | None]]:
-    """(model, the run, each request's measured prompt tokens)."""
+               ) -> tuple[str, RunResult, list[int | None], SpecCounters | None]:
+    """(model, the run, each request's measured prompt tokens, the speculative decoding
+    counters' increase over the run or None)."""
     connections = min(args.concurrency or MAX_CONNECTIONS, MAX_CONNECTIONS)
     async with make_client(args.url, args.api_key, args.timeout, connections) as client:
         model = args.model or await first_model(client)
@@ -53,14 +58,18 @@ async def _run(args: argparse.Namespace, workload: Workload, dataset: list[Reque
         options = BodyOptions(model, args.temperature, args.ignore_eos, args.extra_body)
         bodies = [request_body(spec, args.endpoint, options) for spec in specs]
         warm = dict(bodies[0], max_tokens=1, n=1)
+        if workload.kind in TEXT_KINDS:  # not the measured prompt: its prefill is measured
+            warm["messages"] = [{"role": "user", "content": "Say hello."}]
         warm_result = await stream_request(client, args.endpoint, warm)
         if warm_result.error is not None:
             hint = (" (a server that refuses ignore_eos needs --no-ignore-eos)"
                     if args.ignore_eos else "")
             raise BenchError(f"the warm-up request failed: {warm_result.error}{hint}")
+        spec_before = await scrape_spec(client)
         run = await run_requests(client, args.endpoint, bodies, args.request_rate,
                                  args.concurrency, args.seed, args.progress)
-    return model, run, expected
+        spec = spec_delta(spec_before, await scrape_spec(client))
+    return model, run, expected, spec
 
 
 def _title(workload: Workload, model: str, args: argparse.Namespace,
@@ -79,15 +88,17 @@ def bench(args: argparse.Namespace, workload: Workload, dataset: list[RequestSpe
           command: list[str]) -> int:
     """Run, print the table, write --json and --plot. Raises BenchError."""
     try:
-        model, run, expected = asyncio.run(_run(args, workload, dataset))
+        model, run, expected, spec = asyncio.run(_run(args, workload, dataset))
     except RuntimeError as exc:  # first_model's: the server is unreachable or lists nothing
         raise BenchError(str(exc)) from None
     summary = summarize(run)
     title = _title(workload, model, args, summary)
     print(format_summary(summary, title))
+    if spec is not None:
+        print(f"speculative decoding: {spec.describe()}")
     if args.json is not None:
         write_json(args.json, run, summary, config_of(args, workload, model), command,
-                   expected)
+                   expected, spec)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot is not None:
         from plait.bench.plots import write_plots

@@ -5,6 +5,8 @@
              its n choices (what Plait prefills once), so no request hits another's cache
     dataset  a JSONL file, one {"prompt": str} or {"messages": [...]} per line, with an
              optional "max_tokens"; cycled or cut to --num-requests
+    edit     W6, a code edit on real text (plait/bench/texts.py): greedy chat, one stream
+    quote    W7, a summary quoting a long real text: greedy chat, one stream
 
 Random prompts are common English words drawn with --seed (most are one token with a
 leading space in the usual BPE vocabularies). Where the server answers POST /tokenize
@@ -23,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from plait.bench.client import RequestSpec
+from plait.bench.texts import TEXT_KINDS, text_prompt
 
-WORKLOAD_KINDS = ("random", "shared", "dataset")
-DEFAULT_N = {"random": 1, "shared": 8, "dataset": 1}
+WORKLOAD_KINDS = ("random", "shared", "dataset", *TEXT_KINDS)
+DEFAULT_N = {"random": 1, "shared": 8, "dataset": 1, "edit": 1, "quote": 1}
 _WORD_TEXT = (
     "time year people way day man thing woman life child world school state family student "
     "group country problem hand part place case week company system program question work "
@@ -127,8 +130,16 @@ async def build_requests(workload: Workload, count: CountTokens | None,
                          dataset: list[RequestSpec] | None = None
                          ) -> tuple[list[RequestSpec], list[int | None]]:
     """The run's requests and each one's measured prompt tokens (None where unmeasured;
-    always None for a dataset). `dataset` is load_dataset's result for the dataset kind."""
+    always None for a dataset and the text kinds). `dataset` is load_dataset's result for
+    the dataset kind. A text kind sends its one prompt --num-requests times (its own
+    max_tokens unless --output-len is given)."""
     n = workload.n or DEFAULT_N[workload.kind]
+    if workload.kind in TEXT_KINDS:
+        prompt = text_prompt(workload.kind)
+        total = workload.num_requests or 1
+        return ([RequestSpec(messages=prompt.messages,
+                             max_tokens=workload.output_len or prompt.max_tokens, n=n)
+                 for _ in range(total)], [None] * total)
     if workload.kind == "dataset":
         if dataset is None:
             raise ValueError("the dataset kind needs load_dataset's requests")

@@ -22,7 +22,7 @@ def test_bench_peers_reports_exact_token_counts(tmp_path, tiny_path) -> None:
         env["PLAIT_CACHE"] = os.environ["PLAIT_CACHE"]
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--server", "broken=false {port}",
-         "--server", f"plait={serve}", "--workloads", "W3,W5", "--tokens", "8",
+         "--server", f"plait={serve}", "--workloads", "W3,W5,W6", "--tokens", "8",
          "--prompt-tokens", "32", "--startup-timeout", "240", "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1, result.stderr  # the broken server fails, the run goes on
@@ -32,7 +32,7 @@ def test_bench_peers_reports_exact_token_counts(tmp_path, tiny_path) -> None:
     assert broken["name"] == "broken" and broken["workloads"] == {}
     assert plait["error"] is None, result.stderr
     assert plait["model"]  # the first name /v1/models lists
-    assert list(plait["workloads"]) == ["W3", "W5"]
+    assert list(plait["workloads"]) == ["W3", "W5", "W6"]
     w3, w5 = plait["workloads"]["W3"], plait["workloads"]["W5"]
     def counts(w: dict) -> tuple[int, int, int, int]:
         return w["requests"], w["n"], w["output_tokens"], w["expected_tokens"]
@@ -54,7 +54,12 @@ def test_bench_peers_reports_exact_token_counts(tmp_path, tiny_path) -> None:
         assert prompt_tokens > 32  # 32 words and a nonce
         # Plait computes each prompt once, however many choices share it.
         assert w["prompt_tokens_computed"] == prompt_tokens
-    for row in ("plait   W3", "plait   W5", "128/128", "8/8"):
+    # W6: one greedy chat request on the stdlib function, ended by the model or max_tokens
+    w6 = plait["workloads"]["W6"]
+    assert (w6["requests"], w6["n"], w6["max_tokens"], w6["errors"]) == (1, 1, 640, [])
+    assert 1 <= w6["output_tokens"] <= 640 and w6["prompt_tokens"][0] > 480
+    assert w6["spec_drafts"] is None and w6["acceptance_rate"] is None  # no speculation
+    for row in ("plait   W3", "plait   W5", "plait   W6", "128/128", "8/8"):
         assert row in result.stdout, result.stdout
     # resident memory of the server's process group, taken before it was stopped: a Python
     # server holding torch is hundreds of MB; the failed one has none

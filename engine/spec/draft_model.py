@@ -1,0 +1,167 @@
+"""The `draft_model` proposer: a small model with the target's tokenizer, run by the same
+engine process with its own weights and KV blocks, drafts k tokens greedily per step for
+every speculating sequence, all of them batched in each of its k forward passes.
+
+One `propose` for sequences of lengths L_i (the draft cache holds each one's first c_i
+positions):
+
+    pass 1   rows tokens[c_i : L_i] at positions c_i..L_i-1   -> argmax: d_1   (catch-up)
+    pass j   one row d_{j-1} at position L_i + j - 2           -> argmax: d_j   (j = 2..k)
+
+The cache then holds positions < L_i for sure; after verification accepted a of the
+draft, positions < L_i + min(a, k - 1) too (those rows were fed the accepted tokens), so
+the next catch-up starts there (`on_verified`). Rejected positions are simply written
+again. Blocks come from the proposer's own free list (no prefix cache); a sequence whose
+next blocks do not fit gets no draft that step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from plait.engine.config import EngineConfig
+from plait.engine.model_loader import resolve_model
+from plait.engine.model_runner import ModelRunner, cdiv
+from plait.engine.spec.config import SpeculativeConfig
+from plait.engine.spec.proposer import Proposer, SpecInput
+from plait.kernels import AttentionMetadata
+
+# Tokens of K/V the draft model's cache holds, all sequences together (the factory gives
+# the proposer only its SpeculativeConfig, so this is fixed rather than derived from the
+# target's pool: 16384 tokens of Qwen2.5-0.5B in float32 are 0.4 GB).
+DRAFT_KV_TOKENS = 16384
+
+
+@dataclass(slots=True)
+class _DraftSeq:
+    """The draft cache's view of one sequence: its blocks, the positions computed for
+    sure, and from the last `propose` its length and how many draft tokens were fed."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    proposed_at: int = 0
+    num_fed: int = 0
+
+
+@dataclass(slots=True)
+class _Row:
+    """One sequence's part of a forward pass: `token_ids` at positions from `start`."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+
+
+class DraftModelProposer(Proposer):
+    """Greedy drafts from a second model (see the module docstring). Built by
+    engine/spec/factory.py as `DraftModelProposer(config)`: `config.model` is the draft
+    model (any path the engine loads). `engine_config` sets device, dtype and block size
+    (default: EngineConfig's defaults); `num_kv_tokens` the draft cache's size."""
+
+    def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig | None = None,
+                 num_kv_tokens: int = DRAFT_KV_TOKENS) -> None:
+        if config.model is None:
+            raise ValueError("draft_model needs \"model\", the draft model's path")
+        base = engine_config or EngineConfig()
+        block_size = base.block_size
+        draft_config = dataclasses.replace(
+            base, model=config.model, num_kv_blocks=max(2, cdiv(num_kv_tokens, block_size)),
+            warm_up_tokens=0, max_shared_logits=0, speculative_config=None,
+            kv_events_endpoint=None, kv_events_replay_endpoint=None, kv_cache_warm_tokens=0)
+        resolved = resolve_model(config.model, draft_config.weights == "float32")
+        self.runner = ModelRunner(draft_config, resolved)
+        self.block_size = block_size
+        self._free = list(range(self.runner.num_blocks - 1, -1, -1))  # pop() gives 0 first
+        self._seqs: dict[str, _DraftSeq] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @torch.inference_mode()
+    def propose(self, seqs: Sequence[SpecInput]) -> list[list[int]]:
+        rows: list[_Row] = []
+        budgets: dict[str, int] = {}
+        for seq in seqs:
+            state = self._seqs.setdefault(seq.request_id, _DraftSeq())
+            length = len(seq.token_ids)
+            # positions written: up to length + k - 2 (d_k is never fed)
+            if not self._reserve(state, length + seq.max_draft_tokens - 1):
+                continue
+            state.num_cached = min(state.num_cached, length - 1)
+            rows.append(_Row(seq.request_id, list(seq.token_ids[state.num_cached:]),
+                             state.num_cached))
+            budgets[seq.request_id] = seq.max_draft_tokens
+            state.proposed_at, state.num_fed = length, 0
+        drafts: dict[str, list[int]] = {r.request_id: [] for r in rows}
+        while rows:
+            for row, token in zip(rows, self._greedy(rows), strict=True):
+                drafts[row.request_id].append(token)
+            rows = [_Row(r.request_id, [drafts[r.request_id][-1]],
+                         r.start + len(r.token_ids)) for r in rows
+                    if len(drafts[r.request_id]) < budgets[r.request_id]]
+            for row in rows:
+                self._seqs[row.request_id].num_fed += 1
+        for request_id in drafts:
+            self._seqs[request_id].num_cached = self._seqs[request_id].proposed_at
+        return [drafts.get(seq.request_id, []) for seq in seqs]
+
+    def on_verified(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        state = self._seqs.get(request_id)
+        if state is not None:
+            state.num_cached = state.proposed_at + min(num_accepted, state.num_fed)
+
+    def finish(self, request_id: str) -> None:
+        state = self._seqs.pop(request_id, None)
+        if state is not None:
+            self._free.extend(reversed(state.block_ids))
+
+    def _reserve(self, state: _DraftSeq, num_positions: int) -> bool:
+        """Blocks for `num_positions` positions, or False (nothing taken) when they do not
+        fit in the free list or the draft model's context."""
+        if num_positions > self.runner.max_model_len:
+            return False
+        missing = cdiv(num_positions, self.block_size) - len(state.block_ids)
+        if missing > len(self._free):
+            return False
+        state.block_ids.extend(self._free.pop() for _ in range(max(0, missing)))
+        return True
+
+    def _greedy(self, rows: list[_Row]) -> list[int]:
+        """One forward pass of the draft model over `rows`: the argmax token after each
+        row's last position (its K/V written into the draft cache on the way)."""
+        runner, bs = self.runner, self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens = [0]
+        context_lens: list[int] = []
+        tables = []
+        for row in rows:
+            ids = self._seqs[row.request_id].block_ids
+            end = row.start + len(row.token_ids)
+            input_ids.extend(row.token_ids)
+            positions.extend(range(row.start, end))
+            slots.extend(ids[p // bs] * bs + p % bs for p in range(row.start, end))
+            cu_seqlens.append(cu_seqlens[-1] + len(row.token_ids))
+            context_lens.append(end)
+            tables.append(ids[:cdiv(end, bs)])
+        width = max(len(t) for t in tables)
+        meta = AttentionMetadata(
+            slot_mapping=runner.to_device(slots, torch.int64),  # [T]
+            cu_seqlens_q=runner.to_device(cu_seqlens, torch.int32),  # [S + 1]
+            context_lens=runner.to_device(context_lens, torch.int32),  # [S]
+            block_tables=runner.to_device([t + [-1] * (width - len(t)) for t in tables],
+                                          torch.int32),  # [S, width], padded with -1
+            max_query_len=max(len(r.token_ids) for r in rows),
+            max_context_len=max(context_lens))
+        meta.keep = runner.to_device([c - 1 for c in cu_seqlens[1:]], torch.int64)  # [S]
+        pos = runner.to_device(positions, torch.int64)  # [T]
+        hidden = runner.model(runner.to_device(input_ids, torch.int64), pos,
+                              runner.ops.plan(meta, pos))  # [S, hidden]: the kept rows
+        logits = runner.model.compute_logits(hidden)  # [S, vocab]
+        return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]

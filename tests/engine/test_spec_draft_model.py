@@ -1,0 +1,88 @@
+"""The `draft_model` proposer (engine/spec/draft_model.py) on two tiny random models that
+share a vocabulary: its drafts are exactly the draft model's own greedy tokens, its cache
+catches up incrementally after verification, and the engine's greedy output is unchanged."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.engine import assert_pool_clean, make_llm, prompt
+from helpers.spec import spec_counts
+from helpers.tiny_model import make_tiny_model
+
+from plait import LLM, SamplingParams
+from plait.engine.config import EngineConfig
+from plait.engine.spec.config import SpeculativeConfig
+from plait.engine.spec.draft_model import DraftModelProposer
+from plait.engine.spec.proposer import SpecInput
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def draft_path(tmp_path_factory, default_model):
+    """A second tiny model on the same tokenizer, with other random weights (seed 1)."""
+    return make_tiny_model(tmp_path_factory.mktemp("draft"), default_model.path, seed=1)
+
+
+def greedy(path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in make_llm(path).generate(prompts, params)]
+
+
+def make_proposer(path, k: int = 4, num_kv_tokens: int = 256) -> DraftModelProposer:
+    config = SpeculativeConfig(method="draft_model", model=str(path),
+                               num_speculative_tokens=k)
+    return DraftModelProposer(config, EngineConfig(block_size=4), num_kv_tokens)
+
+
+def test_drafts_are_the_draft_models_greedy_tokens_batched(draft_path) -> None:
+    prompts = [prompt(1, 9), prompt(2, 14)]
+    want = greedy(draft_path, prompts, 12)
+    proposer = make_proposer(draft_path)
+    # both sequences in one call, one with a smaller budget
+    first = proposer.propose([SpecInput("a", prompts[0] + want[0][:1], 9, 4),
+                              SpecInput("b", prompts[1] + want[1][:2], 14, 3)])
+    assert first == [want[0][1:5], want[1][2:5]]
+    # "a" had 2 of 4 accepted, then the target added its own token: the cache resumes
+    proposer.on_verified("a", 4, 2)
+    assert proposer._seqs["a"].num_cached == 10 + 2  # prompt + first token, 2 accepted
+    assert proposer.propose([SpecInput("a", prompts[0] + want[0][:4], 9, 4)]) == [
+        want[0][4:8]]
+    # a target token that differs from the draft: the rejected positions are rewritten
+    proposer.on_verified("a", 4, 0)
+    other = prompts[0] + want[0][:4] + [7]
+    again = proposer.propose([SpecInput("a", other, 9, 2)])
+    fresh = make_proposer(draft_path).propose([SpecInput("z", other, 9, 2)])
+    assert again == fresh
+
+
+def test_blocks_are_returned_and_a_full_cache_gives_no_draft(draft_path) -> None:
+    proposer = make_proposer(draft_path, num_kv_tokens=32)  # 8 blocks of 4
+    seq = SpecInput("a", prompt(3, 20), 20, 4)  # 20 + 3 positions: 6 blocks
+    assert len(proposer.propose([seq])[0]) == 4
+    assert proposer.num_free_blocks == 2
+    assert proposer.propose([SpecInput("b", prompt(4, 20), 20, 4)]) == [[]]  # no room
+    proposer.finish("a")
+    proposer.finish("b")
+    assert proposer.num_free_blocks == 8
+    assert len(proposer.propose([SpecInput("b", prompt(4, 20), 20, 4)])[0]) == 4
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_greedy_equal_with_a_draft_model(tiny_path, draft_path, same: bool) -> None:
+    prompts = [prompt(1, 9), prompt(2, 14), prompt(3, 5)]
+    want = greedy(tiny_path, prompts, 24)
+    config = {"method": "draft_model", "model": str(tiny_path if same else draft_path),
+              "num_speculative_tokens": 4, "disable_by_batch_size": 10_000}
+    llm = LLM(str(tiny_path), speculative_config=config, num_kv_blocks=64, block_size=4)
+    assert isinstance(llm.engine.spec.proposer, DraftModelProposer)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    assert got == want
+    drafts, draft_tokens, accepted = spec_counts(llm)
+    assert drafts > 0
+    if same:  # the target drafting for itself: every draft token is its own greedy token
+        assert accepted == draft_tokens
+    else:
+        assert accepted < draft_tokens
+    assert_pool_clean(llm)
