@@ -3,7 +3,7 @@
 
     python scripts/quality.py --model FILE.gguf [--chunks 14] [--ctx 512]
         [--text /usr/share/common-licenses/GPL-3] [--mode NAME=FLAGS ...] [--reference exact]
-        [--llama-bin LLAMA_CPP/build/bin] [--json out.json]
+        [--llama-bin LLAMA_CPP/build/bin [--llama-tokens]] [--json out.json]
 
 For each mode the script starts its own `plait serve MODEL FLAGS`, tokenizes the text with
 the server (`POST /tokenize`), and sends each chunk of `--ctx` tokens as a token-id prompt
@@ -16,7 +16,10 @@ scored positions whose top-1 token equals the reference's.
 With `--llama-bin`, llama.cpp's own figures go beside them: the GGUF's weights dequantized
 to an F32 GGUF by `llama-quantize`, `llama-perplexity --kl-divergence-base` on that, then
 `--kl-divergence` on the file itself: "Mean PPL(Q)/PPL(base)" and "Same top p" (files in
-`--work-dir`, reused when present: scripts/quality_llama.py).
+`--work-dir`, reused when present: scripts/quality_llama.py). llama.cpp tokenizes the
+text itself; `--llama-tokens` makes every Plait mode score those very tokens (the two
+tokenizers can split whitespace differently), so Plait's exact perplexity and llama.cpp's
+F32 one are taken on the same input.
 
 The default modes are today's: exact (no flags: float32 arithmetic), bf16, prefill-int8 and
 int8-panels; `--mode NAME=FLAGS` (repeatable) replaces them, e.g. `--mode exact=`
@@ -103,10 +106,11 @@ def score_chunks(client: httpx.Client, model: str, chunks: list[list[int]]
     return scores
 
 
-def run_mode(name: str, flags: str, args: argparse.Namespace
+def run_mode(name: str, flags: str, args: argparse.Namespace, given: list[int] | None
              ) -> tuple[list[int], list[ChunkScores]]:
     """Start `plait serve MODEL FLAGS`, score the text's chunks, stop it. Returns the
-    text's tokens (as this server made them) and the chunks' scores."""
+    text's tokens as this server made them and the chunks' scores; the chunks are cut
+    from `given` instead when it is set (llama.cpp's tokens of the text)."""
     argv = [str(args.model), *shlex.split(flags), *shlex.split(args.server_args),
             "--log-level", "warning"]
     print(f"[{name}] plait serve {' '.join(argv)}", file=sys.stderr)
@@ -117,7 +121,7 @@ def run_mode(name: str, flags: str, args: argparse.Namespace
                           trust_env=False) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]
             tokens, bos_id = server_tokens(client, Path(args.text).read_text())
-            chunks = chunk_tokens(tokens, args.ctx, args.chunks, bos_id)
+            chunks = chunk_tokens(given or tokens, args.ctx, args.chunks, bos_id)
             return tokens, score_chunks(client, model, chunks)
     finally:
         server.stop()
@@ -174,6 +178,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--llama-bin", default=None,
                         help="llama.cpp's bin folder (llama-perplexity, llama-quantize); "
                         "without it llama.cpp is not run")
+    parser.add_argument("--llama-tokens", action="store_true",
+                        help="score llama.cpp's tokens of the text in every mode too (its "
+                        "tokenizer can split a text otherwise), so both score the same tokens")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="llama.cpp threads")
     parser.add_argument("--work-dir", default="/tmp/plait-quality",
@@ -190,6 +197,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             if not sep or not name:
                 parser.error(f"--mode {spec!r}: expected NAME=FLAGS")
             modes[name] = flags
+    if args.llama_tokens and args.llama_bin is None:
+        parser.error("--llama-tokens needs --llama-bin")
     if args.reference not in modes:
         parser.error(f"--reference {args.reference!r} is not one of the modes {list(modes)}")
     args.modes = modes
@@ -198,18 +207,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    llama, llama_tokens = run_llama(args) if args.llama_bin is not None else (None, [])
     scores: dict[str, list[ChunkScores]] = {}
     tokens: list[int] = []
     for name, flags in args.modes.items():
-        tokens, scores[name] = run_mode(name, flags, args)
-    llama, tokens_agree = None, ""
-    if args.llama_bin is not None:
-        llama, llama_tokens = run_llama(args)
+        tokens, scores[name] = run_mode(name, flags, args,
+                                        llama_tokens if args.llama_tokens else None)
+    tokens_agree = ""
+    if llama is not None:
         parted = next((i for i, (a, b) in enumerate(zip(tokens, llama_tokens, strict=False))
                        if a != b), None)
         tokens_agree = (f"llama.cpp's {len(llama_tokens)} tokens equal Plait's"
                         if parted is None else
                         f"llama.cpp's tokens part from Plait's at position {parted}")
+        tokens_agree += (" (Plait scored llama.cpp's tokens)" if args.llama_tokens
+                         else " (Plait scored its own tokens)")
     figures = report(args, scores, llama, tokens_agree)
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
