@@ -23,6 +23,7 @@ all is `EngineConfig.native`, decided once when the ops table is chosen.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -50,6 +51,9 @@ HEADERS = (HEADER, _HERE / "vec.h", _HERE / "quant.h", _HERE / "qgemm_bf16.h",
            _HERE / "qgemm_i8.h", _HERE / "repack.h", _HERE / "repack_vnni.h")
 # -Wall -Werror: a warning fails the build; -Wmissing-prototypes: so does a non-static
 # function plait_cpu.h does not declare (each definition is checked against its prototype).
+# Seconds one compiler process may take (_build); a loaded 2-core machine has needed 300+
+# for the whole library in one process.
+BUILD_TIMEOUT_S = 900
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall", "-Werror",
          "-Wmissing-prototypes")
 
@@ -214,23 +218,38 @@ def _compiler_version(cc: str) -> str | None:
 
 
 def _build(cc: str, gomp: Path, target: Path) -> str | None:
-    """Compile the source into `target` (atomically); returns an error text or None."""
+    """Compile the sources into `target` (atomically); returns an error text or None. Each
+    source is compiled to an object file in its own compiler process, up to one per CPU at
+    once (repack.c and attention.c take minutes each on a loaded 2-core machine), then
+    linked; each process may take BUILD_TIMEOUT_S."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    cmd = [cc, *FLAGS, "-o", tmp, *map(str, SOURCES), f"-L{gomp.parent}",
-           f"-Wl,-rpath,{gomp.parent}", "-lm"]
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmpdir:
+        objects = [Path(tmpdir) / f"{src.stem}.o" for src in SOURCES]
+        compile_flags = [flag for flag in FLAGS if flag != "-shared"]
+        jobs = [[cc, *compile_flags, "-c", "-o", str(obj), str(src)]
+                for src, obj in zip(SOURCES, objects, strict=True)]
+        tmp = str(Path(tmpdir) / target.name)
+        link = [cc, *FLAGS, "-o", tmp, *map(str, objects), f"-L{gomp.parent}",
+                f"-Wl,-rpath,{gomp.parent}", "-lm"]
+        with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+            errors = [e for e in pool.map(_run, jobs) if e is not None]
+        if errors:
+            return errors[0]
+        error = _run(link)
+        if error is None:
+            os.replace(tmp, target)
+        return error
+
+
+def _run(cmd: list[str]) -> str | None:
+    """Run one compiler command; an error text naming it, or None."""
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            return f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}"
-        os.replace(tmp, target)
-        return None
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{' '.join(cmd)} failed: {exc}"
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    if done.returncode != 0:
+        return f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}"
+    return None
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
