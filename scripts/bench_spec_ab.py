@@ -19,6 +19,8 @@ from plait._paths import drop_checkout_root
 
 drop_checkout_root()
 
+import torch  # noqa: E402
+
 from plait import LLM, SamplingParams  # noqa: E402
 
 FUNCTION = '''def summarize(values, percentiles=(50, 90, 99), drop_outliers=False):
@@ -79,7 +81,10 @@ def main() -> None:
     parser.add_argument("--spec", default=DEFAULT_SPEC)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: steadier on a shared machine)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     llm = LLM(args.model, speculative_config=args.spec, num_kv_blocks=1024)
     spec = llm.engine.spec
     for name, text in PROMPTS.items():

@@ -24,6 +24,8 @@ from plait._paths import drop_checkout_root
 
 drop_checkout_root()
 
+import torch  # noqa: E402
+
 from plait import LLM, SamplingParams  # noqa: E402
 from plait.engine.spec.config import SpeculativeConfig  # noqa: E402
 from plait.engine.spec.driver import SpecDecoder  # noqa: E402
@@ -80,7 +82,10 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--context", type=int, default=400)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: steadier on a shared machine)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     streams = [int(s) for s in args.streams.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
     max_k = max(rows) - 1
@@ -90,6 +95,7 @@ def main() -> None:
     spec = llm.engine.spec
     assert spec is not None
     llm.engine.spec = SpecDecoder(config, spec.max_model_len, JunkDraft())
+    step_ms(llm, 1, args.context, 2, 0)  # one-time costs (first steps, kernels) first
     print(f"ms per step, context {args.context}; columns: rows per stream (1 + k)")
     print("streams " + "".join(f"{r:>9}" for r in rows))
     for num_streams in streams:

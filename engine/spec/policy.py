@@ -17,9 +17,11 @@ Batch size: a decode step of B sequences reads every weight once for B rows; whi
 small the step is bound by reading the weights, and k extra rows per sequence are nearly
 free. Past some B it is bound by computing them, and drafts only add work. A step with
 `disable_by_batch_size` or more decoding sequences proposes nothing (vLLM's option of the
-same name). DEFAULT_DISABLE_BY_BATCH_SIZE is measured (BENCHMARKS.md, issue 41): on the
-2-core dev host with SmolLM2-135M Q8_0, float32 compute, a step's time grows by about
-... (see the module's test-free measurement script, scripts/bench_spec_rows.py).
+same name). scripts/bench_spec_rows.py measures where that point is (the time of a step of
+B streams x (1 + k) rows). DEFAULT_DISABLE_BY_BATCH_SIZE = 8 is PROVISIONAL: at 8 streams
+with k = 4 a step computes 40 rows, past the 24 rows the native CPU stack runs as one pass
+over the weights (kernels/ops.py, `stack_rows`); the one run of the script so far, on the
+shared 2-core dev host at load 9-10, was too noisy to place the point (issue 41).
 """
 
 from __future__ import annotations
