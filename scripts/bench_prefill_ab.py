@@ -3,14 +3,15 @@
 comparisons of two checkouts (BENCHMARKS.md, "Model families"):
 
     python scripts/bench_prefill_ab.py FILE.gguf [--compute-dtype bfloat16]
-        [--kv-cache-dtype bfloat16] [--int8-panels]   # prefill_ms=... decode_ms_per_token=...
+        [--kv-cache-dtype bfloat16] [--int8-panels] [--repacked-weights]
+        # prefill_ms=... decode_ms_per_token=... (least: ... / ...)
 
 `LLM` on the file (its defaults, or the mode the flags name), one warm-up, then 6 times: a
 prefill of 520 random words (about W1's prompt) with 1 output token, and another prompt
 with 65 greedy tokens, whose time less the prefill's, over 64, is the decode time per
-token. Prints the medians. Run it once per build, alternating, with PYTHONPATH naming the
-build's `plait` only (a folder holding a link to that checkout's plait/) and a PLAIT_CACHE
-of its own."""
+token. Prints the medians (and the least of each, which a busy machine moves less). Run
+it once per build, alternating, with PYTHONPATH naming the build's `plait` only (a folder
+holding a link to that checkout's plait/) and a PLAIT_CACHE of its own."""
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,12 @@ parser.add_argument("path")
 parser.add_argument("--compute-dtype", default="float32")
 parser.add_argument("--kv-cache-dtype", default="auto")
 parser.add_argument("--int8-panels", action="store_true")
+parser.add_argument("--repacked-weights", action="store_true",
+                    help="(builds that have it; not passed at all when absent)")
 args = parser.parse_args()
+extra = {"repacked_weights": True} if args.repacked_weights else {}
 llm = LLM(args.path, num_kv_blocks=512, compute_dtype=args.compute_dtype,
-          kv_cache_dtype=args.kv_cache_dtype, int8_panels=args.int8_panels)
+          kv_cache_dtype=args.kv_cache_dtype, int8_panels=args.int8_panels, **extra)
 rng = random.Random(0)
 words = ["river", "stone", "light", "apple", "quiet", "number", "garden", "cloud", "paper",
          "iron", "silver", "market"]
@@ -49,4 +53,5 @@ for _ in range(6):
     total = time.perf_counter() - t
     dec.append((total - pre[-1]) / 64)
 print(f"prefill_ms={statistics.median(pre) * 1000:.1f} decode_ms_per_token="
-      f"{statistics.median(dec) * 1000:.2f}")
+      f"{statistics.median(dec) * 1000:.2f} (least: {min(pre) * 1000:.1f} / "
+      f"{min(dec) * 1000:.2f})")
