@@ -72,7 +72,7 @@ from plait.bench.client import CHAT, COMPLETIONS, StreamResult, make_client, str
 from plait.bench.launch import launch_command
 from plait.bench.metrics import latency_samples, percentile
 from plait.bench.runner import RequestRecord
-from plait.bench.spec_metrics import scrape_spec, spec_delta
+from plait.bench.spec_metrics import fetch_metrics, scrape_spec, spec_delta
 from plait.bench.texts import text_prompt
 from plait.bench.workloads import random_words
 
@@ -118,13 +118,8 @@ def make_prompt(words: int) -> str:
 
 async def scrape_computed(client: httpx.AsyncClient) -> float | None:
     """Plait's prompt-tokens-computed counter, None if the server has no such metric."""
-    try:
-        response = await client.get("/metrics")
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200:
-        return None
-    for line in response.text.splitlines():
+    text = await fetch_metrics(client)
+    for line in (text or "").splitlines():
         name, _, value = line.rpartition(" ")
         if name in COMPUTED_METRICS:
             return float(value)

@@ -75,17 +75,21 @@ def parse_spec_counters(text: str) -> SpecCounters | None:
     return SpecCounters(sums[DRAFTS], sums[DRAFT_TOKENS], sums[ACCEPTED])
 
 
-async def scrape_spec(client: httpx.AsyncClient) -> SpecCounters | None:
-    """GET /metrics and parse it; None when the server has no /metrics or no counters."""
+async def fetch_metrics(client: httpx.AsyncClient) -> str | None:
+    """The text of GET /metrics; None when the server has none (or did not answer)."""
     import httpx
 
     try:
         response = await client.get("/metrics")
     except httpx.HTTPError:
         return None
-    if response.status_code != 200:
-        return None
-    return parse_spec_counters(response.text)
+    return response.text if response.status_code == 200 else None
+
+
+async def scrape_spec(client: httpx.AsyncClient) -> SpecCounters | None:
+    """GET /metrics and parse it; None when the server has no /metrics or no counters."""
+    text = await fetch_metrics(client)
+    return None if text is None else parse_spec_counters(text)
 
 
 def spec_delta(before: SpecCounters | None, after: SpecCounters | None) -> SpecCounters | None:

@@ -46,19 +46,9 @@ def test_int8_panels_engine() -> None:
     kept_bytes, dense_bytes = weight_bytes(model)
     panel_bytes = sum(m.state.packed.numel() for m in {id(m): m for m in kept}.values())
     assert dense_bytes >= panel_bytes > kept_bytes  # 1.25 bytes a weight against ~0.6
-    assert model.stack is not None
     layer = model.layers[0]
-    for name, linear in (("qkv_weight", layer.self_attn.qkv_proj),
-                         ("gate_up_weight", layer.mlp.gate_up_proj)):
-        assert model.stack.layers[0, native.STACK_POINTERS.index(name)] \
-            == linear.state.desc.data_ptr()
-
-    stacked = greedy.decode(llm)
-    stack, model.stack = model.stack, None  # the layer loop through the rows' kernels
-    try:
-        assert greedy.decode(llm) == stacked
-    finally:
-        model.stack = stack
+    stacked = greedy.stacked_decode(llm, model, {
+        "qkv_weight": layer.self_attn.qkv_proj, "gate_up_weight": layer.mlp.gate_up_proj})
 
     prompt = random_words(random.Random(3), 160)
     panels_lps = _prompt_logprobs(llm, prompt)

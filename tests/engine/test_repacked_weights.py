@@ -14,7 +14,7 @@ from helpers import greedy
 
 from plait import LLM
 from plait.engine.models.linear import Linear, weight_bytes
-from plait.kernels.cpu import build, native, repack
+from plait.kernels.cpu import build, repack
 from plait.kernels.cpu.products import row
 
 pytestmark = pytest.mark.skipif(not build.available() or repack.isa() != repack.ISA_VNNI512,
@@ -55,20 +55,10 @@ def test_repacked_weights_engine() -> None:
     assert kept_bytes == 0 and dense_bytes >= sum(file_bytes.values())
     with pytest.raises(RuntimeError, match="released once repacked"):
         model.lm_head.select(row("kept/f32"))
-    assert model.stack is not None
     layer = model.layers[0]
-    for name, linear in (("qkv_weight", layer.self_attn.qkv_proj),
-                         ("gate_up_weight", layer.mlp.gate_up_proj),
-                         ("down_weight", layer.mlp.down_proj)):
-        assert model.stack.layers[0, native.STACK_POINTERS.index(name)] \
-            == linear.state.desc.data_ptr()
-
-    stacked = greedy.decode(llm)
-    stack, model.stack = model.stack, None  # the layer loop through the rows' kernels
-    try:
-        assert greedy.decode(llm) == stacked
-    finally:
-        model.stack = stack
+    stacked = greedy.stacked_decode(llm, model, {
+        "qkv_weight": layer.self_attn.qkv_proj, "gate_up_weight": layer.mlp.gate_up_proj,
+        "down_weight": layer.mlp.down_proj})
 
     agree, diffs = greedy.compare(stacked, exact_decode)
     assert agree >= 0.75 * len(greedy.PROMPTS) * greedy.TOKENS

@@ -4,7 +4,10 @@ them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from plait import LLM, SamplingParams
+from plait.kernels.cpu import native
 
 PROMPTS = [f"{topic} in one sentence:" for topic in (
     "Explain gravity", "Describe the sea", "Define a prime number", "Explain rain",
@@ -36,3 +39,21 @@ def compare(a: tuple[list[list[int]], list[list[float]]],
                 break
             diffs.append(abs(px - py))
     return agree, diffs
+
+
+def stacked_decode(llm: LLM, model: Any, linears: dict[str, Any]) -> tuple[
+        list[list[int]], list[list[float]]]:
+    """`decode` through the model's native decoder stack, after checking that the stack's
+    first layer points at each of `linears`' descriptors (stack pointer name -> Linear)
+    and that the layer loop through the rows' kernels decodes the same."""
+    assert model.stack is not None
+    for name, linear in linears.items():
+        assert model.stack.layers[0, native.STACK_POINTERS.index(name)] \
+            == linear.state.desc.data_ptr()
+    stacked = decode(llm)
+    stack, model.stack = model.stack, None  # the layer loop through the rows' kernels
+    try:
+        assert decode(llm) == stacked
+    finally:
+        model.stack = stack
+    return stacked
