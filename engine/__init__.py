@@ -39,6 +39,8 @@ _EXPORTS = {
     "CompletionOutput": "outputs",
     "RequestOutput": "outputs",
     "SamplingParams": "sampling_params",
+    "SpeculativeConfig": "spec.config",
+    "check_available": "spec.factory",
     "InvalidParamError": "sampling_params",
     "MAX_LOGPROBS": "sampling_params",
     "RequestRejected": "validation",
@@ -84,11 +86,13 @@ __all__ = [
     "RequestStream",
     "RuntimeInfo",
     "SamplingParams",
+    "SpeculativeConfig",
     "StepResult",
     "StructuredSpec",
     "TokenLogprob",
     "TokenTextTable",
     "arm_engine_faults",
+    "check_available",
     "decode_ids",
     "find_marker",
     "structured_error",
@@ -123,6 +127,8 @@ if TYPE_CHECKING:
         TokenLogprob,
     )
     from plait.engine.sampling_params import MAX_LOGPROBS, InvalidParamError, SamplingParams
+    from plait.engine.spec.config import SpeculativeConfig
+    from plait.engine.spec.factory import check_available
     from plait.engine.structured import GRAMMAR_FAILED, StructuredSpec, structured_error
     from plait.engine.token_text import TokenTextTable, decode_ids
     from plait.engine.validation import (

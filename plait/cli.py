@@ -30,9 +30,9 @@ from plait.engine import (
     VALID_DTYPES,
     WEIGHT_FORMATS,
     EngineConfig,
+    SpeculativeConfig,
+    check_available,
 )
-from plait.engine.spec.config import SpeculativeConfig
-from plait.engine.spec.factory import check_available
 from plait.server.settings import (  # plain dataclass and names: no HTTP stack
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
