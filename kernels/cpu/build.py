@@ -217,19 +217,20 @@ def _compiler_version(cc: str) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def _build(cc: str, gomp: Path, target: Path) -> str | None:
-    """Compile the sources into `target` (atomically); returns an error text or None. Each
-    source is compiled to an object file in its own compiler process, up to one per CPU at
-    once (repack.c and attention.c take minutes each on a loaded 2-core machine), then
-    linked; each process may take BUILD_TIMEOUT_S."""
+def _build(cc: str, gomp: Path, target: Path, extra: tuple[str, ...] = ()) -> str | None:
+    """Compile the sources into `target` (atomically), with FLAGS and then `extra` (the
+    tests' other builds: tests/helpers/native_builds.py); returns an error text or None.
+    Each source is compiled to an object file in its own compiler process, up to one per
+    CPU at once (repack.c and attention.c take minutes each on a loaded 2-core machine),
+    then linked; each process may take BUILD_TIMEOUT_S."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmpdir:
         objects = [Path(tmpdir) / f"{src.stem}.o" for src in SOURCES]
-        compile_flags = [flag for flag in FLAGS if flag != "-shared"]
+        compile_flags = [flag for flag in (*FLAGS, *extra) if flag != "-shared"]
         jobs = [[cc, *compile_flags, "-c", "-o", str(obj), str(src)]
                 for src, obj in zip(SOURCES, objects, strict=True)]
         tmp = str(Path(tmpdir) / target.name)
-        link = [cc, *FLAGS, "-o", tmp, *map(str, objects), f"-L{gomp.parent}",
+        link = [cc, *FLAGS, *extra, "-o", tmp, *map(str, objects), f"-L{gomp.parent}",
                 f"-Wl,-rpath,{gomp.parent}", "-lm"]
         with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
             errors = [e for e in pool.map(_run, jobs) if e is not None]

@@ -8,29 +8,32 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from plait.kernels.cpu import build
 
+_BUILT: dict[tuple[str, ...], ctypes.CDLL] = {}
+
 
 def _library_without(tmp_path: Path, feature: str, cpu_flag: str,
                      extra: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """The kernels compiled as `build` compiles them plus `-mno-<feature>` (that feature's
-    paths' fallbacks) and `extra` flags, loaded with every function declared. Skips the test
-    where torch brings no libgomp to link, or where the CPU has no `cpu_flag` (the normal
-    build is then this one)."""
+    """The kernels compiled as `build` compiles them (build._build) plus `-mno-<feature>`
+    (that feature's paths' fallbacks) and `extra` flags, loaded with every function
+    declared; built once per test session and flags, into the first caller's `tmp_path`.
+    Skips the test where torch brings no libgomp to link, or where the CPU has no
+    `cpu_flag` (the normal build is then this one)."""
     gomp = build._torch_gomp()
     if gomp is None or cpu_flag not in build._cpu_flags():
         pytest.skip(f"no libgomp from torch, or a CPU whose native build has no {cpu_flag}")
-    target = tmp_path / f"no_{feature}.so"
-    subprocess.run([os.environ.get("CC", "cc"), *build.FLAGS, f"-mno-{feature}", *extra, "-o",
-                    str(target), *map(str, build.SOURCES), f"-L{gomp.parent}",
-                    f"-Wl,-rpath,{gomp.parent}", "-lm"], check=True, capture_output=True,
-                   timeout=300)
-    return build._declare(ctypes.CDLL(str(target)))
+    flags = (f"-mno-{feature}", *extra)
+    if flags not in _BUILT:
+        target = tmp_path / f"no_{feature}.so"
+        error = build._build(os.environ.get("CC", "cc"), gomp, target, flags)
+        assert error is None, error
+        _BUILT[flags] = build._declare(ctypes.CDLL(str(target)))
+    return _BUILT[flags]
 
 
 def library_without_avx512bf16(tmp_path: Path) -> ctypes.CDLL:
