@@ -67,7 +67,11 @@ def test_greedy_answers_equal_and_metrics(spec_server: RemoteServer) -> None:
         want, got = chat(plain, **body), chat(spec_server, **body)
         assert got["choices"][0]["message"] == want["choices"][0]["message"]
         assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
-        assert got["usage"] == want["usage"]
+        # cached_tokens is the prefix cache's state (the plain server is shared with other
+        # tests), not speculation's: the token counts must be equal
+        usage = lambda response: {k: v for k, v in response["usage"].items()  # noqa: E731
+                                  if k != "prompt_tokens_details"}
+        assert usage(got) == usage(want)
     chunks = stream(spec_server, messages=REPEAT, max_tokens=96, logprobs=True,
                     top_logprobs=2)
     content = [c for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
