@@ -90,7 +90,8 @@ async def chat_input(body: ChatCompletionRequest, state: ServerState) -> ChatInp
         flags, output.template_tools, template, template_kwargs(body.chat_template_kwargs)))
     token_ids = truncated(body, token_ids, engine.info.max_model_len)
     check_prompt(engine, token_ids, "messages")
-    if fmt is not None and (opened := for_prompt(fmt, _tail(engine.tokenizer, token_ids))) != fmt:
+    if fmt is not None and fmt.starts_inside and \
+            (opened := for_prompt(fmt, _tail(engine.tokenizer, token_ids))) != fmt:
         # the template closed the think block itself: the plan reads (and, with a grammar,
         # constrains) the output as starting outside it
         output = await chat_output_plan(body, template, settings.tool_call_parser, opened)
