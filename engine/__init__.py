@@ -31,7 +31,7 @@ _EXPORTS = {
     "KV_CACHE_DTYPES": "config",
     "KV_EVENTS_ENCODINGS": "config",
     "WEIGHT_FORMATS": "config",
-    "COMPUTE_DTYPES": "config",
+    "NUMERICS": "config",
     "LLM": "llm",
     "RequestDelta": "outputs",
     "ChoiceAccumulator": "outputs",
@@ -59,7 +59,6 @@ _EXPORTS = {
 }
 __all__ = [
     "ATTENTION_BACKENDS",
-    "COMPUTE_DTYPES",
     "CPU_GEMMS",
     "FAKE_FRAME",
     "GRAMMAR_FAILED",
@@ -67,6 +66,7 @@ __all__ = [
     "KV_EVENTS_ENCODINGS",
     "LLM",
     "MAX_LOGPROBS",
+    "NUMERICS",
     "VALID_DTYPES",
     "WEIGHT_FORMATS",
     "AsyncEngine",
@@ -106,10 +106,10 @@ if TYPE_CHECKING:
     from plait.engine.client import EngineClient, EngineDeadError, EngineLoadError, RequestStream
     from plait.engine.config import (
         ATTENTION_BACKENDS,
-        COMPUTE_DTYPES,
         CPU_GEMMS,
         KV_CACHE_DTYPES,
         KV_EVENTS_ENCODINGS,
+        NUMERICS,
         VALID_DTYPES,
         WEIGHT_FORMATS,
         EngineConfig,

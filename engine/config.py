@@ -15,8 +15,8 @@ ATTENTION_BACKENDS = ("auto", "reference")
 # How weights are held: "auto" keeps a GGUF's blocks (or a checkpoint's bf16) as they are on
 # CPU (engine/gguf_weights.py); "float32" dequantizes everything at load.
 WEIGHT_FORMATS = ("auto", "float32")
-# The activations x weights of the kept-format GEMMs (EngineConfig's docstring).
-COMPUTE_DTYPES = ("float32", "bfloat16")
+# The engine's arithmetic (EngineConfig's docstring, engine/numerics.py).
+NUMERICS = ("auto", "int8", "bf16", "exact")
 # The KV cache's element type: "auto" the model dtype, or bfloat16 (see EngineConfig).
 KV_CACHE_DTYPES = ("auto", "bfloat16")
 # KV-cache events: vLLM's tagged-map events (vLLM >= 0.24) or tagged arrays (older).
@@ -52,43 +52,29 @@ class EngineConfig:
     `weights` "auto" keeps the weights in their file's format on a float32 CPU engine (a
     GGUF's blocks, a checkpoint's bf16: the model's memory is about the file's size);
     "float32" dequantizes them at load, as on CUDA, where the weights take the model dtype.
-    `compute_dtype` "bfloat16" runs the kept weights' GEMMs as bf16 x bf16 with float32
-    accumulation: large ones (more than products.QGEMM_MAX_ROWS rows, 256: prefills)
-    dequantized to bf16 for BLAS, from 2 (quant.BF16_MIN_ROWS) to 256 rows in the native
-    quantized GEMM (x and each decoded weight rounded to bf16, vdpbf16ps; CPUs without
-    AVX512-BF16 keep float32 there), the decoder stack's projections and the LM head alike;
-    one row stays exact (bound by reading the weights). With a bfloat16 KV cache it also
-    covers the native attention's shared tokens (a prefill's tiles, n choices' prompt):
-    bf16 dot products (kernels/cpu/attention_bf16.h; AVX512-BF16, else float32). "float32"
-    is exact: float32 products of the dequantized weights.
 
-    `prefill_int8` sends the kept GGUF weights' products of at least
-    products.INT8_MIN_ROWS rows (48: prefills) to the int8 kernel (kernels/cpu/qgemm_i8.h,
-    AVX512-VNNI): x quantized to int8 per group of 32 weights (16 for Q6_K), one float32
-    scale per group, as llama.cpp does, dot products with the blocks' integer codes, float32
-    sums; about 1.5x the bf16 GEMM's rate on this project's 2-core host. It changes the
-    numerics (x's rounding; the weights stay exact; measured in BENCHMARKS.md), so it is off
-    by default. Without VNNI, or for other types (F16, BF16 rows), those products run as
-    without it.
-
-    `int8_panels` sends every product of those weights, from one row (decode steps, one
-    stream's included), to the same kernel, reading an int8 copy of each weight packed at
-    load (products.INT8_PANEL_MIN_ROWS; `native.qgemm_i8_panels`, 1.25 bytes a weight, 1.5
-    where a part is Q6_K, kept beside the blocks, which the embedding still reads): memory
-    traded for speed, with prefill_int8's numerics at every step.
-
-    `repacked_weights` repacks the kept GGUF weights once at load at their own bit width
+    `numerics` is the arithmetic (engine/numerics.py, resolved once at start and logged):
+    "int8" repacks the kept GGUF weights once at load at their own bit width
     (kernels/cpu/repack.py: 16 rows interleaved per block for AVX512-VNNI, 1.0-1.03x the
     blocks' bytes, which are then released; a tied embedding reads its rows from the LM
-    head's repacked layout) and sends every product of them, decode
-    steps and the native stack included, to the repacked kernel: x quantized to int8 per 32
-    weights (prefill_int8's rounding, one rule for every type). It wins over the two int8
-    options; without VNNI, or for F16 / BF16 weights, those products run as without it.
+    head's repacked layout) and sends every product of them, decode steps and the native
+    stack included, to the repacked kernel: x quantized to int8 per 32 weights, as
+    llama.cpp does; the rest as "bf16". "bf16" computes the kept weights' products as bf16
+    x bf16 with float32 sums (x and each decoded weight rounded to bf16; one row stays
+    float32, bound by reading the weights), stores the KV cache as bf16 (`kv_cache_dtype`
+    "auto") and takes bf16 dot products in the native attention's shared tokens (a
+    prefill's tiles, n choices' prompt). "exact" is float32 arithmetic on the dequantized
+    weights and a float32 KV cache: greedy output equals transformers'. "auto" (the
+    default) is "int8" for a GGUF file on a float32 CPU engine with the native kernels'
+    AVX512-VNNI product and kept weights, "exact" elsewhere (a checkpoint; CUDA computes in
+    the model dtype). Quality of each,
+    measured as llama-perplexity measures it: BENCHMARKS.md.
 
-    `kv_cache_dtype` "auto" stores K and V in the model dtype (float32 on a float32 CPU
-    engine); "bfloat16" stores them as bf16, rounded to nearest even when written and widened
-    to float32 (exactly) inside the attention, which still computes in float32 (but for
-    `compute_dtype` "bfloat16", above): half the bytes per block, so the same
+    `kv_cache_dtype` "auto" stores K and V as `numerics` says (bf16 for "int8" and "bf16",
+    else the model dtype: float32 on a float32 CPU engine); "bfloat16" stores them as bf16,
+    rounded to nearest even when written and widened to float32 (exactly) inside the
+    attention, which still computes in float32 (but for `numerics` "int8" and "bf16",
+    above): half the bytes per block, so the same
     `kv_cache_memory_gb` holds twice the blocks (vLLM's `--kv-cache-dtype`). On CUDA the
     cache takes the model dtype: "bfloat16" is accepted there only with a bfloat16 model
     (`dtype` "auto" or "bfloat16"; ModelRunner raises at startup otherwise).
@@ -123,10 +109,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cpu_gemm: str = "auto"
     weights: str = "auto"
-    compute_dtype: str = "float32"
-    prefill_int8: bool = False
-    int8_panels: bool = False
-    repacked_weights: bool = False
+    numerics: str = "auto"
     kv_cache_dtype: str = "auto"
     speculative_config: SpeculativeConfig | None = None
     # KV-cache events (engine/kv_events.py): off unless an endpoint is given.
@@ -162,9 +145,8 @@ class EngineConfig:
             raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, "
-                             f"got {self.compute_dtype!r}")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}, got {self.numerics!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")

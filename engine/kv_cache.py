@@ -23,13 +23,15 @@ logger = logging.getLogger("plait.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_kv_dtype(requested: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def resolve_kv_dtype(requested: str, dtype: torch.dtype, device: torch.device,
+                     auto: torch.dtype | None = None) -> torch.dtype:
     """The KV cache's element type for `EngineConfig.kv_cache_dtype` on an engine of
-    `dtype` activations: "auto" is `dtype`; "bfloat16" on the CPU, where every op writes and
+    `dtype` activations: "auto" is `auto` (the numerics' choice, `Numerics.kv_dtype`) or,
+    where that is None, `dtype`; "bfloat16" on the CPU, where every op writes and
     reads a bf16 cache whatever the activations' dtype; on CUDA the Triton kernels keep the
     cache in the model dtype, so "bfloat16" needs a bfloat16 model (ValueError otherwise)."""
     if requested == "auto":
-        return dtype
+        return dtype if auto is None else auto
     kv_dtype = DTYPES[requested]
     if device.type == "cuda" and kv_dtype != dtype:
         raise ValueError(f"--kv-cache-dtype {requested} on CUDA needs a {requested} model "

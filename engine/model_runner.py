@@ -33,6 +33,7 @@ from plait.engine.model_loader import (
 )
 from plait.engine.models.linear import resolve_cpu_gemm, select_products, weight_bytes
 from plait.engine.models.llama import LlamaForCausalLM
+from plait.engine.numerics import Numerics, resolve_numerics
 from plait.engine.outputs import TokenLogprob
 from plait.engine.sampler import Sampler, SamplingMetadata
 from plait.engine.sched_output import RunnerOutput, SchedulerOutput
@@ -40,6 +41,7 @@ from plait.engine.spec.verify import SpecRequest, Verified, verify_batch, verify
 from plait.engine.transfer import to_device
 from plait.engine.weights import load_weights
 from plait.kernels import AttentionMetadata, AttentionShape, TorchOps, select_ops
+from plait.kernels.cpu import build, repack
 
 logger = logging.getLogger("plait.engine")
 
@@ -58,6 +60,17 @@ def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
     return DTYPES[requested]
 
 
+def engine_numerics(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                    gguf: bool) -> Numerics:
+    """`config.numerics` resolved for an engine on `device` computing in `dtype`, of a GGUF
+    file or not (the native kernels and their VNNI product as this machine has them built).
+    ValueError where the mode asked for cannot run."""
+    native = device.type == "cpu" and config.native and build.available()
+    vnni = native and repack.isa() == repack.ISA_VNNI512
+    return resolve_numerics(config.numerics, device, dtype, native, vnni,
+                            kept=config.weights == "auto", gguf=gguf)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
@@ -74,7 +87,11 @@ class ModelRunner:
                  eos_token_ids: tuple[int, ...] = ()) -> None:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        self.numerics = engine_numerics(config, self.device, self.dtype,
+                                        resolved.gguf is not None)
+        logger.info("%s", self.numerics.describe())
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device,
+                                         self.numerics.kv_dtype)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()  # step temporaries reuse mapped pages
         self.model_config: ModelConfig = resolved.config
@@ -86,7 +103,7 @@ class ModelRunner:
             native_kernels=config.native, cascade=config.cascade,
             attention_backend=config.attention_backend,
             cpu_gemm=resolve_cpu_gemm(config.cpu_gemm) if self.device.type == "cpu"
-            else "none", compute_dtype=DTYPES[config.compute_dtype])
+            else "none", compute_dtype=self.numerics.compute_dtype)
         max_pos = config.max_model_len or resolved.config.max_position_embeddings
         # weight_bytes: what the weights hold in memory (kept format + float32 tensors)
         self.model, self.weight_bytes = self._load_model(config, resolved, max_pos)
@@ -157,10 +174,10 @@ class ModelRunner:
         else:
             load_weights(model, ensure_float32_weights(resolved), keep)
         model = model.to(self.device, self.dtype)  # (the GGUF loader builds on the CPU)
-        select_products(model, config)  # every linear's product row, chosen once
+        select_products(model, self.numerics)  # every linear's product row, chosen once
         kept, dense = weight_bytes(model)
-        logger.info("weights: %.1f MiB (%.1f MiB kept in the file's format, %.1f MiB "
-                    "float or packed copies)", (kept + dense) / 2**20, kept / 2**20, dense / 2**20)
+        logger.info("weights: %.1f MiB (%.1f MiB in the file's blocks, %.1f MiB repacked, "
+                    "float or packed)", (kept + dense) / 2**20, kept / 2**20, dense / 2**20)
         return model.eval(), kept + dense
 
     # ---------------------------------------------------------------- one step

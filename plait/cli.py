@@ -23,10 +23,10 @@ from plait.bench.cli import add_parser as add_bench_parser
 from plait.bench.cli import run as run_bench
 from plait.engine import (
     ATTENTION_BACKENDS,
-    COMPUTE_DTYPES,
     CPU_GEMMS,
     KV_CACHE_DTYPES,
     KV_EVENTS_ENCODINGS,
+    NUMERICS,
     VALID_DTYPES,
     WEIGHT_FORMATS,
     EngineConfig,
@@ -125,31 +125,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("--weights", str,
            "auto: keep a GGUF's quantized blocks (a checkpoint's bf16) as they are on CPU, "
            "memory about the file's size; float32: dequantize at load", WEIGHT_FORMATS),
-    Option("--compute-dtype", str,
-           "kept weights' GEMMs: float32, or bfloat16 activations x weights with float32 "
-           "accumulation (prefills, and decode steps of 2 or more rows with AVX512-BF16); "
-           "with a bfloat16 KV cache also the attention over shared tokens (prefills, n "
-           "choices' prompt)",
-           COMPUTE_DTYPES),
-    Option("--prefill-int8", bool,
-           "kept GGUF weights' prefill products (48 rows or more) with x quantized to int8 "
-           "per 32 weights, as llama.cpp does, and VNNI dot products: about 1.5x the bf16 "
-           "GEMM's rate, numerics changed by x's rounding (off: bf16 or float32 as "
-           "--compute-dtype says)"),
-    Option("--int8-panels", bool,
-           "every product of kept GGUF weights with x quantized to int8, as --prefill-int8, "
-           "from an int8 copy of the weights packed at load (+1.25 bytes a weight beside "
-           "the blocks): decode steps faster too, one stream included (off: as "
-           "--prefill-int8 and --compute-dtype say)"),
-    Option("--repacked-weights", bool,
-           "kept GGUF weights repacked once at load at their own bit width (16 rows "
-           "interleaved for AVX512-VNNI, 1.0-1.03x the blocks' bytes, which are released), "
-           "every product with x quantized to int8 per 32 weights (over --int8-panels "
-           "and --prefill-int8; without VNNI: no change)"),
+    Option("--numerics", str,
+           "the arithmetic: int8 (GGUF weights repacked at load at their own bit width, "
+           "x quantized to int8 per 32 weights as llama.cpp does; bf16 KV cache and "
+           "attention over shared tokens), bf16 (bf16 x bf16 products with float32 sums, "
+           "bf16 KV cache), exact (float32: greedy output equals transformers'); auto: int8 "
+           "for a GGUF file on a CPU with AVX512-VNNI, else exact. --exact is --numerics "
+           "exact",
+           NUMERICS),
     Option("--kv-cache-dtype", str,
-           "the KV cache's element type: auto (the model dtype) or bfloat16 (half the bytes "
-           "of a float32 CPU engine's, so twice the blocks; attention in float32 unless "
-           "--compute-dtype bfloat16)",
+           "the KV cache's element type: auto (bfloat16 under --numerics int8 or bf16, else "
+           "the model dtype) or bfloat16 (half the bytes of a float32 CPU engine's, so twice "
+           "the blocks)",
            KV_CACHE_DTYPES),
     Option("--speculative-config", "spec",
            "speculative decoding, vLLM's JSON: e.g. '{\"method\": \"ngram\", "
@@ -204,6 +191,15 @@ OPTIONS: tuple[Option, ...] = (
            "serve the playground page at /ui (default: on when --host is 127.0.0.1, "
            "localhost or ::1, off otherwise)"),
 )
+# Flags the --numerics modes replaced: passing one (or its PLAIT_ variable) is an error that
+# names what to use now.
+REPLACED_FLAGS = {
+    "--compute-dtype": "--numerics bf16 (bfloat16) or --numerics exact (float32)",
+    "--prefill-int8": "--numerics int8 (the default on a CPU with AVX512-VNNI)",
+    "--int8-panels": "--numerics int8 (the default on a CPU with AVX512-VNNI: the weights "
+                     "repacked at their own bit width, without an int8 copy)",
+    "--repacked-weights": "--numerics int8 (the default on a CPU with AVX512-VNNI)",
+}
 # Test-only and hidden from --help: lets a request's prompt trigger faults (server/faults.py).
 FAULT_INJECTION = Option("--fault-injection", bool, "test-only fault injection")
 
@@ -273,9 +269,29 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
                             f"embedded SmolLM2-135M-Instruct) [env: {ENV_PREFIX}MODEL]")
     for option in OPTIONS:
         _add(serve, option, env)
+    serve.add_argument("--exact", dest="numerics", action="store_const", const="exact",
+                       help="--numerics exact")
+    for flag, instead in REPLACED_FLAGS.items():
+        variable = ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
+        if variable in env:
+            raise EnvError(f"{variable} is no longer read: use {instead}")
+        serve.add_argument(flag, nargs="?", action=_Replaced, help=argparse.SUPPRESS,
+                           default=argparse.SUPPRESS, instead=instead)
     _add(serve, FAULT_INJECTION, env, hidden=True)
     add_bench_parser(commands)
     return parser
+
+
+class _Replaced(argparse.Action):
+    """A flag the --numerics modes replaced: using it is a usage error naming the new one."""
+
+    def __init__(self, *args: Any, instead: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.instead = instead
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{option_string} was replaced: use {self.instead}")
 
 
 def _add(parser: argparse.ArgumentParser, option: Option, env: Mapping[str, str],

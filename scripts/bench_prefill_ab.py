@@ -2,13 +2,14 @@
 """One build's prefill and decode speed in-process, without HTTP, for before/after
 comparisons of two checkouts (BENCHMARKS.md, "Model families"):
 
-    python scripts/bench_prefill_ab.py FILE.gguf [--compute-dtype bfloat16]
-        [--kv-cache-dtype bfloat16] [--int8-panels] [--repacked-weights]
+    python scripts/bench_prefill_ab.py FILE.gguf [--numerics int8|bf16|exact]
+        [--kv-cache-dtype bfloat16]
         # prefill_ms=... decode_ms_per_token=... (least: ... / ...)
 
-`LLM` on the file (its defaults, or the mode the flags name), one warm-up, then 6 times: a
-prefill of 520 random words (about W1's prompt) with 1 output token, and another prompt
-with 65 greedy tokens, whose time less the prefill's, over 64, is the decode time per
+`LLM` on the file (its defaults, or the mode the flags name; builds before --numerics
+took --compute-dtype and the int8 flags, which this script no longer passes), one warm-up,
+then 6 times: a prefill of 520 random words (about W1's prompt) with 1 output token, and
+another prompt with 65 greedy tokens, whose time less the prefill's, over 64, is the decode time per
 token. Prints the medians (and the least of each, which a busy machine moves less). Run
 it once per build, alternating, with PYTHONPATH naming the build's `plait` only (a folder
 holding a link to that checkout's plait/) and a PLAIT_CACHE of its own."""
@@ -23,15 +24,12 @@ from plait import LLM, SamplingParams
 
 parser = argparse.ArgumentParser()
 parser.add_argument("path")
-parser.add_argument("--compute-dtype", default="float32")
+parser.add_argument("--numerics", default=None,
+                    help="auto, int8, bf16 or exact (default: the build's own default)")
 parser.add_argument("--kv-cache-dtype", default="auto")
-parser.add_argument("--int8-panels", action="store_true")
-parser.add_argument("--repacked-weights", action="store_true",
-                    help="(builds that have it; not passed at all when absent)")
 args = parser.parse_args()
-extra = {"repacked_weights": True} if args.repacked_weights else {}
-llm = LLM(args.path, num_kv_blocks=512, compute_dtype=args.compute_dtype,
-          kv_cache_dtype=args.kv_cache_dtype, int8_panels=args.int8_panels, **extra)
+extra = {"numerics": args.numerics} if args.numerics else {}
+llm = LLM(args.path, num_kv_blocks=512, kv_cache_dtype=args.kv_cache_dtype, **extra)
 rng = random.Random(0)
 words = ["river", "stone", "light", "apple", "quiet", "number", "garden", "cloud", "paper",
          "iron", "silver", "market"]

@@ -2,7 +2,7 @@
 """How far two engine configurations' numerics are apart, on the same model and tokens.
 
     python scripts/compare_numerics.py --model FILE.gguf \\
-        --a weights=float32 --b weights=auto,compute_dtype=bfloat16 --tokens 96
+        --a numerics=exact --b numerics=bf16 --tokens 96
 
 Each `--a` / `--b` is a comma-separated list of `LLM` keyword arguments (EngineConfig
 fields; values parsed as int, float, true/false or left as strings). For a few prompts:

@@ -9,8 +9,8 @@ The native CPU kernels (ctypes calls the profiler cannot see) are wrapped in
 layers and the sampler call them through the module, so they reach the wrappers).
 
     python scripts/profile_step.py [--n 16] [--tokens 32] [--unique] [--model FILE.gguf]
-        [--weights auto|float32] [--compute-dtype float32|bfloat16]
-        [--kv-cache-dtype auto|bfloat16] [--kv-cache-prefault] [--prefill-int8]
+        [--weights auto|float32] [--numerics auto|int8|bf16|exact]
+        [--kv-cache-dtype auto|bfloat16] [--kv-cache-prefault]
 """
 
 from __future__ import annotations
@@ -57,17 +57,15 @@ def main() -> None:
     parser.add_argument("--unique", action="store_true")
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     parser.add_argument("--weights", default="auto", help="auto (the file's format) or float32")
-    parser.add_argument("--compute-dtype", default="float32")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (float32) or bfloat16")
-    parser.add_argument("--prefill-int8", action="store_true")
-    parser.add_argument("--int8-panels", action="store_true")
+    parser.add_argument("--numerics", default="auto", help="auto, int8, bf16 or exact")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="auto (as --numerics says) or bfloat16")
     parser.add_argument("--kv-cache-prefault", action="store_true",
                         help="make the whole KV pool resident at start")
     args = parser.parse_args()
     _label_native_kernels()
-    llm = LLM(args.model, weights=args.weights, compute_dtype=args.compute_dtype,
-              kv_cache_dtype=args.kv_cache_dtype, kv_cache_prefault=args.kv_cache_prefault,
-              prefill_int8=args.prefill_int8, int8_panels=args.int8_panels)
+    llm = LLM(args.model, weights=args.weights, numerics=args.numerics,
+              kv_cache_dtype=args.kv_cache_dtype, kv_cache_prefault=args.kv_cache_prefault)
     if args.unique:
         _profile_unique(llm, args)
         return

@@ -21,10 +21,10 @@ text itself; `--llama-tokens` makes every Plait mode score those very tokens (th
 tokenizers can split whitespace differently), so Plait's exact perplexity and llama.cpp's
 F32 one are taken on the same input.
 
-The default modes are today's: exact (no flags: float32 arithmetic), bf16, prefill-int8 and
-int8-panels; `--mode NAME=FLAGS` (repeatable) replaces them, e.g. `--mode exact=`
-`--mode int8=--prefill-int8`. Nothing is asserted; the figures are printed (BENCHMARKS.md
-records them).
+The default modes are the three `--numerics` modes: exact (float32 arithmetic, the
+reference), bf16 and int8; `--mode NAME=FLAGS` (repeatable) replaces them, e.g.
+`--mode exact=--exact` `--mode int8=--numerics int8`. Nothing is asserted; the figures
+are printed (BENCHMARKS.md records them).
 """
 
 from __future__ import annotations
@@ -54,10 +54,9 @@ from quality_scores import (
 from plait.bench.launch import launch_plait
 
 DEFAULT_MODES = {
-    "exact": "",
-    "bf16": "--compute-dtype bfloat16 --kv-cache-dtype bfloat16",
-    "prefill-int8": "--prefill-int8",
-    "int8-panels": "--int8-panels",
+    "exact": "--numerics exact",
+    "bf16": "--numerics bf16",
+    "int8": "--numerics int8",
 }
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 

@@ -22,7 +22,8 @@ from typing import cast
 import torch
 from torch import nn
 
-from plait.engine.config import CPU_GEMMS, EngineConfig
+from plait.engine.config import CPU_GEMMS
+from plait.engine.numerics import Numerics
 from plait.kernels import TorchOps
 from plait.kernels.cpu import native, repack
 from plait.kernels.cpu.products import (
@@ -229,14 +230,13 @@ def resolve_cpu_gemm(requested: str = "auto", vendor: str | None = None) -> str:
     return "none"
 
 
-def product_settings(config: EngineConfig, ops: TorchOps) -> ProductSettings:
-    """The table's settings for an engine of `config` over the ops table `ops`: its BLAS
+def product_settings(numerics: Numerics, ops: TorchOps) -> ProductSettings:
+    """The table's settings for an engine of `numerics` over the ops table `ops`: its BLAS
     (`cpu_gemm`, resolved), native panels where it runs the native kernels, and its
-    `compute_dtype` (the engine's one copy: the attention's and the kept products'); the
-    int8 modes from `config` (repacked_weights over int8_panels over prefill_int8)."""
-    int8 = "repacked" if config.repacked_weights else "panels" if config.int8_panels \
-        else "prefill" if config.prefill_int8 else None
-    return ProductSettings(ops.cpu_gemm, ops.native, ops.compute_dtype, int8)
+    `compute_dtype` (the engine's one copy, the numerics', held by `ops`: the attention's
+    and the kept products'); the repacked row where the numerics repack."""
+    return ProductSettings(ops.cpu_gemm, ops.native, ops.compute_dtype,
+                           "repacked" if numerics.repacked else None)
 
 
 def apply_products(model: nn.Module, settings: ProductSettings) -> dict[Product, list[Linear]]:
@@ -271,12 +271,11 @@ def drop_replaced_blocks(model: nn.Module) -> None:
             module.use_repacked(state)
 
 
-def select_products(model: nn.Module, config: EngineConfig) -> dict[Product, list[Linear]]:
+def select_products(model: nn.Module, numerics: Numerics) -> dict[Product, list[Linear]]:
     """The runner's one call, once the weights are loaded (on their device) and before the
-    KV caches are bound: `apply_products` with `product_settings(config, model.ops)`,
-    logged one line per distinct row (its linears, their weight types, its ladder). Warns
-    when an int8 mode is asked for and no kept linear takes it."""
-    settings = product_settings(config, cast(TorchOps, model.ops))
+    KV caches are bound: `apply_products` with `product_settings(numerics, model.ops)`,
+    logged one line per distinct row (its linears, their weight types, its ladder)."""
+    settings = product_settings(numerics, cast(TorchOps, model.ops))
     chosen = apply_products(model, settings)
     for product, linears in chosen.items():
         types = Counter(m.qweight.describe() if m.qweight is not None else m.dropped or
@@ -284,10 +283,6 @@ def select_products(model: nn.Module, config: EngineConfig) -> dict[Product, lis
                             "torch.") for m in linears)
         logger.info("products: %s for %d linears (%s): %s", product.name, len(linears),
                     ", ".join(f"{n} {t}" for t, n in sorted(types.items())), product.describe())
-    kept = [p for p in chosen if p.name.startswith("kept")]
-    if settings.int8 is not None and kept and not any("i8" in p.name for p in kept):
-        logger.warning("int8 (%s) asked for, but no kept linear takes qgemm_i8 (a build "
-                       "without AVX512-VNNI, or weights it does not read)", settings.int8)
     return chosen
 
 

@@ -1,4 +1,4 @@
-"""compute_dtype "bfloat16" with kv_cache_dtype "bfloat16" on the default GGUF (SmolLM2):
+"""`numerics` "bf16" (a bfloat16 KV cache) on the default GGUF (SmolLM2):
 the attention's shared tokens take bf16 dot products (kernels/cpu/attention_bf16.h) in both
 paths that attend them, the layer-by-layer prefill (its causal tiles) and the native
 decoder stack (n choices sharing their prompt), and the results stay close to the same
@@ -22,8 +22,8 @@ CHOICES, TOKENS = 4, 12
 KV_BF16 = native.KV_DTYPES[torch.bfloat16]
 
 
-def _llm(compute_dtype: str, kv_cache_dtype: str) -> LLM:
-    return LLM(weights="auto", compute_dtype=compute_dtype, kv_cache_dtype=kv_cache_dtype,
+def _llm(numerics: str, kv_cache_dtype: str) -> LLM:
+    return LLM(weights="auto", numerics=numerics, kv_cache_dtype=kv_cache_dtype,
                num_kv_blocks=128, block_size=16)
 
 
@@ -49,20 +49,20 @@ def _run(llm: LLM) -> tuple[list[float], list[list[int]], list[list[float]]]:
 
 def test_the_flag_reaches_the_stack_only_for_bf16_caches_and_compute() -> None:
     codes = {}
-    for compute, kv in (("bfloat16", "bfloat16"), ("float32", "bfloat16"),
-                        ("bfloat16", "auto")):
-        runner = _llm(compute, kv).engine.runner
-        assert runner.ops.compute_dtype == getattr(torch, compute)
+    for numerics, kv in (("bf16", "auto"), ("exact", "bfloat16"), ("exact", "auto")):
+        runner = _llm(numerics, kv).engine.runner
+        assert runner.ops.compute_dtype == (torch.bfloat16 if numerics == "bf16"
+                                            else torch.float32)
         assert runner.model.stack is not None
-        codes[compute, kv] = runner.model.stack.kv_dtype
-    assert codes == {("bfloat16", "bfloat16"): KV_BF16 | native.ATTN_BF16_DOT,
-                     ("float32", "bfloat16"): KV_BF16,
-                     ("bfloat16", "auto"): native.KV_DTYPES[torch.float32]}
+        codes[numerics, kv] = runner.model.stack.kv_dtype
+    assert codes == {("bf16", "auto"): KV_BF16 | native.ATTN_BF16_DOT,  # auto: bf16 there
+                     ("exact", "bfloat16"): KV_BF16,
+                     ("exact", "auto"): native.KV_DTYPES[torch.float32]}
 
 
 def test_bf16_attention_is_close_to_float32_attention() -> None:
-    prompt, ids, lps = _run(_llm("bfloat16", "bfloat16"))
-    prompt_f32, ids_f32, lps_f32 = _run(_float32_attention(_llm("bfloat16", "bfloat16")))
+    prompt, ids, lps = _run(_llm("bf16", "auto"))
+    prompt_f32, ids_f32, lps_f32 = _run(_float32_attention(_llm("bf16", "auto")))
     diffs = [abs(a - b) for a, b in zip(prompt, prompt_f32, strict=True)]
     assert len(diffs) > 150  # measured: mean 0.04, max 0.16 (AMD EPYC, AVX512-BF16)
     assert sum(diffs) / len(diffs) < 0.1 and max(diffs) < 0.5

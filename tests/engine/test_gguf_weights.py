@@ -124,7 +124,7 @@ def hf_greedy(default_model, tokenizer) -> tuple[list[list[int]], list[list[int]
 @pytest.mark.parametrize("weights", ["auto", "float32"])
 def test_greedy_tokens_equal_transformers_on_the_gguf(hf_greedy, weights) -> None:
     prompts, expected = hf_greedy
-    llm = LLM(weights=weights, num_kv_blocks=64, block_size=16)
+    llm = LLM(weights=weights, num_kv_blocks=64, block_size=16, numerics="exact")
     linear = llm.engine.runner.model.layers[0].mlp.down_proj
     assert (linear.qweight is not None) == (weights == "auto")
     weight_bytes = llm.engine.runner.weight_bytes
@@ -150,14 +150,14 @@ def test_float32_weights(default_model, options) -> None:
 def test_bad_option_values_are_rejected() -> None:
     with pytest.raises(ValueError, match=r"weights must be one of \('auto', 'float32'\)"):
         EngineConfig(weights="int4")
-    with pytest.raises(ValueError, match=r"compute_dtype must be one of .*'bfloat16'"):
-        EngineConfig(compute_dtype="fp8")
+    with pytest.raises(ValueError, match=r"numerics must be one of .*'bf16'"):
+        EngineConfig(numerics="fp8")
     with pytest.raises(SystemExit):
         build_parser({}).parse_args(["serve", "--weights", "int4"])
-    args = build_parser({"PLAIT_WEIGHTS": "float32", "PLAIT_COMPUTE_DTYPE": "bfloat16"}) \
+    args = build_parser({"PLAIT_WEIGHTS": "float32", "PLAIT_NUMERICS": "bf16"}) \
         .parse_args(["serve"])
     config = engine_config(args)
-    assert (config.weights, config.compute_dtype) == ("float32", "bfloat16")
+    assert (config.weights, config.numerics) == ("float32", "bf16")
 
 
 def test_kept_decode_runs_the_native_stack_as_the_layer_loop(default_model, tokenizer) -> None:

@@ -82,7 +82,7 @@ def test_bf16_cache_greedy_tokens_follow_the_float32_cache(default_model) -> Non
     greedy = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
     outputs = {}
     for kv in ("auto", "bfloat16"):
-        llm = LLM(None, kv_cache_dtype=kv, num_kv_blocks=128, block_size=16)
+        llm = LLM(None, kv_cache_dtype=kv, numerics="exact", num_kv_blocks=128, block_size=16)
         outputs[kv] = [[c.token_ids for c in out.outputs]
                        for out in llm.generate(prompts, greedy)]
         for choices in outputs[kv]:

@@ -1,11 +1,8 @@
-"""`prefill_int8` on the default GGUF: which products the kept-i8 rows send to `qgemm_i8`
-(INT8_MIN_ROWS rows or more, weights they take), the MLP's fused gate_up + silu_mul in row
-chunks, and an engine whose prompt logprobs stay close to the exact mode's but are not its
-(x's int8 rounding)."""
+"""The kept-i8 rows on the default GGUF: which products they send to `qgemm_i8`
+(INT8_MIN_ROWS rows or more, weights they take) and the MLP's fused gate_up + silu_mul in
+row chunks."""
 
 from __future__ import annotations
-
-import random
 
 import numpy as np
 import pytest
@@ -13,8 +10,6 @@ import torch
 from helpers.products import on_row
 from helpers.quant_cases import random_part
 
-from plait import LLM, SamplingParams
-from plait.bench.workloads import random_words
 from plait.engine.models import layers
 from plait.engine.models.linear import Linear
 from plait.kernels.cpu import build, native, products, quant
@@ -75,20 +70,3 @@ def test_mlp_fuses_silu_in_row_chunks(kept, monkeypatch: pytest.MonkeyPatch) -> 
     out = mlp(x)
     assert cats == [-(-200 // INT8_MIN_ROWS)] and torch.equal(out, whole)
     assert (out - plain).abs().max() <= 0.05 * plain.abs().max()
-
-
-def test_engine_prefill_int8_is_close_to_exact() -> None:
-    prompt = random_words(random.Random(1), 160)
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    runs = {}
-    for int8 in (False, True):
-        llm = LLM(prefill_int8=int8, num_kv_blocks=64, block_size=16, warm_up_tokens=0)
-        kept = [m for m in llm.engine.runner.model.modules()
-                if isinstance(m, Linear) and m.qweight is not None]
-        assert kept and all(m.product.name.startswith("kept-i8/") == int8 for m in kept)
-        out = llm.generate([prompt], params)[0]
-        assert out.prompt_logprobs is not None
-        runs[int8] = [lp.logprob for lp in out.prompt_logprobs[1:] if lp is not None]
-    diffs = [abs(a - b) for a, b in zip(runs[False], runs[True], strict=True)]
-    assert len(diffs) > 100  # measured: mean 0.03, max 0.3 (AMD EPYC, AVX512-VNNI)
-    assert 0 < max(diffs) < 1.0 and sum(diffs) / len(diffs) < 0.1

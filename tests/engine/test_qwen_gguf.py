@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow,
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(str(QWEN_GGUF), num_kv_blocks=32, block_size=16)
+    return LLM(str(QWEN_GGUF), num_kv_blocks=32, block_size=16, numerics="exact")
 
 
 def test_qwen_keeps_mixed_types(llm) -> None:

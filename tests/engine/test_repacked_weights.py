@@ -1,10 +1,9 @@
-"""`repacked_weights` on the default GGUF (SmolLM2: Q4_1 layers, a Q8_0 head tied to the
-embedding): every kept linear is repacked at load (1.0x the blocks' bytes for these types)
-and computes through the repacked row, the native stack through the flagged descriptors;
-the blocks are released, the embedding's rows read from the head's repacked layout (the
-exact mode's bits);
-the stack's decode steps are the layer loop's bit for bit, and decoded tokens and logprobs
-stay close to the exact mode's."""
+"""`numerics` "int8" (the default here) on the default GGUF (SmolLM2: Q4_1 layers, a Q8_0
+head tied to the embedding): every kept linear is repacked at load (1.0x the blocks' bytes
+for these types) and computes through the repacked row, the native stack through the
+flagged descriptors; the blocks are released, the embedding's rows read from the head's
+repacked layout (the exact mode's bits); the stack's decode steps are the layer loop's bit
+for bit, and decoded tokens and logprobs stay close to the exact mode's."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ def _llm(**options) -> LLM:
 
 
 def test_repacked_weights_engine() -> None:
-    exact = _llm()
+    exact = _llm(numerics="exact")
     exact_model = exact.engine.runner.model
     file_bytes = {name: m.qweight.nbytes for name, m in exact_model.named_modules()
                   if isinstance(m, Linear) and m.qweight is not None}
@@ -35,7 +34,8 @@ def test_repacked_weights_engine() -> None:
     exact_decode = greedy.decode(exact)
     del exact, exact_model
 
-    llm = _llm(repacked_weights=True)
+    llm = _llm()  # numerics "auto": int8 for a GGUF file on this (VNNI) CPU
+    assert llm.engine.runner.numerics.name == "int8"
     model = llm.engine.runner.model
     repacked = {name: m for name, m in model.named_modules() if isinstance(m, Linear)
                 and m.product.name == "repacked/avx512-vnni"}

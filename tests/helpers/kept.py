@@ -28,12 +28,12 @@ def cache_without_weights(cache: Path, converted: Path) -> None:
 
 
 def kept_runner(cache: Path, default_model: ResolvedModel) -> ModelRunner:
-    """A runner in the default mode over the empty folder `cache` made a cache entry
-    without float32 safetensors (and left without them)."""
+    """A runner in the exact mode (the file's blocks kept) over the empty folder `cache`
+    made a cache entry without float32 safetensors (and left without them)."""
     cache_without_weights(cache, default_model.path)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PLAIT_CACHE", str(cache))
         resolved = resolve_model(None, float32_weights=False)
-        runner = ModelRunner(EngineConfig(num_kv_blocks=16), resolved)
+        runner = ModelRunner(EngineConfig(num_kv_blocks=16, numerics="exact"), resolved)
     assert not list(cache.glob("*/*.safetensors"))
     return runner

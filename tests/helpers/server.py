@@ -122,10 +122,15 @@ def _session_server(name: str, args: list[str], env: dict[str, str]) -> RemoteSe
 
 
 def shared_server() -> RemoteServer:
-    """The session's real server: default model, API key and log level from PLAIT_* env
-    vars, a bogus PLAIT_PORT that the --port flag must override."""
+    """The session's real server: default model, API key, log level and numerics from
+    PLAIT_* env vars, a bogus PLAIT_PORT that the --port flag must override. Its numerics
+    are exact: the modules that share it compare texts across requests that find different
+    prefixes cached (stream against non-stream, n choices against solo runs), which only
+    the exact mode computes alike whatever the cache holds; the default (int8) mode is
+    served by tests/server/test_server_numerics.py."""
     return _session_server("default", [], {"PLAIT_API_KEY": API_KEY, "PLAIT_PORT": "1",
-                                           "PLAIT_LOG_LEVEL": "info"})
+                                           "PLAIT_LOG_LEVEL": "info",
+                                           "PLAIT_NUMERICS": "exact"})
 
 
 def reliability_server() -> RemoteServer:

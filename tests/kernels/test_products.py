@@ -13,8 +13,8 @@ import torch
 from helpers.quant_cases import random_weight
 from torch import nn
 
-from plait.engine.config import EngineConfig
 from plait.engine.models.linear import Linear, select_products
+from plait.engine.numerics import resolve_numerics
 from plait.kernels import AttentionShape, select_ops
 from plait.kernels.cpu import build, native, quant
 from plait.kernels.cpu.products import (
@@ -182,7 +182,8 @@ def test_select_products_logs_one_line_per_row(caplog) -> None:
     model.ops = select_ops(torch.device("cpu"), torch.float32, AttentionShape(4, 2, 16, 16),
                            cpu_gemm="none")
     with caplog.at_level(logging.INFO, logger="plait.engine"):
-        chosen = select_products(model, EngineConfig())
+        chosen = select_products(model, resolve_numerics(
+            "exact", torch.device("cpu"), torch.float32, model.ops.native, vnni=False))
     expected = "panels/torch" if model.ops.native else "torch"
     assert [p.name for p in chosen] == [expected] and len(chosen[row(expected)]) == 3
     lines = [r.message for r in caplog.records if r.message.startswith("products:")]
