@@ -33,6 +33,7 @@ from plait.engine.sampling_params import SamplingParams
 from plait.engine.sched_output import RunnerOutput, SchedulerOutput
 from plait.engine.scheduler import Scheduler
 from plait.engine.spec.driver import SpecDecoder
+from plait.engine.spec.target import TargetModel
 from plait.engine.structured import GRAMMAR_FAILED
 
 if TYPE_CHECKING:
@@ -135,8 +136,10 @@ class EngineCore:
         self.last_error: str | None = None
         self.spec: SpecDecoder | None = None  # speculative decoding (engine/spec/)
         if config.speculative_config is not None:
+            target = TargetModel(config, resolved.name, resolved.config.vocab_size,
+                                 self.tokenizer, self.runner.num_blocks * config.block_size)
             self.spec = SpecDecoder(config.speculative_config, self.runner.max_model_len,
-                                    vocab_size=resolved.config.vocab_size)
+                                    vocab_size=resolved.config.vocab_size, target=target)
             logger.info("speculative decoding: %s", config.speculative_config.to_json())
 
     # ---------------------------------------------------------------- requests

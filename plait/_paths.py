@@ -17,15 +17,31 @@ from pathlib import Path
 _PACKAGE = Path(__file__).resolve().parent
 
 
+# In a checkout, a folder that holds nothing but a `plait` symlink to the checkout's package.
+IMPORT_ROOT = ".import-root"
+
+
 def drop_checkout_root() -> None:
-    """Remove the checkout's root from `sys.path` (entries naming it, "" included when it is
-    the working directory). A no-op for an installed wheel, whose `plait/kernels` is a real
-    folder rather than the checkout's symlink. Call it after `plait` is imported: its
-    sub-packages resolve through `plait.__path__`, never through `sys.path`."""
+    """Take the checkout's root out of `sys.path` (entries naming it, "" included when it is
+    the working directory): each such entry becomes the checkout's `.import-root/`, which
+    holds only `plait`, so this checkout's `plait` still imports first (in a spawned child
+    too: it inherits `sys.path`, and would otherwise import whatever `plait` is installed,
+    e.g. another checkout's editable install) while `engine`, `server` and `kernels` no
+    longer import as top-level modules. A no-op for an installed wheel, whose
+    `plait/kernels` is a real folder rather than the checkout's symlink. Call it after
+    `plait` is imported: its sub-packages resolve through `plait.__path__`."""
     if not (_PACKAGE / "kernels").is_symlink():
         return
     root = _PACKAGE.parent
-    sys.path[:] = [entry for entry in sys.path if not _is(entry, root)]
+    import_root = root / IMPORT_ROOT
+    keep = (import_root / "plait").is_dir()
+    entries: list[str] = []
+    for entry in sys.path:
+        if not _is(entry, root):
+            entries.append(entry)
+        elif keep and str(import_root) not in entries:
+            entries.append(str(import_root))
+    sys.path[:] = entries
 
 
 def _is(entry: str, root: Path) -> bool:

@@ -3,7 +3,7 @@ decode tokens per second and the acceptance rate of a code edit (the model write
 300-token function back with one change) and of free text (a story: few repeats).
 
     python scripts/bench_spec_ab.py [--model PATH] [--spec JSON] [--rounds 2]
-                                    [--max-tokens 256]
+                                    [--max-tokens 256] [--engine-option NAME=VALUE ...]
 
 The two modes alternate (plain, spec, plain, spec, ...) on one LLM, so a load change on a
 shared machine hits both; each line is one run. Greedy output is checked to be the same
@@ -83,9 +83,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: steadier on a shared machine)")
+    parser.add_argument("--engine-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="an EngineConfig field (true/false, an int or a string), e.g. "
+                             "repacked_weights=true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, speculative_config=args.spec, num_kv_blocks=1024)
+    options: dict[str, object] = {}
+    for item in args.engine_option:
+        name, _, value = item.partition("=")
+        options[name] = (value == "true" if value in ("true", "false")
+                         else int(value) if value.isdigit() else value)
+    llm = LLM(args.model, speculative_config=args.spec, num_kv_blocks=1024, **options)
     spec = llm.engine.spec
     for name, text in PROMPTS.items():
         chat = [{"role": "user", "content": text}]

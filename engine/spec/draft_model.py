@@ -23,17 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plait.engine.config import EngineConfig
-from plait.engine.model_loader import resolve_model
+from plait.engine.model_loader import load_tokenizer, resolve_model
 from plait.engine.model_runner import ModelRunner, cdiv
 from plait.engine.spec.config import SpeculativeConfig
 from plait.engine.spec.proposer import Proposer, SpecInput
+from plait.engine.spec.target import TargetModel, check_same_vocab
 from plait.kernels import AttentionMetadata
-
-# Tokens of K/V the draft model's cache holds, all sequences together (the factory gives
-# the proposer only its SpeculativeConfig, so this is fixed rather than derived from the
-# target's pool: 16384 tokens of Qwen2.5-0.5B in float32 are 0.4 GB).
-DRAFT_KV_TOKENS = 16384
 
 
 @dataclass(slots=True)
@@ -58,21 +53,29 @@ class _Row:
 
 class DraftModelProposer(Proposer):
     """Greedy drafts from a second model (see the module docstring). Built by
-    engine/spec/factory.py as `DraftModelProposer(config)`: `config.model` is the draft
-    model (any path the engine loads). `engine_config` sets device, dtype and block size
-    (default: EngineConfig's defaults); `num_kv_tokens` the draft cache's size."""
+    engine/spec/factory.py as `DraftModelProposer(config, target)`: `config.model` is the
+    draft model (any path the engine loads). It runs with the target engine's config
+    (`target.engine_config`: device, dtype, weight/compute/KV dtypes, native kernels,
+    block size) in its own KV pool of `num_kv_tokens` tokens (default: as many as the
+    target's pool, `target.num_kv_tokens`). Raises DraftVocabMismatch (before loading
+    the draft's weights) when its vocabulary is not the target's."""
 
-    def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig | None = None,
-                 num_kv_tokens: int = DRAFT_KV_TOKENS) -> None:
+    def __init__(self, config: SpeculativeConfig, target: TargetModel,
+                 num_kv_tokens: int | None = None) -> None:
         if config.model is None:
             raise ValueError("draft_model needs \"model\", the draft model's path")
-        base = engine_config or EngineConfig()
+        base = target.engine_config
         block_size = base.block_size
+        num_kv_tokens = target.num_kv_tokens if num_kv_tokens is None else num_kv_tokens
         draft_config = dataclasses.replace(
             base, model=config.model, num_kv_blocks=max(2, cdiv(num_kv_tokens, block_size)),
-            warm_up_tokens=0, max_shared_logits=0, speculative_config=None,
-            kv_events_endpoint=None, kv_events_replay_endpoint=None, kv_cache_warm_tokens=0)
+            max_model_len=None, warm_up_tokens=0, max_shared_logits=0,
+            speculative_config=None, kv_events_endpoint=None,
+            kv_events_replay_endpoint=None, kv_cache_warm_tokens=0)
         resolved = resolve_model(config.model, draft_config.weights == "float32")
+        check_same_vocab(target, resolved.name, resolved.config.vocab_size,
+                         load_tokenizer(resolved.path))
+        self.config = draft_config
         self.runner = ModelRunner(draft_config, resolved)
         self.block_size = block_size
         self._free = list(range(self.runner.num_blocks - 1, -1, -1))  # pop() gives 0 first

@@ -19,6 +19,7 @@ from plait.engine.spec.config import SpeculativeConfig
 from plait.engine.spec.factory import make_proposer
 from plait.engine.spec.policy import SpecPolicy
 from plait.engine.spec.proposer import Proposer, SpecInput
+from plait.engine.spec.target import TargetModel
 
 logger = logging.getLogger("plait.engine")
 
@@ -46,14 +47,17 @@ class SpecDecoder:
     """Proposer + policy + counters for one engine (see the module docstring)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
-                 proposer: Proposer | None = None, vocab_size: int | None = None) -> None:
+                 proposer: Proposer | None = None, vocab_size: int | None = None,
+                 target: TargetModel | None = None) -> None:
         """`vocab_size`: draft tokens outside [0, vocab_size) end a draft (a proposer's
-        bug must not fail the step of every request); None: no check."""
+        bug must not fail the step of every request); None: no check. `proposer`: None
+        builds `config`'s (make_proposer), given `target`, the engine it drafts for
+        (required for draft_model)."""
         self.config = config
         self.vocab_size = vocab_size
         self.max_k = config.num_tokens
         self.max_model_len = max_model_len
-        self.proposer = proposer if proposer is not None else make_proposer(config)
+        self.proposer = proposer if proposer is not None else make_proposer(config, target)
         self.policy = SpecPolicy(self.max_k, config.disable_by_batch_size)
         self.counters = SpecCounters(accepted_per_pos=[0] * self.max_k)
         self._logged_at = time.monotonic()

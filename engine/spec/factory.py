@@ -8,8 +8,10 @@ import importlib.util
 
 from plait.engine.spec.config import SpeculativeConfig
 from plait.engine.spec.proposer import Proposer
+from plait.engine.spec.target import TargetModel
 
-# method -> (module under plait.engine.spec, class): the class is built as Class(config)
+# method -> (module under plait.engine.spec, class): the class is built as Class(config),
+# draft_model's as Class(config, target)
 _BUILT_ELSEWHERE = {
     "suffix": ("suffix", "SuffixProposer"),
     "draft_model": ("draft_model", "DraftModelProposer"),
@@ -35,10 +37,13 @@ def _unavailable(method: str, module_name: str) -> str:
             f"(no plait.engine.spec.{module_name}); use method 'ngram'")
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer for `config.method`. ngram is built here; the others are classes
-    `Class(config: SpeculativeConfig)` in their own module (_BUILT_ELSEWHERE). Raises
-    ProposerUnavailable when that module or class does not exist."""
+def make_proposer(config: SpeculativeConfig, target: TargetModel | None = None) -> Proposer:
+    """The proposer for `config.method`. ngram is built here; the others are classes in
+    their own module (_BUILT_ELSEWHERE): `Class(config)`, and for draft_model
+    `Class(config, target)`, which runs the draft with the target's engine config and
+    refuses a draft of another vocabulary (engine/spec/target.py). `target` is required
+    for draft_model. Raises ProposerUnavailable when that module or class does not
+    exist."""
     if config.method == "ngram":
         from plait.engine.spec.ngram import NgramProposer
 
@@ -54,5 +59,10 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
     if cls is None:
         raise ProposerUnavailable(f"speculative config: method {config.method!r} is not "
                                   f"available in this build (no {class_name})")
-    proposer: Proposer = cls(config)
+    if config.method == "draft_model":
+        if target is None:
+            raise ValueError("draft_model needs the target model (make_proposer's target)")
+        proposer: Proposer = cls(config, target)
+    else:
+        proposer = cls(config)
     return proposer

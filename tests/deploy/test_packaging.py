@@ -76,6 +76,34 @@ def test_a_checkout_root_on_sys_path_stops_shadowing_once_plait_is_imported(entr
     assert result.stdout.split() == ["True", "False"]
 
 
+def test_a_spawned_child_imports_the_same_checkout_after_the_root_is_dropped(tmp_path) -> None:
+    """The engine process is spawned after `python -m plait` dropped the checkout root: it
+    inherits sys.path, and must import this checkout's `plait`, not another one further
+    along sys.path (here a decoy; in a git worktree, the venv's editable install of the
+    main checkout), nor the checkout's `kernels` as a top-level module."""
+    decoy = tmp_path / "decoy"
+    (decoy / "plait").mkdir(parents=True)
+    (decoy / "plait" / "__init__.py").write_text("")
+    code = textwrap.dedent(f"""
+        import concurrent.futures, multiprocessing, sys
+        sys.path[:0] = [{str(REPO)!r}, {str(decoy)!r}]
+        import plait
+        from plait._paths import drop_checkout_root
+        drop_checkout_root()
+        probe = ("__import__('os').path.realpath(__import__('plait').__file__), "
+                 "getattr(__import__('importlib.util').util.find_spec('kernels'), "
+                 "'origin', None)")
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+            child_plait, child_kernels = pool.submit(eval, probe).result()
+        print(child_plait)
+        print(child_kernels != {str(REPO / "kernels" / "__init__.py")!r})
+    """)
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(REPO / "plait" / "__init__.py"), "True"]
+
+
 def test_engine_runs_without_fastapi_or_pydantic(tmp_path, default_model) -> None:
     model = make_tiny_model(tmp_path / "tiny", default_model.path)
     code = BLOCK_HTTP_STACK + textwrap.dedent(f"""

@@ -1,19 +1,27 @@
 """The `draft_model` proposer (engine/spec/draft_model.py) on two tiny random models that
 share a vocabulary: its drafts are exactly the draft model's own greedy tokens, its cache
-catches up incrementally after verification, and the engine's greedy output is unchanged."""
+catches up incrementally after verification, and the engine's greedy output is unchanged.
+The draft runs with the target engine's config, and a draft model of another vocabulary
+(size, or token strings at the same ids) is refused before it loads."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
+import torch
 from helpers.engine import assert_pool_clean, make_llm, prompt
 from helpers.spec import spec_counts
 from helpers.tiny_model import make_tiny_model
 
 from plait import LLM, SamplingParams
 from plait.engine.config import EngineConfig
+from plait.engine.model_loader import load_tokenizer
 from plait.engine.spec.config import SpeculativeConfig
 from plait.engine.spec.draft_model import DraftModelProposer
 from plait.engine.spec.proposer import SpecInput
+from plait.engine.spec.target import DraftVocabMismatch, TargetModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -32,7 +40,9 @@ def greedy(path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
 def make_proposer(path, k: int = 4, num_kv_tokens: int = 256) -> DraftModelProposer:
     config = SpeculativeConfig(method="draft_model", model=str(path),
                                num_speculative_tokens=k)
-    return DraftModelProposer(config, EngineConfig(block_size=4), num_kv_tokens)
+    target = TargetModel(EngineConfig(block_size=4), "target", 49152,
+                         load_tokenizer(path), num_kv_tokens=1024)
+    return DraftModelProposer(config, target, num_kv_tokens)
 
 
 def test_drafts_are_the_draft_models_greedy_tokens_batched(draft_path) -> None:
@@ -86,3 +96,60 @@ def test_greedy_equal_with_a_draft_model(tiny_path, draft_path, same: bool) -> N
     else:
         assert accepted < draft_tokens
     assert_pool_clean(llm)
+
+
+def test_the_draft_runs_with_the_targets_engine_config(tiny_path, draft_path) -> None:
+    config = {"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": 3}
+    llm = LLM(str(tiny_path), speculative_config=config, num_kv_blocks=40, block_size=8,
+              kv_cache_dtype="bfloat16", native=False, max_model_len=200)
+    proposer = llm.engine.spec.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    target = llm.engine.runner
+    for name in ("device", "dtype", "weights", "compute_dtype", "kv_cache_dtype",
+                 "repacked_weights", "int8_panels", "native", "cpu_gemm", "block_size",
+                 "attention_backend", "seed"):
+        assert getattr(proposer.config, name) == getattr(llm.config, name), name
+    assert proposer.config.model == str(draft_path)
+    assert proposer.config.speculative_config is None
+    runner = proposer.runner
+    assert runner.kv_dtype == target.kv_dtype == torch.bfloat16
+    assert runner.dtype == target.dtype
+    assert runner.ops.native is False
+    # its own pool, as many tokens as the target's (40 blocks of 8), its own context
+    assert runner.block_size == 8 and runner.num_blocks == 40
+    assert runner.kv_cache.data_ptr() != target.kv_cache.data_ptr()
+    assert runner.max_model_len == 320
+
+
+def _swap_two_tokens(src, out):
+    """A copy of model dir `src` whose tokenizer numbers two ordinary tokens the other way
+    round: same size, same strings, two ids differ."""
+    shutil.copytree(src, out)
+    data = json.loads((out / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    by_id = {i: t for t, i in vocab.items()}
+    vocab[by_id[1000]], vocab[by_id[1001]] = 1001, 1000
+    (out / "tokenizer.json").write_text(json.dumps(data))
+    return out, by_id[1000], by_id[1001]
+
+
+def test_a_draft_with_other_token_ids_is_refused(tiny_path, draft_path, tmp_path) -> None:
+    other, first, second = _swap_two_tokens(draft_path, tmp_path / "swapped")
+    config = {"method": "draft_model", "model": str(other)}
+    with pytest.raises(DraftVocabMismatch) as info:
+        LLM(str(tiny_path), speculative_config=config, num_kv_blocks=16, block_size=4)
+    message = str(info.value)
+    assert f"draft model {other.name!r}" in message
+    assert f"target model {tiny_path.name!r}" in message
+    assert (f"2 token id(s) differ between their tokenizers (49152 vs 49152 tokens; "
+            f"id 1000: {second!r} vs {first!r}, id 1001: {first!r} vs {second!r})") in message
+
+
+def test_a_draft_of_another_vocabulary_size_is_refused(tiny_path, tmp_path,
+                                                        default_model) -> None:
+    bigger = make_tiny_model(tmp_path / "bigger", default_model.path, vocab_size=49216)
+    config = {"method": "draft_model", "model": str(bigger)}
+    with pytest.raises(DraftVocabMismatch, match=(
+            f"draft model {bigger.name!r} does not share the vocabulary of the target "
+            f"model {tiny_path.name!r}: vocabulary size 49216 vs 49152")):
+        LLM(str(tiny_path), speculative_config=config, num_kv_blocks=16, block_size=4)

@@ -15,11 +15,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def make_tiny_model(out_dir: Path, tokenizer_dir: Path, model_type: str = "llama",
-                    rope_scaling: dict | None = None, seed: int = 0) -> Path:
-    """Write config.json, model.safetensors and tokenizer files for a random tiny model."""
+                    rope_scaling: dict | None = None, seed: int = 0,
+                    vocab_size: int = 49152) -> Path:
+    """Write config.json, model.safetensors and tokenizer files for a random tiny model
+    (`vocab_size` rows of embedding: the tokenizer's 49152 unless a test wants another)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   rms_norm_eps=1e-5, tie_word_embeddings=model_type == "llama",
                   eos_token_id=2, bos_token_id=1)
