@@ -85,7 +85,7 @@ def main() -> None:
                         help="torch threads (default 1: steadier on a shared machine)")
     parser.add_argument("--engine-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an EngineConfig field (true/false, an int or a string), e.g. "
-                             "repacked_weights=true")
+                             "numerics=exact")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     options: dict[str, object] = {}

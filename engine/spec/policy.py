@@ -21,10 +21,10 @@ same name). scripts/bench_spec_rows.py measures what a step of B streams x (1 + 
 costs; scripts/bench_spec_streams.py what speculation gains at B streams of the W6 code edit
 (ngram k = 4, 0.6-0.9 of the drafts accepted). DEFAULT_DISABLE_BY_BATCH_SIZE = 8 is where
 that gain ends (BENCHMARKS.md, "Speculative decoding", 2026-12-06, one thread): with
-`--repacked-weights --compute-dtype bfloat16 --kv-cache-dtype bfloat16`, SmolLM2 gains
+the int8 numerics (`--numerics int8`, then flags that set the same), SmolLM2 gains
 1.46x at 1 stream, 1.08x at 4, 1.03x at 6 and 8, loses at 12 (0.85x) and 16 (0.81x);
-Qwen2.5-Coder-0.5B gains 2.55x at 1, 1.29x at 8, 1.02-1.03x at 12 and 16. In the float32
-default mode SmolLM2 gains 1.29x at 8 and loses at 16 (0.61x), Qwen gains 1.51x at 8 and
+Qwen2.5-Coder-0.5B gains 2.55x at 1, 1.29x at 8, 1.02-1.03x at 12 and 16. In the exact mode
+SmolLM2 gains 1.29x at 8 and loses at 16 (0.61x), Qwen gains 1.51x at 8 and
 1.24x at 16. So from 8 decoding streams on a step does not speculate: there SmolLM2's
 gain is gone (and it loses from 12); Qwen gives up its 1.29x at 8-11 streams for that, and
 has about nothing (1.02x) left from 12. A model-dependent point would serve both better.

@@ -105,9 +105,8 @@ def test_the_draft_runs_with_the_targets_engine_config(tiny_path, draft_path) ->
     proposer = llm.engine.spec.proposer
     assert isinstance(proposer, DraftModelProposer)
     target = llm.engine.runner
-    for name in ("device", "dtype", "weights", "compute_dtype", "kv_cache_dtype",
-                 "repacked_weights", "int8_panels", "native", "cpu_gemm", "block_size",
-                 "attention_backend", "seed"):
+    for name in ("device", "dtype", "weights", "numerics", "kv_cache_dtype", "native",
+                 "cpu_gemm", "block_size", "attention_backend", "seed"):
         assert getattr(proposer.config, name) == getattr(llm.config, name), name
     assert proposer.config.model == str(draft_path)
     assert proposer.config.speculative_config is None
