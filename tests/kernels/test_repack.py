@@ -2,8 +2,9 @@
 product of the same int8-quantized x (quantized here by the rule the kernel states) with
 gguf-py's dequantized weights, tight enough that the unquantized x fails it; against the
 float product within the activation rounding's bound; the plain C kernel's bits equal the
-AVX512-VNNI kernel's; embedding rows dequantized from the tiles are gguf-py's bits; the
-repacked bytes stay within 1.05x the file's."""
+AVX512-VNNI kernel's, at decode sizes and through the prefill rung (repack_wide.h) at
+every type's threshold and past it; embedding rows dequantized from the tiles are gguf-py's
+bits; the repacked bytes stay within 1.05x the file's."""
 
 from __future__ import annotations
 
