@@ -8,7 +8,8 @@ Each weight has enough copies (random valid blocks) that one pass over them stre
 memory, as a decode step's GEMMs do; the figure is the fastest of `--passes` passes. The
 machine's read bandwidth (`torch.sum` over 1 GiB, all threads) is printed first.
 
-    flock /tmp/plait-bench.lock python scripts/bench_repack.py [--rows 1,16,64] [--threads 2]
+    flock /tmp/plait-bench.lock python scripts/bench_repack.py [--rows 1,16,64,256,512]
+        [--threads 2] [--only gate_up,down]
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from plait.kernels.cpu import native, quant, repack
 from plait.kernels.cpu.quant import QuantPart, QuantWeight
 
 # (name, K, GGML type, N): Qwen2.5-0.5B's gate|up (Q5_0 in its file), down (Q6_K), LM head
-# (its tied Q8_0 embedding); Q4_K / Q4_1 where K is a whole number of their blocks.
+# (its tied Q8_0 embedding); Q4_0 / Q4_1 / Q8_0 / Q4_K at the same shapes where K is a
+# whole number of their blocks.
 SHAPES = [("gate_up 896x4864 Q5_0", 896, quant.Q5_0, 4864),
+          ("gate_up 896x4864 Q4_0", 896, quant.Q4_0, 4864),
           ("gate_up 896x4864 Q4_1", 896, quant.Q4_1, 4864),
+          ("gate_up 896x4864 Q8_0", 896, quant.Q8_0, 4864),
           ("down 4864x896 Q6_K", 4864, quant.Q6_K, 896),
           ("down 4864x896 Q4_K", 4864, quant.Q4_K, 896),
           ("head 896x151936 Q8_0", 896, quant.Q8_0, 151936)]
@@ -103,14 +107,15 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--passes", type=int, default=5)
-    parser.add_argument("--only", default="", help="run the shapes whose name holds this")
+    parser.add_argument("--only", default="",
+                        help="run the shapes whose name holds one of these (comma-separated)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"threads {args.threads}, repack kernel {repack.ISA_NAMES[repack.isa()]}, "
           f"read bandwidth {read_bandwidth():.1f} GB/s")
     rows = [int(r) for r in args.rows.split(",")]
     for name, k, ggml_type, n in SHAPES:
-        if args.only in name:
+        if any(part in name for part in args.only.split(",")):
             bench_shape(name, k, ggml_type, n, rows, args.passes)
 
 

@@ -11,7 +11,10 @@
  * The two float32 steps are FMAs in this order in both kernels: the AVX512-VNNI one
  * (repack_vnni.h; vpdpbusd computes I), and the plain C one below, which every build has:
  * they give the same bits. Threads (OpenMP, torch's pool) share units of two tiles (32
- * columns).
+ * columns). Two rungs: up to a few register tiles of x rows, vnni_tiles widens the tiles'
+ * codes for each (decode); from wd_min_rows(type) rows on (prefill, batched decode), the
+ * rung of repack_wide.h widens each chunk of a unit's tiles once into a per-thread
+ * scratch that all rows then read. Both are the same arithmetic, so the same bits.
  */
 #include "plait_cpu.h"
 #include "repack.h"
@@ -292,6 +295,7 @@ static void c_tile(const rp_part_t *p, const uint8_t *tile, const rp_acts_t *a, 
 }
 
 #include "repack_vnni.h"
+#include "repack_wide.h"
 
 int plait_repack_isa(void) {
 #if REPACK_VNNI
@@ -301,36 +305,89 @@ int plait_repack_isa(void) {
 #endif
 }
 
-/* Units of work: up to 2 adjacent tiles of one part (32 columns), which the VNNI kernel
- * takes together so that each broadcast activation feeds two tiles. */
+/* Units of work: up to 2 adjacent tiles of one part (32 columns), which the VNNI kernels
+ * take together so that each broadcast activation feeds two tiles. */
 static long rp_units(const rp_part_t *p) { return (p->tiles + 1) / 2; }
 
-/* Unit t of parts (counting across parts) for x rows [0, M): y's columns of its tiles. */
-static void rp_unit(const rp_part_t *parts, long t, const rp_acts_t *a, long M, long K,
-                    const float *bias, float *y, long ldy, int isa) {
+/* Unit t of the parts (counting across parts): its part, first tile, first column n0 in W,
+ * its columns (<= 32) and tiles T (1 or 2). */
+typedef struct {
+  const rp_part_t *p;
+  const uint8_t *tile;
+  long n0;
+  int cols, T;
+} rp_unit_t;
+
+static rp_unit_t rp_unit_at(const rp_part_t *parts, long t) {
   int i = 0;
   while (t >= rp_units(&parts[i])) t -= rp_units(&parts[i++]);
   const rp_part_t *p = &parts[i];
-  long n0 = p->first + 32 * t;
-  int cols = (int)(p->rows - 32 * t < 32 ? p->rows - 32 * t : 32), T = cols > 16 ? 2 : 1;
-  const uint8_t *tile = p->data + 2 * t * p->tile_bytes;
-  const float *b = bias ? bias + n0 : NULL;
-  int rows_per = T == 2 ? RP_PAIR_ROWS : RP_TILE_ROWS;
+  int cols = (int)(p->rows - 32 * t < 32 ? p->rows - 32 * t : 32);
+  return (rp_unit_t){p, p->data + 2 * t * p->tile_bytes, p->first + 32 * t, cols,
+                     cols > 16 ? 2 : 1};
+}
+
+/* Unit t of parts for x rows [0, M): y's columns of its tiles. Through the prefill rung
+ * (repack_wide.h: each tile widened once into scratch) where scratch is given and M reaches
+ * the rung's rows for the unit's type; else register tiles of rows one after another, each
+ * widening the tiles' codes again (vnni_tiles; c_tile for PLAIT_REPACK_C). */
+static void rp_unit(const rp_part_t *parts, long t, const rp_acts_t *a, long M, long K,
+                    const float *bias, float *y, long ldy, int isa, uint8_t *scratch) {
+  rp_unit_t un = rp_unit_at(parts, t);
+  const rp_part_t *p = un.p;
+  const float *b = bias ? bias + un.n0 : NULL;
+  int T = un.T, cols = un.cols, rows_per = T == 2 ? RP_PAIR_ROWS : RP_TILE_ROWS;
+#if REPACK_VNNI
+  if (scratch && M >= wd_min_rows(p->type)) {
+    wd_unit(p, T, un.tile, a, M, K, b, y + un.n0, ldy, cols, scratch);
+    return;
+  }
+#endif
   for (long m = 0; m < M; m += rows_per) {
     int R = (int)(M - m < rows_per ? M - m : rows_per);
     rp_acts_t at = {a->q + m * a->ldq, a->sx + m * a->groups, a->sxq + m * a->groups,
                     a->sum16 + m * 2 * a->groups, a->ldq, a->groups};
-    float *yt = y + m * ldy + n0;
+    float *yt = y + m * ldy + un.n0;
 #if REPACK_VNNI
     if (isa == PLAIT_REPACK_VNNI512) {
-      vnni_tiles_any(p->type, T, R, tile, p->tile_bytes, &at, K, b, yt, ldy, cols);
+      vnni_tiles_any(p->type, T, R, un.tile, p->tile_bytes, &at, K, b, yt, ldy, cols);
       continue;
     }
 #endif
     for (int u = 0; u < T; u++)
-      c_tile(p, tile + u * p->tile_bytes, &at, R, K, b ? b + 16 * u : NULL, yt + 16 * u, ldy,
-             cols - 16 * u < 16 ? cols - 16 * u : 16);
+      c_tile(p, un.tile + u * p->tile_bytes, &at, R, K, b ? b + 16 * u : NULL, yt + 16 * u,
+             ldy, cols - 16 * u < 16 ? cols - 16 * u : 16);
   }
+}
+
+/* All units of parts against the quantized rows, shared by the threads; each thread holds
+ * a scratch for the prefill rung where a part takes it. PLAIT_ERR_NOMEM where one fails. */
+static int rp_products(const rp_part_t *parts, int num_parts, long units, const rp_acts_t *a,
+                       long M, long K, const float *bias, float *y, long ldy, int isa) {
+  size_t scratch_bytes = 0;
+#if REPACK_VNNI
+  for (int i = 0; i < num_parts; i++)
+    if (isa == PLAIT_REPACK_VNNI512 && M >= wd_min_rows(parts[i].type))
+      scratch_bytes = wd_scratch_bytes();
+#else
+  (void)num_parts;
+#endif
+  int rc = PLAIT_OK;
+#pragma omp parallel
+  {
+    uint8_t *scratch = scratch_bytes ? aligned_alloc(64, scratch_bytes) : NULL;
+    if (scratch_bytes && !scratch) {
+#pragma omp atomic write
+      rc = PLAIT_ERR_NOMEM;
+    }
+#pragma omp barrier
+    if (rc == PLAIT_OK) {
+#pragma omp for schedule(static)
+      for (long t = 0; t < units; t++) rp_unit(parts, t, a, M, K, bias, y, ldy, isa, scratch);
+    }
+    free(scratch);
+  }
+  return rc;
 }
 
 int plait_repack_gemm(const float *x, long M, long ldx, const int64_t *desc, long K,
@@ -346,8 +403,7 @@ int plait_repack_gemm(const float *x, long M, long ldx, const int64_t *desc, lon
   rp_acts_t acts;
   void *mem;
   if (quantize_acts(x, M, ldx, K, &acts, &mem) != PLAIT_OK) return PLAIT_ERR_NOMEM;
-#pragma omp parallel for schedule(static)
-  for (long t = 0; t < units; t++) rp_unit(parts, t, &acts, M, K, bias, y, ldy, isa);
+  int rc = rp_products(parts, num_parts, units, &acts, M, K, bias, y, ldy, isa);
   free(mem);
-  return PLAIT_OK;
+  return rc;
 }

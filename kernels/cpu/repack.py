@@ -120,7 +120,10 @@ def repack_gemm(
     """x @ W^T + bias with x quantized to int8 per 32 weights (sx = max |x| / 127, q =
     round(x / sx) to nearest even) and exact int32 dot products with W's codes, float32
     scales and sums: W's values are the file's, x's rounding the only approximation (as
-    llama.cpp's CPU path). Any M (fastest for a decode step's few rows up to ~64)."""
+    llama.cpp's CPU path). Any M: a decode step's few rows widen W's codes in registers per
+    tile of rows; from 8 to 32 rows by type (prefill, batched decode; Q8_0 never) each
+    tile is widened once into a small per-thread scratch that all rows then read
+    (repack_wide.h), with the same bits."""
     return product(x, weight.desc, weight.in_features, weight.out_features, bias, kernel_isa,
                    weight.describe())
 

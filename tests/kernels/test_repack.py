@@ -2,8 +2,9 @@
 product of the same int8-quantized x (quantized here by the rule the kernel states) with
 gguf-py's dequantized weights, tight enough that the unquantized x fails it; against the
 float product within the activation rounding's bound; the plain C kernel's bits equal the
-AVX512-VNNI kernel's; embedding rows dequantized from the tiles are gguf-py's bits; the
-repacked bytes stay within 1.05x the file's."""
+AVX512-VNNI kernel's, at decode sizes and through the prefill rung (repack_wide.h) at
+every type's threshold and past it; embedding rows dequantized from the tiles are gguf-py's
+bits; the repacked bytes stay within 1.05x the file's."""
 
 from __future__ import annotations
 
@@ -151,3 +152,60 @@ def test_what_it_refuses() -> None:
     with pytest.raises(ValueError, match="repack_dequantize"):
         repack.repack_dequantize(packed, torch.tensor([48]))
     assert repack.repack_gemm(torch.randn(0, 64), packed).shape == (0, 48)
+
+
+# x rows around each type's prefill rung (repack_wide.h's wd_min_rows: Q6_K 8, Q5_0 / Q5_K /
+# Q4_K 12, Q4_1 24, Q4_0 32; Q8_0 never) and past it, ragged against the register tiles.
+RUNG_ROWS = (7, 8, 12, 13, 24, 31, 32, 37, 67)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=quant.type_name)
+@pytest.mark.parametrize("n", [37, 53])
+def test_prefill_rung_gives_the_plain_c_bits(ggml_type: int, n: int) -> None:
+    """K = 1280 (40 groups: scratch chunks of 16, 16 and 8), N = 37 (a last unit of one
+    tile of 5 columns) or 53 (a last unit of two tiles, 21 columns), a bias: from M = 7 up,
+    the rows that take the rung give c_tile's bits (the plain C kernel) and the quantized
+    x's product."""
+    if repack.isa() == repack.ISA_C:
+        pytest.skip("this build's fastest kernel is the plain C one")
+    weight = random_weight((ggml_type,), (n,), 1280, seed=5 * ggml_type + n)
+    packed, w = repack.repack(weight), dequantize_reference(weight)
+    gen = torch.Generator().manual_seed(n)
+    bias = torch.randn(n, generator=gen)
+    for rows in RUNG_ROWS:
+        x = torch.randn(rows, 1280, generator=gen)
+        y = repack.repack_gemm(x, packed, bias)
+        assert torch.equal(y, repack.repack_gemm(x, packed, bias, repack.ISA_C)), rows
+        assert _error(y, _quantized(x), w, bias) <= TOLERANCE
+        assert torch.equal(repack.repack_gemm(x[:3], packed, bias), y[:3])  # decode rung
+
+
+def test_prefill_rung_with_mixed_parts_and_strides() -> None:
+    """Parts whose types take the rung from different M (Q6_K 8, Q4_0 32, Q8_0 never), K =
+    768, x rows inside wider rows, a bias: at M = 12 only the Q6_K part takes it, at M = 40
+    the Q4_0 part too; each part's columns are the plain C kernel's bits."""
+    if repack.isa() == repack.ISA_C:
+        pytest.skip("this build's fastest kernel is the plain C one")
+    types = (quant.Q6_K, quant.Q4_0, quant.Q8_0, quant.Q4_K)
+    weight = random_weight(types, (20, 16, 9, 35), 768, seed=11)
+    packed, w = repack.repack(weight), dequantize_reference(weight)
+    gen = torch.Generator().manual_seed(11)
+    bias = torch.randn(80, generator=gen)
+    for rows in (12, 40):
+        wide = torch.randn(rows, 768 + 24, generator=gen)
+        x = wide[:, 8:8 + 768]
+        y = repack.repack_gemm(x, packed, bias)
+        assert torch.equal(y, repack.repack_gemm(x.contiguous(), packed, bias, repack.ISA_C))
+        assert _error(y, _quantized(x.contiguous()), w, bias) <= TOLERANCE
+
+
+def test_prefill_rung_zero_rows_give_the_bias() -> None:
+    """40 rows (the rung for Q4_K), all zero but one group of one row: the others are the
+    bias exactly (their groups scale by 0, not by nan)."""
+    packed = repack.repack(random_weight((quant.Q4_K,), (48,), 512, seed=2))
+    x = torch.zeros(40, 512)
+    x[17, 300] = -1.5
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(2))
+    y = repack.repack_gemm(x, packed, bias)
+    assert torch.equal(y[:17], bias.expand(17, 48)) and torch.equal(y[18:], bias.expand(22, 48))
+    assert not torch.equal(y[17], bias)
