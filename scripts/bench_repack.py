@@ -1,5 +1,5 @@
 """Repacked weights (`repack.repack_gemm`) against `native.qgemm` (blocks dequantized in
-registers, float32 x) and `native.qgemm_i8` from resident int8 panels, on Qwen2.5-0.5B's
+registers, float32 x), on Qwen2.5-0.5B's
 shapes and the GGML types its Q4_K_M file stores them in (and Q4_K / Q4_1 at the same
 shapes where K allows), per row count: microseconds per call and effective GB/s (the
 weight's bytes as each path holds them, read once per call).
@@ -80,20 +80,14 @@ def bench_shape(name: str, k: int, ggml_type: int, n: int, rows: list[int],
     copies = max(1, min(24, STREAM_BYTES // one.nbytes))
     weights = [one] + [random_weight(ggml_type, n, k, rng) for _ in range(copies - 1)]
     packed = [repack.repack(w) for w in weights]
-    panels = [native.qgemm_i8_panels(w) for w in weights] if native.has_qgemm_i8() else []
-    descs = [native.i8_descriptor(w, p, 1) for w, p in zip(weights, panels, strict=True)]
-    sizes = {"qgemm": one.nbytes, "repack": packed[0].nbytes,
-             "i8 panels": panels[0].numel() if panels else 0}
+    sizes = {"qgemm": one.nbytes, "repack": packed[0].nbytes}
     print(f"{name}: {copies} copies; bytes file {one.nbytes / 1e6:.2f} MB, repacked "
-          f"{sizes['repack'] / 1e6:.2f} MB, i8 panels {sizes['i8 panels'] / 1e6:.2f} MB")
+          f"{sizes['repack'] / 1e6:.2f} MB")
     for m in rows:
         x = torch.randn(m, k)
         paths: dict[str, list[Callable[[], object]]] = {
             "qgemm": [partial(native.qgemm, x, w) for w in weights],
             "repack": [partial(repack.repack_gemm, x, p) for p in packed]}
-        if panels:
-            paths["i8 panels"] = [partial(native.qgemm_i8, x, w, desc=d)
-                                  for w, d in zip(weights, descs, strict=True)]
         cells = []
         for path, calls in paths.items():
             seconds = time_pass(calls, passes)

@@ -23,19 +23,19 @@ import torch
 
 from plait import LLM, SamplingParams
 from plait.bench.workloads import random_words
-from plait.kernels.cpu import native
+from plait.kernels.cpu import native, repack
 
 
 def _label_native_kernels() -> None:
     """Make the native kernels' calls visible to torch.profiler (the whole-stack call lives
     in `plait.kernels.cpu.stack`; older checkouts had it in `native`: either is wrapped)."""
-    modules = [native]
+    modules = [native, repack]
     try:
         from plait.kernels.cpu import stack
         modules.append(stack)
     except ImportError:
         pass
-    for name in ("gemm", "qgemm", "qgemm_i8", "dequantize", "decode_attention", "rope_write_kv",
+    for name in ("gemm", "qgemm", "product", "dequantize", "decode_attention", "rope_write_kv",
                  "sample_inverse_cdf", "add_rms_norm", "silu_mul", "decoder_stack"):
         for module in modules:
             kernel = getattr(module, name, None)

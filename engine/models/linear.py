@@ -235,8 +235,7 @@ def product_settings(numerics: Numerics, ops: TorchOps) -> ProductSettings:
     (`cpu_gemm`, resolved), native panels where it runs the native kernels, and its
     `compute_dtype` (the engine's one copy, the numerics', held by `ops`: the attention's
     and the kept products'); the repacked row where the numerics repack."""
-    return ProductSettings(ops.cpu_gemm, ops.native, ops.compute_dtype,
-                           "repacked" if numerics.repacked else None)
+    return ProductSettings(ops.cpu_gemm, ops.native, ops.compute_dtype, numerics.repacked)
 
 
 def apply_products(model: nn.Module, settings: ProductSettings) -> dict[Product, list[Linear]]:

@@ -48,7 +48,7 @@ SOURCES = tuple(_HERE / name for name in ("gemm.c", "qgemm.c", "attention.c", "r
 HEADER = _HERE / "plait_cpu.h"
 HEADERS = (HEADER, _HERE / "vec.h", _HERE / "quant.h", _HERE / "qgemm_bf16.h",
            _HERE / "qgemm_batch.h", _HERE / "qgemm_batch_bf16.h", _HERE / "attention_bf16.h",
-           _HERE / "qgemm_i8.h", _HERE / "repack.h", _HERE / "repack_vnni.h",
+           _HERE / "repack.h", _HERE / "repack_vnni.h",
            _HERE / "repack_wide.h")
 # -Wall -Werror: a warning fails the build; -Wmissing-prototypes: so does a non-static
 # function plait_cpu.h does not declare (each definition is checked against its prototype).

@@ -3,13 +3,12 @@
 #include "vec.h"
 
 /* y[rows, n] = x @ W^T (+ bias) through plait_qgemm, W the descriptor at `desc` (its
- * PLAIT_QGEMM_BF16, PLAIT_QGEMM_I8 or PLAIT_QGEMM_REPACKED flags, if set, for plait_qgemm),
- * which must hold n
- * rows (PLAIT_ERR_SHAPES otherwise: the table does not fit the shapes). */
+ * PLAIT_QGEMM_BF16 or PLAIT_QGEMM_REPACKED flag, if set, for plait_qgemm), which must hold
+ * n rows (PLAIT_ERR_SHAPES otherwise: the table does not fit the shapes). */
 static int linear(const float *x, long rows, long k, const int64_t *desc, long n,
                   const float *bias, float *y) {
-  const int64_t parts = desc ? desc[0] & ~(int64_t)(PLAIT_QGEMM_BF16 | PLAIT_QGEMM_I8 |
-                                                    PLAIT_QGEMM_REPACKED) : 0;
+  const int64_t parts = desc ? desc[0] & ~(int64_t)(PLAIT_QGEMM_BF16 | PLAIT_QGEMM_REPACKED)
+                             : 0;
   long total = 0;
   for (int64_t i = 0; i < parts && i < PLAIT_MAX_PARTS; i++) total += desc[3 + 3 * i];
   if (total != n) return PLAIT_ERR_SHAPES;

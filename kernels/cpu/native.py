@@ -4,8 +4,8 @@ making one ctypes call.
 
     build.py             compiling and loading the library, the ABI parsed from plait_cpu.h,
                          return codes as exceptions (`check_rc`)
-    native_gemm.py       products: gemm (float32 panels), qgemm, qgemm_i8 (+ resident int8
-                         panels), dequantize
+    native_gemm.py       products: gemm (float32 panels), qgemm, dequantize
+    repack.py            weights repacked at their own bit width, their int8 products
     native_attn.py       paged decode attention, the KV caches' codes and limits
     native_rows.py       rope_write_kv, add_rms_norm, silu_mul, sample_inverse_cdf
     stack.py             the whole decoder stack in one call (decoder.c)
@@ -28,20 +28,13 @@ from plait.kernels.cpu.native_attn import (
 )
 from plait.kernels.cpu.native_gemm import (
     F32_PANELS,
-    I8_PANELS,
-    I8_TYPES,
     QUANT_TYPES,
     dequantize,
     gemm,
-    has_qgemm_i8,
-    i8_descriptor,
     lanes,
     pack_weight,
     panels_desc,
     qgemm,
-    qgemm_i8,
-    qgemm_i8_fits,
-    qgemm_i8_panels,
 )
 from plait.kernels.cpu.native_rows import (
     add_rms_norm,
@@ -52,10 +45,8 @@ from plait.kernels.cpu.native_rows import (
     silu_mul,
 )
 
-__all__ = ["ATTN_BF16_DOT", "F32_PANELS", "I8_PANELS", "I8_TYPES", "KV_DTYPES", "MAX_QUERIES",
-           "QUANT_TYPES", "STACK_POINTERS", "add_rms_norm",
-           "available", "check_rc", "decode_attention", "dequantize",
-           "gemm", "has_qgemm_i8", "i8_descriptor", "kv_caches_fit", "kv_dtype_code", "lanes",
-           "max_chunk_rows", "pack_weight", "panels_desc", "qgemm", "qgemm_i8", "qgemm_i8_fits",
-           "qgemm_i8_panels", "rope_fits", "rope_write_kv", "rows_fit", "sample_inverse_cdf",
-           "silu_mul", "supports_attention"]
+__all__ = ["ATTN_BF16_DOT", "F32_PANELS", "KV_DTYPES", "MAX_QUERIES", "QUANT_TYPES",
+           "STACK_POINTERS", "add_rms_norm", "available", "check_rc", "decode_attention",
+           "dequantize", "gemm", "kv_caches_fit", "kv_dtype_code", "lanes", "max_chunk_rows",
+           "pack_weight", "panels_desc", "qgemm", "rope_fits", "rope_write_kv", "rows_fit",
+           "sample_inverse_cdf", "silu_mul", "supports_attention"]

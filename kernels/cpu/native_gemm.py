@@ -1,11 +1,10 @@
-"""The native kernels' products (gemm.c, qgemm.c, qgemm_i8.h), each checking its tensors then
+"""The native kernels' products (gemm.c, qgemm.c), each checking its tensors then
 making one ctypes call: the kernels the product table's rows run (kernels/cpu/products.py).
 
 * `gemm(x, panels, out_features, bias)`: x @ W^T for a few rows, W packed by
   `pack_weight`; streams the weights once (the decode step's GEMMs).
 * `qgemm(x, weight, bias)`: x @ W^T for W kept in its GGUF block format (`quant.QuantWeight`),
-  each block dequantized on the fly; `qgemm_i8`: the same with x quantized to int8, from W's
-  blocks or its resident int8 panels; `dequantize(weight, rows)`: rows of such a W in float32
+  each block dequantized on the fly; `dequantize(weight, rows)`: rows of such a W in float32
   or bfloat16 (the embedding lookup, large-M prefill through BLAS, the tests).
 
 Every function raises RuntimeError when the kernels are not available (`build.available()`).
@@ -15,29 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from plait.kernels.cpu.build import ABI, available, check_rc, loaded
-from plait.kernels.cpu.quant import (
-    KEPT_TYPES,
-    Q4_0,
-    Q4_1,
-    Q4_K,
-    Q5_0,
-    Q5_K,
-    Q6_K,
-    Q8_0,
-    QuantWeight,
-)
+from plait.kernels.cpu.build import ABI, check_rc, loaded
+from plait.kernels.cpu.quant import KEPT_TYPES, QuantWeight
 
 # plait_cpu.h's type of a descriptor part holding float32 panels from `pack_weight`.
 F32_PANELS = ABI.constants["PLAIT_GGML_F32"]
 # The GGML types `qgemm` and `dequantize` read: every type quant.py keeps.
 QUANT_TYPES: frozenset[int] = KEPT_TYPES
-# The block types `qgemm_i8` reads as codes with a scale and an offset per group (not F16 /
-# BF16 rows: their values are no such codes).
-I8_TYPES: frozenset[int] = frozenset({Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K})
-# The flag of a descriptor's first word that says it carries resident int8 panels
-# (plait_cpu.h's PLAIT_QGEMM_I8; `i8_descriptor`).
-I8_PANELS: int = ABI.constants["PLAIT_QGEMM_I8"]
 
 
 def lanes() -> int:
@@ -135,85 +118,6 @@ def qgemm(
     return y
 
 
-def has_qgemm_i8() -> bool:
-    """Whether the loaded kernels were built with `qgemm_i8` (AVX512-VNNI, AVX512-BW/VL)."""
-    return available() and bool(loaded().plait_has_qgemm_i8())
-
-
-def qgemm_i8_fits(weight: QuantWeight) -> bool:
-    """Whether `qgemm_i8` takes `weight`: every part of `I8_TYPES`, K a multiple of 32."""
-    return weight.in_features % 32 == 0 and all(p.ggml_type in I8_TYPES for p in weight.parts)
-
-
-def qgemm_i8(
-    x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
-    weight: QuantWeight,  # W [N, K], every part of I8_TYPES
-    bias: torch.Tensor | None = None,  # [N] float32
-    silu: bool = False,  # W = gate | up [2 I, K]: y = silu(gate) * up [M, I]
-    desc: torch.Tensor | None = None,  # `i8_descriptor`'s, over `weight`: its panels
-) -> torch.Tensor:  # [M, N] float32 ([M, N / 2] with silu)
-    """x @ W^T + bias with x quantized to int8 per group of 32 (16 where a part is Q6_K):
-    sx = max|x| / 127 and q = round(x / sx) per group (nearest even), then float32 sums of
-    sx (a I - o S) per group, I the exact int32 dot product of q with the block's codes (W =
-    a c - o per group), S the sum of q. W's values are the file's; x's rounding is the only
-    difference from `qgemm`. `silu` (N % 32 == 0): `silu_mul` of that product, fused, the
-    same bits. Needs `has_qgemm_i8()` and `qgemm_i8_fits(weight)`. With `desc` (W's resident
-    panels) the kernel reads them instead of packing W's blocks: the same bits."""
-    lib = loaded()
-    if not qgemm_i8_fits(weight):
-        raise ValueError(f"qgemm_i8: x {tuple(x.shape)} {x.dtype} does not fit W "
-                         f"[{weight.out_features}, {weight.in_features}] {weight.describe()}")
-    if silu and weight.out_features % 32:
-        raise ValueError(f"qgemm_i8: silu needs gate | up rows of a multiple of 32, W has "
-                         f"{weight.out_features}")
-    cols = weight.out_features // 2 if silu else weight.out_features
-    x, bias, y = _product_operands("qgemm_i8", x, weight, bias, cols)
-    rows, k = x.shape
-    if rows == 0:
-        return y
-    desc = weight.desc if desc is None else desc
-    check_rc(lib.plait_qgemm_i8(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
-                              None if bias is None else bias.data_ptr(), int(silu),
-                              y.data_ptr(), cols), "qgemm_i8", f" ({weight.describe()})")
-    return y
-
-
-def qgemm_i8_panels(weight: QuantWeight) -> torch.Tensor:  # uint8 [bytes], 64-byte aligned
-    """W's codes, scales and offsets packed once as `qgemm_i8` reads them (plait_cpu.h's
-    plait_qgemm_i8_pack): 1.25 bytes a weight (1.5 where a part is Q6_K), kept beside the
-    blocks for `i8_descriptor`. Needs `has_qgemm_i8()` and `qgemm_i8_fits(weight)`."""
-    lib = loaded()
-    if not qgemm_i8_fits(weight):
-        raise ValueError(f"qgemm_i8_panels: W {weight.describe()} [{weight.out_features}, "
-                         f"{weight.in_features}] is not read by qgemm_i8")
-    nbytes = int(lib.plait_qgemm_i8_panels_bytes(weight.desc.data_ptr(), weight.in_features))
-    check_rc(min(nbytes, 0), "qgemm_i8_panels", " (a build without AVX512-VNNI)")
-    panels = torch.empty(nbytes, dtype=torch.uint8)
-    if panels.data_ptr() % 64:
-        raise RuntimeError("qgemm_i8_panels: torch's allocation is not 64-byte aligned")
-    check_rc(lib.plait_qgemm_i8_pack(weight.desc.data_ptr(), weight.in_features,
-                                   panels.data_ptr()), "qgemm_i8_panels")
-    return panels
-
-
-def i8_descriptor(
-    weight: QuantWeight,
-    panels: torch.Tensor,  # qgemm_i8_panels(weight)
-    min_rows: int,  # qgemm computes products of this many rows or more from the panels
-    compute_dtype: torch.dtype = torch.float32,  # below min_rows, as weight.descriptor's
-) -> torch.Tensor:  # int64 [1 + 3 * parts + 2]
-    """`weight.descriptor(compute_dtype)` flagged with resident panels (plait_cpu.h's
-    PLAIT_QGEMM_I8): `qgemm` (and the decoder stack) then compute products of `min_rows`
-    rows or more as `qgemm_i8`, from `panels`; `qgemm_i8` reads them for any row count.
-    `weight` and `panels` must outlive it."""
-    if min_rows < 1:
-        raise ValueError(f"i8_descriptor: min_rows must be at least 1, not {min_rows}")
-    base = weight.descriptor(compute_dtype)
-    desc = torch.cat([base, torch.tensor([panels.data_ptr(), min_rows], dtype=torch.int64)])
-    desc[0] |= I8_PANELS
-    return desc
-
-
 def dequantize(
     weight: QuantWeight,  # W [N, K] in GGML blocks
     rows: torch.Tensor | None = None,  # [R] integer row ids in [0, N); None: all N rows
@@ -245,6 +149,5 @@ def dequantize(
     return out
 
 
-__all__ = ["F32_PANELS", "I8_PANELS", "I8_TYPES", "QUANT_TYPES", "dequantize", "gemm",
-           "has_qgemm_i8", "i8_descriptor", "lanes", "pack_weight", "panels_desc", "qgemm",
-           "qgemm_i8", "qgemm_i8_fits", "qgemm_i8_panels"]
+__all__ = ["F32_PANELS", "QUANT_TYPES", "dequantize", "gemm", "lanes", "pack_weight",
+           "panels_desc", "qgemm"]

@@ -73,15 +73,6 @@
  * plait_dequantize(_bf16) ignore it. */
 #define PLAIT_QGEMM_BF16 256
 #define PLAIT_QGEMM_BF16_MIN_ROWS 2
-/* A flag OR-ed into desc[0] (beside PLAIT_QGEMM_BF16 or not): the descriptor carries W's
- * resident int8 panels (plait_qgemm_i8_pack) and a row count after its parts,
- *
- *   desc = [num_parts | flags, (address, type, rows) per part, panels address, i8 rows]
- *
- * plait_qgemm computes products of i8 rows or more as plait_qgemm_i8 does (x quantized to
- * int8) from the panels, fewer rows as without the flag; plait_qgemm_i8 reads the panels
- * for any M. The panels must be those of the same parts and K. */
-#define PLAIT_QGEMM_I8 512
 /* A flag OR-ed into desc[0] (alone): the parts are repacked (plait_repack, below), and
  * plait_qgemm computes as plait_repack_gemm with plait_repack_isa()'s kernel (x quantized
  * to int8 per 32 weights), plait_dequantize as plait_repack_dequantize; the plait_repack_*
@@ -133,25 +124,6 @@ int plait_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_
  * .to(torch.bfloat16)), out[num_rows, K]. PLAIT_ERR_NOMEM. */
 int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long num_rows,
                           uint16_t *out);
-
-/* qgemm_i8.h: plait_qgemm's product with x quantized to int8 per group of 32 weights (16
- * where a part is Q6_K; symmetric, one float32 scale per group) and VNNI dot products
- * against the codes of the weights' blocks, float32 scales and sums: an approximation of
- * plait_qgemm (x's rounding). `silu` != 0: W = gate | up (N = 2 I, I % 16 == 0), y [M, I]
- * = plait_silu_mul of the product, fused. Parts of Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
- * only, K % 32 == 0, a build with AVX512-VNNI (plait_has_qgemm_i8): else PLAIT_ERR_SHAPES.
- * PLAIT_ERR_NOMEM. */
-int plait_has_qgemm_i8(void);
-int plait_qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long K,
-                   const float *bias, int silu, float *y, long ldy);
-/* qgemm_i8.h: W's codes, scales and offsets as plait_qgemm_i8 reads them, packed once (its
- * resident panels, for a PLAIT_QGEMM_I8 descriptor): 2 ceil(N / 32) panels of 16 weight
- * rows (rows past N zeros), each K / G groups of [G / 4][16][4] codes, then 16 float32 scales
- * and 16 offsets; 1.25 bytes a weight (G = 32) or 1.5 (G = 16). _panels_bytes: their size,
- * or PLAIT_ERR_SHAPES for a descriptor plait_qgemm_i8 refuses (a build without VNNI: all);
- * _pack writes them to out (64-byte aligned, that many bytes). */
-long plait_qgemm_i8_panels_bytes(const int64_t *desc, long K);
-int plait_qgemm_i8_pack(const int64_t *desc, long K, void *out);
 
 /* repack.c: weights repacked once at load at their own bit width (repack.h: 16 rows
  * interleaved per block, codes kept at 4, 5, 6 or 8 bits, the file's fp16 scales and 6-bit

@@ -25,8 +25,6 @@ A row (`Product`) holds:
     panels/<blas>       <= NATIVE_MAX_ROWS: native.gemm | any: <blas>
     kept/<dtype>        < BF16_MIN_ROWS: qgemm exact | <= QGEMM_MAX_ROWS: qgemm | any: BLAS
                         over W dequantized to <dtype> (float32: the first two are one rung)
-    kept-i8/<dtype>     kept/<dtype> below INT8_MIN_ROWS | any: qgemm_i8 (x int8)
-    kept-i8panels/<dt>  any: qgemm_i8 from int8 panels packed at load
     repacked/<isa>      any: repack.product over the weight repacked at load (x int8)
 
 How to add a row (for example a repacked format): write its `prepare` (pack the weight,
@@ -73,26 +71,13 @@ MKL_ROW_HINT = 128
 # (docs/bench/history.md, "qgemm up to 256 rows"): in bf16 qgemm took 0.34-0.91x the time
 # from 24 to 256 rows and broke even at 320-384; in float32 0.69-0.94x up to 128.
 QGEMM_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 256}
-# The fewest rows a kept product takes through `qgemm_i8` in the kept-i8 rows (below:
-# `qgemm`, whose decode in registers costs less than qgemm_i8's packing of every weight row
-# for few rows). Measured on the 2-core AVX512-VNNI host over every linear of a model's
-# layers, against qgemm in bf16: Qwen2.5-0.5B 1.37x its time at 16 rows, 1.09x at 32, 0.95x
-# at 48, 0.87x at 64, 0.70x at 256; SmolLM2 1.31x, 1.06x, 0.93x, 0.86x, 0.71x (against
-# qgemm in float32: faster from 16 rows; at 523 rows 0.63-0.66x dequantize + bf16 BLAS).
-INT8_MIN_ROWS = 48
-# The fewest rows in the kept-i8panels rows: with the weights' int8 panels resident
-# (`native.qgemm_i8_panels`) there is no packing to amortise, and the panels' plain codes
-# cost less to read than the blocks cost to decode even for one row. Measured over all
-# kept linears of a model in a step's order (weights cold), against qgemm in bf16:
-# Qwen2.5-0.5B 15.2 against 18.1 ms at 1 row, 20.8/27.1 at 2, 37.8/66.5 at 16, 68.9/111.6
-# at 32; SmolLM2 6.3/6.7 at 1 row, 13.6/20.5 at 16 (docs/bench/history.md).
-INT8_PANEL_MIN_ROWS = 1
-# The most bytes of an int8 MLP chunk's [rows, I] float32 silu(gate) * up: under
-# host_memory.MMAP_THRESHOLD (32 MiB), so chunks reuse the heap's mapped pages.
+# The most bytes of a repacked MLP chunk's [rows, I] float32 silu(gate) * up: under
+# host_memory.MMAP_THRESHOLD (32 MiB), so chunks reuse the heap's mapped pages; a chunk
+# has at least MLP_CHUNK_MIN_ROWS rows.
 MLP_CHUNK_BYTES = 24 << 20
+MLP_CHUNK_MIN_ROWS = 48
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # in row names
 
-_DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # in row names
 # ---------------------------------------------------------------- shared pieces
 def _torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
     gate, up = gate_up.chunk(2, dim=-1)
@@ -228,22 +213,15 @@ def _kept(weight: Weight) -> bool:
     return isinstance(weight, QuantWeight)
 
 
-def _kept_i8(weight: Weight) -> bool:
-    return isinstance(weight, QuantWeight) and native.has_qgemm_i8() \
-        and native.qgemm_i8_fits(weight)
-
-
-def _kept_state(weight: Weight, bias: torch.Tensor | None, desc: torch.Tensor,
-                packed: torch.Tensor | None = None) -> ProductState:
+def _kept_state(weight: Weight, bias: torch.Tensor | None, desc: torch.Tensor) -> ProductState:
     assert isinstance(weight, QuantWeight)
     return ProductState(weight.in_features, weight.out_features, bias, qweight=weight,
-                        packed=packed, desc=desc)
+                        desc=desc)
 
 
 def _kept_stack(state: ProductState) -> StackWeight | None:
     assert state.qweight is not None and state.desc is not None
-    held = tuple(part.data for part in state.qweight.parts)
-    return StackWeight(state.desc, held if state.packed is None else (*held, state.packed))
+    return StackWeight(state.desc, tuple(part.data for part in state.qweight.parts))
 
 
 def _qgemm(compute_dtype: torch.dtype) -> Kernel:
@@ -270,35 +248,21 @@ def _dequantized_silu(state: ProductState, x: torch.Tensor) -> torch.Tensor:
     return native.silu_mul(_dequantized(torch.bfloat16, widen=False)(state, x))
 
 
-def _int8(state: ProductState, x: torch.Tensor) -> torch.Tensor:
-    assert state.qweight is not None
-    desc = state.desc if state.packed is not None else None  # the panels' descriptor
-    return native.qgemm_i8(x.float(), state.qweight, state.bias, desc=desc)
-
-
-def _int8_silu(state: ProductState, x: torch.Tensor) -> torch.Tensor:
-    assert state.qweight is not None
-    if state.out_features % 32:  # the fused kernel's limit: the same bits unfused
-        return native.silu_mul(_int8(state, x))
-    desc = state.desc if state.packed is not None else None
-    return native.qgemm_i8(x.float(), state.qweight, state.bias, silu=True, desc=desc)
-
-
-def _int8_chunk_rows(state: ProductState, rows: int) -> int | None:
+def _chunk_rows(state: ProductState, rows: int) -> int | None:
     """Row chunks whose [rows, I] float32 stays below glibc's raised mmap threshold
     (host_memory.py), so each chunk reuses mapped pages instead of faulting in a fresh
     mapping; a row's result does not depend on its chunk. None: one chunk."""
     if state.out_features % 32:
         return None
-    most = max(INT8_MIN_ROWS, MLP_CHUNK_BYTES // (2 * state.out_features))
+    most = max(MLP_CHUNK_MIN_ROWS, MLP_CHUNK_BYTES // (2 * state.out_features))
     if rows <= most:
         return None
     return -(-rows // -(-rows // most))  # equal chunks, each at most `most` rows
 
 
-def _kept_ladder(compute_dtype: torch.dtype, below: int | None = None) -> tuple[Rung, ...]:
-    """qgemm up to `qgemm_max_rows`, then BLAS over W dequantized, cut at `below` rows (the
-    rungs of rows < below); bf16: one row stays exact (C: the flag's BF16_MIN_ROWS)."""
+def _kept_ladder(compute_dtype: torch.dtype) -> tuple[Rung, ...]:
+    """qgemm up to `qgemm_max_rows`, then BLAS over W dequantized; bf16: one row stays exact
+    (C: the flag's BF16_MIN_ROWS)."""
     most = qgemm_max_rows(compute_dtype)
     rungs: list[Rung] = []
     if compute_dtype == torch.bfloat16:
@@ -306,42 +270,17 @@ def _kept_ladder(compute_dtype: torch.dtype, below: int | None = None) -> tuple[
     rungs.append(Rung(most, _qgemm(compute_dtype)))
     rungs.append(Rung(None, _dequantized(compute_dtype), silu=_dequantized_silu
                       if compute_dtype == torch.bfloat16 else None))
-    if below is None:
-        return tuple(rungs)
-    cut: list[Rung] = []
-    for r in rungs:
-        top = below - 1 if r.max_rows is None else min(r.max_rows, below - 1)
-        if top >= 1:
-            cut.append(Rung(top, r.kernel, r.silu))
-        if top == below - 1:
-            break
-    return tuple(cut)
+    return tuple(rungs)
 
 
-def _kept_rows(compute_dtype: torch.dtype) -> list[Product]:
-    tag = _DTYPE_NAMES[compute_dtype]
-
+def _kept_row(compute_dtype: torch.dtype) -> Product:
     def prepare(weight: Weight, bias: torch.Tensor | None) -> ProductState:
         assert isinstance(weight, QuantWeight)
         return _kept_state(weight, bias, weight.descriptor(compute_dtype))
 
-    def prepare_panels(weight: Weight, bias: torch.Tensor | None) -> ProductState:
-        assert isinstance(weight, QuantWeight)
-        panels = native.qgemm_i8_panels(weight)
-        return _kept_state(weight, bias, native.i8_descriptor(
-            weight, panels, INT8_PANEL_MIN_ROWS, compute_dtype), panels)
-
-    int8 = Rung(None, _int8, silu=_int8_silu, chunk_rows=_int8_chunk_rows)
-    f32 = torch.float32
-    kept = Product(f"kept/{tag}", _kept, prepare, _kept_ladder(compute_dtype),
-                   _native_silu_mul, _kept_stack, f32, native=True)
-    kept_i8 = Product(f"kept-i8/{tag}", _kept_i8, prepare,
-                      (*_kept_ladder(compute_dtype, INT8_MIN_ROWS), int8), _native_silu_mul,
-                      _kept_stack, f32, native=True)
-    panels = Product(f"kept-i8panels/{tag}", _kept_i8, prepare_panels,
-                     (*_kept_ladder(compute_dtype, INT8_PANEL_MIN_ROWS), int8),
-                     _native_silu_mul, _kept_stack, f32, native=True)
-    return [kept, kept_i8, panels]
+    return Product(f"kept/{_DTYPE_NAMES[compute_dtype]}", _kept, prepare,
+                   _kept_ladder(compute_dtype), _native_silu_mul, _kept_stack, torch.float32,
+                   native=True)
 
 
 # ---------------------------------------------------------------- repacked row
@@ -373,7 +312,7 @@ def _repacked_row() -> Product:
     `repack.product` (x quantized to int8 per 32 weights, VNNI dot products), the native
     stack's included (the descriptor's PLAIT_QGEMM_REPACKED flag)."""
     return Product(f"repacked/{repack.ISA_NAMES[repack.isa()]}", _repacked, _prepare_repacked,
-                   (Rung(None, _repacked_gemm, chunk_rows=_int8_chunk_rows),),
+                   (Rung(None, _repacked_gemm, chunk_rows=_chunk_rows),),
                    _native_silu_mul, _repacked_stack, torch.float32, native=True)
 
 
@@ -389,7 +328,7 @@ def _table(with_native: bool) -> dict[str, Product]:
     rows = [TORCH, MKL, ONEDNN]
     if with_native:
         rows += [_panels_row(blas) for blas in BLAS.values()]
-        rows += [r for dtype in _DTYPE_NAMES for r in _kept_rows(dtype)]
+        rows += [_kept_row(dtype) for dtype in _DTYPE_NAMES]
         if repack.isa() == repack.ISA_VNNI512:
             rows.append(_repacked_row())
     return {r.name: r for r in rows}
@@ -411,14 +350,14 @@ def row(name: str) -> Product:
 @dataclass(frozen=True, slots=True)
 class ProductSettings:
     """What chooses the rows: `blas` (a resolved `BLAS` name) for float32 CPU weights,
-    under native panels with `panels`; the kept weights' `compute_dtype` and `int8`
-    (None, "prefill": kept-i8 rows, "panels": kept-i8panels rows, "repacked": the repacked
-    row where the build has it, the kept rows for the weights it does not take)."""
+    under native panels with `panels`; the kept weights' `compute_dtype`, and `repacked`:
+    the repacked row first where the build has it (the kept rows for the weights it does
+    not take)."""
 
     blas: str = "none"
     panels: bool = False
     compute_dtype: torch.dtype = torch.float32
-    int8: str | None = None
+    repacked: bool = False
 
     def preference(self) -> tuple[Product, ...]:
         """The rows these settings choose from, in order: a weight takes the first whose
@@ -429,13 +368,10 @@ class ProductSettings:
             dense.insert(0, rows[f"panels/{BLAS[self.blas].name}"])
         if not native.available():
             return tuple(dense)
-        tag = _DTYPE_NAMES[self.compute_dtype]
-        kept = [rows[f"kept/{tag}"]]
+        kept = [rows[f"kept/{_DTYPE_NAMES[self.compute_dtype]}"]]
         repacked = repacked_row()
-        if self.int8 == "repacked" and repacked is not None:
+        if self.repacked and repacked is not None:
             kept.insert(0, repacked)
-        elif self.int8 in ("prefill", "panels"):
-            kept.insert(0, rows[f"kept-{'i8panels' if self.int8 == 'panels' else 'i8'}/{tag}"])
         return (*kept, *dense)
 
     def choose(self, weight: Weight) -> Product:
@@ -452,8 +388,7 @@ def _weight_text(weight: Weight) -> str:
     return f"{weight.dtype} on {weight.device}"
 
 
-__all__ = ["BLAS", "INT8_MIN_ROWS", "INT8_PANEL_MIN_ROWS", "MKL", "MKL_ROW_HINT",
-           "MLP_CHUNK_BYTES", "NATIVE_MAX_ROWS", "ONEDNN", "QGEMM_MAX_ROWS", "SKINNY_ROWS",
-           "TORCH", "Kernel", "Product", "ProductSettings", "ProductState", "Rung",
-           "StackWeight", "Weight", "check_native", "qgemm_max_rows", "repacked_row", "row",
-           "table"]
+__all__ = ["BLAS", "MKL", "MKL_ROW_HINT", "MLP_CHUNK_BYTES", "MLP_CHUNK_MIN_ROWS",
+           "NATIVE_MAX_ROWS", "ONEDNN", "QGEMM_MAX_ROWS", "SKINNY_ROWS", "TORCH", "Kernel",
+           "Product", "ProductSettings", "ProductState", "Rung", "StackWeight", "Weight",
+           "check_native", "qgemm_max_rows", "repacked_row", "row", "table"]

@@ -34,8 +34,8 @@
  * 12 rows of K = 576 (27 KiB) still in L1 (16 rows measured 1.5x slower per row). */
 #define FUSED_ROWS (RMAX < 12 ? RMAX : 12)
 
-/* What qgemm, qgemm_i8 and dequantize need of a type, one row of QUANT_TRAITS per GGML type
- * id (defined after qgemm_i8.h, once every type's functions are): its block shape and its
+/* What qgemm and dequantize need of a type, one row of QUANT_TRAITS per GGML type
+ * id (defined at the end, once every type's functions are): its block shape and its
  * row functions, each an instantiation for the type (its decoder inlined, the type a
  * constant), in place of a switch over the type. */
 typedef struct {
@@ -47,10 +47,6 @@ typedef struct {
                 long ldy, float bias);
   /* one x row factored (quants_32; xsum [K / 32] its group sums), or NULL: tiles */
   float (*factored)(const float *x, const uint8_t *row, long K, const float *xsum);
-  /* qgemm_i8.h: a row's K / 32 groups as codes [K] and (a, a, o, o) per group, or NULL: a
-   * type qgemm_i8 does not read (or a build without it) */
-  void (*i8_row)(const uint8_t *row, long groups, uint8_t *codes, float *ao);
-  int i8_group;  /* qgemm_i8's x group for this type: 32, or 16 (Q6_K's 16-weight scales) */
 } quant_traits_t;
 
 typedef struct {
@@ -110,19 +106,15 @@ static void dequant_row(const part_t *p, long row, long K, float *dst) {
 /* Descriptors                                                                           */
 /* ------------------------------------------------------------------------------------ */
 
-/* desc's parts into parts[], their total rows into *N, its PLAIT_QGEMM_BF16 flag into
- * *bf16, and where it carries PLAIT_QGEMM_I8 its panels' address and fewest rows into
- * *panels and *i8_rows (NULL and 0 without; either pointer may be NULL: not wanted);
- * PLAIT_ERR_SHAPES for a descriptor this file cannot read with K (another flag, a type it
- * does not know, K not a whole number of blocks, F32 panels beside other parts, more than
- * PLAIT_MAX_PARTS parts, negative rows, rows at address 0, panels at address 0 or for fewer
- * than 1 row). */
+/* desc's parts into parts[], their total rows into *N and its PLAIT_QGEMM_BF16 flag into
+ * *bf16; PLAIT_ERR_SHAPES for a descriptor this file cannot read with K (another flag, a
+ * type it does not know, K not a whole number of blocks, F32 panels beside other parts,
+ * more than PLAIT_MAX_PARTS parts, negative rows, rows at address 0). */
 static int read_desc(const int64_t *desc, long K, part_t *parts, int *num_parts, long *N,
-                     int *bf16, const uint8_t **panels, long *i8_rows) {
+                     int *bf16) {
   if (!desc || K <= 0) return PLAIT_ERR_SHAPES;
   *bf16 = (desc[0] & PLAIT_QGEMM_BF16) != 0;
-  int i8 = (desc[0] & PLAIT_QGEMM_I8) != 0;
-  int64_t count = desc[0] & ~(int64_t)(PLAIT_QGEMM_BF16 | PLAIT_QGEMM_I8);
+  int64_t count = desc[0] & ~(int64_t)PLAIT_QGEMM_BF16;
   if (count < 1 || count > PLAIT_MAX_PARTS) return PLAIT_ERR_SHAPES;
   *num_parts = (int)count;
   *N = 0;
@@ -144,11 +136,6 @@ static int read_desc(const int64_t *desc, long K, part_t *parts, int *num_parts,
     p->row_bytes = K / per_block * bytes;
     *N += p->rows;
   }
-  const uint8_t *at = i8 ? (const uint8_t *)(intptr_t)desc[1 + 3 * count] : NULL;
-  long least = i8 ? (long)desc[2 + 3 * count] : 0;
-  if (i8 && (!at || least < 1)) return PLAIT_ERR_SHAPES;
-  if (panels) *panels = at;
-  if (i8_rows) *i8_rows = least;
   return PLAIT_OK;
 }
 
@@ -416,24 +403,17 @@ static int prepare_acts(const float *x, long M, long ldx, long K, int round_x, a
   return PLAIT_OK;
 }
 
-static int qgemm_i8(const float *x, long M, long ldx, const part_t *parts, int num_parts,
-                    long N, long K, const uint8_t *panels, const float *bias, int silu,
-                    float *y, long ldy);
-
 int plait_qgemm(const float *x, long M, long ldx, const int64_t *desc, long K,
                 const float *bias, float *y, long ldy) {
   if (desc && desc[0] & PLAIT_QGEMM_REPACKED)
     return plait_repack_gemm(x, M, ldx, desc, K, bias, y, ldy, plait_repack_isa());
   part_t parts[PLAIT_MAX_PARTS];
   int num_parts, bf16;
-  long N, i8_rows;
-  const uint8_t *panels;
-  int rc = read_desc(desc, K, parts, &num_parts, &N, &bf16, &panels, &i8_rows);
+  long N;
+  int rc = read_desc(desc, K, parts, &num_parts, &N, &bf16);
   if (rc != PLAIT_OK || M < 0) return PLAIT_ERR_SHAPES;
   if (parts[0].type == PLAIT_GGML_F32)
     return plait_gemm(x, M, ldx, (const float *)parts[0].data, N, K, bias, y, ldy);
-  if (panels && M >= i8_rows)
-    return qgemm_i8(x, M, ldx, parts, num_parts, N, K, panels, bias, 0, y, ldy);
   if (M == 0 || N == 0) return PLAIT_OK;
   int fused = K % 32 == 0;
   long rows = fused && M <= FUSED_ROWS ? 1 : ROWS_PER_CHUNK;
@@ -479,7 +459,7 @@ static int read_rows(const int64_t *desc, long K, const int64_t *rows, long num_
                      part_t *parts, int *num_parts) {
   long N;
   int bf16;
-  if (read_desc(desc, K, parts, num_parts, &N, &bf16, NULL, NULL) != PLAIT_OK || num_rows < 0 ||
+  if (read_desc(desc, K, parts, num_parts, &N, &bf16) != PLAIT_OK || num_rows < 0 ||
       (!rows && num_rows != N))
     return PLAIT_ERR_SHAPES;
   for (long i = 0; rows && i < num_rows; i++)
@@ -557,83 +537,25 @@ int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long
 }
 
 /* ------------------------------------------------------------------------------------ */
-/* int8 x (qgemm_i8.h)                                                                   */
-/* ------------------------------------------------------------------------------------ */
-
-#include "qgemm_i8.h"
-
-/* ------------------------------------------------------------------------------------ */
 /* The traits table: one row per GGML type id                                             */
 /* ------------------------------------------------------------------------------------ */
 
-#if QGEMM_I8
-#define I8_ROW(t) i8_row_##t
-#else
-#define I8_ROW(t) NULL
-#endif
-#define TRAITS(t, per_block, bytes, factored, i8_row, i8_group) \
-  [t] = {per_block, bytes, groups_##t, tiles_##t, factored, i8_row, i8_group},
+#define TRAITS(t, per_block, bytes, factored) \
+  [t] = {per_block, bytes, groups_##t, tiles_##t, factored},
 static const quant_traits_t QUANT_TRAITS[PLAIT_GGML_BF16 + 1] = {
-  TRAITS(PLAIT_GGML_F16, 1, 2, NULL, NULL, 0)
-  TRAITS(PLAIT_GGML_BF16, 1, 2, NULL, NULL, 0)
-  TRAITS(PLAIT_GGML_Q4_0, 32, 18, factored_PLAIT_GGML_Q4_0, I8_ROW(PLAIT_GGML_Q4_0), 32)
-  TRAITS(PLAIT_GGML_Q4_1, 32, 20, factored_PLAIT_GGML_Q4_1, I8_ROW(PLAIT_GGML_Q4_1), 32)
-  TRAITS(PLAIT_GGML_Q5_0, 32, 22, factored_PLAIT_GGML_Q5_0, I8_ROW(PLAIT_GGML_Q5_0), 32)
-  TRAITS(PLAIT_GGML_Q8_0, 32, 34, factored_PLAIT_GGML_Q8_0, I8_ROW(PLAIT_GGML_Q8_0), 32)
-  TRAITS(PLAIT_GGML_Q4_K, 256, 144, NULL, I8_ROW(PLAIT_GGML_Q4_K), 32)
-  TRAITS(PLAIT_GGML_Q5_K, 256, 176, NULL, I8_ROW(PLAIT_GGML_Q5_K), 32)
-  TRAITS(PLAIT_GGML_Q6_K, 256, 210, NULL, I8_ROW(PLAIT_GGML_Q6_K), 16)
+  TRAITS(PLAIT_GGML_F16, 1, 2, NULL)
+  TRAITS(PLAIT_GGML_BF16, 1, 2, NULL)
+  TRAITS(PLAIT_GGML_Q4_0, 32, 18, factored_PLAIT_GGML_Q4_0)
+  TRAITS(PLAIT_GGML_Q4_1, 32, 20, factored_PLAIT_GGML_Q4_1)
+  TRAITS(PLAIT_GGML_Q5_0, 32, 22, factored_PLAIT_GGML_Q5_0)
+  TRAITS(PLAIT_GGML_Q8_0, 32, 34, factored_PLAIT_GGML_Q8_0)
+  TRAITS(PLAIT_GGML_Q4_K, 256, 144, NULL)
+  TRAITS(PLAIT_GGML_Q5_K, 256, 176, NULL)
+  TRAITS(PLAIT_GGML_Q6_K, 256, 210, NULL)
 };
 #undef TRAITS
-#undef I8_ROW
 
 static const quant_traits_t *traits_of(int type) {
   if (type < 0 || type > PLAIT_GGML_BF16 || QUANT_TRAITS[type].per_block == 0) return NULL;
   return &QUANT_TRAITS[type];
-}
-
-int plait_has_qgemm_i8(void) {
-#if QGEMM_I8
-  return 1;
-#else
-  return 0;
-#endif
-}
-
-int plait_qgemm_i8(const float *x, long M, long ldx, const int64_t *desc, long K,
-                   const float *bias, int silu, float *y, long ldy) {
-  part_t parts[PLAIT_MAX_PARTS];
-  int num_parts, bf16;
-  long N;
-  const uint8_t *panels;
-  if (read_desc(desc, K, parts, &num_parts, &N, &bf16, &panels, NULL) != PLAIT_OK)
-    return PLAIT_ERR_SHAPES;
-  return qgemm_i8(x, M, ldx, parts, num_parts, N, K, panels, bias, silu, y, ldy);
-}
-
-/* W's resident panels (qgemm_i8.h): their bytes (out NULL), or i8_pack's return code after
- * writing them to out; PLAIT_ERR_SHAPES for a descriptor plait_qgemm_i8 refuses. */
-static long qgemm_i8_panels(const int64_t *desc, long K, uint8_t *out) {
-#if QGEMM_I8
-  part_t parts[PLAIT_MAX_PARTS];
-  int num_parts, bf16;
-  long N;
-  if (read_desc(desc, K, parts, &num_parts, &N, &bf16, NULL, NULL) != PLAIT_OK || K % 32)
-    return PLAIT_ERR_SHAPES;
-  int G = i8_group(parts, num_parts);
-  if (!G) return PLAIT_ERR_SHAPES;
-  if (!out) return i8_panels_bytes(N, K, G);
-  return N ? i8_pack(parts, num_parts, N, K, G, out) : PLAIT_OK;
-#else
-  (void)desc, (void)K, (void)out;
-  return PLAIT_ERR_SHAPES;
-#endif
-}
-
-long plait_qgemm_i8_panels_bytes(const int64_t *desc, long K) {
-  return qgemm_i8_panels(desc, K, NULL);
-}
-
-int plait_qgemm_i8_pack(const int64_t *desc, long K, void *out) {
-  return out ? (int)qgemm_i8_panels(desc, K, (uint8_t *)out) : PLAIT_ERR_SHAPES;
 }

@@ -20,9 +20,9 @@
  *                sampler, one pass each
  *   qgemm.c      plait_qgemm, plait_dequantize(_bf16): weights kept in a GGUF file's GGML
  *                blocks (quant.h decodes a 32-weight group into vectors), dequantized in
- *                registers against float32 activations; float32 panels go to plait_gemm;
- *                plait_qgemm_i8 (qgemm_i8.h): the blocks' integer codes against x
- *                quantized to int8, VNNI dot products (the prefill_int8 option)
+ *                registers against float32 activations; float32 panels go to plait_gemm
+ *   repack.c     plait_repack*: weights repacked at their own bit width, products with x
+ *                quantized to int8 (VNNI; the int8 numerics)
  *   decoder.c    plait_decoder_stack: every layer of a Llama decoder over a step's few rows
  *                through the kernels above, in one call
  *

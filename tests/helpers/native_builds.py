@@ -42,7 +42,7 @@ def library_without_avx512bf16(tmp_path: Path) -> ctypes.CDLL:
 
 
 def library_without_avx512vnni(tmp_path: Path) -> ctypes.CDLL:
-    """The kernels without qgemm_i8 (AVX512-VNNI; see `_library_without`), built at -O0 (4 s
-    against 29 at -O3 on the 2-core host): its tests check what it refuses, not speed or
-    bits."""
+    """The kernels without their AVX512-VNNI repacked product (see `_library_without`),
+    built at -O0 (seconds, against half a minute at -O3 on the 2-core host): its tests
+    check what it reports and refuses, and the plain C product's bits."""
     return _library_without(tmp_path, "avx512vnni", "avx512_vnni", ("-O0",))

@@ -59,9 +59,8 @@ def test_header_declares_every_function_the_sources_define() -> None:
     expected = {"plait_lanes", "plait_gemm", "plait_decode_attention", "plait_rope_write_kv",
                 "plait_add_rms_norm", "plait_silu_mul", "plait_silu_mul_bf16",
                 "plait_sample_inverse_cdf", "plait_decoder_stack", "plait_qgemm",
-                "plait_dequantize", "plait_dequantize_bf16", "plait_has_qgemm_i8",
-                "plait_qgemm_i8", "plait_qgemm_i8_panels_bytes", "plait_qgemm_i8_pack",
-                "plait_repack_isa", "plait_repack_bytes", "plait_repack", "plait_repack_gemm",
+                "plait_dequantize", "plait_dequantize_bf16", "plait_repack_isa",
+                "plait_repack_bytes", "plait_repack", "plait_repack_gemm",
                 "plait_repack_dequantize"}
     assert set(ABI.functions) == expected
     assert _source_exports() == expected

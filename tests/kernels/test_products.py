@@ -19,7 +19,6 @@ from plait.kernels import AttentionShape, select_ops
 from plait.kernels.cpu import build, native, quant
 from plait.kernels.cpu.products import (
     BLAS,
-    INT8_MIN_ROWS,
     Product,
     ProductSettings,
     qgemm_max_rows,
@@ -52,18 +51,17 @@ def _dense_layer(bias: bool) -> Linear:
 
 
 def _kept_weight() -> QuantWeight:
-    """gate | up of 2 x 48 rows in two types the int8 kernel reads, K = 512."""
+    """gate | up of 2 x 48 rows in two types the repacked row takes, K = 512."""
     return random_weight((quant.Q4_K, quant.Q8_0), (48, 48), seed=7)
 
 
 def _usable(name: str) -> bool:
     blas = name.removeprefix("panels/")
-    return USABLE.get(blas, True) and (native.has_qgemm_i8() or "i8" not in name)
+    return USABLE.get(blas, True) and name in table()
 
 
 DENSE = ["torch", "mkl", "onednn", "panels/torch", "panels/mkl", "panels/onednn"]
-KEPT = [f"{kind}/{dtype}" for kind in ("kept", "kept-i8", "kept-i8panels")
-        for dtype in ("f32", "bf16")]
+KEPT = ["kept/f32", "kept/bf16", "repacked/avx512-vnni"]
 
 
 @pytest.mark.parametrize("name", DENSE)
@@ -90,7 +88,7 @@ def test_kept_rows_equal_the_dequantized_product(name: str) -> None:
     """Exact rows within float32 summation noise; bf16 and int8 rungs within their
     rounding (bf16: x and W rounded; int8: x rounded per group)."""
     if not _usable(name):
-        pytest.skip("no qgemm_i8 in this build (needs AVX512-VNNI)")
+        pytest.skip(f"row {name} not in this build (the repacked row needs AVX512-VNNI)")
     weight = _kept_weight()
     bias = torch.randn(weight.out_features, generator=torch.Generator().manual_seed(1))
     layer = Linear.kept(weight, bias)
@@ -116,10 +114,10 @@ def test_kept_rows_equal_the_dequantized_product(name: str) -> None:
 @needs_native
 @pytest.mark.parametrize("name", KEPT)
 def test_fused_silu_is_silu_mul_of_the_product(name: str) -> None:
-    """Every rung's fused SiLU kernel: int8, the float32 bits of silu_mul of its product;
-    bf16 BLAS, those of the bf16 silu_mul of the product rounded to bf16."""
+    """Every rung's fused SiLU kernel (bf16 BLAS: the bits of the bf16 silu_mul of the
+    product rounded to bf16); a rung without one, silu_mul of its product."""
     if not _usable(name):
-        pytest.skip("no qgemm_i8 in this build (needs AVX512-VNNI)")
+        pytest.skip(f"row {name} not in this build (the repacked row needs AVX512-VNNI)")
     weight = _kept_weight()
     layer = Linear.kept(weight)
     layer.select(row(name))
@@ -138,7 +136,7 @@ def test_fused_silu_is_silu_mul_of_the_product(name: str) -> None:
             assert torch.equal(out.float(), unfused.bfloat16().float())
         else:
             assert torch.equal(out, unfused)
-    assert (fused_seen > 0) == (name != "kept/f32")  # the bf16 BLAS and int8 rungs
+    assert (fused_seen > 0) == (name == "kept/bf16")  # the bf16 BLAS rung
 
 
 @needs_native
@@ -151,13 +149,11 @@ def test_settings_choose_rows_by_weight() -> None:
     kept = _kept_weight()
     assert ProductSettings().choose(kept) is row("kept/f32")
     assert ProductSettings(compute_dtype=torch.bfloat16).choose(kept) is row("kept/bf16")
-    half = random_weight((quant.BF16,), (32,), seed=1)  # not read by qgemm_i8
-    for int8 in ("prefill", "panels"):
-        settings = ProductSettings(compute_dtype=torch.bfloat16, int8=int8)
-        assert settings.choose(half) is row("kept/bf16")
-        if native.has_qgemm_i8():
-            kind = "kept-i8panels" if int8 == "panels" else "kept-i8"
-            assert settings.choose(kept) is row(f"{kind}/bf16")
+    half = random_weight((quant.BF16,), (32,), seed=1)  # not repacked
+    settings = ProductSettings(compute_dtype=torch.bfloat16, repacked=True)
+    assert settings.choose(half) is row("kept/bf16")
+    repacked = "repacked/avx512-vnni"
+    assert settings.choose(kept) is (row(repacked) if repacked in table() else row("kept/bf16"))
     with pytest.raises(KeyError, match="no product row 'kept/f16'"):
         row("kept/f16")
     assert BLAS["none"] is row("torch")
@@ -169,9 +165,6 @@ def test_kept_ladders_hold_the_thresholds() -> None:
     assert [r.max_rows for r in row("kept/f32").ladder] == [qgemm, None]
     assert [r.max_rows for r in row("kept/bf16").ladder] == \
         [quant.BF16_MIN_ROWS - 1, qgemm_max_rows(torch.bfloat16), None]
-    tops = [r.max_rows for r in row("kept-i8/f32").ladder]
-    assert tops[-1] is None and tops[-2] == INT8_MIN_ROWS - 1
-    assert [r.max_rows for r in row("kept-i8panels/f32").ladder] == [None]
     assert [r.max_rows for r in row("panels/torch").ladder] == [build.NATIVE_MAX_ROWS, None]
 
 

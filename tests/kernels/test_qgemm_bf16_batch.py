@@ -144,7 +144,7 @@ def test_descriptors_and_flags() -> None:
     lib = build.loaded()
     x, y = torch.randn(2, 512), torch.empty(2, 7)
     bad = weight.desc.clone()
-    bad[0] |= 8 * quant.BF16_COMPUTE  # (2x is native.I8_PANELS, 4x the repacked flag)
+    bad[0] |= 8 * quant.BF16_COMPUTE  # (2x was the int8 panels' flag, 4x is the repacked one)
     assert lib.plait_qgemm(x.data_ptr(), 2, 512, bad.data_ptr(), 512, None, y.data_ptr(),
                            7) == SHAPES
     out = torch.empty(7, 512)

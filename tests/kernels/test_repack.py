@@ -11,12 +11,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.native_builds import library_without_avx512vnni
 from helpers.quant_cases import random_part, random_weight
 
 from plait.kernels.cpu import build, quant, repack
 from plait.kernels.cpu.quant import QuantWeight, dequantize_reference
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="native kernels not built")
+SHAPES = build.ABI.constants["PLAIT_ERR_SHAPES"]
 
 TYPES = sorted(repack.REPACKED_TYPES)
 # |y - x_q @ W^T - bias| per element relative to sum |x_q| |w| (+ |bias|): float32 sums of
@@ -152,6 +154,22 @@ def test_what_it_refuses() -> None:
     with pytest.raises(ValueError, match="repack_dequantize"):
         repack.repack_dequantize(packed, torch.tensor([48]))
     assert repack.repack_gemm(torch.randn(0, 64), packed).shape == (0, 48)
+
+
+def test_a_build_without_vnni_has_only_the_plain_c_product(tmp_path) -> None:
+    """Where the CPU has no AVX512-VNNI the build reports the plain C kernel (the engine's
+    `--numerics auto` is then exact: engine/numerics.py) and refuses the VNNI one; its
+    product of the repacked layout is still the plain C bits."""
+    lib = library_without_avx512vnni(tmp_path)
+    assert lib.plait_repack_isa() == repack.ISA_C
+    weight = random_weight((quant.Q4_0,), (32,), 64)
+    packed = repack.repack(weight)
+    x, y = torch.randn(2, 64), torch.empty(2, 32)
+    assert lib.plait_repack_gemm(x.data_ptr(), 2, 64, packed.desc.data_ptr(), 64, None,
+                                 y.data_ptr(), 32, repack.ISA_VNNI512) == SHAPES
+    assert lib.plait_repack_gemm(x.data_ptr(), 2, 64, packed.desc.data_ptr(), 64, None,
+                                 y.data_ptr(), 32, repack.ISA_C) == 0
+    assert torch.equal(y, repack.repack_gemm(x, packed, kernel_isa=repack.ISA_C))
 
 
 # x rows around each type's prefill rung (repack_wide.h's wd_min_rows: Q6_K 8, Q5_0 / Q5_K /

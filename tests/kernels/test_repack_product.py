@@ -27,7 +27,7 @@ def test_the_row_takes_repacked_types_only() -> None:
     half = QuantWeight.build([random_part(quant.BF16, 8, 512, rng)], 512)
     assert product.takes(weight) and not product.takes(half)
     assert not product.takes(torch.zeros(8, 512))
-    settings = ProductSettings(int8="repacked")
+    settings = ProductSettings(repacked=True)
     assert settings.choose(weight) is product
     assert settings.choose(half).name == "kept/f32"
     assert ProductSettings().choose(weight).name == "kept/f32"
