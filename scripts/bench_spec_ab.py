@@ -22,6 +22,7 @@ drop_checkout_root()
 import torch  # noqa: E402
 
 from plait import LLM, SamplingParams  # noqa: E402
+from plait.bench.engine_options import engine_options  # noqa: E402
 
 FUNCTION = '''def summarize(values, percentiles=(50, 90, 99), drop_outliers=False):
     """Count, mean, standard deviation and percentiles of a list of numbers.
@@ -88,11 +89,7 @@ def main() -> None:
                              "numerics=exact")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    options: dict[str, object] = {}
-    for item in args.engine_option:
-        name, _, value = item.partition("=")
-        options[name] = (value == "true" if value in ("true", "false")
-                         else int(value) if value.isdigit() else value)
+    options = engine_options(args.engine_option)
     llm = LLM(args.model, speculative_config=args.spec, num_kv_blocks=1024, **options)
     spec = llm.engine.spec
     for name, text in PROMPTS.items():

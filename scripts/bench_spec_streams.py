@@ -27,6 +27,7 @@ drop_checkout_root()
 import torch  # noqa: E402
 
 from plait import LLM, SamplingParams  # noqa: E402
+from plait.bench.engine_options import engine_options  # noqa: E402
 from plait.bench.texts import edit_prompt  # noqa: E402
 from plait.engine.spec.config import SpeculativeConfig  # noqa: E402
 from plait.engine.spec.policy import SpecPolicy  # noqa: E402
@@ -66,11 +67,7 @@ def main() -> None:
                         help="an EngineConfig field (true/false, an int or a string)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    options: dict[str, object] = {}
-    for item in args.engine_option:
-        name, _, value = item.partition("=")
-        options[name] = (value == "true" if value in ("true", "false")
-                         else int(value) if value.isdigit() else value)
+    options = engine_options(args.engine_option)
     config = SpeculativeConfig.parse(args.spec)
     llm = LLM(args.model, speculative_config=config, num_kv_blocks=2048,
               max_num_batched_tokens=4096, **options)

@@ -27,6 +27,7 @@ import sys
 import time
 
 from plait import LLM, SamplingParams
+from plait.bench.engine_options import engine_options
 
 PROMPTS = [
     "The capital of France is",
@@ -38,23 +39,10 @@ PROMPTS = [
 
 def parse_options(spec: str) -> dict[str, object]:
     """"a=1,b=true,c=x" -> {"a": 1, "b": True, "c": "x"}."""
-    options: dict[str, object] = {}
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise SystemExit(f"option {item!r}: expected KEY=VALUE")
-        value: object = raw
-        if raw.lower() in ("true", "false"):
-            value = raw.lower() == "true"
-        else:
-            for kind in (int, float):
-                try:
-                    value = kind(raw)
-                    break
-                except ValueError:
-                    continue
-        options[key] = value
-    return options
+    try:
+        return engine_options(filter(None, (part.strip() for part in spec.split(","))))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
