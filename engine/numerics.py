@@ -3,7 +3,7 @@
 Three modes, each a superset of the one below it in speed and a step away from exact
 float32 arithmetic:
 
-* ``int8`` (the default on a CPU with AVX512-VNNI): a GGUF's quantized weights are repacked
+* ``int8`` (the default for a GGUF file on a CPU with AVX512-VNNI): a GGUF's quantized weights are repacked
   once at load at their own bit width (kernels/cpu/repack.py; the file's blocks are then
   released) and every product of them quantizes x to int8 per 32 weights, as llama.cpp
   does; everything else is as ``bf16``.
@@ -14,8 +14,8 @@ float32 arithmetic:
   greedy output equals transformers' on the same weights.
 
 ``auto`` resolves to ``int8`` for a GGUF file on a float32 CPU engine whose native kernels
-have the VNNI repacked product, and to ``exact`` everywhere else (a checkpoint's float
-weights are the reference users compare against) (CUDA computes in the model dtype; the
+have the VNNI repacked product, and to ``exact`` everywhere else: a checkpoint's float
+weights are the reference users compare against, and CUDA computes in the model dtype (the
 numerics modes are the CPU engine's). Asking for ``int8`` or ``bf16`` where they cannot run
 is an error at start, not a silent fallback.
 """

@@ -74,8 +74,8 @@ def stream_chunks(http: httpx.Client, path: str, body: dict) -> list[dict]:
 
 def accumulate(chunks: list[dict]) -> dict[int, dict]:
     """Per choice index, what its deltas add up to (as the openai SDK accumulates them):
-    content, reasoning_content, reasoning, tool_calls (functions; ids checked and dropped)
-    and finish_reason. Fields never sent stay None."""
+    content, reasoning_content, reasoning, tool_calls (functions; ids checked and dropped;
+    a call's later pieces, without an id, add to its arguments) and finish_reason. Fields never sent stay None."""
     result: dict[int, dict] = {}
     for chunk in chunks:
         for choice in chunk["choices"]:
@@ -87,9 +87,14 @@ def accumulate(chunks: list[dict]) -> dict[int, dict]:
                 if delta.get(key):
                     entry[key] = (entry[key] or "") + delta[key]
             for call in delta.get("tool_calls", []):
-                assert call["index"] == len(entry["tool_calls"])
+                calls = entry["tool_calls"]
+                if call["index"] == len(calls) - 1 and "id" not in call:
+                    # a later piece of the last call (its arguments, streamed on)
+                    calls[-1]["arguments"] += call["function"].get("arguments", "")
+                    continue
+                assert call["index"] == len(calls)
                 assert is_call_id(call.pop("id")) and call.pop("type") == "function"
-                entry["tool_calls"].append(call["function"])
+                calls.append(call["function"])
             entry["finish_reason"] = choice["finish_reason"] or entry["finish_reason"]
     return result
 
