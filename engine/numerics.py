@@ -3,10 +3,10 @@
 Three modes, each a superset of the one below it in speed and a step away from exact
 float32 arithmetic:
 
-* ``int8`` (the default for a GGUF file on a CPU with AVX512-VNNI): a GGUF's quantized weights are repacked
-  once at load at their own bit width (kernels/cpu/repack.py; the file's blocks are then
-  released) and every product of them quantizes x to int8 per 32 weights, as llama.cpp
-  does; everything else is as ``bf16``.
+* ``int8`` (the default for a GGUF file on a CPU with AVX512-VNNI): a GGUF's quantized
+  weights are repacked once at load at their own bit width (kernels/cpu/repack.py; the
+  file's blocks are then released) and every product of them quantizes x to int8 per 32
+  weights, as llama.cpp does; everything else is as ``bf16``.
 * ``bf16``: the kept weights' products compute bf16 x bf16 with float32 sums, the KV cache
   holds bf16, and the attention over shared tokens (prefill tiles, n choices' prompt) takes
   bf16 dot products.

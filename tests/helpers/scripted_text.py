@@ -75,7 +75,8 @@ def stream_chunks(http: httpx.Client, path: str, body: dict) -> list[dict]:
 def accumulate(chunks: list[dict]) -> dict[int, dict]:
     """Per choice index, what its deltas add up to (as the openai SDK accumulates them):
     content, reasoning_content, reasoning, tool_calls (functions; ids checked and dropped;
-    a call's later pieces, without an id, add to its arguments) and finish_reason. Fields never sent stay None."""
+    a call's later pieces, without an id, add to its arguments) and finish_reason. Fields
+    never sent stay None."""
     result: dict[int, dict] = {}
     for chunk in chunks:
         for choice in chunk["choices"]:
