@@ -6,7 +6,8 @@ W6 code edit (plait/bench/texts.py), with and without speculative decoding, in p
 
 Every stream is the same greedy chat request (the edit prompt), so each stream's drafts
 are accepted as often as one stream's: the table shows the step's cost, not a change in
-acceptance. Speculation runs at every batch size here (`disable_by_batch_size` is lifted)
+acceptance. Speculation runs at every batch size here (`disable_by_batch_size` is lifted unless
+`--keep-policy`)
 and the two modes alternate on one engine (plain, spec, plain, spec...) so a load change
 on a shared machine hits both. Decode tokens/s counts the tokens after each stream's
 first over the time from the step that made the last first token to the last step; the
@@ -65,6 +66,9 @@ def main() -> None:
                         help="torch threads (default 1: steadier on a shared machine)")
     parser.add_argument("--engine-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an EngineConfig field (true/false, an int or a string)")
+    parser.add_argument("--keep-policy", action="store_true",
+                        help="keep the configured disable_by_batch_size (default: lifted), "
+                             "to check what a server's policy gives at each B")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     options = engine_options(args.engine_option)
@@ -73,6 +77,7 @@ def main() -> None:
               max_num_batched_tokens=4096, **options)
     spec = llm.engine.spec
     assert spec is not None
+    limit = spec.policy.disable_by_batch_size if args.keep_policy else 10**9
     ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
         edit_prompt().messages, add_generation_prompt=True, tokenize=False))
     run(llm, ids, 1, 8, "warm")
@@ -87,7 +92,8 @@ def main() -> None:
             for mode in ("plain", "spec"):
                 llm.engine.spec = spec if mode == "spec" else None
                 # a fresh policy each run: no pause carried over, at any batch size
-                spec.policy = SpecPolicy(spec.max_k, disable_by_batch_size=10**9)
+                # (with --keep-policy: up to the configured one)
+                spec.policy = SpecPolicy(spec.max_k, disable_by_batch_size=limit)
                 rate, _, out = run(llm, ids, num_streams, args.max_tokens,
                                    f"{mode}-{num_streams}-{turn}")
                 rates[mode].append(rate)
