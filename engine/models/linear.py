@@ -183,7 +183,7 @@ class QuantEmbedding(nn.Module):
 def weight_bytes(model: nn.Module) -> tuple[int, int]:
     """(kept, dense): the bytes of `model`'s weights kept in their file's format (each
     `QuantWeight` once), and of the rest: float parameters plus each row's own packed
-    copies (panels, MKL/oneDNN packs, int8 panels). Buffers (RoPE tables) are not
+    copies (panels, MKL/oneDNN packs, repacked weights). Buffers (RoPE tables) are not
     weights."""
     kept: dict[int, int] = {}
     dense: dict[int, int] = {}

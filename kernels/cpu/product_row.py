@@ -20,10 +20,10 @@ Weight = torch.Tensor | QuantWeight  # [N, K] dense (a Parameter), or kept GGML 
 class ProductState:
     """What a row's kernels read for one weight, written once by the row's `prepare`.
     `weight` / `qweight`: the weight as loaded (the module's Parameter, shared by ties; or
-    the kept blocks); `packed`: the row's own copy (MKL pack, oneDNN layout, float32 or
-    int8 panels); `large`: the BLAS row's state under native panels; `desc`: the int64
-    descriptor qgemm and the native stack read; `scratch`: the dequantized product's row
-    chunks."""
+    the kept blocks); `packed`: the row's own copy (MKL pack, oneDNN layout, float32
+    panels, the repacked weight); `large`: the BLAS row's state under native panels;
+    `desc`: the int64 descriptor qgemm and the native stack read; `scratch`: the
+    dequantized product's row chunks."""
 
     in_features: int
     out_features: int

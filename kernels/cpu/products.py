@@ -30,7 +30,7 @@ A row (`Product`) holds:
 How to add a row (for example a repacked format): write its `prepare` (pack the weight,
 return a `ProductState` whose `packed` holds the new layout and whose `desc` is what your
 kernels read), its kernels `(state, x [M, K] float32) -> y [M, N] float32`, and its ladder;
-build the `Product` in `_build_rows` below (a new name), and put it in `preference(...)`'s
+build the `Product` and add it in `_table` below (a new name), and put it in `preference(...)`'s
 order for the settings that should choose it (the first row of that order whose `takes`
 accepts a weight computes it). A row the native stack cannot read returns None from
 `stack`. The tests force a row by name (`row(name)`), so add the row's kernel test there
