@@ -38,9 +38,12 @@ class EngineConfig:
     (engine/kv_warm.py; 0, the default: off), so a burst after a pause does not pay their
     first write. `warm_up_tokens`: the model runs a dummy prompt of that many tokens once
     at start (ModelRunner.warm_up), so the first real prefill does not pay one-time costs
-    (0: none). `max_prefill_tokens_with_decodes` caps the prefill tokens of a step that
-    also decodes (0: only `max_num_batched_tokens`), so running streams are not stalled
-    behind a long prefill chunk.
+    (0: none). `idle_memory_release_s`: a CPU engine process gives its C heap's free pages
+    (the steps' temporaries, kept mapped while it works) back to the OS once it has waited
+    that long for a command (engine/host_memory.py's IdleHeapRelease; 0: never).
+    `max_prefill_tokens_with_decodes` caps the prefill tokens of a step that also decodes
+    (0: only `max_num_batched_tokens`), so running streams are not stalled behind a long
+    prefill chunk.
 
     The kernels below the model runner, chosen once when it starts (kernels/ops.py):
     `native` uses the native CPU kernels (float32 CPU, where they build); `cascade` attends
@@ -96,6 +99,7 @@ class EngineConfig:
     kv_cache_prefault: bool = False
     kv_cache_warm_tokens: int = 0
     warm_up_tokens: int = 512
+    idle_memory_release_s: float = 10.0
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -131,6 +135,8 @@ class EngineConfig:
             raise ValueError("warm_up_tokens must be >= 0 (0: no warm-up)")
         if self.kv_cache_warm_tokens < 0:
             raise ValueError("kv_cache_warm_tokens must be >= 0 (0: off)")
+        if not self.idle_memory_release_s >= 0:
+            raise ValueError("idle_memory_release_s must be >= 0 (0: never)")
         if self.max_prefill_tokens_with_decodes < 0:
             raise ValueError("max_prefill_tokens_with_decodes must be >= 0 (0: no cap)")
         if self.dtype not in VALID_DTYPES:

@@ -66,6 +66,8 @@ from plait.engine.wire import (
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from plait.engine.host_memory import IdleHeapRelease
+
 logger = logging.getLogger("plait.engine")
 
 PROCESS_NAME = "plait-engine"  # the child's name in `ps -o comm` (Linux)
@@ -253,9 +255,10 @@ def run_engine_process(conn: Connection, start_frame: bytes) -> None:
     except Exception as exc:  # one line, no traceback: usually a bad model path
         _send_quietly(conn, FatalEvent(f"{type(exc).__name__}: {exc}", loading=True))
         return
+    release = _idle_release(start.config, core.info)
     try:
         conn.send_bytes(encode(ReadyEvent(core.info, os.getpid(), core.stats())))
-        run_core_loop(core, lambda block: _receive(conn, block),
+        run_core_loop(core, lambda block: _receive(conn, block, release),
                       lambda deltas, stats: _emit(conn, deltas, stats))
     except (BrokenPipeError, ConnectionResetError):
         return  # the server is gone; nobody to tell
@@ -265,15 +268,32 @@ def run_engine_process(conn: Connection, start_frame: bytes) -> None:
         sys.exit(1)
     finally:
         core.close()  # flush the KV events still queued, close their sockets
+        if release is not None:
+            release.close()
 
 
-def _receive(conn: Connection, block: bool) -> Command | None:
+def _idle_release(config: EngineConfig, info: RuntimeInfo) -> IdleHeapRelease | None:
+    """The heap release of a CPU engine (`idle_memory_release_s`), or None (0, or CUDA)."""
+    if not config.idle_memory_release_s or info.device != "cpu":
+        return None
+    from plait.engine.host_memory import IdleHeapRelease
+
+    return IdleHeapRelease(config.idle_memory_release_s)
+
+
+def _receive(conn: Connection, block: bool,
+             release: IdleHeapRelease | None = None) -> Command | None:
     if not block and not conn.poll():
         return None
+    if block and release is not None:
+        release.waiting()
     try:
         return decode_command(conn.recv_bytes())
     except EOFError:  # the server closed its end (or died): stop
         return ShutdownCommand()
+    finally:
+        if block and release is not None:
+            release.working()
 
 
 def _emit(conn: Connection, deltas: list[RequestDelta], stats: EngineStats) -> None:

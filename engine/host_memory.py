@@ -19,6 +19,9 @@ import functools
 import logging
 import math
 import mmap
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -157,5 +160,70 @@ def warm_sampler(sampler: Sampler, vocab_size: int, max_rows: int) -> int:
     return rows
 
 
-__all__ = ["HUGE_PAGE", "keep_freed_memory_mapped", "kv_zeros", "populate_writable",
-           "release_free_heap", "warm_sampler"]
+class IdleHeapRelease:
+    """Gives the C heap's free pages back to the OS (`release`, by default
+    `release_free_heap`) once the engine has waited idle for `after_s` seconds, at most once
+    per idle period and only if it worked since the last release: the decay that jemalloc
+    applies to dirty pages (10 s by default), here for the temporaries that
+    `keep_freed_memory_mapped` keeps resident for the next step. A burst of requests keeps
+    its mapped pages; a server left idle shrinks to its weights, its KV cache's used pages
+    and its runtime, and the first step after that pause pays the page faults again.
+
+    The engine loop calls `waiting()` right before it blocks for a command and `working()`
+    as soon as it has one; a daemon thread (started here) does the release in between, so a
+    step never waits for it. A release that races a command's arrival delays that command
+    only by glibc's own locks, and the step it starts may fault back a page just released.
+    """
+
+    def __init__(self, after_s: float, release: Callable[[], bool] = release_free_heap) -> None:
+        if after_s <= 0:
+            raise ValueError(f"after_s must be > 0, got {after_s}")
+        self.after_s = after_s
+        self.releases = 0  # how many releases ran (for the log and tests)
+        self._release = release
+        self._cond = threading.Condition()
+        self._idle_since: float | None = None
+        self._worked = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="plait-heap-release", daemon=True)
+        self._thread.start()
+
+    def waiting(self) -> None:
+        """The loop is about to block with nothing to do."""
+        with self._cond:
+            self._idle_since = time.monotonic()
+            self._cond.notify()
+
+    def working(self) -> None:
+        """The loop has work again (a command arrived)."""
+        with self._cond:
+            self._idle_since, self._worked = None, True
+
+    def close(self) -> None:
+        """Stop the thread (a release under way finishes first)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._due():
+                    since = self._idle_since
+                    wait = None if since is None or not self._worked else \
+                        since + self.after_s - time.monotonic()
+                    self._cond.wait(wait)
+                if self._closed:
+                    return
+                self._worked = False  # this idle period is released; wait for new work
+            self._release()  # outside the lock: a command arriving now does not wait
+            self.releases += 1
+
+    def _due(self) -> bool:
+        since = self._idle_since
+        return since is not None and self._worked and time.monotonic() >= since + self.after_s
+
+
+__all__ = ["HUGE_PAGE", "IdleHeapRelease", "keep_freed_memory_mapped", "kv_zeros",
+           "populate_writable", "release_free_heap", "warm_sampler"]

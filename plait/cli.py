@@ -99,6 +99,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--warm-up-tokens", int,
            "tokens of the dummy prompt run once at start, so the first real prefill does "
            "not pay one-time costs (0: none)"),
+    Option("--idle-memory-release-s", float,
+           "seconds a CPU engine waits idle before it gives its steps' freed temporaries "
+           "back to the OS (0: never)"),
     Option("--gpu-memory-utilization", float, "fraction of GPU memory for weights + KV cache"),
     Option("--max-num-seqs", int, "most sequences running at once"),
     Option("--max-num-batched-tokens", int, "most tokens computed per engine step"),

@@ -5,9 +5,12 @@ end, the child's death, SIGTERM drain, and the child dying with the server."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -20,7 +23,8 @@ from plait.engine import wire
 from plait.engine.client import EngineLoadError
 from plait.engine.config import EngineConfig, RuntimeInfo
 from plait.engine.core_api import EngineStats
-from plait.engine.engine_process import PROCESS_NAME, ProcessEngine
+from plait.engine.engine_process import PROCESS_NAME, ProcessEngine, _idle_release, _receive
+from plait.engine.host_memory import IdleHeapRelease
 from plait.engine.outputs import RequestDelta, TokenLogprob
 from plait.engine.sampling_params import SamplingParams
 
@@ -83,6 +87,44 @@ def test_malformed_frames_are_rejected_cleanly() -> None:
 
 
 # ---------------------------------------------------------------- ProcessEngine directly
+def test_a_blocking_receive_is_the_idle_period_of_the_heap_release() -> None:
+    """The child's `_receive` marks the pipe wait of an idle loop (block=True) as idle for
+    `IdleHeapRelease` and the command's arrival as work; a polling receive (block=False, the
+    loop still busy) marks nothing. So a wait longer than `after_s` after work releases once;
+    the release runs while the loop waits, not in a step."""
+    calls: list[float] = []
+    release = IdleHeapRelease(0.2, release=lambda: calls.append(time.monotonic()) or True)
+    parent, child = multiprocessing.Pipe()
+    try:
+        assert _receive(child, False, release) is None  # busy loop polling: not idle
+        time.sleep(0.4)
+        assert calls == []
+        parent.send_bytes(wire.encode(wire.AbortCommand("r-0")))
+        assert _receive(child, True, release) == wire.AbortCommand("r-0")  # work
+        timer = threading.Timer(0.8, lambda: parent.send_bytes(
+            wire.encode(wire.AbortCommand("r-1"))))
+        timer.start()
+        assert _receive(child, True, release) == wire.AbortCommand("r-1")  # 0.8 s idle
+        timer.join()
+        assert len(calls) == 1
+    finally:
+        release.close()
+        parent.close()
+        child.close()
+
+
+def test_the_heap_release_is_for_cpu_engines_with_a_delay() -> None:
+    cpu = RuntimeInfo("cpu", "float32", 64, 128, 100, (0, 2), "m")
+    release = _idle_release(EngineConfig(idle_memory_release_s=2.5), cpu)
+    assert release is not None and release.after_s == 2.5
+    release.close()
+    assert _idle_release(EngineConfig(idle_memory_release_s=0), cpu) is None
+    cuda = RuntimeInfo("cuda:0", "float32", 64, 128, 100, (0, 2), "m")
+    assert _idle_release(EngineConfig(), cuda) is None
+    with pytest.raises(ValueError, match="idle_memory_release_s"):
+        EngineConfig(idle_memory_release_s=-1)
+
+
 def test_process_engine_serves_and_reports_fresh_stats(tiny_path: Path) -> None:
     engine = ProcessEngine(EngineConfig(model=str(tiny_path), num_kv_blocks=64))
 

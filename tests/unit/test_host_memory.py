@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import mmap
 import textwrap
+import time
 
 import pytest
 import torch
 from helpers.pages import resident_pages
 from helpers.paths import run_python
 
-from plait.engine.host_memory import MMAP_THRESHOLD, warm_sampler
+from plait.engine.host_memory import MMAP_THRESHOLD, IdleHeapRelease, warm_sampler
 from plait.engine.sampler import Sampler, SamplingMetadata
 from plait.engine.sampling_params import SamplingParams
 
@@ -239,3 +240,82 @@ def test_the_engine_prefaults_its_kv_pool_when_asked(tiny_path, tmp_path, prefau
         assert pool_kib <= resident_kib <= pool_kib + 2 * 1024 + 4
     else:
         assert resident_kib < 64
+
+
+IDLE_RELEASE = textwrap.dedent("""
+    import ctypes, time
+    from plait.engine.host_memory import IdleHeapRelease, keep_freed_memory_mapped
+    def anon_mib():
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) // 1024
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    assert keep_freed_memory_mapped()
+    blocks = [libc.malloc(8 << 20) for _ in range(24)]  # 192 MiB of step temporaries
+    for block in blocks:
+        ctypes.memset(block, 1, 8 << 20)
+    for block in blocks:
+        libc.free(block)
+    held = anon_mib()
+    release = IdleHeapRelease(0.2)
+    release.working()
+    release.waiting()
+    deadline = time.monotonic() + 30
+    while release.releases == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print(release.releases, held - anon_mib())
+    release.close()
+""")
+
+
+def test_an_idle_engine_gives_the_kept_temporaries_back(tmp_path) -> None:
+    """192 MiB freed under `keep_freed_memory_mapped` stay resident until the engine has
+    waited idle for `after_s`; then the release gives them back to the OS."""
+    result = run_python(IDLE_RELEASE, tmp_path)
+    assert result.returncode == 0, result.stderr
+    releases, freed_mib = map(int, result.stdout.split())
+    assert releases == 1
+    assert freed_mib >= 180
+
+
+def _wait_for(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
+def test_the_release_waits_for_a_whole_idle_period_after_work() -> None:
+    """No release without work since the last one, none for an idle period cut short by a
+    command, exactly one per idle period that lasts `after_s`."""
+    calls: list[float] = []
+    release = IdleHeapRelease(0.3, release=lambda: calls.append(time.monotonic()) or True)
+    try:
+        release.waiting()  # idle from the start: nothing was used yet
+        time.sleep(0.6)
+        assert calls == []
+        release.working()
+        release.waiting()
+        time.sleep(0.05)
+        release.working()  # a command came within after_s: that period is not released
+        time.sleep(0.6)
+        assert calls == []
+        idle_at = time.monotonic()
+        release.waiting()
+        assert _wait_for(lambda: len(calls) == 1)
+        assert calls[0] - idle_at >= 0.3
+        time.sleep(0.6)  # still idle: no second release for the same period
+        assert len(calls) == 1
+        release.working()
+        release.waiting()
+        assert _wait_for(lambda: len(calls) == 2)
+        assert release.releases == 2
+    finally:
+        release.close()
+
+
+def test_after_s_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="after_s must be > 0"):
+        IdleHeapRelease(0)
