@@ -45,10 +45,12 @@ choice), decode tokens/s (after the first token: (tokens - 1) / (last - first to
 the figure speculation moves), the delta of Plait's `plait_prompt_tokens_computed_total`
 from /metrics where the server exports it, and the speculative decoding counters' deltas
 (vLLM's `vllm:spec_decode_*`, which Plait exports too) with the acceptance rate where the
-server has them. After the workloads, before the server is stopped, its resident
-memory: the VmRSS of every process in its process group (the API server, an engine child,
-vLLM's EngineCore and workers), summed; memory-mapped weight files count as far as they are
-resident.
+server has them. Resident memory: the VmRSS of every process in the server's process group
+(the API server, an engine child, vLLM's EngineCore and workers), summed (memory-mapped
+weight files count as far as they are resident): right after the workloads, before the
+server is stopped; the peak of a sample every 0.5 s while they ran; and with `--idle-wait
+S`, once more after S seconds without requests (a server that gives memory back when idle,
+as Plait's engine does after `--idle-memory-release-s`, shows it there).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -208,6 +211,30 @@ def group_rss_bytes(pgid: int) -> int:
     return total
 
 
+class PeakRss:
+    """The largest `group_rss_bytes(pgid)` seen by a thread sampling every `every_s` seconds
+    while the `with` block runs (`bytes`; 0 before the first sample)."""
+
+    def __init__(self, pgid: int, every_s: float = 0.5) -> None:
+        self.pgid, self.every_s, self.bytes = pgid, every_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            self.bytes = max(self.bytes, group_rss_bytes(self.pgid))
+            if self._stop.wait(self.every_s):
+                return
+
+
 def wait_ready(process: subprocess.Popen, url: str, timeout: float) -> str:
     """Poll until the server is ready; returns the model name. Raises RuntimeError."""
     deadline = time.monotonic() + timeout
@@ -240,7 +267,7 @@ async def bench_server(url: str, model: str, args) -> dict[str, Any]:
 def run_server(name: str, command: str, args) -> dict[str, Any]:
     entry: dict[str, Any] = {"name": name, "command": command, "log": None, "error": None,
                              "model": None, "startup_s": None, "workloads": {},
-                             "rss_bytes": None}
+                             "rss_bytes": None, "rss_peak_bytes": None, "rss_idle_bytes": None}
     began = time.monotonic()
     try:
         server = launch_command(command, log_prefix=f"bench-{name}-")
@@ -253,8 +280,13 @@ def run_server(name: str, command: str, args) -> dict[str, Any]:
         entry["startup_s"] = time.monotonic() - began
         print(f"[{name}] ready in {entry['startup_s']:.1f} s, model {entry['model']}",
               file=sys.stderr)
-        entry["workloads"] = asyncio.run(bench_server(server.url, entry["model"], args))
+        with PeakRss(server.process.pid) as peak:
+            entry["workloads"] = asyncio.run(bench_server(server.url, entry["model"], args))
         entry["rss_bytes"] = group_rss_bytes(server.process.pid)
+        entry["rss_peak_bytes"] = max(peak.bytes, entry["rss_bytes"])
+        if args.idle_wait > 0:
+            time.sleep(args.idle_wait)
+            entry["rss_idle_bytes"] = group_rss_bytes(server.process.pid)
     except RuntimeError as exc:
         tail = server.log()[-1500:]
         entry["error"] = str(exc)
@@ -288,7 +320,8 @@ def merge_rounds(entries: list[dict[str, Any]]) -> dict[str, Any]:
         "error": next((e["error"] for e in entries if e["error"]), None),
         "model": next((e["model"] for e in entries if e["model"]), None),
         "startup_s": _median([e["startup_s"] for e in entries]),
-        "rss_bytes": _median([e["rss_bytes"] for e in entries]),
+        **{key: _median([e.get(key) for e in entries])
+           for key in ("rss_bytes", "rss_peak_bytes", "rss_idle_bytes")},
         "workloads": {}, "rounds": entries}
     for name in dict.fromkeys(name for e in entries for name in e["workloads"]):
         runs = [e["workloads"][name] for e in entries if name in e["workloads"]]
@@ -355,12 +388,19 @@ def table(servers: list[dict[str, Any]]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines += ["W6/W7 tokens = output/max_tokens: greedy, ended by the model"] if any(
         name in TEXT_WORKLOADS for server in servers for name in server["workloads"]) else []
-    lines += [f"{server['name']}: resident memory after the run "
-              f"{server['rss_bytes'] / 1e9:.2f} GB" for server in servers
-              if server.get("rss_bytes")]
+    lines += [_memory_line(server) for server in servers if server.get("rss_bytes")]
     rounds = max((len(server.get("rounds", [server])) for server in servers), default=1)
     note = f"; medians of {rounds} rounds, (min-max)" if rounds > 1 else ""
     return "\n".join(lines) + f"\n(latencies in ms; tokens = output/expected{note})"
+
+
+def _memory_line(server: dict[str, Any]) -> str:
+    line = f"{server['name']}: resident memory after the run {server['rss_bytes'] / 1e9:.2f} GB"
+    if server.get("rss_peak_bytes"):
+        line += f", peak while it ran {server['rss_peak_bytes'] / 1e9:.2f} GB"
+    if server.get("rss_idle_bytes"):
+        line += f", after the idle wait {server['rss_idle_bytes'] / 1e9:.2f} GB"
+    return line
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -376,6 +416,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-extras", action="store_true",
                         help="do not send the vLLM extras ignore_eos / min_tokens")
     parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
+    parser.add_argument("--idle-wait", type=float, default=0.0, metavar="S",
+                        help="after the workloads, wait S seconds and read the resident "
+                             "memory again (0: do not)")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--rounds", type=int, default=1,

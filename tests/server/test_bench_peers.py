@@ -15,7 +15,8 @@ SCRIPT = SCRIPTS / "bench_peers.py"
 
 def test_bench_peers_reports_exact_token_counts(tmp_path, tiny_path) -> None:
     serve = (f"{shlex.quote(sys.executable)} -m plait serve {shlex.quote(str(tiny_path))} "
-             "--port {port} --num-kv-blocks 128 --max-num-seqs 32 --log-level warning")
+             "--port {port} --num-kv-blocks 128 --max-num-seqs 32 --log-level warning "
+             "--idle-memory-release-s 0.5")
     out = tmp_path / "peers.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PLAIT_")}
     if "PLAIT_CACHE" in os.environ:
@@ -23,7 +24,8 @@ def test_bench_peers_reports_exact_token_counts(tmp_path, tiny_path) -> None:
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--server", "broken=false {port}",
          "--server", f"plait={serve}", "--workloads", "W3,W5,W6", "--tokens", "8",
-         "--prompt-tokens", "32", "--startup-timeout", "240", "--json", str(out)],
+         "--prompt-tokens", "32", "--startup-timeout", "240", "--idle-wait", "1.5",
+         "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1, result.stderr  # the broken server fails, the run goes on
     assert "[broken] FAILED: exited with status 1" in result.stderr
@@ -64,7 +66,12 @@ def test_bench_peers_reports_exact_token_counts(tmp_path, tiny_path) -> None:
     # resident memory of the server's process group, taken before it was stopped: a Python
     # server holding torch is hundreds of MB; the failed one has none
     assert plait["rss_bytes"] > 100e6 and broken["rss_bytes"] is None
+    # sampled while the workloads ran (at least the reading after them), and read again
+    # after --idle-wait
+    assert plait["rss_peak_bytes"] >= plait["rss_bytes"] and plait["rss_idle_bytes"] > 100e6
+    assert broken["rss_peak_bytes"] is None and broken["rss_idle_bytes"] is None
     assert "plait: resident memory after the run" in result.stdout
+    assert "peak while it ran" in result.stdout and "after the idle wait" in result.stdout
 
 
 def test_group_rss_counts_every_process_of_the_group() -> None:
