@@ -18,7 +18,7 @@ WEIGHT_FORMATS = ("auto", "float32")
 # The engine's arithmetic (EngineConfig's docstring, engine/numerics.py).
 NUMERICS = ("auto", "int8", "bf16", "exact")
 # The KV cache's element type: "auto" the model dtype, or bfloat16 (see EngineConfig).
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 # KV-cache events: vLLM's tagged-map events (vLLM >= 0.24) or tagged arrays (older).
 KV_EVENTS_ENCODINGS = ("map", "array")
 
@@ -74,7 +74,9 @@ class EngineConfig:
     measured as llama-perplexity measures it: BENCHMARKS.md.
 
     `kv_cache_dtype` "auto" stores K and V as `numerics` says (bf16 for "int8" and "bf16",
-    else the model dtype: float32 on a float32 CPU engine); "bfloat16" stores them as bf16,
+    else the model dtype: float32 on a float32 CPU engine); "float32" (CPU) keeps them, and
+    the attention over them, in float32 whatever the mode (under "int8": its products with
+    an exact attention, twice the KV bytes of "auto"); "bfloat16" stores them as bf16,
     rounded to nearest even when written and widened to float32 (exactly) inside the
     attention, which still computes in float32 (but for `numerics` "int8" and "bf16",
     above): half the bytes per block, so the same

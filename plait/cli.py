@@ -138,8 +138,8 @@ OPTIONS: tuple[Option, ...] = (
            NUMERICS),
     Option("--kv-cache-dtype", str,
            "the KV cache's element type: auto (bfloat16 under --numerics int8 or bf16, else "
-           "the model dtype) or bfloat16 (half the bytes of a float32 CPU engine's, so twice "
-           "the blocks)",
+           "the model dtype), bfloat16 (half the bytes of a float32 CPU engine's, so twice "
+           "the blocks) or float32 (CPU: float32 K/V and attention under any --numerics)",
            KV_CACHE_DTYPES),
     Option("--speculative-config", "spec",
            "speculative decoding, vLLM's JSON: e.g. '{\"method\": \"ngram\", "

@@ -1,7 +1,7 @@
-"""`kv_cache_dtype` ("auto" | "bfloat16", `--kv-cache-dtype`): the option's validation and
-resolution, the pool it sizes (twice the blocks in the same memory), and an engine with a
-bfloat16 KV cache generating: prompt sharing for n choices intact, greedy tokens close to
-those of the float32 cache."""
+"""`kv_cache_dtype` ("auto" | "bfloat16" | "float32", `--kv-cache-dtype`): the option's
+validation and resolution, the pool it sizes (twice the blocks in the same memory), an
+engine with a bfloat16 KV cache generating (prompt sharing for n choices intact, greedy
+tokens close to those of the float32 cache), and a float32 cache under the int8 numerics."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from plait import SamplingParams
 from plait.engine.config import EngineConfig
 from plait.engine.kv_cache import resolve_kv_dtype
 from plait.engine.llm import LLM
+from plait.kernels.cpu import build, native, repack
 
 PROMPT_LEN = 60  # block_size 16: 3 full blocks + a partial one (copied on write)
 BF16 = dict(kv_cache_dtype="bfloat16")
@@ -23,7 +24,8 @@ BF16 = dict(kv_cache_dtype="bfloat16")
 def test_config_validates_kv_cache_dtype() -> None:
     assert EngineConfig().kv_cache_dtype == "auto"
     assert EngineConfig.from_kwargs(kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
-    for bad in ("float16", "fp8", "float32"):
+    assert EngineConfig.from_kwargs(kv_cache_dtype="float32").kv_cache_dtype == "float32"
+    for bad in ("float16", "fp8", "f32"):
         with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
             EngineConfig(kv_cache_dtype=bad)
 
@@ -34,10 +36,15 @@ def test_kv_dtype_resolution() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_kv_dtype("auto", torch.float32, cpu) == torch.float32
     assert resolve_kv_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+    # float32 whatever the numerics' own choice (`auto`, here bf16 as under int8)
+    assert resolve_kv_dtype("float32", torch.float32, cpu, torch.bfloat16) == torch.float32
+    assert resolve_kv_dtype("auto", torch.float32, cpu, torch.bfloat16) == torch.bfloat16
     assert resolve_kv_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
     assert resolve_kv_dtype("bfloat16", torch.bfloat16, cuda) == torch.bfloat16
     with pytest.raises(ValueError, match="needs a bfloat16 model"):
         resolve_kv_dtype("bfloat16", torch.float16, cuda)
+    with pytest.raises(ValueError, match="needs a float32 model"):
+        resolve_kv_dtype("float32", torch.bfloat16, cuda)
 
 
 def test_bf16_pool_holds_twice_the_blocks(tiny_path, caplog) -> None:
@@ -92,3 +99,35 @@ def test_bf16_cache_greedy_tokens_follow_the_float32_cache(default_model) -> Non
         agree += sum(x == y for x, y in zip(a[0], b[0], strict=True))
         total += len(a[0])
     assert agree >= 0.75 * total, (agree, total)
+
+
+@pytest.mark.skipif(not build.available() or repack.isa() != repack.ISA_VNNI512,
+                    reason="--numerics int8 needs the AVX512-VNNI repacked kernel")
+def test_a_float32_cache_under_int8_attends_in_float32() -> None:
+    """`--kv-cache-dtype float32` under `--numerics int8`: the repacked int8 products with a
+    float32 cache and attention (the native stack's float32 code, no bf16 dot products), so
+    the prompt's logprobs are nearer the exact mode's than with int8's own bf16 cache (its
+    quality figures: BENCHMARKS.md)."""
+    prompt = ("The quick brown fox jumps over the lazy dog. " * 3 +
+              "def fibonacci(n):\n    if n < 2:\n        return n\n")
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    logprobs, codes = {}, {}
+    for numerics, kv in (("exact", "auto"), ("int8", "float32"), ("int8", "auto")):
+        llm = LLM(None, numerics=numerics, kv_cache_dtype=kv, num_kv_blocks=64)
+        runner = llm.engine.runner
+        assert runner.numerics.name == numerics and runner.model.stack is not None
+        codes[numerics, kv] = (runner.kv_cache.dtype, runner.model.stack.kv_dtype)
+        out = llm.generate([prompt], params)[0]
+        assert out.prompt_logprobs is not None
+        logprobs[numerics, kv] = [lp.logprob for lp in out.prompt_logprobs[1:] if lp is not None]
+    assert codes["int8", "float32"] == codes["exact", "auto"] == \
+        (torch.float32, native.KV_DTYPES[torch.float32])
+    assert codes["int8", "auto"] == (torch.bfloat16,
+                                     native.KV_DTYPES[torch.bfloat16] | native.ATTN_BF16_DOT)
+    exact = logprobs["exact", "auto"]
+
+    def mean_gap(run: list[float]) -> float:
+        return sum(abs(a - b) for a, b in zip(run, exact, strict=True)) / len(exact)
+
+    assert len(exact) > 30
+    assert 0 < mean_gap(logprobs["int8", "float32"]) < mean_gap(logprobs["int8", "auto"])
