@@ -34,10 +34,14 @@
  * 12 rows of K = 576 (27 KiB) still in L1 (16 rows measured 1.5x slower per row). */
 #define FUSED_ROWS (RMAX < 12 ? RMAX : 12)
 
+struct acts_s;
+
 /* What qgemm and dequantize need of a type, one row of QUANT_TRAITS per GGML type
  * id (defined at the end, once every type's functions are): its block shape and its
  * row functions, each an instantiation for the type (its decoder inlined, the type a
- * constant), in place of a switch over the type. */
+ * constant), in place of a switch over the type. The bfloat16 members are NULL in a build
+ * without AVX512-BF16 (QUANT_BF16), and bf16_tiles / bf16_rows for a type whose quants
+ * quant.h's bf16_quants does not read (Q8_0, F16, BF16). */
 typedef struct {
   long per_block, block_bytes;  /* weights and bytes per block; 0: a type not read here */
   /* 32-weight groups g0 .. g0 + n - 1 of a row into dst [32 n] float32 */
@@ -47,6 +51,17 @@ typedef struct {
                 long ldy, float bias);
   /* one x row factored (quants_32; xsum [K / 32] its group sums), or NULL: tiles */
   float (*factored)(const float *x, const uint8_t *row, long K, const float *xsum);
+  /* y[r * ldy] = x[r] . row + bias for R <= FUSED_ROWS x rows from their bfloat16 pieces
+   * (qgemm_bf16.h's bf16_tile) */
+  void (*bf16_tiles)(const struct acts_s *a, int R, const uint8_t *row, long K, float *y,
+                     long ldy, float bias);
+  /* y[c] = x . row c + bias[c] (bias may be NULL) for WROWS rows row_bytes apart and one x
+   * row's pieces xs and group sums xsum (qgemm_bf16.h's bf16_rows) */
+  void (*bf16_rows)(const uint16_t *xs, const float *xsum, const uint8_t *row,
+                    long row_bytes, long K, float *y, const float *bias);
+  /* a row [K] (K % 32 == 0) into dst [K] (64-byte aligned) as bfloat16 bits
+   * (qgemm_batch_bf16.h) */
+  void (*to_bf16)(const uint8_t *src, long K, uint16_t *dst);
 } quant_traits_t;
 
 typedef struct {
@@ -281,7 +296,7 @@ static void fused_row(const quant_traits_t *t, const float *x, int R, long ldx,
  * 3, 32] bfloat16 (split_row) or NULL: when set, every part of a type bf16_quants reads
  * takes bf16_tile; xb [M, K] x rounded to bfloat16 (dense) or NULL: when set, qgemm_batch
  * computes in bfloat16. */
-typedef struct {
+typedef struct acts_s {
   const float *x;
   long ldx;
   const float *xsum;
@@ -301,12 +316,10 @@ typedef struct {
 static void row_dot(const acts_t *a, int R, const part_t *p, long n, long K, float *y,
                     long ldy, float b) {
   const uint8_t *row = p->data + (n - p->first) * p->row_bytes;
-#if QUANT_BF16
-  if (a->pieces && bf16_type(p->type)) {
-    bf16_row(p->type, a, R, row, K, y, ldy, b);
+  if (a->pieces && p->traits && p->traits->bf16_tiles) {
+    p->traits->bf16_tiles(a, R, row, K, y, ldy, b);
     return;
   }
-#endif
   fused_row(p->traits, a->x, R, a->ldx, row, K, R == 1 ? a->xsum : NULL, y, ldy, b);
 }
 
@@ -501,13 +514,11 @@ static void to_bf16(const float *src, long K, uint16_t *dst) {
  * float32 row. */
 static void row_to_bf16(const part_t *parts, int num_parts, long n, long K, uint16_t *dst,
                         float *buf) {
-#if QGEMM_BATCH_BF16
   const part_t *p = part_of(parts, num_parts, n);
-  if (p->type != PLAIT_GGML_F32 && K % 32 == 0 && ((uintptr_t)dst & 63) == 0) {
-    dequant_row_bf16(p, n - p->first, K, dst);
+  if (p->traits && p->traits->to_bf16 && K % 32 == 0 && ((uintptr_t)dst & 63) == 0) {
+    p->traits->to_bf16(p->data + (n - p->first) * p->row_bytes, K, dst);
     return;
   }
-#endif
   row_to_f32(parts, num_parts, n, K, buf);
   to_bf16(buf, K, dst);
 }
@@ -540,20 +551,34 @@ int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long
 /* The traits table: one row per GGML type id                                             */
 /* ------------------------------------------------------------------------------------ */
 
-#define TRAITS(t, per_block, bytes, factored) \
-  [t] = {per_block, bytes, groups_##t, tiles_##t, factored},
+/* bf16: BF16 (the type's bf16_tiles and bf16_rows) or NO_BF16 (none; see quant_traits_t).
+ * Every function name is pasted here from t unexpanded (t's name is a macro for its id). */
+#if QUANT_BF16
+#define BF16(tiles, rows) tiles, rows
+#define TO_BF16(f) f
+#else
+#define BF16(tiles, rows) NULL, NULL
+#define TO_BF16(f) NULL
+#endif
+#define NO_BF16(tiles, rows) NULL, NULL
+#define TRAITS(t, per_block, bytes, factored, bf16)                              \
+  [t] = {per_block, bytes, groups_##t, tiles_##t, factored,                     \
+         bf16(bf16_tiles_##t, bf16_rows_##t), TO_BF16(to_bf16_##t)},
 static const quant_traits_t QUANT_TRAITS[PLAIT_GGML_BF16 + 1] = {
-  TRAITS(PLAIT_GGML_F16, 1, 2, NULL)
-  TRAITS(PLAIT_GGML_BF16, 1, 2, NULL)
-  TRAITS(PLAIT_GGML_Q4_0, 32, 18, factored_PLAIT_GGML_Q4_0)
-  TRAITS(PLAIT_GGML_Q4_1, 32, 20, factored_PLAIT_GGML_Q4_1)
-  TRAITS(PLAIT_GGML_Q5_0, 32, 22, factored_PLAIT_GGML_Q5_0)
-  TRAITS(PLAIT_GGML_Q8_0, 32, 34, factored_PLAIT_GGML_Q8_0)
-  TRAITS(PLAIT_GGML_Q4_K, 256, 144, NULL)
-  TRAITS(PLAIT_GGML_Q5_K, 256, 176, NULL)
-  TRAITS(PLAIT_GGML_Q6_K, 256, 210, NULL)
+  TRAITS(PLAIT_GGML_F16, 1, 2, NULL, NO_BF16)
+  TRAITS(PLAIT_GGML_BF16, 1, 2, NULL, NO_BF16)
+  TRAITS(PLAIT_GGML_Q4_0, 32, 18, factored_PLAIT_GGML_Q4_0, BF16)
+  TRAITS(PLAIT_GGML_Q4_1, 32, 20, factored_PLAIT_GGML_Q4_1, BF16)
+  TRAITS(PLAIT_GGML_Q5_0, 32, 22, factored_PLAIT_GGML_Q5_0, BF16)
+  TRAITS(PLAIT_GGML_Q8_0, 32, 34, factored_PLAIT_GGML_Q8_0, NO_BF16)
+  TRAITS(PLAIT_GGML_Q4_K, 256, 144, NULL, BF16)
+  TRAITS(PLAIT_GGML_Q5_K, 256, 176, NULL, BF16)
+  TRAITS(PLAIT_GGML_Q6_K, 256, 210, NULL, BF16)
 };
 #undef TRAITS
+#undef NO_BF16
+#undef TO_BF16
+#undef BF16
 
 static const quant_traits_t *traits_of(int type) {
   if (type < 0 || type > PLAIT_GGML_BF16 || QUANT_TRAITS[type].per_block == 0) return NULL;

@@ -71,9 +71,96 @@ ALWAYS_INLINE vf tab_q(int high, float off) {
   return *(const vf *)(TAB_IOTA + 16 * high) - off;
 }
 
-/* Row `row` of part p (K % 32 == 0) into dst [K] (64-byte aligned) bfloat16 bits: groups
- * through their tables (above), or decoded to float32 in registers (dequant_groups'
- * vectors) then rounded; a BF16 row copied. */
+/* A row src [K] (K % 32 == 0) into dst [K] (64-byte aligned) bfloat16 bits, one function
+ * per type (its QUANT_TRAITS row's to_bf16): groups through their tables (above), or
+ * decoded to float32 in registers (dequant_groups' vectors) then rounded; a BF16 row
+ * copied. */
+static void to_bf16_PLAIT_GGML_BF16(const uint8_t *src, long K, uint16_t *dst) {
+  memcpy(dst, src, sizeof(uint16_t) * (size_t)K);
+}
+
+static void to_bf16_PLAIT_GGML_Q4_0(const uint8_t *src, long K, uint16_t *dst) {
+  const vf q = tab_q(0, 8.0f);
+  for (long g = 0; g < K / 32; g++) {
+    const uint8_t *b = src + g * 18;
+    vf t = vsplat(load_f16(b)) * q;
+    _mm512_store_si512(dst + 32 * g, _mm512_permutexvar_epi16(
+        nibble_words(b + 2), round_bf16((__m512)t, (__m512)t)));
+  }
+}
+
+static void to_bf16_PLAIT_GGML_Q4_1(const uint8_t *src, long K, uint16_t *dst) {
+  const vf q = tab_q(0, 0.0f);
+  for (long g = 0; g < K / 32; g++) {
+    const uint8_t *b = src + g * 20;
+    vf t = mul_add_2r(vsplat(load_f16(b)), q, vsplat(load_f16(b + 2)));
+    _mm512_store_si512(dst + 32 * g, _mm512_permutexvar_epi16(
+        nibble_words(b + 4), round_bf16((__m512)t, (__m512)t)));
+  }
+}
+
+static void to_bf16_PLAIT_GGML_Q5_0(const uint8_t *src, long K, uint16_t *dst) {
+  const vf q0 = tab_q(0, 16.0f), q1 = tab_q(1, 16.0f);
+  for (long g = 0; g < K / 32; g++) {
+    const uint8_t *b = src + g * 22;
+    uint32_t qh;
+    memcpy(&qh, b + 2, sizeof qh);
+    vf d = vsplat(load_f16(b));
+    __m512i q = _mm512_and_si512(nibble_words(b + 6), _mm512_set1_epi16(15));
+    q = _mm512_mask_add_epi16(q, (__mmask32)qh, q, _mm512_set1_epi16(16));
+    _mm512_store_si512(dst + 32 * g, _mm512_permutexvar_epi16(
+        q, round_bf16((__m512)(d * q0), (__m512)(d * q1))));
+  }
+}
+
+/* Q4_K (five 0) and Q5_K (five 1, constant once inlined). */
+ALWAYS_INLINE void k4_to_bf16(int five, const uint8_t *src, long K, uint16_t *dst) {
+  const long bytes = five ? 176 : 144;
+  const vf q0 = tab_q(0, 0.0f), q1 = tab_q(1, 0.0f);
+  for (long blk = 0; blk < K / 256; blk++) {
+    const uint8_t *b = src + blk * bytes;
+    const float d = load_f16(b), dmin = load_f16(b + 2);
+    _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+      float sc, mn;
+      scale_min_k4(b + 4, s, &sc, &mn);
+      vf ds = vsplat(d * sc), dm = vsplat(-(dmin * mn));
+      vf lo = mul_add_2r(ds, q0, dm);
+      __m512i tab, q;
+      if (five) {
+        tab = round_bf16((__m512)lo, (__m512)mul_add_2r(ds, q1, dm));
+        q = low4_high(byte_words(b + 48 + 32 * (s / 2), s & 1 ? 4 : 0),
+                      shift_words(byte_words(b + 16, 0), 4 - s));
+      } else {
+        tab = round_bf16((__m512)lo, (__m512)lo);
+        q = byte_words(b + 16 + 32 * (s / 2), s & 1 ? 4 : 0);
+      }
+      _mm512_store_si512(dst + 256 * blk + 32 * s, _mm512_permutexvar_epi16(q, tab));
+    }
+  }
+}
+
+static void to_bf16_PLAIT_GGML_Q4_K(const uint8_t *src, long K, uint16_t *dst) {
+  k4_to_bf16(0, src, K, dst);
+}
+
+static void to_bf16_PLAIT_GGML_Q5_K(const uint8_t *src, long K, uint16_t *dst) {
+  k4_to_bf16(1, src, K, dst);
+}
+
+/* F16, Q8_0 and Q6_K: decode_group's float32 vectors, rounded. */
+#define GROUPS(type)                                                                \
+  static void to_bf16_##type(const uint8_t *src, long K, uint16_t *dst) {           \
+    vf w[2];                                                                        \
+    for (long g = 0; g < K / 32; g++) {                                             \
+      decode_group(type, src, g, w);                                                \
+      _mm512_store_si512(dst + 32 * g, round_bf16((__m512)w[0], (__m512)w[1]));     \
+    }                                                                               \
+  }
+GROUPS(PLAIT_GGML_F16) GROUPS(PLAIT_GGML_Q8_0) GROUPS(PLAIT_GGML_Q6_K)
+#undef GROUPS
+
+/* Row `row` of part p (K % 32 == 0, a type of QUANT_TRAITS) into dst [K] (64-byte aligned)
+ * bfloat16 bits through its type's to_bf16, the next chunk's row prefetched. */
 static void dequant_row_bf16(const part_t *p, long row, long K, uint16_t *dst) {
   const uint8_t *src = p->data + row * p->row_bytes;
   /* this row of the next chunk (this thread's next one under qgemm_batch's static
@@ -81,83 +168,7 @@ static void dequant_row_bf16(const part_t *p, long row, long K, uint16_t *dst) {
    * nothing (it does not fault) */
   for (long o = 0; o < p->row_bytes; o += 64)
     _mm_prefetch((const char *)src + BATCH_ROWS * p->row_bytes + o, _MM_HINT_T1);
-  vf w[2];
-  switch (p->type) {
-    case PLAIT_GGML_BF16:
-      memcpy(dst, src, sizeof(uint16_t) * (size_t)K);
-      return;
-    case PLAIT_GGML_Q4_0: {
-      const vf q = tab_q(0, 8.0f);
-      for (long g = 0; g < K / 32; g++) {
-        const uint8_t *b = src + g * 18;
-        vf t = vsplat(load_f16(b)) * q;
-        _mm512_store_si512(dst + 32 * g, _mm512_permutexvar_epi16(
-            nibble_words(b + 2), round_bf16((__m512)t, (__m512)t)));
-      }
-      return;
-    }
-    case PLAIT_GGML_Q4_1: {
-      const vf q = tab_q(0, 0.0f);
-      for (long g = 0; g < K / 32; g++) {
-        const uint8_t *b = src + g * 20;
-        vf t = mul_add_2r(vsplat(load_f16(b)), q, vsplat(load_f16(b + 2)));
-        _mm512_store_si512(dst + 32 * g, _mm512_permutexvar_epi16(
-            nibble_words(b + 4), round_bf16((__m512)t, (__m512)t)));
-      }
-      return;
-    }
-    case PLAIT_GGML_Q5_0: {
-      const vf q0 = tab_q(0, 16.0f), q1 = tab_q(1, 16.0f);
-      for (long g = 0; g < K / 32; g++) {
-        const uint8_t *b = src + g * 22;
-        uint32_t qh;
-        memcpy(&qh, b + 2, sizeof qh);
-        vf d = vsplat(load_f16(b));
-        __m512i q = _mm512_and_si512(nibble_words(b + 6), _mm512_set1_epi16(15));
-        q = _mm512_mask_add_epi16(q, (__mmask32)qh, q, _mm512_set1_epi16(16));
-        _mm512_store_si512(dst + 32 * g, _mm512_permutexvar_epi16(
-            q, round_bf16((__m512)(d * q0), (__m512)(d * q1))));
-      }
-      return;
-    }
-    case PLAIT_GGML_Q4_K:
-    case PLAIT_GGML_Q5_K: {
-      const int five = p->type == PLAIT_GGML_Q5_K;
-      const long bytes = five ? 176 : 144;
-      const vf q0 = tab_q(0, 0.0f), q1 = tab_q(1, 0.0f);
-      for (long blk = 0; blk < K / 256; blk++) {
-        const uint8_t *b = src + blk * bytes;
-        const float d = load_f16(b), dmin = load_f16(b + 2);
-        _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
-          float sc, mn;
-          scale_min_k4(b + 4, s, &sc, &mn);
-          vf ds = vsplat(d * sc), dm = vsplat(-(dmin * mn));
-          vf lo = mul_add_2r(ds, q0, dm);
-          __m512i tab, q;
-          if (five) {
-            tab = round_bf16((__m512)lo, (__m512)mul_add_2r(ds, q1, dm));
-            q = low4_high(byte_words(b + 48 + 32 * (s / 2), s & 1 ? 4 : 0),
-                          shift_words(byte_words(b + 16, 0), 4 - s));
-          } else {
-            tab = round_bf16((__m512)lo, (__m512)lo);
-            q = byte_words(b + 16 + 32 * (s / 2), s & 1 ? 4 : 0);
-          }
-          _mm512_store_si512(dst + 256 * blk + 32 * s, _mm512_permutexvar_epi16(q, tab));
-        }
-      }
-      return;
-    }
-#define GROUPS(type)                                                            \
-  case type:                                                                    \
-    for (long g = 0; g < K / 32; g++) {                                         \
-      decode_group(type, src, g, w);                                            \
-      _mm512_store_si512(dst + 32 * g, round_bf16((__m512)w[0], (__m512)w[1])); \
-    }                                                                           \
-    return;
-    GROUPS(PLAIT_GGML_F16) GROUPS(PLAIT_GGML_Q8_0) GROUPS(PLAIT_GGML_Q6_K)
-#undef GROUPS
-    default: return;
-  }
+  p->traits->to_bf16(src, K, dst);
 }
 
 /* *sums += x rows r . w rows c over kb weights (kb % 32 == 0) in lane 4 r + c, for the R

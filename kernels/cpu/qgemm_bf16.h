@@ -1,7 +1,8 @@
 /* plait_qgemm at one x row through bfloat16 pieces of x (AVX512-BF16): included by qgemm.c
  * after its part_t, acts_t, FUSED_ROWS and part_of, which this section reads; row_dot is
  * qgemm.c's (the rows this section does not take). quant.h's bf16_quants looks a group's
- * quants up as bfloat16 words. */
+ * quants up as bfloat16 words. Each type's instantiations (bf16_tiles_<t>, bf16_rows_<t>)
+ * are its QUANT_TRAITS row's bf16_tiles and bf16_rows. */
 #ifndef PLAIT_CPU_QGEMM_BF16_H
 #define PLAIT_CPU_QGEMM_BF16_H
 
@@ -50,10 +51,6 @@ static void split_row(const float *x, long K, uint16_t *xs, float *xsum) {
 
 static void row_dot(const acts_t *a, int R, const part_t *p, long n, long K, float *y,
                     long ldy, float b);
-
-static inline int bf16_type(int type) {
-  return type != PLAIT_GGML_Q8_0 && type != PLAIT_GGML_F16 && type != PLAIT_GGML_BF16;
-}
 
 /* y[r * ldy] = x[r] . row + bias for the R (constant once inlined) rows of a tile, from x's
  * pieces [R, K / 32, 3, 32] and group sums [R, K / 32]: per group, its quants as bfloat16
@@ -133,52 +130,46 @@ ALWAYS_INLINE void bf16_rows(int C, int type, const uint16_t *xs, const float *x
   for (int c = 0; c < C; c++) y[c] = hsum(acc[c]) + macc[c] + (bias ? bias[c] : 0.0f);
 }
 
-/* y[n0 .. n0 + nr) for a single x row: runs of WROWS rows of one bf16 part through
- * bf16_rows, any other row through row_dot. */
-static void bf16_chunk(const acts_t *a, const part_t *parts, int num_parts, long n0, long nr,
-                       long K, const float *bias, float *y) {
-  for (long n = n0; n < n0 + nr;) {
-    const part_t *p = part_of(parts, num_parts, n);
-    if (n + WROWS <= n0 + nr && n + WROWS <= p->first + p->rows && bf16_type(p->type)) {
-      const uint8_t *row = p->data + (n - p->first) * p->row_bytes;
-      const float *b = bias ? bias + n : NULL;
-      switch (p->type) {
-#define RUN(t) \
-  case t: bf16_rows(WROWS, t, a->pieces, a->xsum, row, p->row_bytes, K, y + n, b); break;
-        RUN(PLAIT_GGML_Q4_0) RUN(PLAIT_GGML_Q4_1) RUN(PLAIT_GGML_Q5_0)
-        RUN(PLAIT_GGML_Q4_K) RUN(PLAIT_GGML_Q5_K) RUN(PLAIT_GGML_Q6_K)
-#undef RUN
-        default: break;
-      }
-      n += WROWS;
-    } else {
-      row_dot(a, 1, p, n, K, y + n, 1, bias ? bias[n] : 0.0f);
-      n++;
-    }
-  }
-}
-
-static void bf16_row(int type, const acts_t *a, int R, const uint8_t *row, long K, float *y,
-                     long ldy, float bias) {
+/* Each type's functions for its QUANT_TRAITS row: bf16_tile at R = 1 .. FUSED_ROWS x rows,
+ * bf16_rows at WROWS weight rows. */
 #if FUSED_ROWS > 8
 #define MORE_TILES(t) TILE(9, t) TILE(10, t) TILE(11, t) TILE(12, t)
 #else
 #define MORE_TILES(t)
 #endif
-  switch (type) {
 #define TILE(n, t) \
-  case n: bf16_tile(n, t, a->pieces, a->xsum, row, K, y, ldy, bias); break;
-#define TYPE(t)                                                                   \
-  case t:                                                                         \
-    switch (R) { TILE(1, t) TILE(2, t) TILE(3, t) TILE(4, t) TILE(5, t) TILE(6, t) \
-                 TILE(7, t) TILE(8, t) MORE_TILES(t) }                             \
-    break;
-    TYPE(PLAIT_GGML_Q4_0) TYPE(PLAIT_GGML_Q4_1) TYPE(PLAIT_GGML_Q5_0)
-    TYPE(PLAIT_GGML_Q4_K) TYPE(PLAIT_GGML_Q5_K) TYPE(PLAIT_GGML_Q6_K)
-#undef TYPE
+  case n: bf16_tile(n, t, a->pieces, a->xsum, row, K, y, ldy, bias); return;
+#define BF16_FUNCTIONS(t)                                                                 \
+  static void bf16_tiles_##t(const acts_t *a, int R, const uint8_t *row, long K, float *y, \
+                             long ldy, float bias) {                                      \
+    switch (R) { TILE(1, t) TILE(2, t) TILE(3, t) TILE(4, t) TILE(5, t) TILE(6, t)         \
+                 TILE(7, t) TILE(8, t) MORE_TILES(t) default: return; }                   \
+  }                                                                                       \
+  static void bf16_rows_##t(const uint16_t *xs, const float *xsum, const uint8_t *row,    \
+                            long row_bytes, long K, float *y, const float *bias) {        \
+    bf16_rows(WROWS, t, xs, xsum, row, row_bytes, K, y, bias);                            \
+  }
+BF16_FUNCTIONS(PLAIT_GGML_Q4_0) BF16_FUNCTIONS(PLAIT_GGML_Q4_1) BF16_FUNCTIONS(PLAIT_GGML_Q5_0)
+BF16_FUNCTIONS(PLAIT_GGML_Q4_K) BF16_FUNCTIONS(PLAIT_GGML_Q5_K) BF16_FUNCTIONS(PLAIT_GGML_Q6_K)
+#undef BF16_FUNCTIONS
 #undef TILE
 #undef MORE_TILES
-    default: break;
+
+/* y[n0 .. n0 + nr) for a single x row: runs of WROWS rows of one part whose type has
+ * bf16_rows, any other row through row_dot. */
+static void bf16_chunk(const acts_t *a, const part_t *parts, int num_parts, long n0, long nr,
+                       long K, const float *bias, float *y) {
+  for (long n = n0; n < n0 + nr;) {
+    const part_t *p = part_of(parts, num_parts, n);
+    if (n + WROWS <= n0 + nr && n + WROWS <= p->first + p->rows && p->traits &&
+        p->traits->bf16_rows) {
+      p->traits->bf16_rows(a->pieces, a->xsum, p->data + (n - p->first) * p->row_bytes,
+                           p->row_bytes, K, y + n, bias ? bias + n : NULL);
+      n += WROWS;
+    } else {
+      row_dot(a, 1, p, n, K, y + n, 1, bias ? bias[n] : 0.0f);
+      n++;
+    }
   }
 }
 #endif /* QUANT_BF16 */
