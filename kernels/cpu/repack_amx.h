@@ -1,0 +1,242 @@
+/* The AMX-INT8 prefill rung of the repacked product (repack.c's plait_repack_gemm takes it
+ * with isa PLAIT_REPACK_AMX for a part of M >= am_min_rows(type) x rows); included by
+ * repack.c after repack_wide.h, whose wd_fill widens the codes.
+ *
+ * The wide rung (repack_wide.h) spends 8 vpdpbusd per x row, group and 16 columns; here
+ * the tile unit (TMUL) computes 16 rows x 16 columns of a group's int32 sums in one
+ * instruction, and the vector units keep only the float32 epilogue. A thread widens a chunk
+ * of RP_WIDE_CHUNK groups of its unit's (up to) two tiles once, as the wide rung does, but
+ * as signed codes c - C (C: the type's offset / a, rp_layout_t.offset; 0 for Q4_1 / Q4_K
+ * / Q5_K), which fit int8 for every type (Q8_0: c - 128 is the file's q). Per 32-weight
+ * group the 8 vectors V_0 .. V_7 (byte 4 n + b of V_s = code of column n, weight 4 s + b)
+ * are exactly the B tile of TDPBSSD for K = 32, N = 16, and the x rows' int8 codes are the
+ * A tile as quantize_acts stores them (rows ldq bytes apart):
+ *
+ *   A  tmm0   16 x rows x 32 bytes   q[m + r][32 g ..]    (Q6_K: tmm1, 16 bytes a half)
+ *   B  tmm2   8 x 64 bytes           V_0 .. V_7 of g      (Q6_K: tmm3, 4 x 64 a half)
+ *   C  tmm4.. 16 x 16 int32          I = sum q (c - C), tdpbssd: exact
+ *
+ * so I is the same int32 as c_tile's sum q c - C sum q (|I| < 2^20: no overflow). Per
+ * x row block of 16 and tile of 16 columns, f[16] (one vector a row) stays in registers
+ * across the chunk's groups; each group's C tile is stored to a 1 KB buffer (two in turn,
+ * the next group's product running while this one's is folded in) and folded per row with
+ * c_tile's float32 operations in c_tile's order:
+ *
+ *   f = fma(cvt(I), a * sx, f);  f = fnma(o, sxq, f)   (Q4_1 / Q4_K / Q5_K)
+ *   Q6_K: per half h of 16 weights its own C tile and a: h = 0 then 1
+ *
+ * Between chunks f waits in y (exact), the bias is added after the last: the bits are
+ * c_tile's. The x rows are padded with zero rows to a multiple of 16 (quantize_acts), so
+ * every A tile has 16 rows; only the M real rows are stored.
+ *
+ * Linux grants AMX tile state per process on request (am_permitted: arch_prctl
+ * ARCH_REQ_XCOMP_PERM); the tile configuration (am_config) is per thread, loaded by
+ * each thread of a product that takes the rung and released after it.
+ */
+#ifndef PLAIT_CPU_REPACK_AMX_H
+#define PLAIT_CPU_REPACK_AMX_H
+
+#if REPACK_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define REPACK_AMX 1
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* The fewest x rows that take this rung for a part of a GGML type (below them, the
+ * decode or wide rungs): measured with scripts/bench_repack.py on SmolLM2's and
+ * Qwen2.5-0.5B's shapes (BENCHMARKS.md). */
+static inline long am_min_rows(int type) {
+  (void)type;
+  return 16;
+}
+
+#define AM_ROWS 16            /* x rows per A tile */
+#define AM_CBUF 1024          /* bytes of one stored C tile: 16 x 16 int32 */
+#define AM_ARCH_REQ_XCOMP_PERM 0x1023
+#define AM_XFEATURE_XTILEDATA 18
+
+/* The scratch bytes of one thread: a chunk widened (as wd_scratch_bytes) and 4 C tiles. */
+static inline size_t am_scratch_bytes(void) {
+  return (size_t)2 * RP_WIDE_CHUNK * RP_WIDE_GROUP + 4 * AM_CBUF;
+}
+
+/* Whether this process may use AMX tiles: asked of Linux once (the answer holds for all
+ * threads); never where the environment sets PLAIT_REPACK_AMX=0. */
+static int am_permitted(void) {
+  static int state; /* 0: not asked yet, 1: granted, -1: refused or disabled */
+  int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+  if (s == 0) {
+    const char *env = getenv("PLAIT_REPACK_AMX");
+    int off = env && strcmp(env, "0") == 0;
+    s = !off && syscall(SYS_arch_prctl, AM_ARCH_REQ_XCOMP_PERM, AM_XFEATURE_XTILEDATA) == 0
+            ? 1 : -1;
+    __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+  }
+  return s == 1;
+}
+
+/* Loads the calling thread's tile configuration (palette 1): tmm0 A 16 x 32 bytes, tmm1 A
+ * 16 x 16 (Q6_K halves), tmm2 B 8 x 64, tmm3 B 4 x 64 (halves), tmm4 .. tmm7 C 16 x 64. */
+static void am_config(void) {
+  struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  const int colsb[8] = {32, 16, 64, 64, 64, 64, 64, 64}, rows[8] = {16, 16, 8, 4, 16, 16, 16, 16};
+  for (int t = 0; t < 8; t++) {
+    cfg.colsb[t] = (uint16_t)colsb[t];
+    cfg.rows[t] = (uint8_t)rows[t];
+  }
+  _tile_loadconfig(&cfg);
+}
+
+/* Group j of the chunk (x codes q + 32 j, widened codes wg) into C tile CT, stored to cb. */
+#define AM_GROUP(CT, q, lda, wg, cb)  \
+  do {                                \
+    _tile_loadd(0, q, lda);           \
+    _tile_loadd(2, wg, 64);           \
+    _tile_zero(CT);                   \
+    _tile_dpbssd(CT, 0, 2);           \
+    _tile_stored(CT, cb, 64);         \
+  } while (0)
+/* Q6_K: half 0 into CT0 (stored to cb), half 1 into CT1 (cb + AM_CBUF). */
+#define AM_HALVES(CT0, CT1, q, lda, wg, cb) \
+  do {                                      \
+    _tile_loadd(1, q, lda);                 \
+    _tile_loadd(3, wg, 64);                 \
+    _tile_zero(CT0);                        \
+    _tile_dpbssd(CT0, 1, 3);                \
+    _tile_loadd(1, (q) + 16, lda);          \
+    _tile_loadd(3, (wg) + 256, 64);         \
+    _tile_zero(CT1);                        \
+    _tile_dpbssd(CT1, 1, 3);                \
+    _tile_stored(CT0, cb, 64);              \
+    _tile_stored(CT1, (cb) + AM_CBUF, 64);  \
+  } while (0)
+
+/* Folds a stored C tile (c: [16 rows][16] int32) into f[16] with scale vector sa (and o
+ * where has_o); sx, sxq: the rows' scales of this group, G apart. */
+ALWAYS_INLINE void am_fold(int has_o, const uint8_t *c, __m512 sa, __m512 o, const float *sx,
+                           const float *sxq, long G, __m512 *f) {
+#pragma GCC unroll 16
+  for (int r = 0; r < AM_ROWS; r++) {
+    __m512 I = _mm512_cvtepi32_ps(_mm512_load_si512(c + 64 * r));
+    f[r] = _mm512_fmadd_ps(I, _mm512_mul_ps(sa, _mm512_set1_ps(sx[r * G])), f[r]);
+    if (has_o) f[r] = _mm512_fnmadd_ps(o, _mm512_set1_ps(sxq[r * G]), f[r]);
+  }
+}
+
+/* Columns 0 .. cols - 1 (<= 16) of one widened tile (wide: its group 0, groups `stride`
+ * bytes apart) against x rows [0, R) (R <= 16; the A tiles read 16, a's padding) of a over
+ * the chunk's groups g0 .. g0 + ng - 1: f from y (first: 0), y = f (last: + bias). cbuf:
+ * 4 C tiles (64-byte aligned). halves, has_o constants once inlined. */
+ALWAYS_INLINE void am_block(int halves, int has_o, const uint8_t *wide, long stride, long g0,
+                            long ng, const rp_acts_t *a, int R, int first, int last,
+                            const float *bias, float *y, long ldy, int cols, uint8_t *cbuf) {
+  const __mmask16 mask = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
+  const long G = a->groups, lda = a->ldq;
+  const int8_t *q = a->q + 32 * g0;
+  __m512 f[AM_ROWS];
+#pragma GCC unroll 16
+  for (int r = 0; r < AM_ROWS; r++)
+    f[r] = first || r >= R ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + r * ldy);
+  if (halves == 2)
+    AM_HALVES(4, 5, q, lda, wide, cbuf);
+  else
+    AM_GROUP(4, q, lda, wide, cbuf);
+  for (long j = 0; j < ng; j++) {
+    const uint8_t *wg = wide + j * stride, *cb = cbuf + (j & 1) * 2 * AM_CBUF;
+    if (j + 1 < ng) { /* the next group's product runs while this one is folded in */
+      const int8_t *qn = q + 32 * (j + 1);
+      uint8_t *cn = cbuf + ((j + 1) & 1) * 2 * AM_CBUF;
+      if (halves == 2 && (j & 1))
+        AM_HALVES(4, 5, qn, lda, wg + stride, cn);
+      else if (halves == 2)
+        AM_HALVES(6, 7, qn, lda, wg + stride, cn);
+      else if (j & 1)
+        AM_GROUP(4, qn, lda, wg + stride, cn);
+      else
+        AM_GROUP(6, qn, lda, wg + stride, cn);
+    }
+    const float *sx = a->sx + g0 + j, *sxq = a->sxq + g0 + j;
+    __m512 sa = _mm512_load_ps(wg + 512), o = _mm512_load_ps(wg + 576);
+    if (halves == 2) { /* o holds half 1's a (wd_fill) */
+      am_fold(0, cb, sa, sa, sx, sxq, G, f);
+      am_fold(0, cb + AM_CBUF, o, o, sx, sxq, G, f);
+    } else {
+      am_fold(has_o, cb, sa, o, sx, sxq, G, f);
+    }
+  }
+  __m512 b = last && bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; r++)
+    _mm512_mask_storeu_ps(y + r * ldy, mask, last ? _mm512_add_ps(f[r], b) : f[r]);
+}
+
+#define AM_BLOCK(NAME, H, O)                                                                \
+  static void am_block_##NAME(const uint8_t *wide, long stride, long g0, long ng,           \
+                              const rp_acts_t *a, int R, int first, int last,               \
+                              const float *bias, float *y, long ldy, int cols,              \
+                              uint8_t *cbuf) {                                              \
+    am_block(H, O, wide, stride, g0, ng, a, R, first, last, bias, y, ldy, cols, cbuf);      \
+  }
+AM_BLOCK(plain, 1, 0) AM_BLOCK(offset, 1, 1) AM_BLOCK(halves, 2, 0)
+#undef AM_BLOCK
+
+/* wd_fill of every repacked type for T = 1 or 2 tiles, as signed codes c - C. */
+static void am_fill_any(int type, int T, const uint8_t *tile, long tile_bytes, long g0, long ng,
+                        uint8_t *dst) {
+  switch (type) {
+#define AM_TYPE(t, C)                                                                   \
+  case PLAIT_GGML_##t:                                                                  \
+    if (T == 2)                                                                         \
+      wd_fill(PLAIT_GGML_##t, 2, tile, tile_bytes, g0, ng, C, dst);                     \
+    else                                                                                \
+      wd_fill(PLAIT_GGML_##t, 1, tile, tile_bytes, g0, ng, C, dst);                     \
+    return;
+    AM_TYPE(Q4_0, 8) AM_TYPE(Q4_1, 0) AM_TYPE(Q5_0, 16) AM_TYPE(Q8_0, 128) AM_TYPE(Q4_K, 0)
+    AM_TYPE(Q5_K, 0) AM_TYPE(Q6_K, 32)
+#undef AM_TYPE
+    default: return;
+  }
+}
+
+/* T tiles (columns 0 .. cols - 1 of them) against x rows [0, M) of a (padded to a multiple
+ * of 16 rows): y [M rows, ldy apart] = the product + bias (NULL: none), a chunk of groups
+ * at a time through scratch (am_scratch_bytes, 64-byte aligned). The calling thread has
+ * loaded am_config. */
+static void am_unit(const rp_part_t *p, int T, const uint8_t *tile, const rp_acts_t *a, long M,
+                    long K, const float *bias, float *y, long ldy, int cols, uint8_t *scratch) {
+  const rp_layout_t *L = p->lay;
+  long groups = K / 32, stride = T * RP_WIDE_GROUP;
+  uint8_t *cbuf = scratch + 2 * RP_WIDE_CHUNK * RP_WIDE_GROUP;
+  for (long g0 = 0; g0 < groups; g0 += RP_WIDE_CHUNK) {
+    long ng = groups - g0 < RP_WIDE_CHUNK ? groups - g0 : RP_WIDE_CHUNK;
+    int first = g0 == 0, last = g0 + ng == groups;
+    am_fill_any(p->type, T, tile, p->tile_bytes, g0, ng, scratch);
+    for (long m = 0; m < M; m += AM_ROWS) {
+      int R = (int)(M - m < AM_ROWS ? M - m : AM_ROWS);
+      rp_acts_t at = {a->q + m * a->ldq, a->sx + m * a->groups, a->sxq + m * a->groups,
+                      a->sum16 + m * 2 * a->groups, a->ldq, a->groups};
+      for (int u = 0; u < T; u++) {
+        const uint8_t *wide = scratch + u * RP_WIDE_GROUP;
+        const float *b = bias ? bias + 16 * u : NULL;
+        float *yt = y + m * ldy + 16 * u;
+        int c = cols - 16 * u < 16 ? cols - 16 * u : 16;
+        if (p->type == PLAIT_GGML_Q6_K)
+          am_block_halves(wide, stride, g0, ng, &at, R, first, last, b, yt, ldy, c, cbuf);
+        else if (L->offset == 0)
+          am_block_offset(wide, stride, g0, ng, &at, R, first, last, b, yt, ldy, c, cbuf);
+        else
+          am_block_plain(wide, stride, g0, ng, &at, R, first, last, b, yt, ldy, c, cbuf);
+      }
+    }
+  }
+}
+
+#endif /* REPACK_VNNI && __AMX_TILE__ && __AMX_INT8__ */
+#endif /* PLAIT_CPU_REPACK_AMX_H */
