@@ -45,21 +45,37 @@
 #include <unistd.h>
 
 /* The fewest x rows that take this rung for a part of a GGML type (below them, the
- * decode or wide rungs): measured with scripts/bench_repack.py on SmolLM2's and
- * Qwen2.5-0.5B's shapes (BENCHMARKS.md). */
+ * decode or wide rungs): where it beat the wide rung (Q8_0: vnni_tiles) in
+ * scripts/bench_repack.py-style runs on SmolLM2's and Qwen2.5-0.5B's shapes, 1 thread,
+ * 2026-12-06 (BENCHMARKS.md: 5-20 % from 48 rows, a loaded host). Q6_K never: its halves
+ * take two products, two stores and two folds a group, slower than vpdpbusd at every M
+ * measured (16 to 512). */
 static inline long am_min_rows(int type) {
-  (void)type;
-  return 16;
+  switch (type) {
+    case PLAIT_GGML_Q4_0:
+    case PLAIT_GGML_Q5_0: return 32;
+    case PLAIT_GGML_Q4_1:
+    case PLAIT_GGML_Q8_0:
+    case PLAIT_GGML_Q4_K:
+    case PLAIT_GGML_Q5_K: return 48;
+    default: return LONG_MAX;
+  }
 }
 
 #define AM_ROWS 16            /* x rows per A tile */
 #define AM_CBUF 1024          /* bytes of one stored C tile: 16 x 16 int32 */
+#define AM_SET 6144 /* bytes from the first set of 4 stored C tiles to the second */
 #define AM_ARCH_REQ_XCOMP_PERM 0x1023
 #define AM_XFEATURE_XTILEDATA 18
 
-/* The scratch bytes of one thread: a chunk widened (as wd_scratch_bytes) and 4 C tiles. */
+/* The most 32-weight groups widened at once: 2 tiles x 64 x 640 bytes = 80 KB (in L2: the
+ * B tiles' loads are contiguous 512 bytes). K is cut into chunks of equal size up to it,
+ * so f passes through y as seldom as possible. */
+#define AM_CHUNK 64
+
+/* The scratch bytes of one thread: a chunk widened and 2 x 4 C tiles. */
 static inline size_t am_scratch_bytes(void) {
-  return (size_t)2 * RP_WIDE_CHUNK * RP_WIDE_GROUP + 4 * AM_CBUF;
+  return (size_t)2 * AM_CHUNK * RP_WIDE_GROUP + AM_SET + 4 * AM_CBUF;
 }
 
 /* Whether this process may use AMX tiles: asked of Linux once (the answer holds for all
@@ -95,29 +111,40 @@ static void am_config(void) {
   _tile_loadconfig(&cfg);
 }
 
-/* Group j of the chunk (x codes q + 32 j, widened codes wg) into C tile CT, stored to cb. */
-#define AM_GROUP(CT, q, lda, wg, cb)  \
-  do {                                \
-    _tile_loadd(0, q, lda);           \
-    _tile_loadd(2, wg, 64);           \
-    _tile_zero(CT);                   \
-    _tile_dpbssd(CT, 0, 2);           \
-    _tile_stored(CT, cb, 64);         \
-  } while (0)
-/* Q6_K: half 0 into CT0 (stored to cb), half 1 into CT1 (cb + AM_CBUF). */
-#define AM_HALVES(CT0, CT1, q, lda, wg, cb) \
-  do {                                      \
-    _tile_loadd(1, q, lda);                 \
-    _tile_loadd(3, wg, 64);                 \
-    _tile_zero(CT0);                        \
-    _tile_dpbssd(CT0, 1, 3);                \
-    _tile_loadd(1, (q) + 16, lda);          \
-    _tile_loadd(3, (wg) + 256, 64);         \
-    _tile_zero(CT1);                        \
-    _tile_dpbssd(CT1, 1, 3);                \
-    _tile_stored(CT0, cb, 64);              \
-    _tile_stored(CT1, (cb) + AM_CBUF, 64);  \
-  } while (0)
+/* Step s of a chunk (a group; Q6_K: half s % 2 of group s / 2) into C tile CT where n
+ * > CT - 4: x codes q (16 rows, lda apart), the chunk's widened codes wide (groups stride
+ * apart). */
+#define AM_STEP(CT)                                                                     \
+  if (n > (CT) - 4) {                                                                   \
+    long s = s0 + (CT) - 4;                                                             \
+    if (halves == 2) {                                                                  \
+      _tile_loadd(1, q + 16 * s, lda);                                                  \
+      _tile_loadd(3, wide + s / 2 * stride + 256 * (s & 1), 64);                        \
+      _tile_zero(CT);                                                                   \
+      _tile_dpbssd(CT, 1, 3);                                                           \
+    } else {                                                                            \
+      _tile_loadd(0, q + 32 * s, lda);                                                  \
+      _tile_loadd(2, wide + s * stride, 64);                                            \
+      _tile_zero(CT);                                                                   \
+      _tile_dpbssd(CT, 0, 2);                                                           \
+    }                                                                                   \
+  }
+#define AM_STORE(CT) \
+  if (n > (CT) - 4) _tile_stored(CT, cb + ((CT) - 4) * AM_CBUF, 64);
+
+/* Steps s0 .. s0 + n - 1 (n <= 4) of a chunk into C tiles tmm4 .. tmm4 + n - 1 (no
+ * stores: see am_block's pipeline). halves constant once inlined. */
+ALWAYS_INLINE void am_dots(int halves, const int8_t *q, long lda, const uint8_t *wide,
+                           long stride, long s0, int n) {
+  AM_STEP(4) AM_STEP(5) AM_STEP(6) AM_STEP(7)
+}
+
+/* C tiles tmm4 .. tmm4 + n - 1 stored to cb, AM_CBUF bytes apart. */
+ALWAYS_INLINE void am_stores(int n, uint8_t *cb) {
+  AM_STORE(4) AM_STORE(5) AM_STORE(6) AM_STORE(7)
+}
+#undef AM_STEP
+#undef AM_STORE
 
 /* Folds a stored C tile (c: [16 rows][16] int32) into f[16] with scale vector sa (and o
  * where has_o); sx, sxq: the rows' scales of this group, G apart. */
@@ -141,40 +168,40 @@ ALWAYS_INLINE void am_block(int halves, int has_o, const uint8_t *wide, long str
   const __mmask16 mask = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
   const long G = a->groups, lda = a->ldq;
   const int8_t *q = a->q + 32 * g0;
+  const __m512 sa_zero = _mm512_setzero_ps();
   __m512 f[AM_ROWS];
 #pragma GCC unroll 16
   for (int r = 0; r < AM_ROWS; r++)
     f[r] = first || r >= R ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + r * ldy);
-  if (halves == 2)
-    AM_HALVES(4, 5, q, lda, wide, cbuf);
-  else
-    AM_GROUP(4, q, lda, wide, cbuf);
-  for (long j = 0; j < ng; j++) {
-    const uint8_t *wg = wide + j * stride, *cb = cbuf + (j & 1) * 2 * AM_CBUF;
-    if (j + 1 < ng) { /* the next group's product runs while this one is folded in */
-      const int8_t *qn = q + 32 * (j + 1);
-      uint8_t *cn = cbuf + ((j + 1) & 1) * 2 * AM_CBUF;
-      if (halves == 2 && (j & 1))
-        AM_HALVES(4, 5, qn, lda, wg + stride, cn);
-      else if (halves == 2)
-        AM_HALVES(6, 7, qn, lda, wg + stride, cn);
-      else if (j & 1)
-        AM_GROUP(4, qn, lda, wg + stride, cn);
+  /* Software pipeline over batches of 4 steps, 2 x 4 C tiles of cbuf: batch b + 1's
+   * products (computed during the last fold) are stored, batch b + 2's start on the tile
+   * unit, then batch b (stored an iteration ago) is folded in. The folds' loads follow
+   * only stores whose products are done, and the tile unit works during the fold. */
+  const long steps = ng * halves;
+#define AM_BATCH(b) (steps - 4 * (b) < 4 ? (int)(steps - 4 * (b)) : 4)
+  am_dots(halves, q, lda, wide, stride, 0, AM_BATCH(0));
+  am_stores(AM_BATCH(0), cbuf);
+  if (steps > 4) am_dots(halves, q, lda, wide, stride, 4, AM_BATCH(1));
+  for (long s0 = 0; s0 < steps; s0 += 4) {
+    const uint8_t *cb = cbuf + (s0 / 4 & 1) * AM_SET;
+    if (s0 + 4 < steps) am_stores(AM_BATCH(s0 / 4 + 1), cbuf + ((s0 / 4 + 1) & 1) * AM_SET);
+    if (s0 + 8 < steps) am_dots(halves, q, lda, wide, stride, s0 + 8, AM_BATCH(s0 / 4 + 2));
+    for (int i = 0; i < 4 && s0 + i < steps; i++) {
+      long s = s0 + i, g = s / halves;
+      const uint8_t *wg = wide + g * stride;
+      if (halves == 2) /* half 0's a at wg + 512, half 1's at wg + 576 (wd_fill) */
+        am_fold(0, cb + i * AM_CBUF, _mm512_load_ps(wg + 512 + 64 * (s & 1)), sa_zero, a->sx
+                + g0 + g, a->sxq + g0 + g, G, f);
       else
-        AM_GROUP(6, qn, lda, wg + stride, cn);
-    }
-    const float *sx = a->sx + g0 + j, *sxq = a->sxq + g0 + j;
-    __m512 sa = _mm512_load_ps(wg + 512), o = _mm512_load_ps(wg + 576);
-    if (halves == 2) { /* o holds half 1's a (wd_fill) */
-      am_fold(0, cb, sa, sa, sx, sxq, G, f);
-      am_fold(0, cb + AM_CBUF, o, o, sx, sxq, G, f);
-    } else {
-      am_fold(has_o, cb, sa, o, sx, sxq, G, f);
+        am_fold(has_o, cb + i * AM_CBUF, _mm512_load_ps(wg + 512), _mm512_load_ps(wg + 576),
+                a->sx + g0 + g, a->sxq + g0 + g, G, f);
     }
   }
+#undef AM_BATCH
   __m512 b = last && bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; r++)
-    _mm512_mask_storeu_ps(y + r * ldy, mask, last ? _mm512_add_ps(f[r], b) : f[r]);
+#pragma GCC unroll 16
+  for (int r = 0; r < AM_ROWS; r++) /* unrolled: f stays in registers */
+    if (r < R) _mm512_mask_storeu_ps(y + r * ldy, mask, last ? _mm512_add_ps(f[r], b) : f[r]);
 }
 
 #define AM_BLOCK(NAME, H, O)                                                                \
@@ -213,9 +240,10 @@ static void am_unit(const rp_part_t *p, int T, const uint8_t *tile, const rp_act
                     long K, const float *bias, float *y, long ldy, int cols, uint8_t *scratch) {
   const rp_layout_t *L = p->lay;
   long groups = K / 32, stride = T * RP_WIDE_GROUP;
-  uint8_t *cbuf = scratch + 2 * RP_WIDE_CHUNK * RP_WIDE_GROUP;
-  for (long g0 = 0; g0 < groups; g0 += RP_WIDE_CHUNK) {
-    long ng = groups - g0 < RP_WIDE_CHUNK ? groups - g0 : RP_WIDE_CHUNK;
+  long chunks = (groups + AM_CHUNK - 1) / AM_CHUNK, per = (groups + chunks - 1) / chunks;
+  uint8_t *cbuf = scratch + 2 * AM_CHUNK * RP_WIDE_GROUP;
+  for (long g0 = 0; g0 < groups; g0 += per) {
+    long ng = groups - g0 < per ? groups - g0 : per;
     int first = g0 == 0, last = g0 + ng == groups;
     am_fill_any(p->type, T, tile, p->tile_bytes, g0, ng, scratch);
     for (long m = 0; m < M; m += AM_ROWS) {
