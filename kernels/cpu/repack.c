@@ -339,7 +339,7 @@ static rp_unit_t rp_unit_at(const rp_part_t *parts, long t) {
 }
 
 /* Whether the AMX rung (repack_amx.h) takes a part of `type` against M x rows. */
-static int rp_amx_takes(int isa, int type, long M) {
+static inline int rp_amx_takes(int isa, int type, long M) {
 #if REPACK_AMX
   return isa == PLAIT_REPACK_AMX && M >= am_min_rows(type);
 #else
@@ -349,7 +349,7 @@ static int rp_amx_takes(int isa, int type, long M) {
 }
 
 /* Whether the wide rung (repack_wide.h) takes a part of `type` against M x rows. */
-static int rp_wide_takes(int isa, int type, long M) {
+static inline int rp_wide_takes(int isa, int type, long M) {
 #if REPACK_VNNI
   return isa >= PLAIT_REPACK_VNNI512 && !rp_amx_takes(isa, type, M) && M >= wd_min_rows(type);
 #else

@@ -1,33 +1,41 @@
 /* The AMX-INT8 prefill rung of the repacked product (repack.c's plait_repack_gemm takes it
- * with isa PLAIT_REPACK_AMX for a part of M >= am_min_rows(type) x rows); included by
- * repack.c after repack_wide.h, whose wd_fill widens the codes.
+ * with isa PLAIT_REPACK_AMX for a part of M >= am_min_rows(type) x rows: 32 or 48 by type,
+ * never Q6_K); included by repack.c after repack_wide.h, whose wd_fill widens the codes.
  *
  * The wide rung (repack_wide.h) spends 8 vpdpbusd per x row, group and 16 columns; here
  * the tile unit (TMUL) computes 16 rows x 16 columns of a group's int32 sums in one
  * instruction, and the vector units keep only the float32 epilogue. A thread widens a chunk
- * of RP_WIDE_CHUNK groups of its unit's (up to) two tiles once, as the wide rung does, but
+ * of up to AM_CHUNK groups of its unit's (up to) two tiles once, as the wide rung does, but
  * as signed codes c - C (C: the type's offset / a, rp_layout_t.offset; 0 for Q4_1 / Q4_K
  * / Q5_K), which fit int8 for every type (Q8_0: c - 128 is the file's q). Per 32-weight
  * group the 8 vectors V_0 .. V_7 (byte 4 n + b of V_s = code of column n, weight 4 s + b)
  * are exactly the B tile of TDPBSSD for K = 32, N = 16, and the x rows' int8 codes are the
  * A tile as quantize_acts stores them (rows ldq bytes apart):
  *
- *   A  tmm0   16 x rows x 32 bytes   q[m + r][32 g ..]    (Q6_K: tmm1, 16 bytes a half)
- *   B  tmm2   8 x 64 bytes           V_0 .. V_7 of g      (Q6_K: tmm3, 4 x 64 a half)
- *   C  tmm4.. 16 x 16 int32          I = sum q (c - C), tdpbssd: exact
+ *   A  tmm0   16 x rows x 32 bytes   q[m + r][32 g .. 32 g + 31]
+ *   B  tmm1   8 x 64 bytes           V_0 .. V_7 of group g, one tile of 16 columns
+ *   C  tmm4.. 16 x 16 int32          I = sum_k q_k (c_k - C)   (tdpbssd: exact)
  *
- * so I is the same int32 as c_tile's sum q c - C sum q (|I| < 2^20: no overflow). Per
- * x row block of 16 and tile of 16 columns, f[16] (one vector a row) stays in registers
- * across the chunk's groups; each group's C tile is stored to a 1 KB buffer (two in turn,
- * the next group's product running while this one's is folded in) and folded per row with
- * c_tile's float32 operations in c_tile's order:
+ * so I is the int32 c_tile computes as sum q c - C sum q (|I| < 2^20), with no offset
+ * left to add. Per x row block of 16 and tile of 16 columns, f[16] (one vector a row)
+ * stays in registers across the chunk's groups; the C tiles are stored to cbuf and folded
+ * in per row with c_tile's float32 operations in c_tile's order:
  *
  *   f = fma(cvt(I), a * sx, f);  f = fnma(o, sxq, f)   (Q4_1 / Q4_K / Q5_K)
- *   Q6_K: per half h of 16 weights its own C tile and a: h = 0 then 1
  *
- * Between chunks f waits in y (exact), the bias is added after the last: the bits are
- * c_tile's. The x rows are padded with zero rows to a multiple of 16 (quantize_acts), so
- * every A tile has 16 rows; only the M real rows are stored.
+ *   groups of a chunk, batches of 4:   b0     b1     b2     b3 ...
+ *   tile unit (tdpbssd x 4)            |--b1--|--b2--|--b3--|
+ *   stores of C (4 tiles)                     b1     b2     b3
+ *   vector units (fold 4 x 16 rows)    |--b0--|--b1--|--b2--|
+ *
+ * (am_block: a batch's products run during the previous batch's fold, and are stored
+ * before the fold that reads them starts, so no load waits on a tile store.) Between
+ * chunks f waits in y (exact), the bias is added after the last: the bits are c_tile's.
+ * The x rows are padded with zero rows to a multiple of 16 (quantize_acts), so every A
+ * tile has 16 rows; only the M real rows are stored.
+ *
+ * Q6_K's scale is per 16 weights: two K = 16 products, stores and folds a group measured
+ * slower than its wide rung at every M (16 to 512; BENCHMARKS.md), so it stays there.
  *
  * Linux grants AMX tile state per process on request (am_permitted: arch_prctl
  * ARCH_REQ_XCOMP_PERM); the tile configuration (am_config) is per thread, loaded by
@@ -47,9 +55,7 @@
 /* The fewest x rows that take this rung for a part of a GGML type (below them, the
  * decode or wide rungs): where it beat the wide rung (Q8_0: vnni_tiles) in
  * scripts/bench_repack.py-style runs on SmolLM2's and Qwen2.5-0.5B's shapes, 1 thread,
- * 2026-12-06 (BENCHMARKS.md: 5-20 % from 48 rows, a loaded host). Q6_K never: its halves
- * take two products, two stores and two folds a group, slower than vpdpbusd at every M
- * measured (16 to 512). */
+ * 2026-12-06 (BENCHMARKS.md: 5-20 % from 48 rows, a loaded host). Q6_K never (above). */
 static inline long am_min_rows(int type) {
   switch (type) {
     case PLAIT_GGML_Q4_0:
@@ -93,8 +99,8 @@ static int am_permitted(void) {
   return s == 1;
 }
 
-/* Loads the calling thread's tile configuration (palette 1): tmm0 A 16 x 32 bytes, tmm1 A
- * 16 x 16 (Q6_K halves), tmm2 B 8 x 64, tmm3 B 4 x 64 (halves), tmm4 .. tmm7 C 16 x 64. */
+/* Loads the calling thread's tile configuration (palette 1): tmm0 A 16 x 32 bytes, tmm1 B
+ * 8 x 64, tmm4 .. tmm7 C 16 x 64 (tmm2, tmm3 unused). */
 static void am_config(void) {
   struct {
     uint8_t palette, start_row, reserved[14];
@@ -103,7 +109,7 @@ static void am_config(void) {
   } cfg;
   memset(&cfg, 0, sizeof cfg);
   cfg.palette = 1;
-  const int colsb[8] = {32, 16, 64, 64, 64, 64, 64, 64}, rows[8] = {16, 16, 8, 4, 16, 16, 16, 16};
+  const int colsb[8] = {32, 64, 0, 0, 64, 64, 64, 64}, rows[8] = {16, 8, 0, 0, 16, 16, 16, 16};
   for (int t = 0; t < 8; t++) {
     cfg.colsb[t] = (uint16_t)colsb[t];
     cfg.rows[t] = (uint8_t)rows[t];
@@ -111,31 +117,23 @@ static void am_config(void) {
   _tile_loadconfig(&cfg);
 }
 
-/* Step s of a chunk (a group; Q6_K: half s % 2 of group s / 2) into C tile CT where n
- * > CT - 4: x codes q (16 rows, lda apart), the chunk's widened codes wide (groups stride
- * apart). */
-#define AM_STEP(CT)                                                                     \
-  if (n > (CT) - 4) {                                                                   \
-    long s = s0 + (CT) - 4;                                                             \
-    if (halves == 2) {                                                                  \
-      _tile_loadd(1, q + 16 * s, lda);                                                  \
-      _tile_loadd(3, wide + s / 2 * stride + 256 * (s & 1), 64);                        \
-      _tile_zero(CT);                                                                   \
-      _tile_dpbssd(CT, 1, 3);                                                           \
-    } else {                                                                            \
-      _tile_loadd(0, q + 32 * s, lda);                                                  \
-      _tile_loadd(2, wide + s * stride, 64);                                            \
-      _tile_zero(CT);                                                                   \
-      _tile_dpbssd(CT, 0, 2);                                                           \
-    }                                                                                   \
+/* Group s of a chunk into C tile CT where n > CT - 4: x codes q (16 rows, lda apart), the
+ * chunk's widened codes wide (groups stride apart). */
+#define AM_STEP(CT)                          \
+  if (n > (CT) - 4) {                        \
+    long s = s0 + (CT) - 4;                  \
+    _tile_loadd(0, q + 32 * s, lda);         \
+    _tile_loadd(1, wide + s * stride, 64);   \
+    _tile_zero(CT);                          \
+    _tile_dpbssd(CT, 0, 1);                  \
   }
 #define AM_STORE(CT) \
   if (n > (CT) - 4) _tile_stored(CT, cb + ((CT) - 4) * AM_CBUF, 64);
 
-/* Steps s0 .. s0 + n - 1 (n <= 4) of a chunk into C tiles tmm4 .. tmm4 + n - 1 (no
- * stores: see am_block's pipeline). halves constant once inlined. */
-ALWAYS_INLINE void am_dots(int halves, const int8_t *q, long lda, const uint8_t *wide,
-                           long stride, long s0, int n) {
+/* Groups s0 .. s0 + n - 1 (n <= 4) of a chunk into C tiles tmm4 .. tmm4 + n - 1 (no
+ * stores: see am_block's pipeline). */
+ALWAYS_INLINE void am_dots(const int8_t *q, long lda, const uint8_t *wide, long stride, long s0,
+                           int n) {
   AM_STEP(4) AM_STEP(5) AM_STEP(6) AM_STEP(7)
 }
 
@@ -161,40 +159,34 @@ ALWAYS_INLINE void am_fold(int has_o, const uint8_t *c, __m512 sa, __m512 o, con
 /* Columns 0 .. cols - 1 (<= 16) of one widened tile (wide: its group 0, groups `stride`
  * bytes apart) against x rows [0, R) (R <= 16; the A tiles read 16, a's padding) of a over
  * the chunk's groups g0 .. g0 + ng - 1: f from y (first: 0), y = f (last: + bias). cbuf:
- * 4 C tiles (64-byte aligned). halves, has_o constants once inlined. */
-ALWAYS_INLINE void am_block(int halves, int has_o, const uint8_t *wide, long stride, long g0,
+ * two sets of 4 C tiles, AM_SET bytes apart (64-byte aligned). has_o constant once
+ * inlined. */
+ALWAYS_INLINE void am_block(int has_o, const uint8_t *wide, long stride, long g0,
                             long ng, const rp_acts_t *a, int R, int first, int last,
                             const float *bias, float *y, long ldy, int cols, uint8_t *cbuf) {
   const __mmask16 mask = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
   const long G = a->groups, lda = a->ldq;
   const int8_t *q = a->q + 32 * g0;
-  const __m512 sa_zero = _mm512_setzero_ps();
   __m512 f[AM_ROWS];
 #pragma GCC unroll 16
   for (int r = 0; r < AM_ROWS; r++)
     f[r] = first || r >= R ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + r * ldy);
-  /* Software pipeline over batches of 4 steps, 2 x 4 C tiles of cbuf: batch b + 1's
+  /* Software pipeline over batches of 4 groups, 2 x 4 C tiles of cbuf: batch b + 1's
    * products (computed during the last fold) are stored, batch b + 2's start on the tile
    * unit, then batch b (stored an iteration ago) is folded in. The folds' loads follow
    * only stores whose products are done, and the tile unit works during the fold. */
-  const long steps = ng * halves;
-#define AM_BATCH(b) (steps - 4 * (b) < 4 ? (int)(steps - 4 * (b)) : 4)
-  am_dots(halves, q, lda, wide, stride, 0, AM_BATCH(0));
+#define AM_BATCH(b) (ng - 4 * (b) < 4 ? (int)(ng - 4 * (b)) : 4)
+  am_dots(q, lda, wide, stride, 0, AM_BATCH(0));
   am_stores(AM_BATCH(0), cbuf);
-  if (steps > 4) am_dots(halves, q, lda, wide, stride, 4, AM_BATCH(1));
-  for (long s0 = 0; s0 < steps; s0 += 4) {
+  if (ng > 4) am_dots(q, lda, wide, stride, 4, AM_BATCH(1));
+  for (long s0 = 0; s0 < ng; s0 += 4) {
     const uint8_t *cb = cbuf + (s0 / 4 & 1) * AM_SET;
-    if (s0 + 4 < steps) am_stores(AM_BATCH(s0 / 4 + 1), cbuf + ((s0 / 4 + 1) & 1) * AM_SET);
-    if (s0 + 8 < steps) am_dots(halves, q, lda, wide, stride, s0 + 8, AM_BATCH(s0 / 4 + 2));
-    for (int i = 0; i < 4 && s0 + i < steps; i++) {
-      long s = s0 + i, g = s / halves;
-      const uint8_t *wg = wide + g * stride;
-      if (halves == 2) /* half 0's a at wg + 512, half 1's at wg + 576 (wd_fill) */
-        am_fold(0, cb + i * AM_CBUF, _mm512_load_ps(wg + 512 + 64 * (s & 1)), sa_zero, a->sx
-                + g0 + g, a->sxq + g0 + g, G, f);
-      else
-        am_fold(has_o, cb + i * AM_CBUF, _mm512_load_ps(wg + 512), _mm512_load_ps(wg + 576),
-                a->sx + g0 + g, a->sxq + g0 + g, G, f);
+    if (s0 + 4 < ng) am_stores(AM_BATCH(s0 / 4 + 1), cbuf + ((s0 / 4 + 1) & 1) * AM_SET);
+    if (s0 + 8 < ng) am_dots(q, lda, wide, stride, s0 + 8, AM_BATCH(s0 / 4 + 2));
+    for (int i = 0; i < 4 && s0 + i < ng; i++) {
+      const uint8_t *wg = wide + (s0 + i) * stride;
+      am_fold(has_o, cb + i * AM_CBUF, _mm512_load_ps(wg + 512), _mm512_load_ps(wg + 576),
+              a->sx + g0 + s0 + i, a->sxq + g0 + s0 + i, G, f);
     }
   }
 #undef AM_BATCH
@@ -204,17 +196,18 @@ ALWAYS_INLINE void am_block(int halves, int has_o, const uint8_t *wide, long str
     if (r < R) _mm512_mask_storeu_ps(y + r * ldy, mask, last ? _mm512_add_ps(f[r], b) : f[r]);
 }
 
-#define AM_BLOCK(NAME, H, O)                                                                \
+#define AM_BLOCK(NAME, O)                                                                   \
   static void am_block_##NAME(const uint8_t *wide, long stride, long g0, long ng,           \
                               const rp_acts_t *a, int R, int first, int last,               \
                               const float *bias, float *y, long ldy, int cols,              \
                               uint8_t *cbuf) {                                              \
-    am_block(H, O, wide, stride, g0, ng, a, R, first, last, bias, y, ldy, cols, cbuf);      \
+    am_block(O, wide, stride, g0, ng, a, R, first, last, bias, y, ldy, cols, cbuf);         \
   }
-AM_BLOCK(plain, 1, 0) AM_BLOCK(offset, 1, 1) AM_BLOCK(halves, 2, 0)
+AM_BLOCK(plain, 0) AM_BLOCK(offset, 1)
 #undef AM_BLOCK
 
-/* wd_fill of every repacked type for T = 1 or 2 tiles, as signed codes c - C. */
+/* wd_fill of the types that take the rung (am_min_rows) for T = 1 or 2 tiles, as signed
+ * codes c - C. */
 static void am_fill_any(int type, int T, const uint8_t *tile, long tile_bytes, long g0, long ng,
                         uint8_t *dst) {
   switch (type) {
@@ -226,7 +219,7 @@ static void am_fill_any(int type, int T, const uint8_t *tile, long tile_bytes, l
       wd_fill(PLAIT_GGML_##t, 1, tile, tile_bytes, g0, ng, C, dst);                     \
     return;
     AM_TYPE(Q4_0, 8) AM_TYPE(Q4_1, 0) AM_TYPE(Q5_0, 16) AM_TYPE(Q8_0, 128) AM_TYPE(Q4_K, 0)
-    AM_TYPE(Q5_K, 0) AM_TYPE(Q6_K, 32)
+    AM_TYPE(Q5_K, 0)
 #undef AM_TYPE
     default: return;
   }
@@ -255,9 +248,7 @@ static void am_unit(const rp_part_t *p, int T, const uint8_t *tile, const rp_act
         const float *b = bias ? bias + 16 * u : NULL;
         float *yt = y + m * ldy + 16 * u;
         int c = cols - 16 * u < 16 ? cols - 16 * u : 16;
-        if (p->type == PLAIT_GGML_Q6_K)
-          am_block_halves(wide, stride, g0, ng, &at, R, first, last, b, yt, ldy, c, cbuf);
-        else if (L->offset == 0)
+        if (L->offset == 0)
           am_block_offset(wide, stride, g0, ng, &at, R, first, last, b, yt, ldy, c, cbuf);
         else
           am_block_plain(wide, stride, g0, ng, &at, R, first, last, b, yt, ldy, c, cbuf);
