@@ -11,10 +11,12 @@
  * The two float32 steps are FMAs in this order in both kernels: the AVX512-VNNI one
  * (repack_vnni.h; vpdpbusd computes I), and the plain C one below, which every build has:
  * they give the same bits. Threads (OpenMP, torch's pool) share units of two tiles (32
- * columns). Two rungs: up to a few register tiles of x rows, vnni_tiles widens the tiles'
+ * columns). Three rungs: up to a few register tiles of x rows, vnni_tiles widens the tiles'
  * codes for each (decode); from wd_min_rows(type) rows on (prefill, batched decode), the
  * rung of repack_wide.h widens each chunk of a unit's tiles once into a per-thread
- * scratch that all rows then read. Both are the same arithmetic, so the same bits.
+ * scratch that all rows then read; with PLAIT_REPACK_AMX, from am_min_rows(type) rows,
+ * repack_amx.h computes I for 16 rows x 16 columns a group with an AMX-INT8 tile product
+ * from the same widened codes. All are the same arithmetic, so the same bits.
  */
 #include "plait_cpu.h"
 #include "repack.h"
