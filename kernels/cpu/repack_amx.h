@@ -53,9 +53,9 @@
 #include <unistd.h>
 
 /* The fewest x rows that take this rung for a part of a GGML type (below them, the
- * decode or wide rungs): where it beat the wide rung (Q8_0: vnni_tiles) in
- * scripts/bench_repack.py-style runs on SmolLM2's and Qwen2.5-0.5B's shapes, 1 thread,
- * 2026-12-06 (BENCHMARKS.md: 5-20 % from 48 rows, a loaded host). Q6_K never (above). */
+ * decode or wide rungs): where it beat the wide rung (Q8_0: vnni_tiles) in an interleaved
+ * single-product sweep on SmolLM2's and Qwen2.5-0.5B's shapes, 1 thread, 2026-12-06
+ * (BENCHMARKS.md: 5-20 % from 48 rows, a loaded host). Q6_K never (above). */
 static inline long am_min_rows(int type) {
   switch (type) {
     case PLAIT_GGML_Q4_0:
@@ -68,9 +68,12 @@ static inline long am_min_rows(int type) {
   }
 }
 
-#define AM_ROWS 16            /* x rows per A tile */
-#define AM_CBUF 1024          /* bytes of one stored C tile: 16 x 16 int32 */
-#define AM_SET 6144 /* bytes from the first set of 4 stored C tiles to the second */
+#define AM_ROWS 16   /* x rows per A tile */
+#define AM_CBUF 1024 /* bytes of one stored C tile: 16 x 16 int32 */
+/* Bytes from the first set of 4 stored C tiles to the second: not 4 KB, where each folded
+ * row's load would share its address's low 12 bits with a store into the other set in
+ * flight (4K aliasing); measured a little faster. */
+#define AM_SET 6144
 #define AM_ARCH_REQ_XCOMP_PERM 0x1023
 #define AM_XFEATURE_XTILEDATA 18
 
