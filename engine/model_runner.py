@@ -66,7 +66,7 @@ def engine_numerics(config: EngineConfig, device: torch.device, dtype: torch.dty
     file or not (the native kernels and their VNNI product as this machine has them built).
     ValueError where the mode asked for cannot run."""
     native = device.type == "cpu" and config.native and build.available()
-    vnni = native and repack.isa() == repack.ISA_VNNI512
+    vnni = native and repack.isa() >= repack.ISA_VNNI512
     return resolve_numerics(config.numerics, device, dtype, native, vnni,
                             kept=config.weights == "auto", gguf=gguf)
 

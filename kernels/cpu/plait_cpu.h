@@ -129,10 +129,13 @@ int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long
  * interleaved per block, codes kept at 4, 5, 6 or 8 bits, the file's fp16 scales and 6-bit
  * sub-block scales beside them; Q4_0, Q4_1, Q5_0, Q8_0, Q6_K the file's bytes, Q4_K 1.028x,
  * Q5_K 1.023x, rows padded to a multiple of 16). plait_repack_isa: the fastest product this
- * build has, PLAIT_REPACK_VNNI512 (AVX512-VNNI, BW, VL) or PLAIT_REPACK_C (plain C, every
- * build; the same bits). */
+ * build and process have: PLAIT_REPACK_AMX (the VNNI product, with AMX-INT8 tiles for
+ * prefill rows: a build with AMX-TILE and AMX-INT8, Linux granting the process tile state,
+ * and no PLAIT_REPACK_AMX=0 in the environment; asked once), PLAIT_REPACK_VNNI512
+ * (AVX512-VNNI, BW, VL) or PLAIT_REPACK_C (plain C, every build); all give the same bits. */
 #define PLAIT_REPACK_C 0
 #define PLAIT_REPACK_VNNI512 1
+#define PLAIT_REPACK_AMX 2
 int plait_repack_isa(void);
 /* repack.c: the bytes of `rows` rows of K weights of GGML `type` repacked; PLAIT_ERR_SHAPES
  * for a type not repacked, K not a whole number of its blocks, or negative rows. */
@@ -145,7 +148,7 @@ int plait_repack(const void *src, int type, long rows, long K, void *dst);
  * rows) per part] of repacked parts stacked along N. x quantized to int8 per 32 weights (sx = max |x| / 127, q
  * = round(x / sx) to nearest even), exact int32 dot products of q with the codes, float32
  * scales and sums (repack.c states the order). isa: PLAIT_REPACK_C, or up to
- * plait_repack_isa(); both give the same bits. K % 32 != 0, a part plait_repack_bytes
+ * plait_repack_isa(); all give the same bits. K % 32 != 0, a part plait_repack_bytes
  * refuses, more than PLAIT_MAX_PARTS parts, another isa: PLAIT_ERR_SHAPES. PLAIT_ERR_NOMEM. */
 int plait_repack_gemm(const float *x, long M, long ldx, const int64_t *desc, long K,
                       const float *bias, float *y, long ldy, int isa);

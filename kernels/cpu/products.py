@@ -329,7 +329,7 @@ def _table(with_native: bool) -> dict[str, Product]:
     if with_native:
         rows += [_panels_row(blas) for blas in BLAS.values()]
         rows += [_kept_row(dtype) for dtype in _DTYPE_NAMES]
-        if repack.isa() == repack.ISA_VNNI512:
+        if repack.isa() >= repack.ISA_VNNI512:
             rows.append(_repacked_row())
     return {r.name: r for r in rows}
 

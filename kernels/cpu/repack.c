@@ -11,10 +11,12 @@
  * The two float32 steps are FMAs in this order in both kernels: the AVX512-VNNI one
  * (repack_vnni.h; vpdpbusd computes I), and the plain C one below, which every build has:
  * they give the same bits. Threads (OpenMP, torch's pool) share units of two tiles (32
- * columns). Two rungs: up to a few register tiles of x rows, vnni_tiles widens the tiles'
+ * columns). Three rungs: up to a few register tiles of x rows, vnni_tiles widens the tiles'
  * codes for each (decode); from wd_min_rows(type) rows on (prefill, batched decode), the
  * rung of repack_wide.h widens each chunk of a unit's tiles once into a per-thread
- * scratch that all rows then read. Both are the same arithmetic, so the same bits.
+ * scratch that all rows then read; with PLAIT_REPACK_AMX, from am_min_rows(type) rows,
+ * repack_amx.h computes I for 16 rows x 16 columns a group with an AMX-INT8 tile product
+ * from the same widened codes. All are the same arithmetic, so the same bits.
  */
 #include "plait_cpu.h"
 #include "repack.h"
@@ -241,16 +243,23 @@ static void quantize_row(const float *x, long K, int8_t *q, float *sx, float *sx
   }
 }
 
-/* The buffers of M quantized rows in one allocation (*mem, freed by the caller). */
+/* The buffers of M quantized rows in one allocation (*mem, freed by the caller), padded
+ * with zero rows (q, sx, sxq, sum16 all 0) to a multiple of 16: the AMX rung's A tiles
+ * (repack_amx.h) read whole blocks of 16 rows. */
 static int quantize_acts(const float *x, long M, long ldx, long K, rp_acts_t *a, void **mem) {
-  long ldq = (K + 63) / 64 * 64, G = K / 32;
-  size_t qbytes = (size_t)(M * ldq), fbytes = sizeof(float) * (size_t)(M * G);
-  uint8_t *buf = aligned_alloc(64, (qbytes + 2 * fbytes + 2 * fbytes + 63) / 64 * 64);
+  long ldq = (K + 63) / 64 * 64, G = K / 32, M16 = (M + 15) / 16 * 16;
+  size_t qbytes = (size_t)(M16 * ldq), fbytes = sizeof(float) * (size_t)(M16 * G);
+  size_t total = (qbytes + 2 * fbytes + 2 * fbytes + 63) / 64 * 64;
+  uint8_t *buf = aligned_alloc(64, total);
   *mem = buf;
   if (!buf) return PLAIT_ERR_NOMEM;
   int8_t *q = (int8_t *)buf;
-  float *sx = (float *)(buf + qbytes), *sxq = sx + M * G;
-  int32_t *sum16 = (int32_t *)(sxq + M * G);
+  float *sx = (float *)(buf + qbytes), *sxq = sx + M16 * G;
+  int32_t *sum16 = (int32_t *)(sxq + M16 * G);
+  memset(q + M * ldq, 0, (size_t)((M16 - M) * ldq));
+  memset(sx + M * G, 0, sizeof(float) * (size_t)((M16 - M) * G));
+  memset(sxq + M * G, 0, sizeof(float) * (size_t)((M16 - M) * G));
+  memset(sum16 + M * 2 * G, 0, sizeof(int32_t) * (size_t)((M16 - M) * 2 * G));
 #pragma omp parallel for schedule(static) if (M * K >= 16384)
   for (long m = 0; m < M; m++)
     quantize_row(x + m * ldx, K, q + m * ldq, sx + m * G, sxq + m * G, sum16 + m * 2 * G);
@@ -296,8 +305,12 @@ static void c_tile(const rp_part_t *p, const uint8_t *tile, const rp_acts_t *a, 
 
 #include "repack_vnni.h"
 #include "repack_wide.h"
+#include "repack_amx.h"
 
 int plait_repack_isa(void) {
+#if REPACK_AMX
+  if (am_permitted()) return PLAIT_REPACK_AMX;
+#endif
 #if REPACK_VNNI
   return PLAIT_REPACK_VNNI512;
 #else
@@ -327,18 +340,46 @@ static rp_unit_t rp_unit_at(const rp_part_t *parts, long t) {
                      cols > 16 ? 2 : 1};
 }
 
-/* Unit t of parts for x rows [0, M): y's columns of its tiles. Through the prefill rung
- * (repack_wide.h: each tile widened once into scratch) where scratch is given and M reaches
- * the rung's rows for the unit's type; else register tiles of rows one after another, each
- * widening the tiles' codes again (vnni_tiles; c_tile for PLAIT_REPACK_C). */
+/* Whether the AMX rung (repack_amx.h) takes a part of `type` against M x rows. */
+static inline int rp_amx_takes(int isa, int type, long M) {
+#if REPACK_AMX
+  return isa == PLAIT_REPACK_AMX && M >= am_min_rows(type);
+#else
+  (void)isa, (void)type, (void)M;
+  return 0;
+#endif
+}
+
+/* Whether the wide rung (repack_wide.h) takes a part of `type` against M x rows. */
+static inline int rp_wide_takes(int isa, int type, long M) {
+#if REPACK_VNNI
+  return isa >= PLAIT_REPACK_VNNI512 && !rp_amx_takes(isa, type, M) && M >= wd_min_rows(type);
+#else
+  (void)isa, (void)type, (void)M;
+  return 0;
+#endif
+}
+
+/* Unit t of parts for x rows [0, M): y's columns of its tiles. Through a prefill rung
+ * where scratch is given and M reaches the rung's rows for the unit's type: AMX tiles
+ * (repack_amx.h; the thread has loaded their configuration) or the wide rung
+ * (repack_wide.h), each widening a tile once into scratch; else register tiles of rows one
+ * after another, each widening the tiles' codes again (vnni_tiles; c_tile for
+ * PLAIT_REPACK_C). */
 static void rp_unit(const rp_part_t *parts, long t, const rp_acts_t *a, long M, long K,
                     const float *bias, float *y, long ldy, int isa, uint8_t *scratch) {
   rp_unit_t un = rp_unit_at(parts, t);
   const rp_part_t *p = un.p;
   const float *b = bias ? bias + un.n0 : NULL;
   int T = un.T, cols = un.cols, rows_per = T == 2 ? RP_PAIR_ROWS : RP_TILE_ROWS;
+#if REPACK_AMX
+  if (scratch && rp_amx_takes(isa, p->type, M)) {
+    am_unit(p, T, un.tile, a, M, K, b, y + un.n0, ldy, cols, scratch);
+    return;
+  }
+#endif
 #if REPACK_VNNI
-  if (scratch && M >= wd_min_rows(p->type)) {
+  if (scratch && rp_wide_takes(isa, p->type, M)) {
     wd_unit(p, T, un.tile, a, M, K, b, y + un.n0, ldy, cols, scratch);
     return;
   }
@@ -349,7 +390,7 @@ static void rp_unit(const rp_part_t *parts, long t, const rp_acts_t *a, long M, 
                     a->sum16 + m * 2 * a->groups, a->ldq, a->groups};
     float *yt = y + m * ldy + un.n0;
 #if REPACK_VNNI
-    if (isa == PLAIT_REPACK_VNNI512) {
+    if (isa >= PLAIT_REPACK_VNNI512) {
       vnni_tiles_any(p->type, T, R, un.tile, p->tile_bytes, &at, K, b, yt, ldy, cols);
       continue;
     }
@@ -361,17 +402,25 @@ static void rp_unit(const rp_part_t *parts, long t, const rp_acts_t *a, long M, 
 }
 
 /* All units of parts against the quantized rows, shared by the threads; each thread holds
- * a scratch for the prefill rung where a part takes it. PLAIT_ERR_NOMEM where one fails. */
+ * a scratch for the prefill rungs where a part takes one, and loads the AMX tile
+ * configuration (released after) where a part takes that rung. PLAIT_ERR_NOMEM where a
+ * scratch fails. */
 static int rp_products(const rp_part_t *parts, int num_parts, long units, const rp_acts_t *a,
                        long M, long K, const float *bias, float *y, long ldy, int isa) {
   size_t scratch_bytes = 0;
+  int amx = 0;
+  for (int i = 0; i < num_parts; i++) {
 #if REPACK_VNNI
-  for (int i = 0; i < num_parts; i++)
-    if (isa == PLAIT_REPACK_VNNI512 && M >= wd_min_rows(parts[i].type))
+    if (rp_wide_takes(isa, parts[i].type, M) && wd_scratch_bytes() > scratch_bytes)
       scratch_bytes = wd_scratch_bytes();
-#else
-  (void)num_parts;
 #endif
+#if REPACK_AMX
+    if (rp_amx_takes(isa, parts[i].type, M)) {
+      amx = 1;
+      if (am_scratch_bytes() > scratch_bytes) scratch_bytes = am_scratch_bytes();
+    }
+#endif
+  }
   int rc = PLAIT_OK;
 #pragma omp parallel
   {
@@ -382,11 +431,18 @@ static int rp_products(const rp_part_t *parts, int num_parts, long units, const 
     }
 #pragma omp barrier
     if (rc == PLAIT_OK) {
+#if REPACK_AMX
+      if (amx) am_config();
+#endif
 #pragma omp for schedule(static)
       for (long t = 0; t < units; t++) rp_unit(parts, t, a, M, K, bias, y, ldy, isa, scratch);
+#if REPACK_AMX
+      if (amx) _tile_release();
+#endif
     }
     free(scratch);
   }
+  (void)amx;
   return rc;
 }
 

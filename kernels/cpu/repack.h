@@ -25,6 +25,10 @@
  * int8 scales [16 halves of 16 weights][16 rows]. d, m / dmin: fp16 [16 rows], the file's
  * bits.
  *
+ * A group's 8 vectors V_0 .. V_7 (widened to bytes) are also exactly the B tile of an
+ * AMX-INT8 product for K = 32, N = 16 (repack_amx.h: 8 rows of 64 bytes, 4 bytes of K per
+ * column).
+ *
  * Every type's weight is w = a c - o over a group (or half, Q6_K) with unsigned codes c:
  * Q4_0 a = d, o = 8 d; Q4_1 a = d, o = -m; Q5_0 a = d, o = 16 d; Q8_0 a = d, o = 128 d;
  * Q4_K / Q5_K a = d sc, o = dmin mn; Q6_K a = d sc, o = 32 a.

@@ -16,9 +16,11 @@ exact int32 dot products by vpdpbusd, float32 scales) and embedding rows through
 plus rows padded to a multiple of 16 (none in the models Plait serves). `REPACKED_TYPES`
 are the types this covers; F16 / BF16 parts are not repacked (`repackable`).
 
-The kernel is chosen once per process from the build (`isa()`: AVX512-VNNI where the CPU
-has it, else plain C); `repack_gemm(..., isa=ISA_C)` forces the plain C kernel, which gives
-the same bits (the tests compare them).
+The kernel is chosen once per process from the build (`isa()`: AVX512-VNNI with AMX-INT8
+tiles for prefill rows where the CPU and Linux allow them and PLAIT_REPACK_AMX=0 is not set,
+else AVX512-VNNI where the CPU has it, else plain C); `repack_gemm(..., kernel_isa=ISA_C)`
+forces the plain C kernel, `ISA_VNNI512` the VNNI one without AMX: all give the same bits
+(the tests compare them).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from plait.kernels.cpu.quant import Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, Qu
 REPACKED_TYPES: frozenset[int] = frozenset({Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K})
 ISA_C: int = ABI.constants["PLAIT_REPACK_C"]
 ISA_VNNI512: int = ABI.constants["PLAIT_REPACK_VNNI512"]
-ISA_NAMES = {ISA_C: "c", ISA_VNNI512: "avx512-vnni"}
+ISA_AMX: int = ABI.constants["PLAIT_REPACK_AMX"]
+ISA_NAMES = {ISA_C: "c", ISA_VNNI512: "avx512-vnni", ISA_AMX: "avx512-vnni+amx"}
 # The flag of a descriptor's first word that marks repacked parts (plait_cpu.h's
 # PLAIT_QGEMM_REPACKED): `native.qgemm` and the native stack then compute as `repack_gemm`.
 REPACKED_FLAG: int = ABI.constants["PLAIT_QGEMM_REPACKED"]
@@ -48,7 +51,9 @@ def _check(rc: int, kernel: str) -> None:
 
 
 def isa() -> int:
-    """The fastest repacked product of the loaded kernels: ISA_VNNI512 or ISA_C."""
+    """The fastest repacked product of the loaded kernels in this process: ISA_AMX (VNNI,
+    AMX-INT8 tiles for prefill rows; not with PLAIT_REPACK_AMX=0 in the environment),
+    ISA_VNNI512 or ISA_C. Each includes the ones below it."""
     return int(loaded().plait_repack_isa())
 
 
@@ -115,7 +120,7 @@ def repack_gemm(
     x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
     weight: RepackedWeight,  # W [N, K]
     bias: torch.Tensor | None = None,  # [N] float32
-    kernel_isa: int | None = None,  # ISA_C or ISA_VNNI512; None: isa()
+    kernel_isa: int | None = None,  # ISA_C, ISA_VNNI512 or ISA_AMX; None: isa()
 ) -> torch.Tensor:  # [M, N] float32
     """x @ W^T + bias with x quantized to int8 per 32 weights (sx = max |x| / 127, q =
     round(x / sx) to nearest even) and exact int32 dot products with W's codes, float32
@@ -123,7 +128,8 @@ def repack_gemm(
     llama.cpp's CPU path). Any M: a decode step's few rows widen W's codes in registers per
     tile of rows; from 8 to 32 rows by type (prefill, batched decode; Q8_0 never) each
     tile is widened once into a small per-thread scratch that all rows then read
-    (repack_wide.h), with the same bits."""
+    (repack_wide.h); with ISA_AMX, from 16 rows each widened group meets 16 rows at once
+    in an AMX-INT8 tile product (repack_amx.h). All with the same bits."""
     return product(x, weight.desc, weight.in_features, weight.out_features, bias, kernel_isa,
                    weight.describe())
 
@@ -192,6 +198,6 @@ def dequantize_rows(
     return out
 
 
-__all__ = ["ISA_C", "ISA_NAMES", "ISA_VNNI512", "REPACKED_FLAG", "REPACKED_TYPES",
-           "RepackedWeight", "dequantize_rows", "isa", "product", "repack", "repack_dequantize",
-           "repack_gemm", "repackable"]
+__all__ = ["ISA_AMX", "ISA_C", "ISA_NAMES", "ISA_VNNI512", "REPACKED_FLAG",
+           "REPACKED_TYPES", "RepackedWeight", "dequantize_rows", "isa", "product", "repack",
+           "repack_dequantize", "repack_gemm", "repackable"]

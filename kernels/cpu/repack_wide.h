@@ -60,10 +60,11 @@ static inline long wd_min_rows(int type) {
 static inline size_t wd_scratch_bytes(void) { return (size_t)2 * RP_WIDE_CHUNK * RP_WIDE_GROUP; }
 
 /* Groups g0 .. g0 + ng - 1 of T tiles (tile u at tile + u tile_bytes) widened into dst
- * (64-byte aligned; group j of tile u at (j T + u) RP_WIDE_GROUP). type, T constants once
- * inlined. */
+ * (64-byte aligned; group j of tile u at (j T + u) RP_WIDE_GROUP), every code less sub
+ * (modulo 256: this rung 0, unsigned codes; repack_amx.h's the type's offset C, signed
+ * codes). type, T, sub constants once inlined. */
 ALWAYS_INLINE void wd_fill(int type, int T, const uint8_t *tile, long tile_bytes, long g0,
-                           long ng, uint8_t *dst) {
+                           long ng, int sub, uint8_t *dst) {
   const rp_layout_t *L = rp_layout(type);
   const int per_block = L->qk / 32;
   const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32((int)0x80000000u));
@@ -76,7 +77,8 @@ ALWAYS_INLINE void wd_fill(int type, int T, const uint8_t *tile, long tile_bytes
 #pragma GCC unroll 8
       for (int s = 0; s < 8; s++)
         _mm512_store_si512(out + 64 * s,
-                           vn_codes(type, L, rec, rec + gi * L->code_group, gi, s));
+                           _mm512_sub_epi8(vn_codes(type, L, rec, rec + gi * L->code_group, gi, s),
+                                           _mm512_set1_epi8((char)sub)));
       __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + L->d)));
       __m512 sa = d, o = _mm512_setzero_ps();
       if (L->m >= 0) {
@@ -195,9 +197,9 @@ static void wd_fill_any(int type, int T, const uint8_t *tile, long tile_bytes, l
 #define WD_TYPE(t)                                                                      \
   case PLAIT_GGML_##t:                                                                  \
     if (T == 2)                                                                         \
-      wd_fill(PLAIT_GGML_##t, 2, tile, tile_bytes, g0, ng, dst);                        \
+      wd_fill(PLAIT_GGML_##t, 2, tile, tile_bytes, g0, ng, 0, dst);                     \
     else                                                                                \
-      wd_fill(PLAIT_GGML_##t, 1, tile, tile_bytes, g0, ng, dst);                        \
+      wd_fill(PLAIT_GGML_##t, 1, tile, tile_bytes, g0, ng, 0, dst);                     \
     return;
     WD_TYPE(Q4_0) WD_TYPE(Q4_1) WD_TYPE(Q5_0) WD_TYPE(Q4_K) WD_TYPE(Q5_K) WD_TYPE(Q6_K)
 #undef WD_TYPE

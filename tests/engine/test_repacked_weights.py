@@ -16,7 +16,7 @@ from plait.engine.models.linear import Linear, weight_bytes
 from plait.kernels.cpu import build, repack
 from plait.kernels.cpu.products import row
 
-pytestmark = pytest.mark.skipif(not build.available() or repack.isa() != repack.ISA_VNNI512,
+pytestmark = pytest.mark.skipif(not build.available() or repack.isa() < repack.ISA_VNNI512,
                                 reason="no AVX512-VNNI repacked kernel in this build")
 
 
@@ -38,7 +38,7 @@ def test_repacked_weights_engine() -> None:
     assert llm.engine.runner.numerics.name == "int8"
     model = llm.engine.runner.model
     repacked = {name: m for name, m in model.named_modules() if isinstance(m, Linear)
-                and m.product.name == "repacked/avx512-vnni"}
+                and m.product.name == f"repacked/{repack.ISA_NAMES[repack.isa()]}"}
     assert set(repacked) == set(file_bytes) and "lm_head" in repacked
     for name, linear in repacked.items():
         state = linear.state

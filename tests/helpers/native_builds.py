@@ -2,6 +2,7 @@
 
     library_without_avx512bf16(tmp_path)   the sources built with -mno-avx512bf16, declared
     library_without_avx512vnni(tmp_path)   the same with -mno-avx512vnni
+    library_without_amx(tmp_path)          the same with -mno-amx-tile (no AMX-INT8 either)
 """
 
 from __future__ import annotations
@@ -46,3 +47,10 @@ def library_without_avx512vnni(tmp_path: Path) -> ctypes.CDLL:
     built at -O0 (seconds, against half a minute at -O3 on the 2-core host): its tests
     check what it reports and refuses, and the plain C product's bits."""
     return _library_without(tmp_path, "avx512vnni", "avx512_vnni", ("-O0",))
+
+
+def library_without_amx(tmp_path: Path) -> ctypes.CDLL:
+    """The kernels without AMX (-mno-amx-tile, which takes AMX-INT8 with it: the repacked
+    product's AMX rung is not compiled; see `_library_without`), built at -O0: its test
+    checks what it reports and refuses, and the VNNI product's bits."""
+    return _library_without(tmp_path, "amx-tile", "amx_tile", ("-O0",))

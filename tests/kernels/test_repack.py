@@ -2,16 +2,22 @@
 product of the same int8-quantized x (quantized here by the rule the kernel states) with
 gguf-py's dequantized weights, tight enough that the unquantized x fails it; against the
 float product within the activation rounding's bound; the plain C kernel's bits equal the
-AVX512-VNNI kernel's, at decode sizes and through the prefill rung (repack_wide.h) at
-every type's threshold and past it; embedding rows dequantized from the tiles are gguf-py's
-bits; the repacked bytes stay within 1.05x the file's."""
+AVX512-VNNI kernel's, at decode sizes and through the prefill rungs (repack_wide.h;
+repack_amx.h's AMX-INT8 tiles where the process has them) at every type's threshold and
+past it; embedding rows dequantized from the tiles are gguf-py's bits; the repacked bytes
+stay within 1.05x the file's; builds without VNNI or AMX, and PLAIT_REPACK_AMX=0, report
+and refuse what they lack."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
-from helpers.native_builds import library_without_avx512vnni
+from helpers.native_builds import library_without_amx, library_without_avx512vnni
 from helpers.quant_cases import random_part, random_weight
 
 from plait.kernels.cpu import build, quant, repack
@@ -183,7 +189,7 @@ def test_prefill_rung_gives_the_plain_c_bits(ggml_type: int, n: int) -> None:
     """K = 1280 (40 groups: scratch chunks of 16, 16 and 8), N = 37 (a last unit of one
     tile of 5 columns) or 53 (a last unit of two tiles, 21 columns), a bias: from M = 7 up,
     the rows that take the rung give c_tile's bits (the plain C kernel) and the quantized
-    x's product."""
+    x's product, through the VNNI kernel (its wide rung) and the process's fastest."""
     if repack.isa() == repack.ISA_C:
         pytest.skip("this build's fastest kernel is the plain C one")
     weight = random_weight((ggml_type,), (n,), 1280, seed=5 * ggml_type + n)
@@ -194,6 +200,7 @@ def test_prefill_rung_gives_the_plain_c_bits(ggml_type: int, n: int) -> None:
         x = torch.randn(rows, 1280, generator=gen)
         y = repack.repack_gemm(x, packed, bias)
         assert torch.equal(y, repack.repack_gemm(x, packed, bias, repack.ISA_C)), rows
+        assert torch.equal(y, repack.repack_gemm(x, packed, bias, repack.ISA_VNNI512)), rows
         assert _error(y, _quantized(x), w, bias) <= TOLERANCE
         assert torch.equal(repack.repack_gemm(x[:3], packed, bias), y[:3])  # decode rung
 
@@ -227,3 +234,89 @@ def test_prefill_rung_zero_rows_give_the_bias() -> None:
     y = repack.repack_gemm(x, packed, bias)
     assert torch.equal(y[:17], bias.expand(17, 48)) and torch.equal(y[18:], bias.expand(22, 48))
     assert not torch.equal(y[17], bias)
+
+
+needs_amx = pytest.mark.skipif(repack.isa() != repack.ISA_AMX,
+                               reason="no AMX-INT8 tiles in this build or process")
+# The AMX rung's thresholds (repack_amx.h's am_min_rows: Q4_0 / Q5_0 32, Q4_1 / Q8_0 / Q4_K /
+# Q5_K 48, Q6_K never: the wide rung) and rows past them, ragged against its 16-row A tiles.
+AMX_ROWS = (31, 32, 33, 47, 48, 49, 64, 83)
+
+
+@needs_amx
+@pytest.mark.parametrize("ggml_type", TYPES, ids=quant.type_name)
+@pytest.mark.parametrize("n, k", [(37, 1280), (53, 4352)])
+def test_amx_rung_gives_the_plain_c_bits(ggml_type: int, n: int, k: int) -> None:
+    """N = 37 (a last unit of one tile of 5 columns) or 53 (two tiles, 21 columns), K =
+    1280 (40 groups: one chunk) or 4352 (136: chunks of 46, 46 and 44, batches of 4 that
+    end ragged), a bias: every M around and past the type's threshold gives c_tile's bits
+    exactly (the plain C kernel; the VNNI kernel below the threshold) and the quantized x's
+    product."""
+    weight = random_weight((ggml_type,), (n,), k, seed=7 * ggml_type + n)
+    packed, w = repack.repack(weight), dequantize_reference(weight)
+    gen = torch.Generator().manual_seed(k + n)
+    bias = torch.randn(n, generator=gen)
+    for rows in AMX_ROWS:
+        x = torch.randn(rows, k, generator=gen)
+        y = repack.repack_gemm(x, packed, bias, repack.ISA_AMX)
+        assert torch.equal(y, repack.repack_gemm(x, packed, bias, repack.ISA_C)), rows
+        assert torch.equal(y, repack.repack_gemm(x, packed, bias, repack.ISA_VNNI512)), rows
+        assert _error(y, _quantized(x), w, bias) <= TOLERANCE
+
+
+@needs_amx
+def test_amx_rung_with_mixed_parts_strides_and_zero_rows() -> None:
+    """Parts whose types take the AMX rung from different M (Q4_0 32, Q8_0 48, Q6_K never),
+    K = 768, x rows inside wider rows, a bias, rows of zeros: at M = 40 only the Q4_0 part
+    takes it, at M = 70 the Q8_0 part too; each part's columns are the plain C kernel's
+    bits, and a zero row is the bias exactly."""
+    types = (quant.Q6_K, quant.Q4_0, quant.Q8_0, quant.Q4_1)
+    weight = random_weight(types, (20, 16, 9, 35), 768, seed=13)
+    packed, w = repack.repack(weight), dequantize_reference(weight)
+    gen = torch.Generator().manual_seed(13)
+    bias = torch.randn(80, generator=gen)
+    for rows in (40, 70):
+        wide = torch.randn(rows, 768 + 24, generator=gen)
+        wide[rows - 3] = 0.0
+        x = wide[:, 8:8 + 768]
+        y = repack.repack_gemm(x, packed, bias, repack.ISA_AMX)
+        assert torch.equal(y, repack.repack_gemm(x.contiguous(), packed, bias, repack.ISA_C))
+        assert _error(y, _quantized(x.contiguous()), w, bias) <= TOLERANCE
+        assert torch.equal(y[rows - 3], bias)
+
+
+@needs_amx
+def test_amx_off_by_environment() -> None:
+    """PLAIT_REPACK_AMX=0: the process reports the VNNI kernel, the product row is named
+    after it, and the AMX kernel is refused (the engine's products log then says
+    repacked/avx512-vnni)."""
+    code = ("import torch\n"
+            "from plait.kernels.cpu import quant, repack\n"
+            "from plait.kernels.cpu.products import repacked_row\n"
+            "part = quant.QuantPart(torch.zeros(32, 34, dtype=torch.uint8), quant.Q8_0, 32)\n"
+            "packed = repack.repack(quant.QuantWeight.build([part], 32))\n"
+            "refused = False\n"
+            "try:\n"
+            "    repack.repack_gemm(torch.ones(64, 32), packed, kernel_isa=repack.ISA_AMX)\n"
+            "except ValueError as error:\n"
+            "    refused = 'kernel isa' in str(error)\n"
+            "print(repack.isa(), repacked_row().name, refused)\n")
+    env = {**os.environ, "PLAIT_REPACK_AMX": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600, check=True)
+    assert done.stdout.split() == [str(repack.ISA_VNNI512), "repacked/avx512-vnni", "True"]
+
+
+def test_a_build_without_amx_has_only_the_vnni_product(tmp_path) -> None:
+    """Where the CPU or compiler has no AMX-INT8 the build reports the VNNI kernel and
+    refuses the AMX one; its VNNI product (wide rung) is still the plain C bits."""
+    lib = library_without_amx(tmp_path)
+    assert lib.plait_repack_isa() == repack.ISA_VNNI512
+    weight = random_weight((quant.Q4_0,), (32,), 64)
+    packed = repack.repack(weight)
+    x, y = torch.randn(40, 64), torch.empty(40, 32)
+    assert lib.plait_repack_gemm(x.data_ptr(), 40, 64, packed.desc.data_ptr(), 64, None,
+                                 y.data_ptr(), 32, repack.ISA_AMX) == SHAPES
+    assert lib.plait_repack_gemm(x.data_ptr(), 40, 64, packed.desc.data_ptr(), 64, None,
+                                 y.data_ptr(), 32, repack.ISA_VNNI512) == 0
+    assert torch.equal(y, repack.repack_gemm(x, packed, kernel_isa=repack.ISA_C))

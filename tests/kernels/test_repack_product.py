@@ -14,14 +14,18 @@ from plait.kernels.cpu import build, quant, repack
 from plait.kernels.cpu.products import ProductSettings, repacked_row, row
 from plait.kernels.cpu.quant import QuantWeight, dequantize_reference
 
-pytestmark = pytest.mark.skipif(not build.available() or repack.isa() != repack.ISA_VNNI512,
+pytestmark = pytest.mark.skipif(not build.available() or repack.isa() < repack.ISA_VNNI512,
                                 reason="no AVX512-VNNI repacked kernel in this build")
 
 
 def test_the_row_takes_repacked_types_only() -> None:
+    """The row is named after the process's kernel: `repacked/avx512-vnni`, or
+    `repacked/avx512-vnni+amx` where AMX-INT8 takes the prefill rows."""
     product = repacked_row()
-    assert product is not None and product.name == "repacked/avx512-vnni"
-    assert row("repacked/avx512-vnni") is product
+    name = f"repacked/{repack.ISA_NAMES[repack.isa()]}"
+    assert product is not None and product.name == name
+    assert name in ("repacked/avx512-vnni", "repacked/avx512-vnni+amx")
+    assert row(name) is product
     weight = random_weight((quant.Q4_K, quant.Q6_K), (16, 8), 512)
     rng = np.random.default_rng(0)
     half = QuantWeight.build([random_part(quant.BF16, 8, 512, rng)], 512)
