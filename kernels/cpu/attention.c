@@ -371,8 +371,12 @@ INLINE void attend_own(state_t *st, long a0, long G, const int32_t *table, long 
       sub.lo_min = (long)lo[a] < sub.lo_min ? (long)lo[a] : sub.lo_min;
       sub.lo_max = (long)lo[a] > sub.lo_max ? (long)lo[a] : sub.lo_max;
     }
-    attend_range(&sub, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads, hh,
-                 head_dim, bf16, dot, var);
+    if (dot && G <= FEW_MAX && t_from < t_to)
+      attend_few_dot(var, &sub, table, t_from, t_to, k_cache, v_cache, block_size,
+                     num_kv_heads, hh, head_dim);
+    else
+      attend_range(&sub, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads,
+                   hh, head_dim, bf16, dot, var);
   }
 }
 
