@@ -336,6 +336,94 @@ INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t
 
 #include "attention_bf16.h"
 
+#if ATTN_BF16_DOT
+/* attend_shared's float32 arithmetic, bit for bit, for the few queries of one row and KV
+ * head (nq <= FEW_MAX: a decode row's or a tile row's own tokens), with the tokens across
+ * the lanes (attend_few_dot's layout): a slice's K rows transposed once into columns kt
+ * [D][tokens] (bf16 widened), each query's scores one vector of its tokens (the same FMA
+ * chain over d, lane by lane), its weights summed in token order, its weighted sum of
+ * values the same FMAs per dimension. Built where transpose16 is (attention_bf16.h). */
+INLINE void attend_few_nq(const int NQ, const int VAR, state_t *st, const int32_t *table,
+                          long t_from, long t_to, const void *k_cache, const void *v_cache,
+                          long block_size, long num_kv_heads, long h, long head_dim,
+                          const int bf16) {
+  const long stride = num_kv_heads * head_dim, dv = st->dv;
+  vf kt[PLAIT_MAX_HEAD_DIM];
+  float vw[LANES * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
+  float e[FEW_MAX][LANES] __attribute__((aligned(64)));
+  for (long t = t_from; t < t_to;) {
+    const long n = slice_len(t, t_to, block_size);
+    const __mmask16 live = (__mmask16)((1u << n) - 1);
+    const span_t sp = locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, h,
+                             head_dim, bf16);
+    for (long d0 = 0; d0 < head_dim; d0 += LANES) {  /* kt[d][j]: element d of token j */
+      __m512 in[16], out[16];
+      for (int j = 0; j < 16; j++) {
+        in[j] = j < n ? (__m512)load_kv(kv_at(sp.k, j * stride, bf16), d0, bf16)
+                      : _mm512_setzero_ps();
+        if (j < n && d0 == 0) prefetch_rows(&sp, j, stride, head_dim, bf16);
+      }
+      transpose16(in, out);
+      for (int k = 0; k < 16; k++) kt[d0 + k] = (vf)out[k];
+    }
+    const float *vb = sp.v;
+    long rs = stride;
+    if (bf16) {
+      widen_rows(sp.v, n, stride, head_dim, vw);
+      vb = vw;
+      rs = head_dim;
+    }
+    vf sc[FEW_MAX];
+    for (int a = 0; a < NQ; a++) sc[a] = (vf){0};
+    for (long d = 0; d < head_dim; d++)
+      for (int a = 0; a < NQ; a++) sc[a] = vfma(vsplat(st->q[a * head_dim + d]), kt[d], sc[a]);
+    float alpha[FEW_MAX], sum[FEW_MAX];
+    for (int a = 0; a < NQ; a++) {  /* softmax_update's, this query's lane of it */
+      vf s = sc[a];
+      if (VAR && st->softcap > 0) s = st->softcap * vtanh(s * (1.0f / st->softcap));
+      if (VAR && t < st->lo_max) {
+        vf pos;
+        for (int j = 0; j < LANES; j++) pos[j] = (float)(t + j);
+        s = vselect(pos < vsplat(st->lo[a]), vsplat(-INFINITY), s);
+      }
+      const float top = _mm512_mask_reduce_max_ps(live, (__m512)s);
+      const float mx = top > st->m[a] ? top : st->m[a];
+      alpha[a] = vexp(vsplat(st->m[a] - mx))[0];
+      *(vf *)e[a] = vexp(s - vsplat(mx));
+      st->m[a] = mx;
+      sum[a] = 0.0f;
+    }
+    for (long j = 0; j < n; j++)  /* in token order, as each lane of the shared loop */
+      for (int a = 0; a < NQ; a++) sum[a] += e[a][j];
+    for (int a = 0; a < NQ; a++) {
+      st->l[a] = st->l[a] * alpha[a] + sum[a];
+      for (long dd = 0; dd < dv; dd++) {
+        vf r = st->acc[a * dv + dd] * alpha[a];
+        for (long j = 0; j < n; j++)
+          r = vfma(vsplat(e[a][j]), *(const vf *)(vb + j * rs + dd * LANES), r);
+        st->acc[a * dv + dd] = r;
+      }
+    }
+    t += n;
+  }
+}
+
+INLINE void attend_few(state_t *st, const int32_t *table, long t_from, long t_to,
+                       const void *k_cache, const void *v_cache, long block_size,
+                       long num_kv_heads, long h, long head_dim, const int bf16,
+                       const int var) {
+#define FEW_ARGS st, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads, h, \
+    head_dim, bf16
+  switch (st->nq) {
+    case 1: attend_few_nq(1, var, FEW_ARGS); return;
+    case 2: attend_few_nq(2, var, FEW_ARGS); return;
+    case 3: attend_few_nq(3, var, FEW_ARGS); return;
+    default: attend_few_nq(4, var, FEW_ARGS); return;  /* 4: the caller's limit */
+  }
+#undef FEW_ARGS
+}
+#endif
+
 /* The loop every token range goes through: `st`'s queries attend tokens [t_from, t_to) of
  * KV head h, with bf16 dot products (`dot`, a constant) or in float32. */
 INLINE void attend_range(state_t *st, const int32_t *table, long t_from, long t_to,
@@ -374,6 +462,11 @@ INLINE void attend_own(state_t *st, long a0, long G, const int32_t *table, long 
     if (dot && G <= FEW_MAX && t_from < t_to)
       attend_few_dot(var, &sub, table, t_from, t_to, k_cache, v_cache, block_size,
                      num_kv_heads, hh, head_dim);
+#if ATTN_BF16_DOT
+    else if (G <= 4 && t_from < t_to)
+      attend_few(&sub, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads, hh,
+                 head_dim, bf16, var);
+#endif
     else
       attend_range(&sub, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads,
                    hh, head_dim, bf16, dot, var);
