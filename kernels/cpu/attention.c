@@ -440,10 +440,10 @@ INLINE void attend_range(state_t *st, const int32_t *table, long t_from, long t_
 }
 
 /* One row's queries attend tokens [t_from, t_to) (t_from on the slice grid): those of KV
- * heads [h, h + nh) are `st`'s queries a0 + (hh - h) * G + g, each head's G through
- * attend_range as a state of their own (so the same loop and the same bits as when the
- * row's tokens are shared with other rows, or split elsewhere between the shared and the
- * own range). */
+ * heads [h, h + nh) are `st`'s queries a0 + (hh - h) * G + g, each head's G as a state of
+ * their own, through attend_few_dot / attend_few (a few queries, the tokens across the
+ * lanes) or attend_range: the same roundings, so the same bits as when the row's tokens
+ * are shared with other rows, or split elsewhere between the shared and the own range. */
 INLINE void attend_own(state_t *st, long a0, long G, const int32_t *table, long t_from,
                        long t_to, const void *k_cache, const void *v_cache, long block_size,
                        long num_kv_heads, long h, long nh, long head_dim, const int bf16,
