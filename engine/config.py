@@ -65,8 +65,8 @@ class EngineConfig:
     llama.cpp does; the rest as "bf16". "bf16" computes the kept weights' products as bf16
     x bf16 with float32 sums (x and each decoded weight rounded to bf16; one row stays
     float32, bound by reading the weights), stores the KV cache as bf16 (`kv_cache_dtype`
-    "auto") and takes bf16 dot products in the native attention's shared tokens (a
-    prefill's tiles, n choices' prompt). "exact" is float32 arithmetic on the dequantized
+    "auto") and takes bf16 dot products in the native attention (every token, so a
+    row's result does not depend on its step). "exact" is float32 arithmetic on the dequantized
     weights and a float32 KV cache: greedy output equals transformers'. "auto" (the
     default) is "int8" for a GGUF file on a float32 CPU engine with the native kernels'
     AVX512-VNNI product and kept weights, "exact" elsewhere (a checkpoint; CUDA computes in

@@ -8,8 +8,9 @@ float32 arithmetic:
   file's blocks are then released) and every product of them quantizes x to int8 per 32
   weights, as llama.cpp does; everything else is as ``bf16``.
 * ``bf16``: the kept weights' products compute bf16 x bf16 with float32 sums, the KV cache
-  holds bf16, and the attention over shared tokens (prefill tiles, n choices' prompt) takes
-  bf16 dot products.
+  holds bf16, and the attention takes bf16 dot products (every token, in one order
+  whatever the step, kernels/cpu/attention.c: a token's attention does not depend on how
+  many rows its step holds).
 * ``exact``: float32 arithmetic on the dequantized weights, a float32 KV cache (on CPU):
   greedy output equals transformers' on the same weights.
 
@@ -32,7 +33,7 @@ from plait.engine.config import NUMERICS
 @dataclass(frozen=True, slots=True)
 class Numerics:
     """A resolved mode: `name` ("int8", "bf16" or "exact"); `compute_dtype` the kept
-    weights' products and the shared-token attention compute in (the engine's one copy);
+    weights' products and the attention's dot products compute in (the engine's one copy);
     `kv_dtype` what `--kv-cache-dtype auto` stores (None: the model dtype); `repacked`
     whether the kept GGUF weights are repacked (the `repacked/<isa>` product row); `why`
     the reason, logged at start."""

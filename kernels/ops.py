@@ -209,8 +209,8 @@ class CpuNativeOps(TorchOps):
     """float32 CPU through the native kernels: every per-row op is one C pass, attention
     reads the cache in place (with `cascade`; else the plain torch reference), and a step
     of at most `stack_rows` tokens can run every layer in one call. `compute_dtype`
-    bfloat16 (the engine's): over a bfloat16 KV cache, the native attention's shared tokens
-    (prefill tiles' prefixes, n choices' prompt) with bf16 dot products, here and in the
+    bfloat16 (the engine's): over a bfloat16 KV cache, the native attention's tokens with
+    bf16 dot products, here and in the
     model's native stack."""
 
     name = "cpu-native"

@@ -131,7 +131,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--numerics", str,
            "the arithmetic: int8 (GGUF weights repacked at load at their own bit width, "
            "x quantized to int8 per 32 weights as llama.cpp does; bf16 KV cache and "
-           "attention over shared tokens), bf16 (bf16 x bf16 products with float32 sums, "
+           "attention dot products), bf16 (bf16 x bf16 products with float32 sums, "
            "bf16 KV cache), exact (float32: greedy output equals transformers'); auto: int8 "
            "for a GGUF file on a CPU with AVX512-VNNI, else exact. --exact is --numerics "
            "exact",

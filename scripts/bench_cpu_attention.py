@@ -9,7 +9,7 @@ bfloat16 KV cache. Two cases:
   it, then attend their own few).
 
 `--compute-dtype bfloat16` over a bfloat16 cache takes the engine's `--compute-dtype
-bfloat16` path (vdpbf16ps dot products for the shared tokens, where the build has
+bfloat16` path (vdpbf16ps dot products for every token, where the build has
 AVX512-BF16). Prints the minimum, 10th percentile and median milliseconds per call over
 `--iters` calls (the minimum is the figure on a busy machine).
 

@@ -14,6 +14,19 @@
  * instead; without AVX512-BF16 that flag takes the bfloat16 copy. */
 #define INLINE static inline __attribute__((always_inline))
 
+/* a * b + c in one rounding (an FMA) where the build has one, else two: this file is
+ * built with -ffp-contract=off (build.py's SOURCE_FLAGS), so every fused product is this
+ * one, spelled out, and each copy of a loop rounds alike. */
+INLINE vf vfma(vf a, vf b, vf c) {
+#if LANES == 16
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif LANES == 8 && defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
 /* The address of element i of a cache of bfloat16 (bf16) or float32. */
 INLINE const void *kv_at(const void *p, long i, const int bf16) {
   return (const char *)p + i * (bf16 ? 2 : 4);
@@ -26,11 +39,9 @@ INLINE vf load_kv(const void *row, long i, const int bf16) {
 
 /* PLAIT_MAX_QUERIES (plait_cpu.h): query vectors one task holds: rows of a chunk x heads
  * per KV head; PLAIT_MAX_HEAD_DIM; PLAIT_MAX_BLOCK: tokens per cache block. */
-/* Split a chunk into pieces when chunks x KV heads < PIECE_TASKS tasks per thread; a piece
- * has at least PIECE_BLOCKS blocks; at most MAX_PIECES_MERGED pieces per chunk. */
-#define PIECE_TASKS 3
-#define PIECE_BLOCKS 4
-#define MAX_PIECES_MERGED 64
+/* Lone rows run one task for all their KV heads only where the chunks give each thread
+ * at least this many tasks. */
+#define TASKS_PER_THREAD 3
 /* Each task prefetches its rows of the block this many blocks ahead into L2: the blocks
  * are scattered over the pool, so the hardware prefetcher cannot follow (16 sequences of
  * ~560 tokens: 37.6 -> 27 ms per decode step over 30 layers; what is left is the latency
@@ -145,16 +156,6 @@ static inline __attribute__((always_inline)) vf softmax_update(
   return alpha;
 }
 
-/* softmax_update of query a of `st` (across = 1) over its padded scores s[0, padded). */
-static inline __attribute__((always_inline)) vf update_query(state_t *st, long a, float *s,
-                                                             long padded) {
-  vf m = vsplat(st->m[a]), l = vsplat(st->l[a]);
-  const vf alpha = softmax_update(&m, &l, s, LANES, s, LANES, padded / LANES, 1, 0);
-  st->m[a] = m[0];
-  st->l[a] = l[0];
-  return alpha;
-}
-
 /* Where token t's rows of KV head h are in the caches (k, v; the next tokens of its block
  * follow at a stride of H_kv * D elements), and where the same rows of the block PF_BLOCKS
  * ahead are (kp, vp; NULL when [t, t_to) does not reach that far): the loops prefetch
@@ -213,13 +214,21 @@ INLINE void store_running(state_t *st, const vf *m, const vf *l) {
   }
 }
 
-/* How many of tokens [t, t_to) the shared loops take at once: up to LANES, within t's
- * block. */
+/* How many of tokens [t, t_to) the loops take at once (one online-softmax update): up to
+ * the next multiple of LANES, within t's block. The slices are cut on one grid of token
+ * positions (the multiples of LANES and the blocks' starts), so a walk that starts on it
+ * (`grid_floor`) cuts a token range in the same slices wherever it starts and stops: a
+ * row's arithmetic does not depend on how its tokens were split between calls. */
 INLINE long slice_len(long t, long t_to, long block_size) {
   const long off = t % block_size;
-  const long block_end = t - off + block_size < t_to ? t - off + block_size : t_to;
-  return block_end - t < LANES ? block_end - t : LANES;
+  long end = t - off + block_size < t_to ? t - off + block_size : t_to;
+  const long lane_end = t - t % LANES + LANES;
+  end = lane_end < end ? lane_end : end;
+  return end - t;
 }
+
+/* t rounded down to a multiple of LANES: a point of slice_len's grid. */
+static inline long grid_floor(long t) { return t - t % LANES; }
 
 /* Every query of `st` attends tokens [t_from, t_to) of KV head h through `table`, with the
  * queries across the vector lanes: the queries are transposed once ([D][QMAX * LANES],
@@ -228,22 +237,24 @@ INLINE long slice_len(long t, long t_to, long block_size) {
  * tokens (at most one block). The
  * keys are read once for all the queries (the rows of a chunk sharing a prefix, times the
  * heads of a KV group). */
-INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t_to,
-                          const void *k_cache, const void *v_cache, long block_size,
-                          long num_kv_heads, long h, long head_dim, const int bf16,
-                          const int var) {
-  /* QMAX query vectors; TB tokens' partial scores: TB * QMAX accumulators in registers */
-  enum { QMAX = QVMAX, TB = LANES == 16 ? 8 : 1 };
+INLINE void attend_shared_qv(const int QMAX, state_t *st, const int32_t *table, long t_from,
+                             long t_to, const void *k_cache, const void *v_cache,
+                             long block_size, long num_kv_heads, long h, long head_dim,
+                             const int bf16, const int var) {
+  /* QMAX (a constant, ceil(nq / LANES)) query vectors; TB tokens' partial scores: TB *
+   * QMAX accumulators in registers. Each lane's sums run in the same order whatever QMAX,
+   * so a query's result does not depend on the other queries of its call. */
+  enum { TB = LANES == 16 ? 8 : 1 };
   const long stride = num_kv_heads * head_dim, dv = st->dv, nq = st->nq;
-  const long qv = (nq + LANES - 1) / LANES;
-  float qt[PLAIT_MAX_HEAD_DIM * QMAX * LANES] __attribute__((aligned(64)));
+  const long qv = QMAX;
+  float qt[PLAIT_MAX_HEAD_DIM * QVMAX * LANES] __attribute__((aligned(64)));
   /* +4: the value pass reads 4 queries at a time, past nq in its last group */
-  float prob[LANES][QMAX * LANES + 4] __attribute__((aligned(64)));
-  float scale_by[QMAX * LANES] __attribute__((aligned(64)));
+  float prob[LANES][QVMAX * LANES + 4] __attribute__((aligned(64)));
+  float scale_by[QVMAX * LANES] __attribute__((aligned(64)));
   /* bf16: the LANES tokens' K and V rows widened, read by the loops below as float32 rows */
   float kw[LANES * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
   float vw[LANES * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
-  vf m[QMAX], l[QMAX];
+  vf m[QVMAX], l[QVMAX];
   for (long d = 0; d < head_dim; d++)
     for (long a = 0; a < QMAX * LANES; a++)
       qt[d * QMAX * LANES + a] = a < nq ? st->q[a * head_dim + d] : 0.0f;
@@ -262,21 +273,22 @@ INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t
       vb = vw;
       rs = head_dim;
     }
-    vf sc[LANES][QMAX];
+    vf sc[LANES][QVMAX];
     for (long j0 = 0; j0 < n; j0 += TB) {  /* scores: TB tokens x QMAX vectors in registers */
       const float *kr[TB];
-      vf part[TB][QMAX];
+      vf part[TB][QVMAX];
       for (int j = 0; j < TB; j++) {  /* past n: the last token again, ignored */
         kr[j] = kb + (j0 + j < n ? j0 + j : n - 1) * rs;
         for (int v = 0; v < QMAX; v++) part[j][v] = (vf){0};
         if (j0 + j < n) prefetch_rows(&sp, j0 + j, stride, head_dim, bf16);
       }
       for (long d = 0; d < head_dim; d++) {
-        vf qd[QMAX];
+        vf qd[QVMAX];
         for (int v = 0; v < QMAX; v++) qd[v] = *(const vf *)(qt + d * QMAX * LANES + v * LANES);
         _Pragma("GCC unroll 8") for (int j = 0; j < TB; j++) {
           const float kd = kr[j][d];
-          _Pragma("GCC unroll 4") for (int v = 0; v < QMAX; v++) part[j][v] += kd * qd[v];
+          _Pragma("GCC unroll 4") for (int v = 0; v < QMAX; v++)
+            part[j][v] = vfma(vsplat(kd), qd[v], part[j][v]);
         }
       }
       for (long j = 0; j < TB && j0 + j < n; j++)
@@ -285,8 +297,8 @@ INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t
     if (var && (st->softcap > 0 || t < st->lo_max)) shape_scores(st, sc, t, n, qv);
     for (long v = 0; v < qv; v++)  /* online softmax, all queries at once */
       *(vf *)&scale_by[v * LANES] = softmax_update(&m[v], &l[v], (const float *)&sc[0][v],
-                                                   QMAX * LANES, &prob[0][v * LANES],
-                                                   QMAX * LANES + 4, n, 0, 0);
+                                                   QVMAX * LANES, &prob[0][v * LANES],
+                                                   QVMAX * LANES + 4, n, 0, 0);
     for (long d = 0; d < dv; d++) {  /* acc = acc * alpha + sum_j p_j V_j, 4 queries a pass */
       for (long a0 = 0; a0 < nq; a0 += 4) {
         vf r[4];
@@ -295,7 +307,8 @@ INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t
           r[u] = u < na ? st->acc[(a0 + u) * dv + d] * scale_by[a0 + u] : (vf){0};
         for (long j = 0; j < n; j++) {
           const vf vv = *(const vf *)(vb + j * rs + d * LANES);
-          _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) r[u] += prob[j][a0 + u] * vv;
+          _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)
+            r[u] = vfma(vsplat(prob[j][a0 + u]), vv, r[u]);
         }
         for (int u = 0; u < na; u++) st->acc[(a0 + u) * dv + d] = r[u];
       }
@@ -305,171 +318,201 @@ INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t
   store_running(st, m, l);
 }
 
+/* attend_shared with as many query vectors as `st` fills (a decode row's few queries
+ * compute no empty vector). */
+INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t_to,
+                          const void *k_cache, const void *v_cache, long block_size,
+                          long num_kv_heads, long h, long head_dim, const int bf16,
+                          const int var) {
+#define SHARED_ARGS st, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads, h, \
+    head_dim, bf16, var
+  switch ((st->nq + LANES - 1) / LANES) {
+    case 1: attend_shared_qv(1, SHARED_ARGS); return;
+    case 2: attend_shared_qv(2, SHARED_ARGS); return;
+    default: attend_shared_qv(QVMAX, SHARED_ARGS); return;
+  }
+#undef SHARED_ARGS
+}
+
 #include "attention_bf16.h"
 
-/* Queries [a0, a0 + G) of `st` attend the n tokens of one block whose rows of their KV
- * head start at sp->k / sp->v (a stride of `stride` elements from token to token), token by
- * token:
- * one dot product per token and query (for the few queries of one row the transpose of
- * `attend_shared` costs more than it saves). */
-#define OWN_GMAX 4  /* the largest G and DV `own_block` specialises for */
-#define OWN_DVMAX 8
-INLINE void own_block_fixed(state_t *st, long a0, const int G, const int DV, const span_t *sp,
-                            long n, long stride, const int bf16, const int var) {
-  /* own_block for G queries of DV vectors known at compile time: the queries and the
-   * weighted sums stay in registers for the whole block */
-  const long head_dim = DV * LANES;
-  /* arrays of constant size (the largest G and DV `own_block` passes): sized by G and DV
-   * they would be VLAs, allocated on the stack per iteration, not kept in registers */
-  float s[OWN_GMAX][PLAIT_MAX_BLOCK + LANES] __attribute__((aligned(64)));
-  vf qr[OWN_GMAX][OWN_DVMAX];
-  for (int g = 0; g < G; g++)
-    for (int d = 0; d < DV; d++) qr[g][d] = *(const vf *)(st->q + (a0 + g) * head_dim + d * LANES);
-  for (long j = 0; j < n; j++) {  /* scores */
-    const void *kj = kv_at(sp->k, j * stride, bf16);
-    prefetch_rows(sp, j, stride, head_dim, bf16);
-    vf kv[OWN_DVMAX];
-    for (int d = 0; d < DV; d++) kv[d] = load_kv(kj, d * LANES, bf16);
-    for (int g = 0; g < G; g++) {
-      vf dot = qr[g][0] * kv[0];
-      for (int d = 1; d < DV; d++) dot += qr[g][d] * kv[d];
-      s[g][j] = hsum(dot);
-    }
-  }
-  const long padded = (n + LANES - 1) / LANES * LANES;
-  vf alpha[OWN_GMAX];
-  for (int g = 0; g < G; g++) {  /* online softmax update */
-    if (var && st->softcap > 0) cap_scores(s[g], padded, st->softcap);  /* pad reset next */
-    for (long j = n; j < padded; j++) s[g][j] = -INFINITY;
-    alpha[g] = update_query(st, a0 + g, s[g], padded);
-  }
-  vf r[OWN_GMAX][OWN_DVMAX];  /* acc = acc * alpha + sum_j p_j V_j */
-  for (int g = 0; g < G; g++)
-    for (int d = 0; d < DV; d++) r[g][d] = st->acc[(a0 + g) * DV + d] * alpha[g];
-  for (long j = 0; j < n; j++) {
-    const void *vj = kv_at(sp->v, j * stride, bf16);
-    for (int d = 0; d < DV; d++) {
-      const vf vv = load_kv(vj, d * LANES, bf16);
-      for (int g = 0; g < G; g++) r[g][d] += s[g][j] * vv;
-    }
-  }
-  for (int g = 0; g < G; g++)
-    for (int d = 0; d < DV; d++) st->acc[(a0 + g) * DV + d] = r[g][d];
-}
-
-INLINE void own_block(state_t *st, long a0, long G, const span_t *sp, long n, long stride,
-                      long head_dim, const int bf16, const int var) {
-  const long dv = st->dv;
-#define OWN_FIXED(g, d)                                    \
-  if (G == g && dv == d) {                                 \
-    own_block_fixed(st, a0, g, d, sp, n, stride, bf16, var); \
-    return;                                                \
-  }
-  OWN_FIXED(1, 4) OWN_FIXED(2, 4) OWN_FIXED(3, 4) OWN_FIXED(4, 4) OWN_FIXED(1, 8) OWN_FIXED(2, 8)
-#undef OWN_FIXED
-  float s[PLAIT_MAX_QUERIES][PLAIT_MAX_BLOCK + LANES] __attribute__((aligned(64)));
-  for (long j = 0; j < n; j++) {  /* scores */
-    const void *kj = kv_at(sp->k, j * stride, bf16);
-    prefetch_rows(sp, j, stride, head_dim, bf16);
-    for (long g = 0; g < G; g++) {
-      const float *qa = st->q + (a0 + g) * head_dim;
-      vf dot = (vf){0};
-      for (long d = 0; d < dv; d++)
-        dot += *(const vf *)(qa + d * LANES) * load_kv(kj, d * LANES, bf16);
-      s[g][j] = hsum(dot);
-    }
-  }
-  const long padded = (n + LANES - 1) / LANES * LANES;
-  for (long g = 0; g < G; g++) {  /* online softmax update; acc *= alpha */
-    if (var && st->softcap > 0) cap_scores(s[g], padded, st->softcap);  /* pad reset next */
-    for (long j = n; j < padded; j++) s[g][j] = -INFINITY;
-    const vf alpha = update_query(st, a0 + g, s[g], padded);
-    if (alpha[0] != 1.0f)  /* the max moved (vexp(0) is exactly 1) */
-      for (long d = 0; d < dv; d++) st->acc[(a0 + g) * dv + d] *= alpha;
-  }
-  for (long j = 0; j < n; j++) {  /* acc += p V */
-    const void *vj = kv_at(sp->v, j * stride, bf16);
-    for (long d = 0; d < dv; d++) {
-      const vf vv = load_kv(vj, d * LANES, bf16);
-      for (long g = 0; g < G; g++) st->acc[(a0 + g) * dv + d] += s[g][j] * vv;
-    }
-  }
-}
-
-/* One row's queries attend tokens [t_from, t_to), block by block: those of KV heads
- * [h, h + nh) are `st`'s queries a0 + (hh - h) * G + g. With every KV head (a row alone),
- * each block's K and V rows are read whole, in order. */
-INLINE void attend_own(state_t *st, long a0, long G, const int32_t *table, long t_from,
-                       long t_to, const void *k_cache, const void *v_cache, long block_size,
-                       long num_kv_heads, long h, long nh, long head_dim, const int bf16,
-                       const int var) {
+#if ATTN_BF16_DOT
+/* attend_shared's float32 arithmetic, bit for bit, for the few queries of one row and KV
+ * head (nq <= FEW_MAX: a decode row's or a tile row's own tokens), with the tokens across
+ * the lanes (attend_few_dot's layout): a slice's K rows transposed once into columns kt
+ * [D][tokens] (bf16 widened), each query's scores one vector of its tokens (the same FMA
+ * chain over d, lane by lane), its weights summed in token order, its weighted sum of
+ * values the same FMAs per dimension. Built where transpose16 is (attention_bf16.h). */
+INLINE void attend_few_nq(const int NQ, const int VAR, state_t *st, const int32_t *table,
+                          long t_from, long t_to, const void *k_cache, const void *v_cache,
+                          long block_size, long num_kv_heads, long h, long head_dim,
+                          const int bf16) {
+  const long stride = num_kv_heads * head_dim, dv = st->dv;
+  vf kt[PLAIT_MAX_HEAD_DIM];
+  float vw[LANES * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
+  float e[FEW_MAX][LANES] __attribute__((aligned(64)));
   for (long t = t_from; t < t_to;) {
-    const long off = t % block_size;
-    const long n = t - off + block_size < t_to ? block_size - off : t_to - t;
-    for (long hh = h; hh < h + nh; hh++) {
-      const span_t sp = locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, hh,
-                               head_dim, bf16);
-      own_block(st, a0 + (hh - h) * G, G, &sp, n, num_kv_heads * head_dim, head_dim, bf16,
-                var);
+    const long n = slice_len(t, t_to, block_size);
+    const __mmask16 live = (__mmask16)((1u << n) - 1);
+    const span_t sp = locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, h,
+                             head_dim, bf16);
+    for (long d0 = 0; d0 < head_dim; d0 += LANES) {  /* kt[d][j]: element d of token j */
+      __m512 in[16], out[16];
+      for (int j = 0; j < 16; j++) {
+        in[j] = j < n ? (__m512)load_kv(kv_at(sp.k, j * stride, bf16), d0, bf16)
+                      : _mm512_setzero_ps();
+        if (j < n && d0 == 0) prefetch_rows(&sp, j, stride, head_dim, bf16);
+      }
+      transpose16(in, out);
+      for (int k = 0; k < 16; k++) kt[d0 + k] = (vf)out[k];
+    }
+    const float *vb = sp.v;
+    long rs = stride;
+    if (bf16) {
+      widen_rows(sp.v, n, stride, head_dim, vw);
+      vb = vw;
+      rs = head_dim;
+    }
+    vf sc[FEW_MAX];
+    for (int a = 0; a < NQ; a++) sc[a] = (vf){0};
+    for (long d = 0; d < head_dim; d++)
+      for (int a = 0; a < NQ; a++) sc[a] = vfma(vsplat(st->q[a * head_dim + d]), kt[d], sc[a]);
+    float alpha[FEW_MAX], sum[FEW_MAX];
+    for (int a = 0; a < NQ; a++) {  /* softmax_update's, this query's lane of it */
+      vf s = sc[a];
+      if (VAR && st->softcap > 0) s = st->softcap * vtanh(s * (1.0f / st->softcap));
+      if (VAR && t < st->lo_max) {
+        vf pos;
+        for (int j = 0; j < LANES; j++) pos[j] = (float)(t + j);
+        s = vselect(pos < vsplat(st->lo[a]), vsplat(-INFINITY), s);
+      }
+      const float top = _mm512_mask_reduce_max_ps(live, (__m512)s);
+      const float mx = top > st->m[a] ? top : st->m[a];
+      alpha[a] = vexp(vsplat(st->m[a] - mx))[0];
+      *(vf *)e[a] = vexp(s - vsplat(mx));
+      st->m[a] = mx;
+      sum[a] = 0.0f;
+    }
+    for (long j = 0; j < n; j++)  /* in token order, as each lane of the shared loop */
+      for (int a = 0; a < NQ; a++) sum[a] += e[a][j];
+    for (int a = 0; a < NQ; a++) {
+      st->l[a] = st->l[a] * alpha[a] + sum[a];
+      for (long dd = 0; dd < dv; dd++) {
+        vf r = st->acc[a * dv + dd] * alpha[a];
+        for (long j = 0; j < n; j++)
+          r = vfma(vsplat(e[a][j]), *(const vf *)(vb + j * rs + dd * LANES), r);
+        st->acc[a * dv + dd] = r;
+      }
     }
     t += n;
   }
 }
 
-/* Tokens of a chunk's main range, the one split into pieces: its shared prefix, or a lone
- * row's whole context (`ctx_first`); 0 for rows with nothing in common. */
-static inline long main_range(long shared, long rows, long ctx_first) {
-  return shared > 0 ? shared : rows == 1 ? ctx_first : 0;
+INLINE void attend_few(state_t *st, const int32_t *table, long t_from, long t_to,
+                       const void *k_cache, const void *v_cache, long block_size,
+                       long num_kv_heads, long h, long head_dim, const int bf16,
+                       const int var) {
+#define FEW_ARGS st, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads, h, \
+    head_dim, bf16
+  switch (st->nq) {
+    case 1: attend_few_nq(1, var, FEW_ARGS); return;
+    case 2: attend_few_nq(2, var, FEW_ARGS); return;
+    case 3: attend_few_nq(3, var, FEW_ARGS); return;
+    default: attend_few_nq(4, var, FEW_ARGS); return;  /* 4: the caller's limit */
+  }
+#undef FEW_ARGS
+}
+#endif
+
+/* The loop every token range goes through: `st`'s queries attend tokens [t_from, t_to) of
+ * KV head h, with bf16 dot products (`dot`, a constant) or in float32. */
+INLINE void attend_range(state_t *st, const int32_t *table, long t_from, long t_to,
+                         const void *k_cache, const void *v_cache, long block_size,
+                         long num_kv_heads, long h, long head_dim, const int bf16,
+                         const int dot, const int var) {
+  if (t_from >= t_to) return;
+  if (dot)
+    attend_shared_dot(st, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads, h,
+                      head_dim, var);
+  else
+    attend_shared(st, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads, h,
+                  head_dim, bf16, var);
 }
 
-/* What one task of plait_decode_attention attends: tokens [from, to) of its chunk's main
- * range (shared > 0: read once for all the queries of `st`; else a lone row's context), and
- * when `last` (the chunk's last piece) each of the chunk's `rows` rows' own tokens [main,
- * ctx_len[r]) through its table, block_tables + table_rows[r] * table_stride. The queries of
- * `st` are those of KV heads [h0, h0 + nh), G per head and row. `dot` (a constant, with
- * bf16): the shared tokens through attention_bf16.h. `var` (a constant): a window or a
- * softcap; the code that applies them (shape_scores, cap_scores) is compiled into the _var
- * copies only, so the default copies carry neither it nor its tests per block. With a
- * window, every range starts no earlier than its rows' windows (st->lo_min for the main
- * range, each row's own start for its own tokens); the shared loops mask per query where
- * the windows differ. */
-INLINE void attend_task(state_t *st, long shared, long main, long from, long to, int last,
-                        long rows, long G, const int32_t *block_tables, long table_stride,
+/* One row's queries attend tokens [t_from, t_to) (t_from on the slice grid): those of KV
+ * heads [h, h + nh) are `st`'s queries a0 + (hh - h) * G + g, each head's G as a state of
+ * their own, through attend_few_dot / attend_few (a few queries, the tokens across the
+ * lanes) or attend_range: the same roundings, so the same bits as when the row's tokens
+ * are shared with other rows, or split elsewhere between the shared and the own range. */
+INLINE void attend_own(state_t *st, long a0, long G, const int32_t *table, long t_from,
+                       long t_to, const void *k_cache, const void *v_cache, long block_size,
+                       long num_kv_heads, long h, long nh, long head_dim, const int bf16,
+                       const int dot, const int var) {
+  float lo[QVMAX * LANES] __attribute__((aligned(64)));
+  for (long hh = h; hh < h + nh; hh++) {
+    const long first = a0 + (hh - h) * G;
+    state_t sub = {G, st->dv, st->q + first * head_dim, st->m + first, st->l + first,
+                   st->acc + first * st->dv, st->softcap, st->window, LONG_MAX, 0, lo};
+    for (long a = 0; a < QVMAX * LANES; a++) {
+      lo[a] = a < G ? st->lo[first + a] : 0.0f;
+      if (a >= G) continue;
+      sub.lo_min = (long)lo[a] < sub.lo_min ? (long)lo[a] : sub.lo_min;
+      sub.lo_max = (long)lo[a] > sub.lo_max ? (long)lo[a] : sub.lo_max;
+    }
+    if (dot && G <= FEW_MAX && t_from < t_to)
+      attend_few_dot(var, &sub, table, t_from, t_to, k_cache, v_cache, block_size,
+                     num_kv_heads, hh, head_dim);
+#if ATTN_BF16_DOT
+    else if (G <= 4 && t_from < t_to)
+      attend_few(&sub, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads, hh,
+                 head_dim, bf16, var);
+#endif
+    else
+      attend_range(&sub, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads,
+                   hh, head_dim, bf16, dot, var);
+  }
+}
+
+/* What one task of plait_decode_attention attends: a chunk's shared tokens [lo, main)
+ * (main: its chunk_shared rounded down to the slice grid; lo: its rows' lowest window
+ * start, on the grid), read once for all the queries of `st`, then each of the chunk's
+ * `rows` rows' own tokens [max(main, its window start on the grid), ctx_len[r]) through
+ * its table, block_tables + table_rows[r] * table_stride. The queries of `st` are those of
+ * KV heads [h0, h0 + nh), G per head and row. Every range runs one loop (attend_range) on
+ * one slice grid, so a query's result is the same bits whichever chunk, tile or step its
+ * row came in: a row alone, a prefill tile's row, or a draft's verification row.
+ * `dot` (a constant, with bf16): bf16 dot products for every token (attention_bf16.h).
+ * `var` (a constant): a window or a softcap; the code that applies them (shape_scores,
+ * cap_scores) is compiled into the _var copies only. With a window, a range starts at the
+ * grid point at or below its rows' windows; the loops mask per query the tokens before
+ * its own (a masked token's weight is exactly 0). */
+INLINE void attend_task(state_t *st, long main, long rows, long G,
+                        const int32_t *block_tables, long table_stride,
                         const int64_t *table_rows, const int32_t *ctx_len, const void *k_cache,
                         const void *v_cache, long block_size, long num_kv_heads, long h0,
                         long nh, long head_dim, const int bf16, const int dot,
                         const int var) {
   const int32_t *table = block_tables + table_rows[0] * table_stride;
-  from = from > st->lo_min ? from : st->lo_min;
-  if (dot && shared > 0)
-    attend_shared_dot(st, table, from, to, k_cache, v_cache, block_size, num_kv_heads, h0,
-                      head_dim, var);
-  else if (shared > 0)
-    attend_shared(st, table, from, to, k_cache, v_cache, block_size, num_kv_heads, h0,
-                  head_dim, bf16, var);
-  else if (main > 0)
-    attend_own(st, 0, G, table, from, to, k_cache, v_cache, block_size, num_kv_heads, h0, nh,
-               head_dim, bf16, var);
-  if (last)
-    for (long r = 0; r < rows; r++) {
-      const long lo = window_start(ctx_len[r], st->window);
-      attend_own(st, r * nh * G, G, block_tables + table_rows[r] * table_stride,
-                 lo > main ? lo : main, ctx_len[r], k_cache, v_cache, block_size,
-                 num_kv_heads, h0, nh, head_dim, bf16, var);
-    }
+  attend_range(st, table, grid_floor(st->lo_min), main, k_cache, v_cache, block_size,
+               num_kv_heads, h0, head_dim, bf16, dot, var);
+  for (long r = 0; r < rows; r++) {
+    const long lo = grid_floor(window_start(ctx_len[r], st->window));
+    attend_own(st, r * nh * G, G, block_tables + table_rows[r] * table_stride,
+               lo > main ? lo : main, ctx_len[r], k_cache, v_cache, block_size, num_kv_heads,
+               h0, nh, head_dim, bf16, dot, var);
+  }
 }
 
 /* attend_task over float32 caches, over bfloat16 caches, and over bfloat16 caches with
  * bfloat16 dot products (PLAIT_ATTN_BF16_DOT; builds without AVX512-BF16: the second),
  * each without and with the variants (_var: a window or a softcap). */
 #define TASK_PARAMS                                                                          \
-  state_t *st, long shared, long main, long from, long to, int last, long rows, long G,      \
-      const int32_t *block_tables, long table_stride, const int64_t *table_rows,             \
-      const int32_t *ctx_len, const void *k_cache, const void *v_cache, long block_size,     \
-      long num_kv_heads, long h0, long nh, long head_dim
+  state_t *st, long main, long rows, long G, const int32_t *block_tables, long table_stride,  \
+      const int64_t *table_rows, const int32_t *ctx_len, const void *k_cache,                \
+      const void *v_cache, long block_size, long num_kv_heads, long h0, long nh, long head_dim
 #define TASK_ARGS                                                                            \
-  st, shared, main, from, to, last, rows, G, block_tables, table_stride, table_rows, ctx_len, \
-      k_cache, v_cache, block_size, num_kv_heads, h0, nh, head_dim
+  st, main, rows, G, block_tables, table_stride, table_rows, ctx_len, k_cache, v_cache,      \
+      block_size, num_kv_heads, h0, nh, head_dim
 typedef void attend_task_fn(TASK_PARAMS);
 static void attend_task_f32(TASK_PARAMS) { attend_task(TASK_ARGS, 0, 0, 0); }
 static void attend_task_bf16(TASK_PARAMS) { attend_task(TASK_ARGS, 1, 0, 0); }
@@ -494,25 +537,25 @@ static void attend_task_bf16_dot_var(TASK_PARAMS) { attend_task(TASK_ARGS, 1, 1,
  * block_tables[table_rows[i] * table_stride + t / block_size] (int32), in the caches
  * k_cache / v_cache [num_blocks, block_size, H_kv, D] (contiguous) of kv_dtype elements
  * (PLAIT_KV_F32, or PLAIT_KV_BF16: widened to float32, exactly, as they are read; the
- * arithmetic is float32 either way; PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT: the shared tokens
- * with bfloat16 products, plait_cpu.h); query head h reads KV head h / (H / H_kv). A task
- * is one piece of one chunk and one KV head: it reads the shared tokens once for all the
- * chunk's queries (cascade attention: one online softmax continues over each row's own
- * tokens). When chunks x KV heads are too few to keep every
- * thread busy (one long prompt's n choices, or a single stream), a chunk's main range (its
- * shared tokens, or a lone row's context) is split into pieces of whole blocks attended in
- * parallel, whose partial softmaxes are then merged (flash-decoding); the rows' own tokens
- * go with the last piece. Writes sequence i's [H, D] (dense) to out row out_rows[i], or to
+ * arithmetic is float32 either way; PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT: every token with
+ * bfloat16 products, plait_cpu.h); query head h reads KV head h / (H / H_kv). A task
+ * is one chunk and one KV head (or a lone row and all its KV heads, when the chunks alone
+ * keep every thread busy): it reads the shared tokens once for all the chunk's queries
+ * (cascade attention: one online softmax continues over each row's own tokens).
+ * Row invariance: a sequence's result depends only on its query, its tokens and
+ * kv_dtype, never on the chunk it came in, on chunk_shared, or on the other sequences of
+ * the call (attend_task: one loop on one slice grid, no split of a range into merged
+ * pieces), so a prefill's positions, a draft's verification rows and one-row decode steps
+ * give the same bits. Writes sequence i's [H, D] (dense) to out row out_rows[i], or to
  * row i (chunk order) when out_rows is NULL.
  * The variants (0: off): `window` > 0, sequence i attends only tokens [ctx_len[i] - window,
  * ctx_len[i]) (its query at ctx_len[i] - 1 and window - 1 earlier): its own tokens start
- * there, a chunk's shared tokens (and a lone row's pieces) from the lowest row's window
- * start, masked per query in the slices where the rows' windows differ (positions compared
- * as float32: exact below 2^24); `softcap` > 0, every score s (scale q.k) becomes softcap *
- * tanh(s / softcap) before the softmax (vtanh, a few ulps).
+ * there, a chunk's shared tokens from the lowest row's window start, masked per query in
+ * the slices where the rows' windows differ (positions compared as float32: exact below
+ * 2^24); `softcap` > 0, every score s (scale q.k) becomes softcap * tanh(s / softcap)
+ * before the softmax (vtanh, a few ulps).
  * D must be a multiple of LANES and every sequence must attend at least one token.
- * Returns 0, -1 if the shapes exceed this kernel's limits (or window, softcap < 0), -2 if
- * out of memory. */
+ * Returns 0, -1 if the shapes exceed this kernel's limits (or window, softcap < 0). */
 #define OUT_ROW(i) (out_rows ? out_rows[i] : (i))
 int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
                            const void *v_cache, int kv_dtype, long block_size, long num_kv_heads,
@@ -537,133 +580,48 @@ int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
   for (long c = 0; c < num_chunks; c++)
     if ((chunk_start[c + 1] - chunk_start[c]) * G > PLAIT_MAX_QUERIES)
       return PLAIT_ERR_SHAPES;
-  /* pieces: chunk c's are first_piece[c] .. first_piece[c + 1] - 1; they split its main
-   * range from chunk_base[c] (0, or with a window the block of its rows' lowest window
-   * start: the blocks before it are not read) */
-  long *first_piece = malloc((2 * num_chunks + 1) * sizeof(long));
-  if (!first_piece) return PLAIT_ERR_NOMEM;
-  long *chunk_base = first_piece + num_chunks + 1;
-  const long want = PIECE_TASKS * omp_get_max_threads();
-  long split = (want + num_chunks * num_kv_heads - 1) / (num_chunks * num_kv_heads);
-  split = split > MAX_PIECES_MERGED ? MAX_PIECES_MERGED : split;
-  first_piece[0] = 0;
-  for (long c = 0; c < num_chunks; c++) {
+  /* lone rows as one task each (all KV heads: contiguous block reads) only when the
+   * chunks alone give every thread TASKS_PER_THREAD tasks; else a task per KV head */
+  const int lone_whole = num_chunks >= TASKS_PER_THREAD * omp_get_max_threads() &&
+                         num_heads <= PLAIT_MAX_QUERIES;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (long task = 0; task < num_chunks * num_kv_heads; task++) {
+    const long c = task / num_kv_heads, h = task % num_kv_heads;
     const long first = chunk_start[c], rows = chunk_start[c + 1] - first;
-    const long main = main_range(chunk_shared[c], rows, ctx_len[first]);
-    long lo = main;
-    for (long r = 0; r < rows && window > 0; r++) {
-      const long start = window_start(ctx_len[first + r], window);
-      lo = start < lo ? start : lo;
+    const long main = grid_floor(chunk_shared[c]);
+    const int whole = lone_whole && rows == 1 && main == 0;
+    if (whole && h > 0) continue;
+    const long h0 = whole ? 0 : h, nh = whole ? num_kv_heads : 1;
+    float qs[PLAIT_MAX_QUERIES * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float m[PLAIT_MAX_QUERIES], l[PLAIT_MAX_QUERIES];
+    float lo[QVMAX * LANES] __attribute__((aligned(64)));
+    vf acc[PLAIT_MAX_QUERIES * PLAIT_MAX_HEAD_DIM / LANES];
+    /* query a: row a / (nh * G), KV head h0 + a / G % nh, its head a % G of that group */
+    state_t st = {rows * nh * G, head_dim / LANES, qs, m, l, acc, softcap, window,
+                  LONG_MAX, 0, lo};
+    for (long a = 0; a < QVMAX * LANES; a++) {
+      const long start = a < st.nq ? window_start(ctx_len[first + a / (nh * G)], window) : 0;
+      lo[a] = (float)start;
+      if (a >= st.nq) continue;
+      st.lo_min = start < st.lo_min ? start : st.lo_min;
+      st.lo_max = start > st.lo_max ? start : st.lo_max;
     }
-    chunk_base[c] = window > 0 ? lo / block_size * block_size : 0;
-    long pieces = (main - chunk_base[c]) / (PIECE_BLOCKS * block_size);
-    pieces = pieces < 1 ? 1 : pieces < split ? pieces : split;
-    first_piece[c + 1] = first_piece[c] + pieces;
-  }
-  const long num_pieces = first_piece[num_chunks];
-  const long part = PLAIT_MAX_QUERIES * (head_dim + 2);  /* a piece's m, l, acc per KV head */
-  float *parts = NULL;
-  if (num_pieces > num_chunks) {
-    parts = malloc(num_pieces * num_kv_heads * part * sizeof(float));
-    if (!parts) {
-      free(first_piece);
-      return PLAIT_ERR_NOMEM;
+    for (long a = 0; a < st.nq; a++) {
+      const long r = a / (nh * G), head = (h0 + a / G % nh) * G + a % G;
+      const float *src = q + q_rows[first + r] * q_stride + head * head_dim;
+      for (long d = 0; d < head_dim; d++) qs[a * head_dim + d] = src[d] * scale;
+      m[a] = -FLT_MAX;
+      l[a] = 0.0f;
+      for (long d = 0; d < st.dv; d++) acc[a * st.dv + d] = (vf){0};
     }
-  }
-#pragma omp parallel
-  {
-    long c = 0;
-#pragma omp for schedule(dynamic, 1)
-    for (long task = 0; task < num_pieces * num_kv_heads; task++) {
-      const long piece = task / num_kv_heads, h = task % num_kv_heads;
-      while (first_piece[c + 1] <= piece) c++;  /* tasks come in order per thread */
-      while (first_piece[c] > piece) c--;
-      const long first = chunk_start[c], rows = chunk_start[c + 1] - first;
-      const long p = piece - first_piece[c], pieces = first_piece[c + 1] - first_piece[c];
-      const long shared = chunk_shared[c];
-      /* a row alone and whole: one task takes all its KV heads (contiguous block reads) */
-      const int whole =
-          rows == 1 && shared == 0 && pieces == 1 && num_heads <= PLAIT_MAX_QUERIES;
-      if (whole && h > 0) continue;
-      const long h0 = whole ? 0 : h, nh = whole ? num_kv_heads : 1;
-      float qs[PLAIT_MAX_QUERIES * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
-      float m[PLAIT_MAX_QUERIES], l[PLAIT_MAX_QUERIES];
-      float lo[QVMAX * LANES] __attribute__((aligned(64)));
-      vf acc[PLAIT_MAX_QUERIES * PLAIT_MAX_HEAD_DIM / LANES];
-      /* query a: row a / (nh * G), KV head h0 + a / G % nh, its head a % G of that group */
-      state_t st = {rows * nh * G, head_dim / LANES, qs, m, l, acc, softcap, window,
-                    LONG_MAX, 0, lo};
-      for (long a = 0; a < QVMAX * LANES; a++) {
-        const long start = a < st.nq ? window_start(ctx_len[first + a / (nh * G)], window) : 0;
-        lo[a] = (float)start;
-        if (a >= st.nq) continue;
-        st.lo_min = start < st.lo_min ? start : st.lo_min;
-        st.lo_max = start > st.lo_max ? start : st.lo_max;
-      }
-      for (long a = 0; a < st.nq; a++) {
-        const long r = a / (nh * G), head = (h0 + a / G % nh) * G + a % G;
-        const float *src = q + q_rows[first + r] * q_stride + head * head_dim;
-        for (long d = 0; d < head_dim; d++) qs[a * head_dim + d] = src[d] * scale;
-        m[a] = -FLT_MAX;
-        l[a] = 0.0f;
-        for (long d = 0; d < st.dv; d++) acc[a * st.dv + d] = (vf){0};
-      }
-      const long main = main_range(shared, rows, ctx_len[first]), base = chunk_base[c];
-      /* this piece's share of the main range from its base, in whole blocks */
-      const long main_blocks = (main - base + block_size - 1) / block_size;
-      const long from = base + p * main_blocks / pieces * block_size;
-      const long to =
-          p + 1 == pieces ? main : base + (p + 1) * main_blocks / pieces * block_size;
-      task_fn(
-          &st, shared, main, from, to, p + 1 == pieces, rows, G, block_tables, table_stride,
-          table_rows + first, ctx_len + first, k_cache, v_cache, block_size, num_kv_heads, h0,
-          nh, head_dim);
-      if (pieces == 1) {
-        for (long a = 0; a < st.nq; a++) {
-          const long r = a / (nh * G), head = (h0 + a / G % nh) * G + a % G;
-          const float inv = 1.0f / l[a];
-          float *o = out + (OUT_ROW(first + r) * num_heads + head) * head_dim;
-          for (long d = 0; d < st.dv; d++) *(vf *)(o + d * LANES) = acc[a * st.dv + d] * inv;
-        }
-      } else {  /* nh == 1 */
-        float *dst = parts + task * part;  /* [m | l | acc] of this piece and head */
-        memcpy(dst, m, rows * G * sizeof(float));
-        memcpy(dst + PLAIT_MAX_QUERIES, l, rows * G * sizeof(float));
-        memcpy(dst + 2 * PLAIT_MAX_QUERIES, acc, rows * G * head_dim * sizeof(float));
-      }
-    }
-    /* merge the pieces of split chunks: e^(m_p - m) weights their sums */
-#pragma omp for schedule(dynamic, 1)
-    for (long ch = 0; ch < num_chunks * num_kv_heads; ch++) {
-      const long cc = ch / num_kv_heads, h = ch % num_kv_heads;
-      const long p0 = first_piece[cc], pieces = first_piece[cc + 1] - p0;
-      if (pieces == 1) continue;
-      const long first = chunk_start[cc], rows = chunk_start[cc + 1] - first;
-      for (long a = 0; a < rows * G; a++) {
-        float mx = -INFINITY, sum = 0.0f;
-        for (long p = 0; p < pieces; p++) {
-          const float mp = parts[((p0 + p) * num_kv_heads + h) * part + a];
-          mx = mp > mx ? mp : mx;
-        }
-        float w[MAX_PIECES_MERGED];
-        for (long p = 0; p < pieces; p++) {
-          const float *src = parts + ((p0 + p) * num_kv_heads + h) * part;
-          w[p] = src[a] == -INFINITY ? 0.0f : expf(src[a] - mx);
-          sum += w[p] * src[PLAIT_MAX_QUERIES + a];
-        }
-        const long r = a / G, g = a % G;
-        float *o = out + (OUT_ROW(first + r) * num_heads + h * G + g) * head_dim;
-        for (long d = 0; d < head_dim; d++) {
-          float v = 0.0f;
-          for (long p = 0; p < pieces; p++)
-            v += w[p] * parts[((p0 + p) * num_kv_heads + h) * part + 2 * PLAIT_MAX_QUERIES +
-                              a * head_dim + d];
-          o[d] = v / sum;
-        }
-      }
+    task_fn(&st, main, rows, G, block_tables, table_stride, table_rows + first,
+            ctx_len + first, k_cache, v_cache, block_size, num_kv_heads, h0, nh, head_dim);
+    for (long a = 0; a < st.nq; a++) {
+      const long r = a / (nh * G), head = (h0 + a / G % nh) * G + a % G;
+      const float inv = 1.0f / l[a];
+      float *o = out + (OUT_ROW(first + r) * num_heads + head) * head_dim;
+      for (long d = 0; d < st.dv; d++) *(vf *)(o + d * LANES) = acc[a * st.dv + d] * inv;
     }
   }
-  free(parts);
-  free(first_piece);
   return PLAIT_OK;
 }

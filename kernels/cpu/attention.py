@@ -265,8 +265,8 @@ def native_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32
     """The batch's attention (the contract of `paged_attention_reference`, `window` and
     `softcap` included) in one native call, from the cache blocks in place (bfloat16 caches
-    widened to float32 as read; with `compute_dtype` bfloat16, their shared tokens through
-    bf16 dot products: `native.decode_attention`)."""
+    widened to float32 as read; with `compute_dtype` bfloat16, every token through bf16
+    dot products: `native.decode_attention`)."""
     in_order = rows.token_rows == slice(0, query.shape[0])  # every row, in chunk order
     return native.decode_attention(
         query, k_cache, v_cache, block_tables.int().contiguous(), rows.chunk_start,

@@ -261,6 +261,118 @@ INLINE void attend_shared_dot(state_t *st, const int32_t *table, long t_from, lo
   }
 #undef DOT_ARGS
 }
+/* The most queries attend_few_dot takes (one row's heads of one KV head). */
+#define FEW_MAX 8
+
+/* attend_shared_dot's arithmetic, bit for bit, for the few queries of one row and KV head
+ * (nq <= FEW_MAX, a decode row's or a prefill tile row's own tokens), with the tokens
+ * across the lanes instead of the queries: a slice's K rows transposed once into pair
+ * columns kt [D/2][tokens], each query's scores one vector of its tokens (the same
+ * vdpbf16ps chain over the pairs, lane by lane), its softmax weights summed in token order
+ * (as each lane of the shared loop sums them), its weighted sum of values in its own
+ * [D] layout (the same vdpbf16ps over the same (p, V) pairs, per dimension). A query's
+ * every rounding is the shared loop's, so its result does not depend on which loop ran
+ * it; with 16 queries' lanes for G = 3 the shared loop would waste 13 in 16. */
+INLINE void attend_few_dot_nq(const int NQ, const int VAR, state_t *st, const int32_t *table,
+                              long t_from, long t_to, const void *k_cache, const void *v_cache,
+                              long block_size, long num_kv_heads, long h, long head_dim) {
+  /* NQ (a constant) = st->nq: the queries' chains interleaved, their sums in registers */
+  const long stride = num_kv_heads * head_dim, dv = st->dv, pairs = head_dim / 2;
+  word_t qw[FEW_MAX][PLAIT_MAX_HEAD_DIM / 2 + LANES] __attribute__((aligned(64)));
+  __m512 kt[PLAIT_MAX_HEAD_DIM / 2 + LANES];
+  word_t vp[LANES / 2 * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
+  float e[FEW_MAX][LANES] __attribute__((aligned(64)));
+  for (int a = 0; a < NQ; a++)  /* round_queries' words, in the query's own order */
+    for (long d = 0; d < head_dim; d += 2 * LANES) {
+      const float *q = st->q + a * head_dim + d;
+      const __m512 hi = d + LANES == head_dim ? _mm512_setzero_ps() : _mm512_load_ps(q + LANES);
+      _mm512_store_si512(qw[a] + d / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, _mm512_load_ps(q)));
+    }
+  for (long t = t_from; t < t_to;) {
+    const long n = slice_len(t, t_to, block_size);
+    const __mmask16 live = (__mmask16)((1u << n) - 1);
+    const span_t sp = locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, h,
+                             head_dim, 1);
+    for (long i0 = 0; i0 < pairs; i0 += LANES) {  /* kt[i][j]: pair word i of token j */
+      const __mmask16 words = pairs - i0 >= LANES ? 0xffff : (__mmask16)((1u << (pairs - i0)) - 1);
+      __m512 in[16], out[16];
+      for (int j = 0; j < 16; j++) {
+        in[j] = _mm512_setzero_ps();
+        if (j < n) {
+          in[j] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(
+              words, (const word_t *)kv_at(sp.k, j * stride, 1) + i0));
+          if (i0 == 0) prefetch_rows(&sp, j, stride, head_dim, 1);
+        }
+      }
+      transpose16(in, out);
+      for (int k = 0; k < 16 && i0 + k < pairs; k++) kt[i0 + k] = out[k];
+    }
+    pair_values(sp.v, n, stride, head_dim, vp);
+    __m512 sc[FEW_MAX];
+    for (int a = 0; a < NQ; a++) sc[a] = _mm512_setzero_ps();
+    for (long i = 0; i < pairs; i++)
+      for (int a = 0; a < NQ; a++)
+        sc[a] = _mm512_dpbf16_ps(sc[a], (__m512bh)_mm512_set1_epi32((int)qw[a][i]),
+                                 (__m512bh)kt[i]);
+    float alpha[FEW_MAX], sum[FEW_MAX];
+    for (int a = 0; a < NQ; a++) {  /* softmax_update's, this query's lane of it */
+      vf s = (vf)sc[a];
+      if (VAR && st->softcap > 0) s = st->softcap * vtanh(s * (1.0f / st->softcap));
+      if (VAR && t < st->lo_max) {
+        vf pos;
+        for (int j = 0; j < LANES; j++) pos[j] = (float)(t + j);
+        s = vselect(pos < vsplat(st->lo[a]), vsplat(-INFINITY), s);
+      }
+      const float top = _mm512_mask_reduce_max_ps(live, (__m512)s);
+      const float mx = top > st->m[a] ? top : st->m[a];
+      alpha[a] = vexp(vsplat(st->m[a] - mx))[0];
+      /* the weights, 0 past n (an odd n's last pair: p = 0) */
+      _mm512_store_ps(e[a], _mm512_maskz_mov_ps(live, (__m512)round_to_bf16(vexp(s - vsplat(mx)))));
+      st->m[a] = mx;
+      sum[a] = 0.0f;
+    }
+    for (long j = 0; j < n; j++)  /* in token order, as each lane of the shared loop */
+      for (int a = 0; a < NQ; a++) sum[a] += e[a][j];
+    __m512 r[FEW_MAX][PLAIT_MAX_HEAD_DIM / LANES];
+    for (int a = 0; a < NQ; a++) {
+      st->l[a] = st->l[a] * alpha[a] + sum[a];
+      for (long dd = 0; dd < dv; dd++)
+        r[a][dd] = _mm512_mul_ps((__m512)st->acc[a * dv + dd], _mm512_set1_ps(alpha[a]));
+    }
+    for (long j = 0; 2 * j < n; j++)
+      for (int a = 0; a < NQ; a++) {
+        uint32_t lo, hi;
+        memcpy(&lo, e[a] + 2 * j, 4);
+        memcpy(&hi, e[a] + 2 * j + 1, 4);
+        const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)((hi & 0xffff0000u) | lo >> 16));
+        for (long dd = 0; dd < dv; dd++)
+          r[a][dd] = _mm512_dpbf16_ps(r[a][dd], pw,
+                                      (__m512bh)_mm512_load_si512(vp + j * head_dim + dd * LANES));
+      }
+    for (int a = 0; a < NQ; a++)
+      for (long dd = 0; dd < dv; dd++) st->acc[a * dv + dd] = (vf)r[a][dd];
+    t += n;
+  }
+}
+
+INLINE void attend_few_dot(const int VAR, state_t *st, const int32_t *table, long t_from,
+                           long t_to, const void *k_cache, const void *v_cache,
+                           long block_size, long num_kv_heads, long h, long head_dim) {
+#define FEW_ARGS VAR, st, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads, h, \
+    head_dim
+  switch (st->nq) {
+    case 1: attend_few_dot_nq(1, FEW_ARGS); return;
+    case 2: attend_few_dot_nq(2, FEW_ARGS); return;
+    case 3: attend_few_dot_nq(3, FEW_ARGS); return;
+    case 4: attend_few_dot_nq(4, FEW_ARGS); return;
+    case 5: attend_few_dot_nq(5, FEW_ARGS); return;
+    case 6: attend_few_dot_nq(6, FEW_ARGS); return;
+    case 7: attend_few_dot_nq(7, FEW_ARGS); return;
+    default: attend_few_dot_nq(FEW_MAX, FEW_ARGS); return;  /* 8: the caller's limit */
+  }
+#undef FEW_ARGS
+}
+
 #else
 #define ATTN_BF16_DOT 0
 /* No AVX512-BF16: never called (attend_task passes dot = 0; the flag takes the bfloat16
@@ -269,6 +381,11 @@ static inline void attend_shared_dot(state_t *st, const int32_t *table, long t_f
                                      long t_to, const void *k_cache, const void *v_cache,
                                      long block_size, long num_kv_heads, long h,
                                      long head_dim, int var) {}
+#define FEW_MAX 0
+static inline void attend_few_dot(const int VAR, state_t *st, const int32_t *table,
+                                  long t_from, long t_to, const void *k_cache,
+                                  const void *v_cache, long block_size, long num_kv_heads,
+                                  long h, long head_dim) {}
 #endif
 
 #endif /* PLAIT_CPU_ATTENTION_BF16_H */

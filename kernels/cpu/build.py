@@ -57,6 +57,11 @@ HEADERS = (HEADER, _HERE / "vec.h", _HERE / "quant.h", _HERE / "qgemm_bf16.h",
 BUILD_TIMEOUT_S = 900
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-Wall", "-Werror",
          "-Wmissing-prototypes")
+# Flags of one source besides FLAGS. attention.c: no a * b + c fused into one FMA unless
+# the source says so (its `vfma`): the compiler's choice may differ between two inlined
+# copies of one loop, and a row's attention must be the same bits whichever copy ran it
+# (a prefill tile's, a decode row's, a draft's verification row's).
+SOURCE_FLAGS = {"attention.c": ("-ffp-contract=off",)}
 
 
 class AbiError(ValueError):
@@ -228,7 +233,8 @@ def _build(cc: str, gomp: Path, target: Path, extra: tuple[str, ...] = ()) -> st
     with tempfile.TemporaryDirectory(dir=target.parent) as tmpdir:
         objects = [Path(tmpdir) / f"{src.stem}.o" for src in SOURCES]
         compile_flags = [flag for flag in (*FLAGS, *extra) if flag != "-shared"]
-        jobs = [[cc, *compile_flags, "-c", "-o", str(obj), str(src)]
+        jobs = [[cc, *compile_flags, *SOURCE_FLAGS.get(src.name, ()), "-c", "-o", str(obj),
+                 str(src)]
                 for src, obj in zip(SOURCES, objects, strict=True)]
         tmp = str(Path(tmpdir) / target.name)
         link = [cc, *FLAGS, *extra, "-o", tmp, *map(str, objects), f"-L{gomp.parent}",
@@ -295,7 +301,8 @@ def library() -> ctypes.CDLL | None:
         assert gomp is not None
         key = hashlib.sha256("\0".join([
             *(path.read_text() for path in (*HEADERS, *SOURCES)), cc,
-            _compiler_version(cc) or "", " ".join(FLAGS), _cpu_flags(), str(gomp),
+            _compiler_version(cc) or "", " ".join(FLAGS), repr(sorted(SOURCE_FLAGS.items())),
+            _cpu_flags(), str(gomp),
         ]).encode()).hexdigest()[:16]
         target = _cache_dir() / f"plait_cpu_ops-{key}.so"
         if not target.exists():

@@ -27,8 +27,8 @@ from plait.kernels.cpu.native_gemm import lanes
 # bfloat16 is rounded to nearest even when written, widened to float32 (exact) when read.
 KV_DTYPES: dict[torch.dtype, int] = {torch.float32: ABI.constants["PLAIT_KV_F32"],
                                      torch.bfloat16: ABI.constants["PLAIT_KV_BF16"]}
-# OR-ed into a bfloat16 cache's code for bfloat16 compute: the attention's shared tokens
-# with bf16 dot products (plait_cpu.h's PLAIT_ATTN_BF16_DOT).
+# OR-ed into a bfloat16 cache's code for bfloat16 compute: the attention's tokens with bf16
+# dot products (plait_cpu.h's PLAIT_ATTN_BF16_DOT).
 ATTN_BF16_DOT = ABI.constants["PLAIT_ATTN_BF16_DOT"]
 
 
@@ -82,12 +82,15 @@ def decode_attention(
     query's rows; rows no sequence names are left unwritten), as the caller orders them.
     bfloat16 caches (`KV_DTYPES`) are widened to float32 as they are read: the result is
     that of float32 caches holding the same values. With `compute_dtype` torch.bfloat16 over
-    bfloat16 caches (`kv_dtype_code`), the tokens a chunk shares are attended with bf16 dot
-    products (queries and softmax weights rounded to bf16, float32 sums; AVX512-BF16 builds,
-    else float32 as without it); the rows' own tokens stay float32. `window` and `softcap`
-    (0: off) as `reference.paged_attention_reference` takes them: a sequence's query sits at
-    ctx_len - 1, so it attends tokens [ctx_len - window, ctx_len); the chunk still reads its
-    shared tokens once, from its rows' lowest window start, each query masked to its own."""
+    bfloat16 caches (`kv_dtype_code`), every token is attended with bf16 dot products
+    (queries and softmax weights rounded to bf16, float32 sums; AVX512-BF16 builds, else
+    float32 as without it). A sequence's result is the same bits whatever its chunk, its
+    chunk's shared count and the call's other sequences (row invariance: a prefill's
+    positions, a draft's verification rows and one-row decode steps agree). `window` and
+    `softcap` (0: off) as `reference.paged_attention_reference` takes them: a sequence's
+    query sits at ctx_len - 1, so it attends tokens [ctx_len - window, ctx_len); the chunk
+    still reads its shared tokens once, from its rows' lowest window start, each query
+    masked to its own."""
     lib = loaded()
     if window < 0 or not softcap >= 0:
         raise ValueError(f"decode_attention: window must be >= 0 and softcap >= 0, not "

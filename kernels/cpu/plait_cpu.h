@@ -35,13 +35,13 @@
 #define PLAIT_KV_F32 0
 #define PLAIT_KV_BF16 1
 /* A flag OR-ed into plait_decode_attention's kv_dtype (PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT;
- * the engine's compute_dtype "bfloat16" over a bfloat16 cache): the tokens a chunk's rows
- * share (a prefill tile's prefix, the common prompt of n choices) are attended with
- * vdpbf16ps: the pre-scaled queries rounded to bfloat16 (nearest even) once, scores summed
- * in float32; each token's softmax weight p rounded to bfloat16 (nearest even), the
- * weighted sum of V in float32; the online softmax (max, exp, normaliser) float32. The
- * rows' own tokens, and every token in a build without AVX512-BF16, as PLAIT_KV_BF16
- * alone (the same bits). With PLAIT_KV_F32: PLAIT_ERR_SHAPES. */
+ * the engine's compute_dtype "bfloat16" over a bfloat16 cache): every token (those a
+ * chunk's rows share and each row's own alike, so a row's bits do not depend on its
+ * chunk) is attended with vdpbf16ps: the pre-scaled queries rounded to bfloat16 (nearest
+ * even), scores summed in float32; each token's softmax weight p rounded to bfloat16
+ * (nearest even), the weighted sum of V in float32; the online softmax (max, exp,
+ * normaliser) float32. In a build without AVX512-BF16, every token as PLAIT_KV_BF16 alone
+ * (the same bits). With PLAIT_KV_F32: PLAIT_ERR_SHAPES. */
 #define PLAIT_ATTN_BF16_DOT 256
 /* The most rows the engine sends through plait_gemm / plait_decoder_stack (a decode step's
  * few rows; more go to BLAS). */
@@ -164,7 +164,8 @@ int plait_repack_dequantize(const int64_t *desc, long K, const int64_t *rows, lo
  * last `window` tokens; softcap > 0: scores s become softcap * tanh(s / softcap); 0: off.
  * Limits: PLAIT_MAX_HEAD_DIM, PLAIT_MAX_BLOCK, chunk rows x (H / H_kv) <=
  * PLAIT_MAX_QUERIES, D a multiple of lanes, kv_dtype one of those, window and softcap >= 0
- * (PLAIT_ERR_SHAPES). PLAIT_ERR_NOMEM. */
+ * (PLAIT_ERR_SHAPES). A sequence's result does not depend on its chunk, on chunk_shared or
+ * on the other sequences of the call (row invariance). */
 int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
                            const void *v_cache, int kv_dtype, long block_size, long num_kv_heads,
                            long num_heads, long head_dim, const int32_t *block_tables,

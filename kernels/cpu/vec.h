@@ -11,7 +11,7 @@
  *                panels of LANES: the decode GEMM (few rows, weights streamed)
  *   attention.c  plait_decode_attention: one query token per sequence over its paged K/V
  *                (float32 or bfloat16, widened as read; attention_bf16.h: bf16 dot
- *                products for shared tokens), read in place from the cache (no
+ *                products), read in place from the cache (no
  *                gather); rows sharing a prompt's blocks read them once (cascade
  *                attention, no merge); the engine also feeds it prefill chunks as tiles
  *                of positions

@@ -1,7 +1,7 @@
 """`numerics` "bf16" (a bfloat16 KV cache) on the default GGUF (SmolLM2):
-the attention's shared tokens take bf16 dot products (kernels/cpu/attention_bf16.h) in both
+the attention's tokens take bf16 dot products (kernels/cpu/attention_bf16.h) in both
 paths that attend them, the layer-by-layer prefill (its causal tiles) and the native
-decoder stack (n choices sharing their prompt), and the results stay close to the same
+decoder stack (decode rows, n choices sharing their prompt), and the results stay close to the same
 engine with that attention in float32 (a loose check: bf16 rounding is not exact)."""
 
 from __future__ import annotations

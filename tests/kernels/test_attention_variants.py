@@ -38,8 +38,10 @@ from plait.kernels.reference import paged_attention_reference, write_kv_referenc
 
 BF16 = torch.bfloat16
 
-# (atol, rtol) of float32 paths against float64
-ATOL, RTOL = 2e-6, 1e-5
+# (atol, rtol) of float32 paths against float64 (the native kernel's exp and normaliser take
+# a multiply and an add where the compiler once fused them: attention.c is built without
+# FP contraction, so every copy of its loops rounds alike; ~1e-6 more at worst)
+ATOL, RTOL = 4e-6, 1e-5
 
 # name -> (window, softcap, scale or None for D^-0.5)
 VARIANTS: dict[str, tuple[int, float, float | None]] = {
@@ -323,8 +325,8 @@ def test_native_matches_dense(batch_name, variant, cache):
 @pytest.mark.parametrize("variant", ["window", "softcap", "both", "all"])
 @pytest.mark.parametrize("batch_name", ["prefill", "shared_prefix"])
 def test_native_bf16_dot_products_with_variants(batch_name, variant):
-    """compute_dtype bfloat16 over a bf16 cache: the shared tokens (prefill tiles'
-    prefixes, the shared prompt) through bf16 dot products, masked and capped as the float32
+    """compute_dtype bfloat16 over a bf16 cache: every token (prefill tiles, the shared
+    prompt, the rows' own) through bf16 dot products, masked and capped as the float32
     path: within bf16 rounding of the truth (queries and weights rounded: 2^-8 relative),
     far closer to it than to the result without the variant."""
     batch, window, softcap = _batch(batch_name, variant, head_dim=64)
@@ -340,10 +342,10 @@ def test_native_bf16_dot_products_with_variants(batch_name, variant):
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window", [1, 50, 300, 700])
-def test_native_pieces_with_a_window(window, threads):
-    """Few chunks x KV heads and long ranges, so the kernel splits each chunk's main range
-    into pieces (from the block of its lowest window start) and merges them: 6 rows sharing
-    40 blocks (the window cuts into the prompt, or past it), and a lone row of 37 blocks."""
+def test_native_long_ranges_with_a_window(window, threads):
+    """Few chunks x KV heads and long ranges, each attended from the slice grid point at or
+    below its rows' lowest window start: 6 rows sharing 40 blocks (the window cuts into the
+    prompt, or past it), and a lone row of 37 blocks."""
     spec = BatchSpec(seqs=(*((1, 640 + 1 + 9 * r) for r in range(6)), (1, 37 * 16 + 5)),
                      num_heads=4, num_kv_heads=1, head_dim=64, block_size=16, seed=window)
     batch = build_batch(spec)

@@ -68,7 +68,7 @@ def _native(batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_attention_over_bf16_is_float32_over_the_rounded_values(threads) -> None:
     """Bit for bit the float32 kernel over the rounded caches, through every path (shared
-    chunks, lone rows split into pieces, prefill tiles); within float32 rounding of dense
+    chunks, long lone rows, prefill tiles); within float32 rounding of dense
     float64 attention over the rounded K/V; and measurably not the unrounded result, so
     the comparison sees whether the cache was rounded."""
     batch = _mixed_batch()

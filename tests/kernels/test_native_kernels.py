@@ -154,13 +154,13 @@ def test_decode_attention_equals_float64(heads, kv_heads, head_dim, block_size) 
 @pytest.mark.parametrize(("heads", "kv_heads", "rows", "shared_blocks"),
                          [(9, 3, 16, 40), (4, 1, 8, 25), (9, 3, 1, 0), (2, 1, 1, 0)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_split_into_pieces_equals_float64(heads, kv_heads, rows,
-                                                           shared_blocks, threads) -> None:
-    """Few chunks x KV heads and a long main range (one prompt's n choices sharing 40 or 25
-    blocks, or one row alone over 37 blocks): the kernel splits the range into pieces
-    attended in parallel and merges their softmaxes (with one KV head there are fewer tasks
-    than PIECE_TASKS per thread on any thread count, so the split always happens). Each
-    row's result equals float64 attention over its own table, own tails included."""
+def test_decode_attention_few_tasks_long_ranges_equal_float64(heads, kv_heads, rows,
+                                                              shared_blocks, threads) -> None:
+    """Few chunks x KV heads and a long range (one prompt's n choices sharing 40 or 25
+    blocks, or one row alone over 37 blocks), on one thread or two: each row's result
+    equals float64 attention over its own table, own tails included (the kernel once split
+    such ranges into merged pieces; now one online softmax runs over each, so a row's bits
+    do not depend on the step: test_attention_invariance.py)."""
     if 64 % native.lanes():
         pytest.skip("head_dim not a multiple of this CPU's vector width")
     gen = torch.Generator().manual_seed(rows + heads)
@@ -186,8 +186,7 @@ def test_decode_attention_split_into_pieces_equals_float64(heads, kv_heads, rows
 
 
 def _lone_long_row():
-    """One sequence alone over 37 blocks with one KV head: too few tasks, so the kernel
-    splits its context into pieces and merges them."""
+    """One sequence alone over 37 blocks with one KV head: fewer tasks than threads."""
     gen = torch.Generator().manual_seed(5)
     k_cache = torch.randn(64, 16, 1, 64, generator=gen)
     v_cache = torch.randn(64, 16, 1, 64, generator=gen)
@@ -202,8 +201,8 @@ def _lone_long_row():
 @needs_native
 @pytest.mark.parametrize("case", ["chunks", "split"])
 def test_decode_attention_writes_each_sequence_to_its_out_row(case) -> None:
-    """Chunks of shared and lone rows, or one row whose pieces are merged: with out_rows,
-    sequence i's result is exactly row out_rows[i] of the output."""
+    """Chunks of shared and lone rows, or one long row alone: with out_rows, sequence i's
+    result is exactly row out_rows[i] of the output."""
     query, k_cache, v_cache, tables, args = (_chunked_case(9, 3, 64, 16, 3) if case == "chunks"
                                              else _lone_long_row())
     chunked = native.decode_attention(query, k_cache, v_cache, tables, scale=0.125, **args)

@@ -1,0 +1,121 @@
+"""Greedy output under `numerics="int8"` (the default for a GGUF on a VNNI CPU: repacked
+weights, x as int8 per 32, a bf16 KV cache, bf16 dot products in attention) does not
+depend on how a sequence's tokens were split into steps (issue 41): speculation's
+verification steps of k + 1 rows, whatever the drafts (right, wrong at one token, wrong
+everywhere, or n-gram's own), give the tokens of one-row decode steps, and a prompt partly
+served from the prefix cache gives a cold prompt's tokens. The default GGUF (SmolLM2),
+whose greedy streams parted on near ties before the attention was made row-invariant
+(kernels/cpu/attention.c)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.engine import assert_pool_clean
+from helpers.spec import ReferenceProposer, spec_counts
+from helpers.threads import torch_threads
+
+from plait import LLM, SamplingParams
+from plait.engine.outputs import RequestOutput
+from plait.engine.spec.config import SpeculativeConfig
+from plait.engine.spec.driver import SpecDecoder
+from plait.kernels.cpu import build, repack
+
+pytestmark = [
+    pytest.mark.skipif(not build.available() or repack.isa() != repack.ISA_VNNI512,
+                       reason="no AVX512-VNNI repacked kernel in this build"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
+
+PARAMS = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=1)
+TEXTS = ["Write a short story about a robot who learns to paint.",
+         "List the planets of the solar system in order, with one fact about each.",
+         "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
+OPTIONS = dict(numerics="int8", weights="auto", num_kv_blocks=128, block_size=16,
+               warm_up_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return LLM(**OPTIONS, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(plain: LLM) -> list[list[int]]:
+    tokenizer = plain.engine.tokenizer
+    return [tokenizer.encode(text) for text in TEXTS]
+
+
+def greedy(out: RequestOutput) -> tuple[list[int], list[float]]:
+    """The tokens of `out`'s one choice and their logprobs: the same bits wherever a row's
+    logits are the same bits."""
+    choice = out.outputs[0]
+    assert choice.logprobs is not None
+    return choice.token_ids, [lp.logprob for lp in choice.logprobs]
+
+
+@pytest.fixture(scope="module")
+def reference(plain: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy tokens (and logprobs) by itself, one-row decode steps, nothing
+    cached."""
+    assert plain.engine.runner.numerics.name == "int8"
+    return [greedy(plain.generate([p], PARAMS)[0]) for p in prompts]
+
+
+def _spec_llm(proposer: ReferenceProposer | None) -> LLM:
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
+                               prompt_lookup_max=4, disable_by_batch_size=10_000)
+    llm = LLM(**OPTIONS, speculative_config=config)
+    if proposer is not None:
+        spec = llm.engine.spec
+        assert spec is not None
+        llm.engine.spec = SpecDecoder(config, spec.max_model_len, proposer)
+    return llm
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3, 1, None])  # None: the n-gram proposer
+def test_greedy_with_speculation_is_greedy_without(prompts, reference,
+                                                    wrong_every: int | None) -> None:
+    """One stream at a time: tokens and logprobs those of one-row steps."""
+    proposer = None if wrong_every is None else ReferenceProposer(
+        [p + w for p, (w, _) in zip(prompts, reference, strict=True)], wrong_every)
+    llm = _spec_llm(proposer)
+    for p, want in zip(prompts, reference, strict=True):  # one stream at a time
+        assert greedy(llm.generate([p], PARAMS)[0]) == want
+    drafts, draft_tokens, accepted = spec_counts(llm)
+    assert drafts > 0
+    if wrong_every == 0:
+        assert accepted == draft_tokens
+    elif wrong_every == 3:
+        assert 0 < accepted < draft_tokens
+    elif wrong_every == 1:
+        assert accepted == 0
+    assert_pool_clean(llm)
+
+
+def test_greedy_with_speculation_in_one_batch(prompts, reference) -> None:
+    """The three streams together: each verification step holds several sequences' rows."""
+    llm = _spec_llm(ReferenceProposer([p + w for p, (w, _) in zip(prompts, reference,
+                                                                    strict=True)], 3))
+    assert [greedy(o) for o in llm.generate(prompts, PARAMS)] == reference
+    assert spec_counts(llm)[2] > 0
+
+
+@pytest.mark.parametrize("rest", [1, 21])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_partly_cached_prompt_is_greedy_as_a_cold_one(plain, prompts, rest: int,
+                                                        threads: int) -> None:
+    """Each prompt (over and over: 7 blocks and `rest` tokens) after a request that held
+    its first 7 blocks: they come from the prefix cache, the prefill computes only the
+    last `rest` tokens (one: a row alone, as a decode step is), and the greedy tokens and
+    their logprobs are those of the prompt computed cold, on one thread or two."""
+    llm = LLM(**OPTIONS)
+    with torch_threads(threads):
+        for p in prompts:
+            long = (p * -(-(7 * 16 + rest) // len(p)))[:7 * 16 + rest]
+            cold = plain.generate([long], PARAMS)[0]
+            assert cold.num_cached_tokens == 0
+            llm.generate([long[:7 * 16]], SamplingParams(temperature=0, max_tokens=1))
+            warm = llm.generate([long], PARAMS)[0]
+            assert warm.num_cached_tokens == 7 * 16
+            assert greedy(warm) == greedy(cold)
+    assert_pool_clean(llm)
