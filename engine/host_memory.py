@@ -179,7 +179,7 @@ class IdleHeapRelease:
         if after_s <= 0:
             raise ValueError(f"after_s must be > 0, got {after_s}")
         self.after_s = after_s
-        self.releases = 0  # how many releases ran (for the log and tests)
+        self.releases = 0  # how many releases ran (read by tests)
         self._release = release
         self._cond = threading.Condition()
         self._idle_since: float | None = None
