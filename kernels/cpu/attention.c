@@ -378,19 +378,8 @@ INLINE void attend_few_nq(const int NQ, const int VAR, state_t *st, const int32_
     for (long d = 0; d < head_dim; d++)
       for (int a = 0; a < NQ; a++) sc[a] = vfma(vsplat(st->q[a * head_dim + d]), kt[d], sc[a]);
     float alpha[FEW_MAX], sum[FEW_MAX];
-    for (int a = 0; a < NQ; a++) {  /* softmax_update's, this query's lane of it */
-      vf s = sc[a];
-      if (VAR && st->softcap > 0) s = st->softcap * vtanh(s * (1.0f / st->softcap));
-      if (VAR && t < st->lo_max) {
-        vf pos;
-        for (int j = 0; j < LANES; j++) pos[j] = (float)(t + j);
-        s = vselect(pos < vsplat(st->lo[a]), vsplat(-INFINITY), s);
-      }
-      const float top = _mm512_mask_reduce_max_ps(live, (__m512)s);
-      const float mx = top > st->m[a] ? top : st->m[a];
-      alpha[a] = vexp(vsplat(st->m[a] - mx))[0];
-      *(vf *)e[a] = vexp(s - vsplat(mx));
-      st->m[a] = mx;
+    for (int a = 0; a < NQ; a++) {
+      *(vf *)e[a] = few_weights(st, a, sc[a], t, live, VAR, &alpha[a]);
       sum[a] = 0.0f;
     }
     for (long j = 0; j < n; j++)  /* in token order, as each lane of the shared loop */

@@ -264,6 +264,26 @@ INLINE void attend_shared_dot(state_t *st, const int32_t *table, long t_from, lo
 /* The most queries attend_few_dot takes (one row's heads of one KV head). */
 #define FEW_MAX 8
 
+/* One query's lane of softmax_update for attend_few_dot and attention.c's attend_few (the
+ * tokens across the lanes): query a's scores s of tokens t .. t + 15 (`live` the slice's
+ * lanes) capped and masked to its window (VAR), its running max st->m[a] moved to the
+ * slice's, *alpha = e^(old max - new max); returns e^(s - new max), the caller's weights
+ * before it rounds or stores them. */
+INLINE vf few_weights(state_t *st, int a, vf s, long t, __mmask16 live, const int VAR,
+                      float *alpha) {
+  if (VAR && st->softcap > 0) s = st->softcap * vtanh(s * (1.0f / st->softcap));
+  if (VAR && t < st->lo_max) {
+    vf pos;
+    for (int j = 0; j < LANES; j++) pos[j] = (float)(t + j);
+    s = vselect(pos < vsplat(st->lo[a]), vsplat(-INFINITY), s);
+  }
+  const float top = _mm512_mask_reduce_max_ps(live, (__m512)s);
+  const float mx = top > st->m[a] ? top : st->m[a];
+  *alpha = vexp(vsplat(st->m[a] - mx))[0];
+  st->m[a] = mx;
+  return vexp(s - vsplat(mx));
+}
+
 /* attend_shared_dot's arithmetic, bit for bit, for the few queries of one row and KV head
  * (nq <= FEW_MAX, a decode row's or a prefill tile row's own tokens), with the tokens
  * across the lanes instead of the queries: a slice's K rows transposed once into pair
@@ -315,20 +335,10 @@ INLINE void attend_few_dot_nq(const int NQ, const int VAR, state_t *st, const in
         sc[a] = _mm512_dpbf16_ps(sc[a], (__m512bh)_mm512_set1_epi32((int)qw[a][i]),
                                  (__m512bh)kt[i]);
     float alpha[FEW_MAX], sum[FEW_MAX];
-    for (int a = 0; a < NQ; a++) {  /* softmax_update's, this query's lane of it */
-      vf s = (vf)sc[a];
-      if (VAR && st->softcap > 0) s = st->softcap * vtanh(s * (1.0f / st->softcap));
-      if (VAR && t < st->lo_max) {
-        vf pos;
-        for (int j = 0; j < LANES; j++) pos[j] = (float)(t + j);
-        s = vselect(pos < vsplat(st->lo[a]), vsplat(-INFINITY), s);
-      }
-      const float top = _mm512_mask_reduce_max_ps(live, (__m512)s);
-      const float mx = top > st->m[a] ? top : st->m[a];
-      alpha[a] = vexp(vsplat(st->m[a] - mx))[0];
+    for (int a = 0; a < NQ; a++) {
+      vf w = few_weights(st, a, (vf)sc[a], t, live, VAR, &alpha[a]);
       /* the weights, 0 past n (an odd n's last pair: p = 0) */
-      _mm512_store_ps(e[a], _mm512_maskz_mov_ps(live, (__m512)round_to_bf16(vexp(s - vsplat(mx)))));
-      st->m[a] = mx;
+      _mm512_store_ps(e[a], _mm512_maskz_mov_ps(live, (__m512)round_to_bf16(w)));
       sum[a] = 0.0f;
     }
     for (long j = 0; j < n; j++)  /* in token order, as each lane of the shared loop */
