@@ -126,23 +126,17 @@ static inline vf round_to_bf16(vf x) {
  * sum_j p_j; returns alpha = e^(m - m'), by which the caller scales the query's weighted sum
  * of values before adding sum_j p_j V_j. With `round_p` (a constant) each p_j is rounded to
  * a bfloat16 value first (round_to_bf16), the weight vdpbf16ps then multiplies V by
- * (attention_bf16.h), so l sums the weights actually applied. Two layouts, `across` a
- * compile-time constant:
- *   across = 0: one query per lane (m, l, alpha lane by lane), one token per vector;
- *   across = 1: one query, its tokens across the lanes (m, l broadcast over the lanes;
- *               the max and the sum reduce over them too); pad past the tokens with -inf.
- * alpha is exactly 1 when the max did not move (vexp(0) = 1); from m = -inf (nothing
- * attended yet) it is e^-87 (vexp's floor), which scales an l and a weighted sum still 0.
- * Inlined, `across` folded: it is the hot loop of decode attention. */
+ * (attention_bf16.h), so l sums the weights actually applied. One query per lane (m, l,
+ * alpha lane by lane), one token per vector (a row's few queries with the tokens across
+ * the lanes take few_weights, attention_bf16.h, instead). alpha is exactly 1 when the max
+ * did not move (vexp(0) = 1); from m = -inf (nothing attended yet) it is e^-87 (vexp's
+ * floor), which scales an l and a weighted sum still 0. Inlined: it is the hot loop of
+ * the shared-token attention. */
 static inline __attribute__((always_inline)) vf softmax_update(
     vf *m, vf *l, const float *s, long s_stride, float *p, long p_stride, long n,
-    const int across, const int round_p) {
+    const int round_p) {
   vf mx = *m;
-  for (long j = 0; j < n; j++) {  /* the same max either way; each the faster where used */
-    const vf sj = *(const vf *)(s + j * s_stride);
-    mx = across ? vselect(sj > mx, sj, mx) : vmax(sj, mx);
-  }
-  if (across) mx = vsplat(hmax(mx));
+  for (long j = 0; j < n; j++) mx = vmax(*(const vf *)(s + j * s_stride), mx);
   const vf alpha = vexp(*m - mx);
   vf sum = (vf){0};
   for (long j = 0; j < n; j++) {
@@ -151,7 +145,7 @@ static inline __attribute__((always_inline)) vf softmax_update(
     *(vf *)(p + j * p_stride) = e;
     sum += e;
   }
-  *l = *l * alpha + (across ? vsplat(hsum(sum)) : sum);
+  *l = *l * alpha + sum;
   *m = mx;
   return alpha;
 }
@@ -298,7 +292,7 @@ INLINE void attend_shared_qv(const int QMAX, state_t *st, const int32_t *table, 
     for (long v = 0; v < qv; v++)  /* online softmax, all queries at once */
       *(vf *)&scale_by[v * LANES] = softmax_update(&m[v], &l[v], (const float *)&sc[0][v],
                                                    QVMAX * LANES, &prob[0][v * LANES],
-                                                   QVMAX * LANES + 4, n, 0, 0);
+                                                   QVMAX * LANES + 4, n, 0);
     for (long d = 0; d < dv; d++) {  /* acc = acc * alpha + sum_j p_j V_j, 4 queries a pass */
       for (long a0 = 0; a0 < nq; a0 += 4) {
         vf r[4];

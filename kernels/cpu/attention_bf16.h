@@ -236,7 +236,7 @@ INLINE void attend_shared_dot_qv(const int QV, const int VAR, state_t *st,
     if (VAR && (st->softcap > 0 || t < st->lo_max)) shape_scores(st, sc, t, n, QV);
     for (long v = 0; v < QV; v++)  /* online softmax, the weights rounded to bfloat16 */
       *(vf *)&scale_by[v * LANES] = softmax_update(&m[v], &l[v], (const float *)&sc[0][v],
-                                                   DOT_QW, prob + v * LANES, DOT_QW, n, 0, 1);
+                                                   DOT_QW, prob + v * LANES, DOT_QW, n, 1);
     pair_values(sp.v, n, stride, head_dim, vp);
     pair_weights(prob, n, QV, pp);
     add_values(QV, acc_t, scale_by, vp, pp, (n + 1) / 2, head_dim);
