@@ -386,8 +386,7 @@ static void rp_unit(const rp_part_t *parts, long t, const rp_acts_t *a, long M, 
 #endif
   for (long m = 0; m < M; m += rows_per) {
     int R = (int)(M - m < rows_per ? M - m : rows_per);
-    rp_acts_t at = {a->q + m * a->ldq, a->sx + m * a->groups, a->sxq + m * a->groups,
-                    a->sum16 + m * 2 * a->groups, a->ldq, a->groups};
+    rp_acts_t at = rp_acts_from(a, m);
     float *yt = y + m * ldy + un.n0;
 #if REPACK_VNNI
     if (isa >= PLAIT_REPACK_VNNI512) {

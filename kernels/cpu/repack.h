@@ -144,4 +144,11 @@ typedef struct {
   long ldq, groups; /* groups = K / 32 */
 } rp_acts_t;
 
+/* a's rows from row m on (a register tile's or a block's first row). */
+static inline rp_acts_t rp_acts_from(const rp_acts_t *a, long m) {
+  rp_acts_t at = {a->q + m * a->ldq, a->sx + m * a->groups, a->sxq + m * a->groups,
+                  a->sum16 + m * 2 * a->groups, a->ldq, a->groups};
+  return at;
+}
+
 #endif /* PLAIT_CPU_REPACK_H */

@@ -244,8 +244,7 @@ static void am_unit(const rp_part_t *p, int T, const uint8_t *tile, const rp_act
     am_fill_any(p->type, T, tile, p->tile_bytes, g0, ng, scratch);
     for (long m = 0; m < M; m += AM_ROWS) {
       int R = (int)(M - m < AM_ROWS ? M - m : AM_ROWS);
-      rp_acts_t at = {a->q + m * a->ldq, a->sx + m * a->groups, a->sxq + m * a->groups,
-                      a->sum16 + m * 2 * a->groups, a->ldq, a->groups};
+      rp_acts_t at = rp_acts_from(a, m);
       for (int u = 0; u < T; u++) {
         const uint8_t *wide = scratch + u * RP_WIDE_GROUP;
         const float *b = bias ? bias + 16 * u : NULL;

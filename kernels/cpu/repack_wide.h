@@ -221,8 +221,7 @@ static void wd_unit(const rp_part_t *p, int T, const uint8_t *tile, const rp_act
     wd_fill_any(p->type, T, tile, p->tile_bytes, g0, ng, scratch);
     for (long m = 0; m < M; m += rows_per) {
       int R = (int)(M - m < rows_per ? M - m : rows_per);
-      rp_acts_t at = {a->q + m * a->ldq, a->sx + m * a->groups, a->sxq + m * a->groups,
-                      a->sum16 + m * 2 * a->groups, a->ldq, a->groups};
+      rp_acts_t at = rp_acts_from(a, m);
       float *yt = y + m * ldy;
       if (p->type == PLAIT_GGML_Q6_K)
         wd_shapes_halves(T, R, scratch, g0, ng, L->offset, &at, first, last, bias, yt, ldy, cols);
