@@ -162,19 +162,25 @@ def test_what_it_refuses() -> None:
     assert repack.repack_gemm(torch.randn(0, 64), packed).shape == (0, 48)
 
 
-def test_a_build_without_vnni_has_only_the_plain_c_product(tmp_path) -> None:
-    """Where the CPU has no AVX512-VNNI the build reports the plain C kernel (the engine's
-    `--numerics auto` is then exact: engine/numerics.py) and refuses the VNNI one; its
-    product of the repacked layout is still the plain C bits."""
-    lib = library_without_avx512vnni(tmp_path)
-    assert lib.plait_repack_isa() == repack.ISA_C
+@pytest.mark.parametrize("build_without, reported, refused, rows", [
+    (library_without_avx512vnni, repack.ISA_C, repack.ISA_VNNI512, 2),
+    (library_without_amx, repack.ISA_VNNI512, repack.ISA_AMX, 40),  # the wide rung's rows
+], ids=["without-vnni", "without-amx"])
+def test_a_build_without_an_isa_reports_the_one_below(tmp_path, build_without, reported,
+                                                      refused, rows) -> None:
+    """Where the CPU or compiler lacks AVX512-VNNI the build reports the plain C kernel (the
+    engine's `--numerics auto` is then exact: engine/numerics.py), where it lacks AMX-INT8
+    the VNNI one; either refuses the kernel above what it reports, and its own product of
+    the repacked layout is still the plain C bits."""
+    lib = build_without(tmp_path)
+    assert lib.plait_repack_isa() == reported
     weight = random_weight((quant.Q4_0,), (32,), 64)
     packed = repack.repack(weight)
-    x, y = torch.randn(2, 64), torch.empty(2, 32)
-    assert lib.plait_repack_gemm(x.data_ptr(), 2, 64, packed.desc.data_ptr(), 64, None,
-                                 y.data_ptr(), 32, repack.ISA_VNNI512) == SHAPES
-    assert lib.plait_repack_gemm(x.data_ptr(), 2, 64, packed.desc.data_ptr(), 64, None,
-                                 y.data_ptr(), 32, repack.ISA_C) == 0
+    x, y = torch.randn(rows, 64), torch.empty(rows, 32)
+    assert lib.plait_repack_gemm(x.data_ptr(), rows, 64, packed.desc.data_ptr(), 64, None,
+                                 y.data_ptr(), 32, refused) == SHAPES
+    assert lib.plait_repack_gemm(x.data_ptr(), rows, 64, packed.desc.data_ptr(), 64, None,
+                                 y.data_ptr(), 32, reported) == 0
     assert torch.equal(y, repack.repack_gemm(x, packed, kernel_isa=repack.ISA_C))
 
 
@@ -305,18 +311,3 @@ def test_amx_off_by_environment() -> None:
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=600, check=True)
     assert done.stdout.split() == [str(repack.ISA_VNNI512), "repacked/avx512-vnni", "True"]
-
-
-def test_a_build_without_amx_has_only_the_vnni_product(tmp_path) -> None:
-    """Where the CPU or compiler has no AMX-INT8 the build reports the VNNI kernel and
-    refuses the AMX one; its VNNI product (wide rung) is still the plain C bits."""
-    lib = library_without_amx(tmp_path)
-    assert lib.plait_repack_isa() == repack.ISA_VNNI512
-    weight = random_weight((quant.Q4_0,), (32,), 64)
-    packed = repack.repack(weight)
-    x, y = torch.randn(40, 64), torch.empty(40, 32)
-    assert lib.plait_repack_gemm(x.data_ptr(), 40, 64, packed.desc.data_ptr(), 64, None,
-                                 y.data_ptr(), 32, repack.ISA_AMX) == SHAPES
-    assert lib.plait_repack_gemm(x.data_ptr(), 40, 64, packed.desc.data_ptr(), 64, None,
-                                 y.data_ptr(), 32, repack.ISA_VNNI512) == 0
-    assert torch.equal(y, repack.repack_gemm(x, packed, kernel_isa=repack.ISA_C))
