@@ -31,7 +31,9 @@ class SpeculativeConfig:
     then scores k + 1 rows of that sequence). ngram: `prompt_lookup_max` down to
     `prompt_lookup_min` trailing tokens are searched for in the sequence. suffix: vLLM's
     `suffix_decoding_*` knobs (engine/spec/suffix.py). draft_model: `model`, a path the
-    target's loader accepts, with the same tokenizer.
+    target's loader accepts, with the same tokenizer; `draft_vocab_size`, the token ids
+    below which its LM head scores every token (the ids past it only where the sequence
+    holds them; None: 32768 for vocabularies over 65536, else all; engine/spec/draft_head.py).
 
     `disable_by_batch_size`: speculation steps aside for a step whose decoding sequences
     number at least this many (vLLM's name; None: the measured default in
@@ -47,6 +49,7 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     disable_by_batch_size: int | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -70,6 +73,10 @@ class SpeculativeConfig:
         if self.method != "draft_model" and self.model is not None:
             raise ValueError(f"speculative config: \"model\" is a draft_model setting, not "
                              f"a {self.method!r} one")
+        _check_int("draft_vocab_size", self.draft_vocab_size, 1, allow_none=True)
+        if self.method != "draft_model" and self.draft_vocab_size is not None:
+            raise ValueError(f"speculative config: draft_vocab_size is a draft_model "
+                             f"setting, not a {self.method!r} one")
         if self.method == "suffix":
             _check_int("suffix_decoding_max_tree_depth",
                        self.suffix_decoding_max_tree_depth, 1)

@@ -26,6 +26,7 @@ import torch
 from plait.engine.model_loader import load_tokenizer, resolve_model
 from plait.engine.model_runner import ModelRunner, cdiv
 from plait.engine.spec.config import SpeculativeConfig
+from plait.engine.spec.draft_head import DraftHead, SeqTokens, draft_vocab_rows
 from plait.engine.spec.proposer import Proposer, SpecInput
 from plait.engine.spec.target import TargetModel, check_same_vocab
 from plait.kernels import AttentionMetadata
@@ -40,6 +41,7 @@ class _DraftSeq:
     num_cached: int = 0
     proposed_at: int = 0
     num_fed: int = 0
+    tokens: SeqTokens = field(default_factory=SeqTokens)  # its ids past the head's prefix
 
 
 @dataclass(slots=True)
@@ -77,6 +79,9 @@ class DraftModelProposer(Proposer):
                          load_tokenizer(resolved.path))
         self.config = draft_config
         self.runner = ModelRunner(draft_config, resolved)
+        self.head = DraftHead(self.runner.model.lm_head,
+                              draft_vocab_rows(resolved.config.vocab_size,
+                                               config.draft_vocab_size))
         self.block_size = block_size
         self._free = list(range(self.runner.num_blocks - 1, -1, -1))  # pop() gives 0 first
         self._seqs: dict[str, _DraftSeq] = {}
@@ -100,6 +105,7 @@ class DraftModelProposer(Proposer):
                              state.num_cached))
             budgets[seq.request_id] = seq.max_draft_tokens
             state.proposed_at, state.num_fed = length, 0
+            self.head.update(state.tokens, seq.token_ids)
         drafts: dict[str, list[int]] = {r.request_id: [] for r in rows}
         while rows:
             for row, token in zip(rows, self._greedy(rows), strict=True):
@@ -166,5 +172,4 @@ class DraftModelProposer(Proposer):
         pos = runner.to_device(positions, torch.int64)  # [T]
         hidden = runner.model(runner.to_device(input_ids, torch.int64), pos,
                               runner.ops.plan(meta, pos))  # [S, hidden]: the kept rows
-        logits = runner.model.compute_logits(hidden)  # [S, vocab]
-        return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
+        return self.head.argmax(hidden, [self._seqs[r.request_id].tokens for r in rows])
