@@ -67,7 +67,7 @@ class DraftHead:
     def __init__(self, lm_head: Linear, num_rows: int) -> None:
         self.vocab_size = lm_head.out_features
         bias = lm_head.bias
-        self._bias = None if bias is None else bias.detach().float()
+        self._bias = None if bias is None else bias.detach().float().cpu()
         prefix = self._prefix(lm_head, num_rows) if num_rows < self.vocab_size else None
         if prefix is None:
             self.num_rows = self.vocab_size

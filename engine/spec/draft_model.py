@@ -18,6 +18,7 @@ next blocks do not fit gets no draft that step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ from plait.engine.spec.draft_head import DraftHead, SeqTokens, draft_vocab_rows
 from plait.engine.spec.proposer import Proposer, SpecInput
 from plait.engine.spec.target import TargetModel, check_same_vocab
 from plait.kernels import AttentionMetadata
+
+logger = logging.getLogger("plait.engine")
 
 
 @dataclass(slots=True)
@@ -82,6 +85,8 @@ class DraftModelProposer(Proposer):
         self.head = DraftHead(self.runner.model.lm_head,
                               draft_vocab_rows(resolved.config.vocab_size,
                                                config.draft_vocab_size))
+        logger.info("draft model %s: its LM head scores %s", resolved.name,
+                    self.head.describe())
         self.block_size = block_size
         self._free = list(range(self.runner.num_blocks - 1, -1, -1))  # pop() gives 0 first
         self._seqs: dict[str, _DraftSeq] = {}

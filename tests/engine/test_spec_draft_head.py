@@ -5,6 +5,8 @@ validation, and greedy output with a cut draft head is still the target's."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from helpers.engine import make_llm, prompt
@@ -107,16 +109,19 @@ def test_a_dense_head_is_cut_and_the_whole_vocabulary_kept_otherwise(tiny_path) 
     assert whole.argmax(h, seqs) == lm_head(h).float().argmax(-1).tolist()
 
 
-def test_greedy_equal_with_a_cut_draft_head(tiny_path) -> None:
-    """The target drafting for itself through a head cut at 64 ids: its drafts are the
-    target's own greedy tokens only where those lie in the subset, and the output is the
-    target's greedy output either way."""
+def test_greedy_equal_with_a_cut_draft_head(tiny_path, caplog) -> None:
+    """The target drafting for itself through a head cut at 64 ids (said in the startup
+    log): its drafts are the target's own greedy tokens only where those lie in the
+    subset, and the output is the target's greedy output either way."""
     prompts = [prompt(1, 9), prompt(2, 14)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = [list(o.outputs[0].token_ids) for o in make_llm(tiny_path).generate(prompts, params)]
     config = {"method": "draft_model", "model": str(tiny_path), "num_speculative_tokens": 4,
               "disable_by_batch_size": 10_000, "draft_vocab_size": 64}
-    llm = LLM(str(tiny_path), speculative_config=config, num_kv_blocks=64, block_size=4)
+    with caplog.at_level(logging.INFO, logger="plait.engine"):
+        llm = LLM(str(tiny_path), speculative_config=config, num_kv_blocks=64, block_size=4)
+    assert (f"draft model {tiny_path.name}: its LM head scores ids < 64 of 49152 and each "
+            f"sequence's own ids past them") in caplog.text
     proposer = llm.engine.spec.proposer
     assert isinstance(proposer, DraftModelProposer) and proposer.head.num_rows == 64
     got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
