@@ -282,6 +282,10 @@ def select_products(model: nn.Module, numerics: Numerics) -> dict[Product, list[
                             "torch.") for m in linears)
         logger.info("products: %s for %d linears (%s): %s", product.name, len(linears),
                     ", ".join(f"{n} {t}" for t, n in sorted(types.items())), product.describe())
+    if any(product.name.startswith("repacked/") for product in chosen):
+        unused = repack.amx_unused()
+        if unused is not None:
+            logger.info("products: the AMX-INT8 prefill rung is %s", unused)
     return chosen
 
 

@@ -137,6 +137,15 @@ int plait_dequantize_bf16(const int64_t *desc, long K, const int64_t *rows, long
 #define PLAIT_REPACK_VNNI512 1
 #define PLAIT_REPACK_AMX 2
 int plait_repack_isa(void);
+/* repack.c: why plait_repack_isa is or is not PLAIT_REPACK_AMX: PLAIT_AMX_ON (granted),
+ * PLAIT_AMX_OFF (PLAIT_REPACK_AMX=0 in the environment), PLAIT_AMX_ABSENT (the build has no
+ * AMX-TILE / AMX-INT8 code: the CPU it was built for lacks them), or -errno where Linux
+ * refused the process tile state (arch_prctl ARCH_REQ_XCOMP_PERM). Asks Linux as
+ * plait_repack_isa does, once. */
+#define PLAIT_AMX_ABSENT 0
+#define PLAIT_AMX_ON 1
+#define PLAIT_AMX_OFF 2
+int plait_repack_amx_state(void);
 /* repack.c: the bytes of `rows` rows of K weights of GGML `type` repacked; PLAIT_ERR_SHAPES
  * for a type not repacked, K not a whole number of its blocks, or negative rows. */
 long plait_repack_bytes(int type, long rows, long K);

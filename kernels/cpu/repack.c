@@ -318,6 +318,14 @@ int plait_repack_isa(void) {
 #endif
 }
 
+int plait_repack_amx_state(void) {
+#if REPACK_AMX
+  return am_state();
+#else
+  return PLAIT_AMX_ABSENT;
+#endif
+}
+
 /* Units of work: up to 2 adjacent tiles of one part (32 columns), which the VNNI kernels
  * take together so that each broadcast activation feeds two tiles. */
 static long rp_units(const rp_part_t *p) { return (p->tiles + 1) / 2; }

@@ -25,6 +25,7 @@ forces the plain C kernel, `ISA_VNNI512` the VNNI one without AMX: all give the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,10 @@ ISA_NAMES = {ISA_C: "c", ISA_VNNI512: "avx512-vnni", ISA_AMX: "avx512-vnni+amx"}
 # The flag of a descriptor's first word that marks repacked parts (plait_cpu.h's
 # PLAIT_QGEMM_REPACKED): `native.qgemm` and the native stack then compute as `repack_gemm`.
 REPACKED_FLAG: int = ABI.constants["PLAIT_QGEMM_REPACKED"]
+# plait_repack_amx_state's answers (negative: -errno of Linux's refusal)
+AMX_ABSENT: int = ABI.constants["PLAIT_AMX_ABSENT"]
+AMX_ON: int = ABI.constants["PLAIT_AMX_ON"]
+AMX_OFF: int = ABI.constants["PLAIT_AMX_OFF"]
 _ALIGN = 64  # each part's tiles start on a cache line
 
 
@@ -55,6 +60,25 @@ def isa() -> int:
     AMX-INT8 tiles for prefill rows; not with PLAIT_REPACK_AMX=0 in the environment),
     ISA_VNNI512 or ISA_C. Each includes the ones below it."""
     return int(loaded().plait_repack_isa())
+
+
+def amx_state() -> int:
+    """Why `isa()` is or is not ISA_AMX: AMX_ON, AMX_OFF (PLAIT_REPACK_AMX=0), AMX_ABSENT
+    (the build has no AMX-INT8 code: its CPU lacks it), or -errno where Linux refused the
+    process the tile state."""
+    return int(loaded().plait_repack_amx_state())
+
+
+def amx_unused() -> str | None:
+    """Why a build with the AMX-INT8 prefill rung does not use it in this process, in
+    words (the products log says it), or None: it is used, or the build has none."""
+    state = amx_state()
+    if state == AMX_OFF:
+        return "off (PLAIT_REPACK_AMX=0 in the environment)"
+    if state < 0:
+        return (f"refused by Linux (arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(-state)}); "
+                "prefill runs the AVX512-VNNI kernels")
+    return None
 
 
 def repackable(weight: QuantWeight) -> bool:
@@ -198,6 +222,7 @@ def dequantize_rows(
     return out
 
 
-__all__ = ["ISA_AMX", "ISA_C", "ISA_NAMES", "ISA_VNNI512", "REPACKED_FLAG",
-           "REPACKED_TYPES", "RepackedWeight", "dequantize_rows", "isa", "product", "repack",
-           "repack_dequantize", "repack_gemm", "repackable"]
+__all__ = ["AMX_ABSENT", "AMX_OFF", "AMX_ON", "ISA_AMX", "ISA_C", "ISA_NAMES", "ISA_VNNI512",
+           "REPACKED_FLAG", "REPACKED_TYPES", "RepackedWeight", "amx_state", "amx_unused",
+           "dequantize_rows", "isa", "product", "repack", "repack_dequantize", "repack_gemm",
+           "repackable"]

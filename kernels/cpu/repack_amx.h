@@ -47,6 +47,7 @@
 #if REPACK_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define REPACK_AMX 1
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -87,20 +88,27 @@ static inline size_t am_scratch_bytes(void) {
   return (size_t)2 * AM_CHUNK * RP_WIDE_GROUP + AM_SET + 4 * AM_CBUF;
 }
 
-/* Whether this process may use AMX tiles: asked of Linux once (the answer holds for all
- * threads); never where the environment sets PLAIT_REPACK_AMX=0. */
-static int am_permitted(void) {
-  static int state; /* 0: not asked yet, 1: granted, -1: refused or disabled */
+/* What this process may do with AMX tiles: PLAIT_AMX_ON, PLAIT_AMX_OFF (PLAIT_REPACK_AMX=0
+ * in the environment), or -errno where Linux refused the tile state; asked of Linux once
+ * (the answer holds for all threads). */
+static int am_state(void) {
+  static int state; /* 0: not asked yet */
   int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
   if (s == 0) {
     const char *env = getenv("PLAIT_REPACK_AMX");
-    int off = env && strcmp(env, "0") == 0;
-    s = !off && syscall(SYS_arch_prctl, AM_ARCH_REQ_XCOMP_PERM, AM_XFEATURE_XTILEDATA) == 0
-            ? 1 : -1;
+    if (env && strcmp(env, "0") == 0)
+      s = PLAIT_AMX_OFF;
+    else
+      s = syscall(SYS_arch_prctl, AM_ARCH_REQ_XCOMP_PERM, AM_XFEATURE_XTILEDATA) == 0
+              ? PLAIT_AMX_ON
+              : -(errno ? errno : EPERM);
     __atomic_store_n(&state, s, __ATOMIC_RELEASE);
   }
-  return s == 1;
+  return s;
 }
+
+/* Whether this process may use AMX tiles (am_state). */
+static int am_permitted(void) { return am_state() == PLAIT_AMX_ON; }
 
 /* Loads the calling thread's tile configuration (palette 1): tmm0 A 16 x 32 bytes, tmm1 B
  * 8 x 64, tmm4 .. tmm7 C 16 x 64 (tmm2, tmm3 unused). */

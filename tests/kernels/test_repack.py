@@ -170,10 +170,11 @@ def test_a_build_without_an_isa_reports_the_one_below(tmp_path, build_without, r
                                                       refused, rows) -> None:
     """Where the CPU or compiler lacks AVX512-VNNI the build reports the plain C kernel (the
     engine's `--numerics auto` is then exact: engine/numerics.py), where it lacks AMX-INT8
-    the VNNI one; either refuses the kernel above what it reports, and its own product of
-    the repacked layout is still the plain C bits."""
+    the VNNI one (and its AMX state is "absent"); either refuses the kernel above what it
+    reports, and its own product of the repacked layout is still the plain C bits."""
     lib = build_without(tmp_path)
     assert lib.plait_repack_isa() == reported
+    assert lib.plait_repack_amx_state() == repack.AMX_ABSENT  # no AMX code in either build
     weight = random_weight((quant.Q4_0,), (32,), 64)
     packed = repack.repack(weight)
     x, y = torch.randn(rows, 64), torch.empty(rows, 32)
@@ -295,7 +296,7 @@ def test_amx_rung_with_mixed_parts_strides_and_zero_rows() -> None:
 def test_amx_off_by_environment() -> None:
     """PLAIT_REPACK_AMX=0: the process reports the VNNI kernel, the product row is named
     after it, and the AMX kernel is refused (the engine's products log then says
-    repacked/avx512-vnni)."""
+    repacked/avx512-vnni, and why the AMX rung is unused)."""
     code = ("import torch\n"
             "from plait.kernels.cpu import quant, repack\n"
             "from plait.kernels.cpu.products import repacked_row\n"
@@ -306,8 +307,25 @@ def test_amx_off_by_environment() -> None:
             "    repack.repack_gemm(torch.ones(64, 32), packed, kernel_isa=repack.ISA_AMX)\n"
             "except ValueError as error:\n"
             "    refused = 'kernel isa' in str(error)\n"
-            "print(repack.isa(), repacked_row().name, refused)\n")
+            "print(repack.isa(), repacked_row().name, refused, repack.amx_state())\n"
+            "print(repack.amx_unused())\n")
     env = {**os.environ, "PLAIT_REPACK_AMX": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=600, check=True)
-    assert done.stdout.split() == [str(repack.ISA_VNNI512), "repacked/avx512-vnni", "True"]
+    first, second = done.stdout.splitlines()
+    assert first.split() == [str(repack.ISA_VNNI512), "repacked/avx512-vnni", "True",
+                             str(repack.AMX_OFF)]
+    assert second == "off (PLAIT_REPACK_AMX=0 in the environment)"
+
+
+def test_amx_state_matches_the_kernel() -> None:
+    """amx_state says why isa() is or is not ISA_AMX: on where it is; absent in a build
+    without the AMX code; otherwise off or a refusal by Linux, which amx_unused words."""
+    state = repack.amx_state()
+    assert (state == repack.AMX_ON) == (repack.isa() == repack.ISA_AMX)
+    if state in (repack.AMX_ON, repack.AMX_ABSENT):
+        assert repack.amx_unused() is None
+    elif state < 0:
+        assert repack.amx_unused() == (
+            f"refused by Linux (arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(-state)}); "
+            "prefill runs the AVX512-VNNI kernels")
