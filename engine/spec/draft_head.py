@@ -66,9 +66,10 @@ class DraftHead:
 
     def __init__(self, lm_head: Linear, num_rows: int) -> None:
         self.vocab_size = lm_head.out_features
-        bias = lm_head.bias
-        self._bias = None if bias is None else bias.detach().float().cpu()
-        prefix = self._prefix(lm_head, num_rows) if num_rows < self.vocab_size else None
+        bias = None if lm_head.bias is None else lm_head.bias.detach().float()
+        self._bias = None if bias is None else bias.cpu()  # the own rows' terms
+        prefix = (self._prefix(lm_head, bias, num_rows) if num_rows < self.vocab_size
+                  else None)
         if prefix is None:
             self.num_rows = self.vocab_size
             self._scores: Callable[[torch.Tensor], torch.Tensor] = lm_head
@@ -85,19 +86,19 @@ class DraftHead:
                 f"past them")
 
     @staticmethod
-    def _prefix(lm_head: Linear, n: int) -> tuple[Callable[[torch.Tensor], torch.Tensor],
-                                                 Callable[[list[int]], torch.Tensor]] | None:
+    def _prefix(lm_head: Linear, bias: torch.Tensor | None, n: int,
+                ) -> tuple[Callable[[torch.Tensor], torch.Tensor],
+                           Callable[[list[int]], torch.Tensor]] | None:
         """(scores of ids < n, float32 rows of given ids) read in place, or None where the
-        head's row offers no prefix."""
+        head's row offers no prefix. `bias`: the head's, float32 on its device."""
         state, k, v = lm_head.state, lm_head.in_features, lm_head.out_features
-        bias = None if lm_head.bias is None else lm_head.bias.detach().float()
+        cut = None if bias is None else bias[:n].contiguous()  # [n]
         if state is not None and state.packed is not None and state.desc is not None:
             desc = state.desc
             if int(desc[0]) != (1 | repack.REPACKED_FLAG):
                 return None  # several parts: the prefix would cut across them
             head = torch.tensor([int(desc[0]), int(desc[1]), int(desc[2]), n],
                                 dtype=torch.int64)  # the first n rows' tiles, in place
-            cut = None if bias is None else bias[:n].contiguous()
 
             def scores(x: torch.Tensor) -> torch.Tensor:
                 return repack.product(x.float(), head, k, n, cut, what="draft head")
@@ -112,7 +113,7 @@ class DraftHead:
 
             def dense_scores(x: torch.Tensor) -> torch.Tensor:
                 out = x.to(dense.dtype) @ dense[:n].T
-                return out if bias is None else out + bias[:n].to(out.dtype)
+                return out if cut is None else out + cut.to(out.dtype)
 
             def dense_rows(ids: list[int]) -> torch.Tensor:
                 return dense[torch.tensor(ids, dtype=torch.int64, device=dense.device)].float()
