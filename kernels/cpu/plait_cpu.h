@@ -146,6 +146,16 @@ int plait_repack_isa(void);
 #define PLAIT_AMX_ON 1
 #define PLAIT_AMX_OFF 2
 int plait_repack_amx_state(void);
+/* repack.c: whether plait_repack_gemm_bf16 computes here (1: a build with AMX-BF16 and
+ * AVX512-BF16, plait_repack_isa() PLAIT_REPACK_AMX) or refuses every call (0). */
+int plait_repack_prompt_bf16(void);
+/* repack.c: y[M, N] (ldy apart) = x[M, K] (ldx apart) W^T + bias (NULL: none) for a
+ * repacked desc (plait_repack_gemm's), x and W's values (w = a c - o) rounded to bfloat16,
+ * float32 sums (AMX-BF16 tiles) over the whole K: each row's bits depend on that row and W
+ * only, not on M, and differ from plait_repack_gemm's. PLAIT_ERR_SHAPES where
+ * plait_repack_prompt_bf16() is 0 or the shapes do not fit; PLAIT_ERR_NOMEM. */
+int plait_repack_gemm_bf16(const float *x, long M, long ldx, const int64_t *desc, long K,
+                           const float *bias, float *y, long ldy);
 /* repack.c: the bytes of `rows` rows of K weights of GGML `type` repacked; PLAIT_ERR_SHAPES
  * for a type not repacked, K not a whole number of its blocks, or negative rows. */
 long plait_repack_bytes(int type, long rows, long K);

@@ -306,6 +306,7 @@ static void c_tile(const rp_part_t *p, const uint8_t *tile, const rp_acts_t *a, 
 #include "repack_vnni.h"
 #include "repack_wide.h"
 #include "repack_amx.h"
+#include "repack_amx_bf16.h"
 
 int plait_repack_isa(void) {
 #if REPACK_AMX
@@ -469,4 +470,67 @@ int plait_repack_gemm(const float *x, long M, long ldx, const int64_t *desc, lon
   int rc = rp_products(parts, num_parts, units, &acts, M, K, bias, y, ldy, isa);
   free(mem);
   return rc;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Prompt rows: AMX-BF16 (repack_amx_bf16.h)                                             */
+/* ------------------------------------------------------------------------------------ */
+
+int plait_repack_prompt_bf16(void) {
+#if REPACK_AMX_BF16
+  return plait_repack_isa() == PLAIT_REPACK_AMX;
+#else
+  return 0;
+#endif
+}
+
+int plait_repack_gemm_bf16(const float *x, long M, long ldx, const int64_t *desc, long K,
+                           const float *bias, float *y, long ldy) {
+#if REPACK_AMX_BF16
+  rp_part_t parts[PLAIT_MAX_PARTS];
+  int num_parts;
+  long N, units = 0;
+  if (!plait_repack_prompt_bf16() || rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK ||
+      M < 0 || K % 32)
+    return PLAIT_ERR_SHAPES;
+  if (M == 0 || N == 0) return PLAIT_OK;
+  for (int i = 0; i < num_parts; i++) units += rp_units(&parts[i]);
+  const long G = K / 32, M16 = (M + 15) / 16 * 16;
+  uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * (size_t)(M16 * K) + 63) / 64 * 64);
+  if (!xb) return PLAIT_ERR_NOMEM;
+  ab_round_x(x, M, ldx, K, xb, M16);
+  const size_t wide_bytes = (size_t)2 * RP_WIDE_CHUNK * RP_WIDE_GROUP;
+  const size_t scratch_bytes = wide_bytes + (size_t)(2 * G) * AB_TILE + 3 * AB_TILE;
+  int rc = PLAIT_OK;
+#pragma omp parallel
+  {
+    uint8_t *scratch = aligned_alloc(64, scratch_bytes);
+    if (!scratch) {
+#pragma omp atomic write
+      rc = PLAIT_ERR_NOMEM;
+    }
+#pragma omp barrier
+    if (rc == PLAIT_OK) {
+      uint8_t *bt = scratch + wide_bytes;
+      float *cbuf = (float *)(bt + (size_t)(2 * G) * AB_TILE);
+      uint8_t *bias_tiles = bt + (size_t)(2 * G + 1) * AB_TILE;
+      ab_config();
+#pragma omp for schedule(static)
+      for (long t = 0; t < units; t++) {
+        rp_unit_t un = rp_unit_at(parts, t);
+        const float *b = bias ? bias + un.n0 : NULL;
+        ab_fill(un.p->type, un.T, un.tile, un.p->tile_bytes, G, scratch, bt);
+        ab_bias_tiles(b, un.T, un.cols, bias_tiles);
+        ab_unit(un.T, bt, G, xb, M, b, bias_tiles, y + un.n0, ldy, un.cols, cbuf);
+      }
+      _tile_release();
+    }
+    free(scratch);
+  }
+  free(xb);
+  return rc;
+#else
+  (void)x, (void)M, (void)ldx, (void)desc, (void)K, (void)bias, (void)y, (void)ldy;
+  return PLAIT_ERR_SHAPES;
+#endif
 }

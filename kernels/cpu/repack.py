@@ -191,6 +191,42 @@ def product(
     return y
 
 
+def prompt_bf16() -> bool:
+    """Whether `product_bf16` computes in this process: a build with AMX-BF16 whose
+    `isa()` is ISA_AMX (so not with PLAIT_REPACK_AMX=0)."""
+    return bool(loaded().plait_repack_prompt_bf16())
+
+
+def product_bf16(
+    x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
+    desc: torch.Tensor,  # int64: a RepackedWeight's desc
+    in_features: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [N] float32
+) -> torch.Tensor:  # [M, N] float32
+    """x W^T + bias with x and W's values rounded to bfloat16 and float32 sums over the
+    whole K (AMX-BF16 tiles): the prompt rows' product. Each row's bits depend on that row
+    and W only, not on M; they are not `product`'s. Needs `prompt_bf16()`."""
+    lib = loaded()
+    if not prompt_bf16():
+        raise ValueError("repack product_bf16: this build or process has no AMX-BF16 tiles")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    if k != in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"repack product_bf16: x {tuple(x.shape)} {x.dtype} does not fit W "
+                         f"[{out_features}, {in_features}]")
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    y = torch.empty(rows, out_features, dtype=torch.float32)
+    if rows == 0:
+        return y
+    _check(lib.plait_repack_gemm_bf16(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
+                                      None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                      out_features), "repack product_bf16")
+    return y
+
+
 def repack_dequantize(
     weight: RepackedWeight,
     rows: torch.Tensor | None = None,  # [R] integer row ids in [0, N); None: all N rows

@@ -1,0 +1,206 @@
+/* The AMX-BF16 product of repacked weights for prompt rows (plait_repack_gemm_bf16,
+ * plait_cpu.h); included by repack.c after repack_amx.h, whose tile state it shares, and
+ * repack_wide.h, whose wd_fill widens the codes.
+ *
+ * The int8 rungs fold every 32-weight group's int32 sums into float32 with the group's
+ * scales (x's and W's), one vector operation chain per x row, group and 16 columns: on
+ * AMX that fold, not the tile product, bounds them. Here W's values themselves go into
+ * the tiles, so nothing is folded: a thread widens its unit's (up to) two tiles of 16
+ * columns once per call into bfloat16 B tiles, w = a c - o rounded to bfloat16 (every
+ * group of the whole K, in its scratch), and x is rounded to bfloat16 once; then each
+ * block of 32 x rows and 32 columns is four float32 C tiles that start at the bias (or 0)
+ * and accumulate by TDPBF16PS over every group of K in order, stored once:
+ *
+ *   A  tmm0, tmm1   16 x rows x 32 bf16 (64 bytes)   xb[m + r][32 g .. 32 g + 31]
+ *   B  tmm2, tmm3   16 pairs x 16 columns x 2 bf16   (w[n][2 i], w[n][2 i + 1]) at row i
+ *   C  tmm4 .. 7    16 x 16 float32                  C[r][n] += sum_k x[r][k] w[n][k]
+ *
+ * A row's result depends on its own x row and W only (its A tile row, the same B tiles
+ * in the same group order), never on the other rows or on M: the rows of a prompt give
+ * the same bits whatever chunks the scheduler cuts it into. They are not the int8 rungs'
+ * bits (other arithmetic): the engine sends prompt rows here and generated rows (decode,
+ * verification) to plait_repack_gemm, so that each token's state has one definition.
+ */
+#ifndef PLAIT_CPU_REPACK_AMX_BF16_H
+#define PLAIT_CPU_REPACK_AMX_BF16_H
+
+#if REPACK_AMX && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define REPACK_AMX_BF16 1
+
+#define AB_TILE 1024 /* bytes of a B tile (16 pairs x 16 columns x 2 bf16) or a C tile */
+
+/* Loads the calling thread's tile configuration: tmm0, tmm1 A; tmm2, tmm3 B; tmm4 .. tmm7
+ * C; each 16 rows x 64 bytes. */
+static void ab_config(void) {
+  struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 8; t++) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+/* Group j of a widened chunk (wg: wd_fill's record of one tile, codes c - C as signed
+ * bytes, a at +512, o at +576; Q6_K: half 1's a at +576) into a B tile bt: row i holds
+ * (w[n][2 i], w[n][2 i + 1]) for n < 16, w = a c - o rounded to bfloat16 (nearest even).
+ * halves: 2 for Q6_K (a per 16 weights, no o). */
+ALWAYS_INLINE void ab_tile(int halves, const uint8_t *wg, uint8_t *bt) {
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                         9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                         17, 1, 16, 0);
+  const __m512 a0 = _mm512_load_ps(wg + 512), o = _mm512_load_ps(wg + 576);
+#pragma GCC unroll 8
+  for (int s = 0; s < 8; s++) {
+    /* V_s: byte 4 n + b = code of column n, weight 4 s + b */
+    const __m512i v = _mm512_load_si512(wg + 64 * s);
+    const __m512 a = halves == 2 && s >= 4 ? o : a0;
+    __m512 w[4];
+    for (int b = 0; b < 4; b++) {
+      __m512i c = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24);
+      w[b] = halves == 2 ? _mm512_mul_ps(a, _mm512_cvtepi32_ps(c))
+                         : _mm512_fmsub_ps(a, _mm512_cvtepi32_ps(c), o);
+    }
+    /* rows 2 s (weights 4 s, 4 s + 1) and 2 s + 1 (4 s + 2, 4 s + 3), pairs interleaved */
+    for (int h = 0; h < 2; h++) {
+      __m512i lohi = (__m512i)_mm512_cvtne2ps_pbh(w[2 * h + 1], w[2 * h]);
+      _mm512_store_si512(bt + 64 * (2 * s + h), _mm512_permutexvar_epi16(pairs, lohi));
+    }
+  }
+}
+
+/* Every group of T tiles (tile u at tile + u tile_bytes) into B tiles (group g of tile u
+ * at bt + (g T + u) AB_TILE), through wide (wd_fill's chunk, RP_WIDE_CHUNK groups). */
+static void ab_fill(int type, int T, const uint8_t *tile, long tile_bytes, long groups,
+                    uint8_t *wide, uint8_t *bt) {
+  const int halves = type == PLAIT_GGML_Q6_K ? 2 : 1;
+  for (long g0 = 0; g0 < groups; g0 += RP_WIDE_CHUNK) {
+    long ng = groups - g0 < RP_WIDE_CHUNK ? groups - g0 : RP_WIDE_CHUNK;
+    switch (type) {
+#define AB_TYPE(t, C)                                                        \
+  case PLAIT_GGML_##t:                                                       \
+    if (T == 2)                                                              \
+      wd_fill(PLAIT_GGML_##t, 2, tile, tile_bytes, g0, ng, C, wide);         \
+    else                                                                     \
+      wd_fill(PLAIT_GGML_##t, 1, tile, tile_bytes, g0, ng, C, wide);         \
+    break;
+      AB_TYPE(Q4_0, 8) AB_TYPE(Q4_1, 0) AB_TYPE(Q5_0, 16) AB_TYPE(Q8_0, 128) AB_TYPE(Q4_K, 0)
+      AB_TYPE(Q5_K, 0) AB_TYPE(Q6_K, 32)
+#undef AB_TYPE
+      default: return;
+    }
+    for (long j = 0; j < ng; j++)
+      for (int u = 0; u < T; u++) {
+        const uint8_t *wg = wide + (j * T + u) * RP_WIDE_GROUP;
+        uint8_t *dst = bt + ((g0 + j) * T + u) * AB_TILE;
+        if (halves == 2)
+          ab_tile(2, wg, dst);
+        else
+          ab_tile(1, wg, dst);
+      }
+  }
+}
+
+/* C tile CT into y's 16 columns at column 16 U, rows m + ROW0 ..: straight where all 16
+ * rows and columns are real, else through cbuf. */
+#define AB_STORE(CT, ROW0, U)                                                             \
+  do {                                                                                    \
+    long rr = M - m - (ROW0) < 16 ? M - m - (ROW0) : 16;                                 \
+    int cc = cols - 16 * (U) < 16 ? cols - 16 * (U) : 16;                                 \
+    float *yt = y + (m + (ROW0)) * ldy + 16 * (U);                                        \
+    if (rr == 16 && cc == 16) {                                                           \
+      _tile_stored(CT, yt, 4 * ldy);                                                      \
+    } else {                                                                              \
+      _tile_stored(CT, cbuf, 64);                                                         \
+      const __mmask16 mask = (__mmask16)((1u << cc) - 1);                                 \
+      for (long r = 0; r < rr; r++)                                                       \
+        _mm512_mask_storeu_ps(yt + r * ldy, mask, _mm512_load_ps(cbuf + 16 * r));         \
+    }                                                                                     \
+  } while (0)
+
+/* C tile CT from the bias (bt: 16 rows of the unit's bias, 64 bytes a tile u) or 0. */
+#define AB_START(CT, U)                                \
+  do {                                                 \
+    if (bias)                                          \
+      _tile_loadd(CT, bias_tiles + (U) * AB_TILE, 64); \
+    else                                               \
+      _tile_zero(CT);                                  \
+  } while (0)
+
+/* T tiles' B tiles bt (all G groups) against x rows [0, M) of xb (ab_round_x's blocks):
+ * y's columns [0, cols) = bias (bias_tiles: per tile, 16 rows of its bias; unread where
+ * bias is 0) + the sum over the groups in order. */
+static void ab_unit(int T, const uint8_t *bt, long G, const uint16_t *xb, long M,
+                    const float *bias, const uint8_t *bias_tiles, float *y, long ldy,
+                    int cols, float *cbuf) {
+  for (long m = 0; m < M; m += 32) {
+    const int two = m + 16 < M;
+    const uint16_t *x0 = xb + m * 32 * G, *x1 = xb + (m + 16) * 32 * G;
+    AB_START(4, 0);
+    if (T == 2) AB_START(5, 1);
+    if (two) {
+      AB_START(6, 0);
+      if (T == 2) AB_START(7, 1);
+    }
+    for (long g = 0; g < G; g++) {
+      const uint8_t *b = bt + g * T * AB_TILE;
+      _tile_loadd(0, x0 + 512 * g, 64);
+      _tile_loadd(2, b, 64);
+      _tile_dpbf16ps(4, 0, 2);
+      if (T == 2) {
+        _tile_loadd(3, b + AB_TILE, 64);
+        _tile_dpbf16ps(5, 0, 3);
+      }
+      if (two) {
+        _tile_loadd(1, x1 + 512 * g, 64);
+        _tile_dpbf16ps(6, 1, 2);
+        if (T == 2) _tile_dpbf16ps(7, 1, 3);
+      }
+    }
+    AB_STORE(4, 0, 0);
+    if (T == 2) AB_STORE(5, 0, 1);
+    if (two) {
+      AB_STORE(6, 16, 0);
+      if (T == 2) AB_STORE(7, 16, 1);
+    }
+  }
+}
+#undef AB_STORE
+#undef AB_START
+
+/* The bias tiles of a unit (bias: its columns, cols of them; NULL: none): 16 rows of
+ * bias[16 u .. 16 u + 15] per tile u, 0 past cols. */
+static void ab_bias_tiles(const float *bias, int T, int cols, uint8_t *dst) {
+  if (!bias) return;
+  for (int u = 0; u < T; u++) {
+    int c = cols - 16 * u < 16 ? cols - 16 * u : 16;
+    __m512 b = _mm512_maskz_loadu_ps((__mmask16)((1u << c) - 1), bias + 16 * u);
+    for (int r = 0; r < 16; r++) _mm512_store_ps(dst + u * AB_TILE + 64 * r, b);
+  }
+}
+
+/* x [M, K] float32 (ldx apart) rounded to bfloat16 (nearest even) into xb in A tiles'
+ * blocks: rows m .. m + 15 (m a multiple of 16) of group g at xb + (m G + 16 g) 32, a row
+ * 32 elements (64 bytes); rows past M zero. */
+static void ab_round_x(const float *x, long M, long ldx, long K, uint16_t *xb, long M16) {
+  const long G = K / 32;
+#pragma omp parallel for schedule(static) if (M * K >= 16384)
+  for (long m = 0; m < M16; m++) {
+    uint16_t *dst = xb + (m / 16 * 16 * G + m % 16) * 32;
+    for (long g = 0; g < G; g++) {
+      __m512i v = _mm512_setzero_si512();
+      if (m < M)
+        v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + m * ldx + 32 * g + 16),
+                                         _mm512_loadu_ps(x + m * ldx + 32 * g));
+      _mm512_store_si512(dst + 512 * g, v);
+    }
+  }
+}
+
+#endif /* REPACK_AMX && __AMX_BF16__ && __AVX512BF16__ */
+#endif /* PLAIT_CPU_REPACK_AMX_BF16_H */
