@@ -9,7 +9,7 @@ input_batch.py) and the sampler. It knows nothing of queues or policy: `execute`
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -36,12 +36,13 @@ from plait.engine.models.llama import LlamaForCausalLM
 from plait.engine.numerics import Numerics, resolve_numerics
 from plait.engine.outputs import TokenLogprob
 from plait.engine.sampler import Sampler, SamplingMetadata
-from plait.engine.sched_output import RunnerOutput, SchedulerOutput
+from plait.engine.sched_output import RunnerOutput, ScheduledChunk, SchedulerOutput
 from plait.engine.spec.verify import SpecRequest, Verified, verify_batch, verify_one
 from plait.engine.transfer import to_device
 from plait.engine.weights import load_weights
 from plait.kernels import AttentionMetadata, AttentionShape, TorchOps, select_ops
 from plait.kernels.cpu import build, repack
+from plait.kernels.cpu.products import prompt_rows, prompt_rows_differ
 
 logger = logging.getLogger("plait.engine")
 
@@ -174,7 +175,9 @@ class ModelRunner:
         else:
             load_weights(model, ensure_float32_weights(resolved), keep)
         model = model.to(self.device, self.dtype)  # (the GGUF loader builds on the CPU)
-        select_products(model, self.numerics)  # every linear's product row, chosen once
+        chosen = select_products(model, self.numerics)  # every linear's product row, once
+        # prompt rows in passes of their own where the products compute them apart
+        self.split_prompt_rows = self.device.type == "cpu" and prompt_rows_differ(chosen)
         kept, dense = weight_bytes(model)
         logger.info("weights: %.1f MiB (%.1f MiB in the file's blocks, %.1f MiB repacked, "
                     "float or packed)", (kept + dense) / 2**20, kept / 2**20, dense / 2**20)
@@ -219,29 +222,56 @@ class ModelRunner:
     def _forward(self, out: SchedulerOutput,
                  result: RunnerOutput) -> tuple[torch.Tensor, dict[str, int]]:
         """The forward pass over `out.chunks`: the last-position logits of each sampling
-        chunk (and the request id -> row map), prompt logprobs into `result`."""
+        chunk (and the request id -> row map), prompt logprobs into `result`. Where the
+        products compute prompt rows apart (`split_prompt_rows`), the chunks of prompt
+        tokens run in a pass of their own before the others (decode, verification), so
+        each token's state has one definition whatever shares its step."""
         vocab = self.model_config.vocab_size
         if not out.chunks:
             return torch.empty(0, vocab, device=self.device), {}
-        input_ids, positions, meta, sample_idx = self._prepare(out)
+        if not self.split_prompt_rows:
+            return self._forward_chunks(out.chunks, result, prompt=False)
+        prompt = [c for c in out.chunks if self._prompt_chunk(c)]
+        generated = [c for c in out.chunks if not self._prompt_chunk(c)]
+        if not generated or not prompt:
+            return self._forward_chunks(out.chunks, result, prompt=bool(prompt))
+        first, first_rows = self._forward_chunks(prompt, result, prompt=True)
+        second, second_rows = self._forward_chunks(generated, result, prompt=False)
+        row_of = first_rows | {rid: row + first.shape[0] for rid, row in second_rows.items()}
+        return torch.cat([first, second]), row_of
+
+    def _prompt_chunk(self, chunk: ScheduledChunk) -> bool:
+        """Whether `chunk` computes prompt tokens (all prompt rows; a chunk that recomputes
+        a preempted request's prompt and output together counts as one too)."""
+        return chunk.start < len(self.batch.states[chunk.request_id].prompt_token_ids)
+
+    def _forward_chunks(self, chunks: Sequence[ScheduledChunk], result: RunnerOutput,
+                        prompt: bool) -> tuple[torch.Tensor, dict[str, int]]:
+        """One forward pass over `chunks` (`prompt`: prompt rows, see `_forward`): the
+        last-position logits of each sampling chunk, in the chunks' order, and the request
+        id -> row map; prompt logprobs into `result`."""
+        input_ids, positions, meta, sample_idx = self._prepare(chunks)
         # Only the sampled rows' states are needed, unless a chunk scores its prompt.
         every_row = sample_idx.shape[0] == input_ids.shape[0] or any(
             self.batch.states[c.request_id].params.prompt_logprobs is not None
-            for c in out.chunks)
+            for c in chunks)
         if not every_row:
             meta.keep = sample_idx
         meta = self.ops.plan(meta, positions)  # the attention plan, once for every layer
-        hidden = self.model(input_ids, positions, meta)  # [T, hidden], or [K, hidden]
+        if prompt and self.split_prompt_rows:
+            meta.whole_stack = False  # the native stack computes generated rows' products
+        with prompt_rows(prompt and self.split_prompt_rows):
+            hidden = self.model(input_ids, positions, meta)  # [T, hidden], or [K, hidden]
         computed = self.model.compute_logits(hidden[sample_idx] if every_row else hidden)
         # request id -> its first row in `computed` (a speculative chunk has 1 + k rows)
         row_of: dict[str, int] = {}
         num_rows = 0
-        for chunk in out.chunks:
+        for chunk in chunks:
             if chunk.sample:
                 row_of[chunk.request_id] = num_rows
                 num_rows += 1 + len(chunk.draft_token_ids)
         offset = 0
-        for chunk in out.chunks:
+        for chunk in chunks:
             state = self.batch.states[chunk.request_id]
             num_prompt = len(state.prompt_token_ids)
             if state.params.prompt_logprobs is not None and chunk.start < num_prompt:
@@ -251,7 +281,7 @@ class ModelRunner:
             offset += chunk.num_tokens
         return computed, row_of
 
-    def _prepare(self, out: SchedulerOutput):
+    def _prepare(self, chunks: Sequence[ScheduledChunk]):
         """Flatten the chunks into the model's inputs (see models/llama.py).
 
         Slots are computed in Python from each request's host copy of its block ids
@@ -267,7 +297,7 @@ class ModelRunner:
         context_lens: list[int] = []
         sample_idx: list[int] = []
         max_blocks = 1
-        for chunk in out.chunks:
+        for chunk in chunks:
             state = batch.states[chunk.request_id]
             end = chunk.start + chunk.num_tokens
             num_draft = len(chunk.draft_token_ids)
@@ -288,7 +318,7 @@ class ModelRunner:
             cu_seqlens_q=self.to_device(cu_seqlens, torch.int32),  # [S + 1]
             context_lens=self.to_device(context_lens, torch.int32),  # [S]
             block_tables=self._move(tables),
-            max_query_len=max(c.num_tokens for c in out.chunks),
+            max_query_len=max(c.num_tokens for c in chunks),
             max_context_len=max(context_lens),
         )
         return (self.to_device(input_ids, torch.int64), self.to_device(positions, torch.int64),

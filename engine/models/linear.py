@@ -33,6 +33,7 @@ from plait.kernels.cpu.products import (
     ProductState,
     StackWeight,
     check_native,
+    prompt_rows_differ,
     row,
 )
 from plait.kernels.cpu.quant import QuantWeight
@@ -286,6 +287,10 @@ def select_products(model: nn.Module, numerics: Numerics) -> dict[Product, list[
         unused = repack.amx_unused()
         if unused is not None:
             logger.info("products: the AMX-INT8 prefill rung is %s", unused)
+    if prompt_rows_differ(chosen):
+        logger.info("products: prompt rows through AMX-BF16 tiles (x and the repacked "
+                    "weights' values rounded to bfloat16, float32 sums), generated rows "
+                    "through the int8 kernels")
     return chosen
 
 

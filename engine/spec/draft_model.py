@@ -31,6 +31,10 @@ from plait.engine.spec.draft_head import DraftHead, SeqTokens, draft_vocab_rows
 from plait.engine.spec.proposer import Proposer, SpecInput
 from plait.engine.spec.target import TargetModel, check_same_vocab
 from plait.kernels import AttentionMetadata
+from plait.kernels.cpu.products import prompt_rows
+
+# Tokens in one draft pass past which it computes as prompt rows (`_greedy`).
+CATCH_UP_TOKENS = 32
 
 logger = logging.getLogger("plait.engine")
 
@@ -175,6 +179,9 @@ class DraftModelProposer(Proposer):
             max_context_len=max(context_lens))
         meta.keep = runner.to_device([c - 1 for c in cu_seqlens[1:]], torch.int64)  # [S]
         pos = runner.to_device(positions, torch.int64)  # [T]
-        hidden = runner.model(runner.to_device(input_ids, torch.int64), pos,
-                              runner.ops.plan(meta, pos))  # [S, hidden]: the kept rows
+        # A pass of many tokens is a prompt's catch-up: the prompt rows' products (faster
+        # where they compute apart; drafts are guesses, so the arithmetic is free to vary).
+        with prompt_rows(len(input_ids) > CATCH_UP_TOKENS):
+            hidden = runner.model(runner.to_device(input_ids, torch.int64), pos,
+                                  runner.ops.plan(meta, pos))  # [S, hidden]: the kept rows
         return self.head.argmax(hidden, [self._seqs[r.request_id].tokens for r in rows])

@@ -25,7 +25,9 @@ A row (`Product`) holds:
     panels/<blas>       <= NATIVE_MAX_ROWS: native.gemm | any: <blas>
     kept/<dtype>        < BF16_MIN_ROWS: qgemm exact | <= QGEMM_MAX_ROWS: qgemm | any: BLAS
                         over W dequantized to <dtype> (float32: the first two are one rung)
-    repacked/<isa>      any: repack.product over the weight repacked at load (x int8)
+    repacked/<isa>      any: repack.product over the weight repacked at load (x int8);
+                        within `prompt_rows(True)`, where `repack.prompt_bf16()`,
+                        repack.product_bf16 (AMX-BF16 tiles) instead
 
 How to add a row (for example a repacked format): write its `prepare` (pack the weight,
 return a `ProductState` whose `packed` holds the new layout and whose `desc` is what your
@@ -39,7 +41,9 @@ against the float64 or dequantized reference.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -295,8 +299,43 @@ def _prepare_repacked(weight: Weight, bias: torch.Tensor | None) -> ProductState
                         desc=packed.desc)
 
 
+# Whether the products running now are of prompt rows (`prompt_rows`).
+_PROMPT_ROWS = False
+
+
+@contextlib.contextmanager
+def prompt_rows(active: bool = True) -> Iterator[None]:
+    """Within: the products computed are of prompt rows (a forward pass whose every row is
+    a prompt token: the runner passes prompt rows and generated rows separately where
+    `prompt_rows_differ()`). The repacked row computes them through
+    `repack.product_bf16` where `repack.prompt_bf16()`; every other row, and every row
+    outside, as without it."""
+    global _PROMPT_ROWS
+    before, _PROMPT_ROWS = _PROMPT_ROWS, active
+    try:
+        yield
+    finally:
+        _PROMPT_ROWS = before
+
+
+@functools.cache
+def prompt_bf16() -> bool:
+    """Whether the repacked row computes prompt rows apart (`repack.prompt_bf16()`, asked
+    once: its answer holds for the process)."""
+    return native.available() and repack.prompt_bf16()
+
+
+def prompt_rows_differ(chosen: dict[Product, list] | Iterator[Product]) -> bool:
+    """Whether the rows `chosen` (select_products' answer) compute a prompt row otherwise
+    than a generated one in this process: a repacked row where `prompt_bf16()`."""
+    return prompt_bf16() and any(p.name.startswith("repacked/") for p in chosen)
+
+
 def _repacked_gemm(state: ProductState, x: torch.Tensor) -> torch.Tensor:
     assert state.desc is not None
+    if _PROMPT_ROWS and prompt_bf16():
+        return repack.product_bf16(x.float(), state.desc, state.in_features,
+                                   state.out_features, state.bias)
     return repack.product(x.float(), state.desc, state.in_features, state.out_features,
                           state.bias)
 
@@ -310,7 +349,8 @@ def _repacked_row() -> Product:
     """`repacked/<isa>`: the kept weight repacked once at its own bit width (repack.py:
     16 rows interleaved per block, 1.0-1.03x the blocks' bytes), every product through
     `repack.product` (x quantized to int8 per 32 weights, VNNI dot products), the native
-    stack's included (the descriptor's PLAIT_QGEMM_REPACKED flag)."""
+    stack's included (the descriptor's PLAIT_QGEMM_REPACKED flag); prompt rows
+    (`prompt_rows`) through `repack.product_bf16` where the process has AMX-BF16."""
     return Product(f"repacked/{repack.ISA_NAMES[repack.isa()]}", _repacked, _prepare_repacked,
                    (Rung(None, _repacked_gemm, chunk_rows=_chunk_rows),),
                    _native_silu_mul, _repacked_stack, torch.float32, native=True)
@@ -391,4 +431,5 @@ def _weight_text(weight: Weight) -> str:
 __all__ = ["BLAS", "MKL", "MKL_ROW_HINT", "MLP_CHUNK_BYTES", "MLP_CHUNK_MIN_ROWS",
            "NATIVE_MAX_ROWS", "ONEDNN", "QGEMM_MAX_ROWS", "SKINNY_ROWS", "TORCH", "Kernel",
            "Product", "ProductSettings", "ProductState", "Rung", "StackWeight", "Weight",
-           "check_native", "qgemm_max_rows", "repacked_row", "row", "table"]
+           "check_native", "prompt_bf16", "prompt_rows", "prompt_rows_differ", "qgemm_max_rows",
+           "repacked_row", "row", "table"]

@@ -107,7 +107,9 @@ def test_a_float32_cache_under_int8_attends_in_float32() -> None:
     """`--kv-cache-dtype float32` under `--numerics int8`: the repacked int8 products with a
     float32 cache and attention (the native stack's float32 code, no bf16 dot products), so
     the prompt's logprobs are nearer the exact mode's than with int8's own bf16 cache (its
-    quality figures: BENCHMARKS.md)."""
+    quality figures: BENCHMARKS.md). The prompt rows go through the int8 products here too
+    (as generated rows do; where the process has AMX-BF16 they would take those tiles), so
+    that only the caches differ."""
     prompt = ("The quick brown fox jumps over the lazy dog. " * 3 +
               "def fibonacci(n):\n    if n < 2:\n        return n\n")
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
@@ -116,6 +118,7 @@ def test_a_float32_cache_under_int8_attends_in_float32() -> None:
         llm = LLM(None, numerics=numerics, kv_cache_dtype=kv, num_kv_blocks=64)
         runner = llm.engine.runner
         assert runner.numerics.name == numerics and runner.model.stack is not None
+        runner.split_prompt_rows = False
         codes[numerics, kv] = (runner.kv_cache.dtype, runner.model.stack.kv_dtype)
         out = llm.generate([prompt], params)[0]
         assert out.prompt_logprobs is not None

@@ -119,3 +119,39 @@ def test_a_partly_cached_prompt_is_greedy_as_a_cold_one(plain, prompts, rest: in
             assert warm.num_cached_tokens == 7 * 16
             assert greedy(warm) == greedy(cold)
     assert_pool_clean(llm)
+
+
+def test_a_prompt_beside_decode_rows_changes_neither_stream(prompts, reference) -> None:
+    """The first prompt decodes; after 5 of its steps the second arrives, and its prompt is
+    computed 16 tokens a step in the same steps as the first's decode rows (a step of
+    prompt rows and generated rows: where the products compute prompt rows apart, two
+    passes). Each stream's greedy tokens and logprobs are those it has alone."""
+    llm = LLM(**OPTIONS, enable_prefix_caching=False, max_num_batched_tokens=17)
+    runner = llm.engine.runner
+    passes: list[bool] = []
+    forward = runner._forward_chunks
+
+    def counted(chunks: list, result: object, prompt: bool) -> object:
+        passes.append(prompt)
+        return forward(chunks, result, prompt)
+
+    runner._forward_chunks = counted
+    llm.engine.add_request("a", prompts[0], PARAMS)
+    seen: dict[str, list] = {"a": [], "b": []}
+    step = 0
+    while llm.engine.has_unfinished():
+        if step == 5:
+            llm.engine.add_request("b", prompts[1], PARAMS)
+        for delta in llm.engine.step().deltas:
+            seen[delta.request_id].append(delta)
+        step += 1
+    for rid, want in zip("ab", reference, strict=False):
+        tokens = [t for d in seen[rid] for t in d.token_ids]
+        logprobs = [lp.logprob for d in seen[rid] for lp in (d.logprobs or [])]
+        assert (tokens, logprobs) == want
+    steps_of_b = -(-len(prompts[1]) // 16)
+    if runner.split_prompt_rows:  # the mixed steps ran a prompt pass and a generated pass
+        assert len(passes) == step + steps_of_b
+    else:
+        assert len(passes) == step
+    assert_pool_clean(llm)
