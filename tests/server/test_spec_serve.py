@@ -1,15 +1,17 @@
-"""`plait serve --speculative-config` (ngram) on the default model, against the session's
-server without it: greedy answers (plain, streamed with logprobs, with tools) are the same,
-a streamed chunk may carry several tokens, usage counts every token, and /metrics has
-vLLM's spec_decode series."""
+"""`plait serve --speculative-config` (ngram) on the default model, against the same server
+without it (both in the default numerics, the int8 mode, where speculation is exact; the
+session's shared server runs the exact mode): greedy answers (plain, streamed with
+logprobs, with tools) are the same, a streamed chunk may carry several tokens, usage counts
+every token, and /metrics has vLLM's spec_decode series."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import httpx
 import pytest
-from helpers.server import API_KEY, MODEL, RemoteServer, shared_server, start_server
+from helpers.server import API_KEY, MODEL, RemoteServer, start_server
 from prometheus_client.parser import text_string_to_metric_families
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
@@ -26,18 +28,27 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 
 
-@pytest.fixture(scope="module")
-def spec_server() -> RemoteServer:
+def _serve(args: list[str]) -> Iterator[RemoteServer]:
     # the engine in the server's process: a spawned engine process imports `plait` from
     # the installed distribution, which need not be this checkout (the config's crossing
     # of the process pipe is tests/unit/test_spec_wire.py's)
-    server = start_server(["--speculative-config", NGRAM, "--no-engine-process"],
-                          api_key=API_KEY, env={"PLAIT_API_KEY": API_KEY})
+    server = start_server([*args, "--no-engine-process"], api_key=API_KEY,
+                          env={"PLAIT_API_KEY": API_KEY})
     try:
         server.wait_healthy()
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def spec_server() -> Iterator[RemoteServer]:
+    yield from _serve(["--speculative-config", NGRAM])
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[RemoteServer]:
+    yield from _serve([])
 
 
 def chat(server: RemoteServer, **body) -> dict:
@@ -59,16 +70,16 @@ def stream(server: RemoteServer, **body) -> list[dict]:
     return chunks
 
 
-def test_greedy_answers_equal_and_metrics(spec_server: RemoteServer) -> None:
-    plain = shared_server()
+def test_greedy_answers_equal_and_metrics(spec_server: RemoteServer,
+                                          plain: RemoteServer) -> None:
     for body in (dict(messages=REPEAT, max_tokens=96),
                  dict(messages=[{"role": "user", "content": "What is the weather in Rome?"}],
                       tools=[WEATHER], max_tokens=60)):
         want, got = chat(plain, **body), chat(spec_server, **body)
         assert got["choices"][0]["message"] == want["choices"][0]["message"]
         assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
-        # cached_tokens is the prefix cache's state (the plain server is shared with other
-        # tests), not speculation's: the token counts must be equal
+        # cached_tokens is the prefix cache's state, not speculation's: the token counts
+        # must be equal
         usage = lambda response: {k: v for k, v in response["usage"].items()  # noqa: E731
                                   if k != "prompt_tokens_details"}
         assert usage(got) == usage(want)
