@@ -23,8 +23,10 @@ F32 one are taken on the same input.
 
 The default modes are the three `--numerics` modes: exact (float32 arithmetic, the
 reference), bf16 and int8; `--mode NAME=FLAGS` (repeatable) replaces them, e.g.
-`--mode exact=--exact` `--mode int8=--numerics int8`. Nothing is asserted; the figures
-are printed (BENCHMARKS.md records them).
+`--mode exact=--exact` `--mode int8=--numerics int8`. The server's environment is this
+one without PLAIT_* settings; KEY=VALUE words at the start of a mode's FLAGS set variables
+for that mode's server, e.g. `--mode int8-vnni=PLAIT_REPACK_AMX=0`. Nothing is asserted;
+the figures are printed (BENCHMARKS.md records them).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -110,10 +113,13 @@ def run_mode(name: str, flags: str, args: argparse.Namespace, given: list[int] |
     """Start `plait serve MODEL FLAGS`, score the text's chunks, stop it. Returns the
     text's tokens as this server made them and the chunks' scores; the chunks are cut
     from `given` instead when it is set (llama.cpp's tokens of the text)."""
-    argv = [str(args.model), *shlex.split(flags), *shlex.split(args.server_args),
-            "--log-level", "warning"]
+    words, env = shlex.split(flags), _server_env()
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):  # KEY=VALUE first: env
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    argv = [str(args.model), *words, *shlex.split(args.server_args), "--log-level", "warning"]
     print(f"[{name}] plait serve {' '.join(argv)}", file=sys.stderr)
-    server = launch_plait(argv, env=_server_env(), log_prefix=f"quality-{name}-")
+    server = launch_plait(argv, env=env, log_prefix=f"quality-{name}-")
     try:
         server.wait_healthy(args.startup_timeout)
         with httpx.Client(base_url=server.url, timeout=args.request_timeout,
