@@ -158,6 +158,23 @@ def repack_gemm(
                    weight.describe())
 
 
+def _inputs(kernel: str, x: torch.Tensor, in_features: int, out_features: int,
+            bias: torch.Tensor | None, what: str = "W"
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x with unit stride along K and bias as float32, checked against W [N, K]
+    (ValueError naming `kernel` otherwise)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.shape[1] != in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"{kernel}: x {tuple(x.shape)} {x.dtype} does not fit W "
+                         f"[{out_features}, {in_features}] {what}")
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+        if bias.shape != (out_features,):
+            raise ValueError(f"{kernel}: bias {tuple(bias.shape)}, W has {out_features} rows")
+    return x, bias
+
+
 def product(
     x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
     desc: torch.Tensor,  # int64: a RepackedWeight's desc
@@ -169,16 +186,8 @@ def product(
 ) -> torch.Tensor:  # [M, N] float32
     """`repack_gemm` given the weight's descriptor and shape (what a product row keeps)."""
     lib = loaded()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x, bias = _inputs("repack_gemm", x, in_features, out_features, bias, what)
     rows, k = x.shape
-    if k != in_features or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"repack_gemm: x {tuple(x.shape)} {x.dtype} does not fit W "
-                         f"[{out_features}, {in_features}] {what}")
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-        if bias.shape != (out_features,):
-            raise ValueError(f"repack_gemm: bias {tuple(bias.shape)}, W has {out_features} rows")
     chosen = isa() if kernel_isa is None else kernel_isa
     if chosen not in ISA_NAMES or chosen > isa():
         raise ValueError(f"repack_gemm: kernel isa {chosen} (this build has up to {isa()})")
@@ -210,14 +219,8 @@ def product_bf16(
     lib = loaded()
     if not prompt_bf16():
         raise ValueError("repack product_bf16: this build or process has no AMX-BF16 tiles")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x, bias = _inputs("repack product_bf16", x, in_features, out_features, bias)
     rows, k = x.shape
-    if k != in_features or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"repack product_bf16: x {tuple(x.shape)} {x.dtype} does not fit W "
-                         f"[{out_features}, {in_features}]")
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
     y = torch.empty(rows, out_features, dtype=torch.float32)
     if rows == 0:
         return y

@@ -110,9 +110,9 @@ static int am_state(void) {
 /* Whether this process may use AMX tiles (am_state). */
 static int am_permitted(void) { return am_state() == PLAIT_AMX_ON; }
 
-/* Loads the calling thread's tile configuration (palette 1): tmm0 A 16 x 32 bytes, tmm1 B
- * 8 x 64, tmm4 .. tmm7 C 16 x 64 (tmm2, tmm3 unused). */
-static void am_config(void) {
+/* Loads the calling thread's tile configuration, palette 1: tile t of colsb[t] bytes x
+ * rows[t] rows (0: unused). */
+static void am_load_config(const int colsb[8], const int rows[8]) {
   struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -120,12 +120,18 @@ static void am_config(void) {
   } cfg;
   memset(&cfg, 0, sizeof cfg);
   cfg.palette = 1;
-  const int colsb[8] = {32, 64, 0, 0, 64, 64, 64, 64}, rows[8] = {16, 8, 0, 0, 16, 16, 16, 16};
   for (int t = 0; t < 8; t++) {
     cfg.colsb[t] = (uint16_t)colsb[t];
     cfg.rows[t] = (uint8_t)rows[t];
   }
   _tile_loadconfig(&cfg);
+}
+
+/* This rung's tiles: tmm0 A 16 x 32 bytes, tmm1 B 8 x 64, tmm4 .. tmm7 C 16 x 64 (tmm2,
+ * tmm3 unused). */
+static void am_config(void) {
+  const int colsb[8] = {32, 64, 0, 0, 64, 64, 64, 64}, rows[8] = {16, 8, 0, 0, 16, 16, 16, 16};
+  am_load_config(colsb, rows);
 }
 
 /* Group s of a chunk into C tile CT where n > CT - 4: x codes q (16 rows, lda apart), the
@@ -217,8 +223,9 @@ ALWAYS_INLINE void am_block(int has_o, const uint8_t *wide, long stride, long g0
 AM_BLOCK(plain, 0) AM_BLOCK(offset, 1)
 #undef AM_BLOCK
 
-/* wd_fill of the types that take the rung (am_min_rows) for T = 1 or 2 tiles, as signed
- * codes c - C. */
+/* wd_fill of every repacked type for T = 1 or 2 tiles, as signed codes c - C (C the
+ * type's offset: what this rung's and repack_amx_bf16.h's tiles read; this rung never
+ * takes Q6_K, am_min_rows). */
 static void am_fill_any(int type, int T, const uint8_t *tile, long tile_bytes, long g0, long ng,
                         uint8_t *dst) {
   switch (type) {
@@ -230,7 +237,7 @@ static void am_fill_any(int type, int T, const uint8_t *tile, long tile_bytes, l
       wd_fill(PLAIT_GGML_##t, 1, tile, tile_bytes, g0, ng, C, dst);                     \
     return;
     AM_TYPE(Q4_0, 8) AM_TYPE(Q4_1, 0) AM_TYPE(Q5_0, 16) AM_TYPE(Q8_0, 128) AM_TYPE(Q4_K, 0)
-    AM_TYPE(Q5_K, 0)
+    AM_TYPE(Q5_K, 0) AM_TYPE(Q6_K, 32)
 #undef AM_TYPE
     default: return;
   }

@@ -32,18 +32,8 @@
 /* Loads the calling thread's tile configuration: tmm0, tmm1 A; tmm2, tmm3 B; tmm4 .. tmm7
  * C; each 16 rows x 64 bytes. */
 static void ab_config(void) {
-  struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
-  for (int t = 0; t < 8; t++) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
+  const int colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64}, rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+  am_load_config(colsb, rows);
 }
 
 /* Group j of a widened chunk (wg: wd_fill's record of one tile, codes c - C as signed
@@ -75,25 +65,13 @@ ALWAYS_INLINE void ab_tile(int halves, const uint8_t *wg, uint8_t *bt) {
 }
 
 /* Every group of T tiles (tile u at tile + u tile_bytes) into B tiles (group g of tile u
- * at bt + (g T + u) AB_TILE), through wide (wd_fill's chunk, RP_WIDE_CHUNK groups). */
+ * at bt + (g T + u) AB_TILE), through wide (am_fill_any's chunk, RP_WIDE_CHUNK groups). */
 static void ab_fill(int type, int T, const uint8_t *tile, long tile_bytes, long groups,
                     uint8_t *wide, uint8_t *bt) {
   const int halves = type == PLAIT_GGML_Q6_K ? 2 : 1;
   for (long g0 = 0; g0 < groups; g0 += RP_WIDE_CHUNK) {
     long ng = groups - g0 < RP_WIDE_CHUNK ? groups - g0 : RP_WIDE_CHUNK;
-    switch (type) {
-#define AB_TYPE(t, C)                                                        \
-  case PLAIT_GGML_##t:                                                       \
-    if (T == 2)                                                              \
-      wd_fill(PLAIT_GGML_##t, 2, tile, tile_bytes, g0, ng, C, wide);         \
-    else                                                                     \
-      wd_fill(PLAIT_GGML_##t, 1, tile, tile_bytes, g0, ng, C, wide);         \
-    break;
-      AB_TYPE(Q4_0, 8) AB_TYPE(Q4_1, 0) AB_TYPE(Q5_0, 16) AB_TYPE(Q8_0, 128) AB_TYPE(Q4_K, 0)
-      AB_TYPE(Q5_K, 0) AB_TYPE(Q6_K, 32)
-#undef AB_TYPE
-      default: return;
-    }
+    am_fill_any(type, T, tile, tile_bytes, g0, ng, wide);
     for (long j = 0; j < ng; j++)
       for (int u = 0; u < T; u++) {
         const uint8_t *wg = wide + (j * T + u) * RP_WIDE_GROUP;
