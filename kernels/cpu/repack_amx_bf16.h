@@ -101,7 +101,8 @@ static void ab_fill(int type, int T, const uint8_t *tile, long tile_bytes, long 
     }                                                                                     \
   } while (0)
 
-/* C tile CT from the bias (bt: 16 rows of the unit's bias, 64 bytes a tile u) or 0. */
+/* C tile CT from the bias (bias_tiles: tile U's 16 rows of its bias, AB_TILE bytes a
+ * tile) or 0 where bias is NULL. */
 #define AB_START(CT, U)                                \
   do {                                                 \
     if (bias)                                          \
@@ -112,7 +113,7 @@ static void ab_fill(int type, int T, const uint8_t *tile, long tile_bytes, long 
 
 /* T tiles' B tiles bt (all G groups) against x rows [0, M) of xb (ab_round_x's blocks):
  * y's columns [0, cols) = bias (bias_tiles: per tile, 16 rows of its bias; unread where
- * bias is 0) + the sum over the groups in order. */
+ * bias is NULL) + the sum over the groups in order. */
 static void ab_unit(int T, const uint8_t *bt, long G, const uint16_t *xb, long M,
                     const float *bias, const uint8_t *bias_tiles, float *y, long ldy,
                     int cols, float *cbuf) {
