@@ -231,8 +231,9 @@ class ModelRunner:
             return torch.empty(0, vocab, device=self.device), {}
         if not self.split_prompt_rows:
             return self._forward_chunks(out.chunks, result, prompt=False)
-        prompt = [c for c in out.chunks if self._prompt_chunk(c)]
-        generated = [c for c in out.chunks if not self._prompt_chunk(c)]
+        kinds = [self._prompt_chunk(c) for c in out.chunks]
+        prompt = [c for c, is_prompt in zip(out.chunks, kinds, strict=True) if is_prompt]
+        generated = [c for c, is_prompt in zip(out.chunks, kinds, strict=True) if not is_prompt]
         if not generated or not prompt:
             return self._forward_chunks(out.chunks, result, prompt=bool(prompt))
         first, first_rows = self._forward_chunks(prompt, result, prompt=True)
@@ -247,9 +248,10 @@ class ModelRunner:
 
     def _forward_chunks(self, chunks: Sequence[ScheduledChunk], result: RunnerOutput,
                         prompt: bool) -> tuple[torch.Tensor, dict[str, int]]:
-        """One forward pass over `chunks` (`prompt`: prompt rows, see `_forward`): the
-        last-position logits of each sampling chunk, in the chunks' order, and the request
-        id -> row map; prompt logprobs into `result`."""
+        """One forward pass over `chunks` (`prompt`: they are prompt rows, which `_forward`
+        says only where `split_prompt_rows`): the last-position logits of each sampling
+        chunk, in the chunks' order, and the request id -> row map; prompt logprobs into
+        `result`."""
         input_ids, positions, meta, sample_idx = self._prepare(chunks)
         # Only the sampled rows' states are needed, unless a chunk scores its prompt.
         every_row = sample_idx.shape[0] == input_ids.shape[0] or any(
@@ -258,9 +260,9 @@ class ModelRunner:
         if not every_row:
             meta.keep = sample_idx
         meta = self.ops.plan(meta, positions)  # the attention plan, once for every layer
-        if prompt and self.split_prompt_rows:
+        if prompt:
             meta.whole_stack = False  # the native stack computes generated rows' products
-        with prompt_rows(prompt and self.split_prompt_rows):
+        with prompt_rows(prompt):
             hidden = self.model(input_ids, positions, meta)  # [T, hidden], or [K, hidden]
         computed = self.model.compute_logits(hidden[sample_idx] if every_row else hidden)
         # request id -> its first row in `computed` (a speculative chunk has 1 + k rows)

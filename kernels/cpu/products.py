@@ -318,22 +318,15 @@ def prompt_rows(active: bool = True) -> Iterator[None]:
         _PROMPT_ROWS = before
 
 
-@functools.cache
-def prompt_bf16() -> bool:
-    """Whether the repacked row computes prompt rows apart (`repack.prompt_bf16()`, asked
-    once: its answer holds for the process)."""
-    return native.available() and repack.prompt_bf16()
-
-
 def prompt_rows_differ(chosen: dict[Product, list] | Iterator[Product]) -> bool:
     """Whether the rows `chosen` (select_products' answer) compute a prompt row otherwise
-    than a generated one in this process: a repacked row where `prompt_bf16()`."""
-    return prompt_bf16() and any(p.name.startswith("repacked/") for p in chosen)
+    than a generated one in this process: a repacked row where `repack.prompt_bf16()`."""
+    return any(p.name.startswith("repacked/") for p in chosen) and repack.prompt_bf16()
 
 
 def _repacked_gemm(state: ProductState, x: torch.Tensor) -> torch.Tensor:
     assert state.desc is not None
-    if _PROMPT_ROWS and prompt_bf16():
+    if _PROMPT_ROWS and repack.prompt_bf16():
         return repack.product_bf16(x.float(), state.desc, state.in_features,
                                    state.out_features, state.bias)
     return repack.product(x.float(), state.desc, state.in_features, state.out_features,
@@ -431,5 +424,5 @@ def _weight_text(weight: Weight) -> str:
 __all__ = ["BLAS", "MKL", "MKL_ROW_HINT", "MLP_CHUNK_BYTES", "MLP_CHUNK_MIN_ROWS",
            "NATIVE_MAX_ROWS", "ONEDNN", "QGEMM_MAX_ROWS", "SKINNY_ROWS", "TORCH", "Kernel",
            "Product", "ProductSettings", "ProductState", "Rung", "StackWeight", "Weight",
-           "check_native", "prompt_bf16", "prompt_rows", "prompt_rows_differ", "qgemm_max_rows",
-           "repacked_row", "row", "table"]
+           "check_native", "prompt_rows", "prompt_rows_differ", "qgemm_max_rows", "repacked_row",
+           "row", "table"]

@@ -25,7 +25,9 @@ forces the plain C kernel, `ISA_VNNI512` the VNNI one without AMX: all give the 
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -158,21 +160,29 @@ def repack_gemm(
                    weight.describe())
 
 
-def _inputs(kernel: str, x: torch.Tensor, in_features: int, out_features: int,
-            bias: torch.Tensor | None, what: str = "W"
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x with unit stride along K and bias as float32, checked against W [N, K]
+def _gemm(kernel: str, fn: Callable[..., int], x: torch.Tensor, desc: torch.Tensor,
+          in_features: int, out_features: int, bias: torch.Tensor | None, what: str = "W",
+          *extra: int) -> torch.Tensor:  # [M, N] float32
+    """y = fn(x, M, ldx, desc, K, bias, y, N, *extra) for a plait_repack_gemm-shaped C
+    product `fn`: x made unit-stride along K and bias float32, both checked against W [N, K]
     (ValueError naming `kernel` otherwise)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if x.shape[1] != in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+    rows, k = x.shape
+    if k != in_features or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"{kernel}: x {tuple(x.shape)} {x.dtype} does not fit W "
                          f"[{out_features}, {in_features}] {what}")
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
         if bias.shape != (out_features,):
             raise ValueError(f"{kernel}: bias {tuple(bias.shape)}, W has {out_features} rows")
-    return x, bias
+    y = torch.empty(rows, out_features, dtype=torch.float32)
+    if rows == 0:
+        return y
+    _check(fn(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
+              None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, *extra),
+           kernel)
+    return y
 
 
 def product(
@@ -186,23 +196,18 @@ def product(
 ) -> torch.Tensor:  # [M, N] float32
     """`repack_gemm` given the weight's descriptor and shape (what a product row keeps)."""
     lib = loaded()
-    x, bias = _inputs("repack_gemm", x, in_features, out_features, bias, what)
-    rows, k = x.shape
     chosen = isa() if kernel_isa is None else kernel_isa
     if chosen not in ISA_NAMES or chosen > isa():
         raise ValueError(f"repack_gemm: kernel isa {chosen} (this build has up to {isa()})")
-    y = torch.empty(rows, out_features, dtype=torch.float32)
-    if rows == 0:
-        return y
-    _check(lib.plait_repack_gemm(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
-                                 None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                 out_features, chosen), "repack_gemm")
-    return y
+    return _gemm("repack_gemm", lib.plait_repack_gemm, x, desc, in_features, out_features,
+                 bias, what, chosen)
 
 
+@functools.cache
 def prompt_bf16() -> bool:
     """Whether `product_bf16` computes in this process: a build with AMX-BF16 whose
-    `isa()` is ISA_AMX (so not with PLAIT_REPACK_AMX=0)."""
+    `isa()` is ISA_AMX (so not with PLAIT_REPACK_AMX=0). Asked once: the library asks
+    Linux once, and the answer holds for the process."""
     return bool(loaded().plait_repack_prompt_bf16())
 
 
@@ -219,15 +224,8 @@ def product_bf16(
     lib = loaded()
     if not prompt_bf16():
         raise ValueError("repack product_bf16: this build or process has no AMX-BF16 tiles")
-    x, bias = _inputs("repack product_bf16", x, in_features, out_features, bias)
-    rows, k = x.shape
-    y = torch.empty(rows, out_features, dtype=torch.float32)
-    if rows == 0:
-        return y
-    _check(lib.plait_repack_gemm_bf16(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
-                                      None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                      out_features), "repack product_bf16")
-    return y
+    return _gemm("repack product_bf16", lib.plait_repack_gemm_bf16, x, desc, in_features,
+                 out_features, bias)
 
 
 def repack_dequantize(
