@@ -27,6 +27,7 @@ from plait.kernels.cpu.attention import (
     plan_cascade,
     plan_native,
 )
+from plait.kernels.cpu.products import in_prompt_rows
 from plait.kernels.cpu.stack import NativeStack
 from plait.kernels.metadata import AttentionMetadata, rows_metadata
 from plait.kernels.reference import (
@@ -264,8 +265,10 @@ class CpuNativeOps(TorchOps):
                   softcap: float = 0.0) -> torch.Tensor:
         if not self.native_attention:
             return super().attention(q, k_cache, v_cache, meta, scale, window, softcap)
+        prompt = in_prompt_rows() and native.takes_prompt_rows(
+            k_cache, self.compute_dtype, q.shape[-1], window, softcap)
         return native_attention(q, k_cache, v_cache, meta.block_tables, meta.plan, scale,
-                                self.compute_dtype, window, softcap)
+                                self.compute_dtype, window, softcap, prompt)
 
     def decoder_stack(self, native_stack: NativeStack, x: torch.Tensor,
                       positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

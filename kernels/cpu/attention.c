@@ -329,6 +329,7 @@ INLINE void attend_shared(state_t *st, const int32_t *table, long t_from, long t
 }
 
 #include "attention_bf16.h"
+#include "attention_amx.h"
 
 #if ATTN_BF16_DOT
 /* attend_shared's float32 arithmetic, bit for bit, for the few queries of one row and KV
@@ -539,6 +540,14 @@ static void attend_task_bf16_dot_var(TASK_PARAMS) { attend_task(TASK_ARGS, 1, 1,
  * before the softmax (vtanh, a few ulps).
  * D must be a multiple of LANES and every sequence must attend at least one token.
  * Returns 0, -1 if the shapes exceed this kernel's limits (or window, softcap < 0). */
+int plait_attention_amx(void) {
+#if ATTN_AMX
+  return plait_repack_prompt_bf16();
+#else
+  return 0;
+#endif
+}
+
 #define OUT_ROW(i) (out_rows ? out_rows[i] : (i))
 int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
                            const void *v_cache, int kv_dtype, long block_size, long num_kv_heads,
@@ -547,6 +556,20 @@ int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
                            const int32_t *chunk_shared, const int64_t *q_rows,
                            const int64_t *table_rows, const int32_t *ctx_len, float scale,
                            long window, float softcap, float *out, const int64_t *out_rows) {
+  if (kv_dtype & PLAIT_ATTN_AMX) {  /* prompt rows (attention_amx.h) */
+#if ATTN_AMX
+    if (kv_dtype != (PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT | PLAIT_ATTN_AMX) ||
+        num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % 32 ||
+        head_dim > PLAIT_MAX_HEAD_DIM || block_size > PLAIT_MAX_BLOCK || window != 0 ||
+        softcap != 0 || !plait_repack_prompt_bf16())
+      return PLAIT_ERR_SHAPES;
+    return ax_attention(q, q_stride, k_cache, v_cache, block_size, num_kv_heads, num_heads,
+                        head_dim, block_tables, table_stride, num_chunks, chunk_start, q_rows,
+                        table_rows, ctx_len, scale, out, out_rows);
+#else
+    return PLAIT_ERR_SHAPES;
+#endif
+  }
   if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % LANES || window < 0 ||
       !(softcap >= 0) ||
       head_dim > PLAIT_MAX_HEAD_DIM || block_size > PLAIT_MAX_BLOCK ||

@@ -262,6 +262,7 @@ def native_attention(
     compute_dtype: torch.dtype = torch.float32,  # or torch.bfloat16
     window: int = 0,  # > 0: sliding window (reference.py); 0: full causal
     softcap: float = 0.0,  # > 0: logit softcap after the scale; 0: none
+    prompt_rows: bool = False,  # every row a prompt row: native.decode_attention's
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32
     """The batch's attention (the contract of `paged_attention_reference`, `window` and
     `softcap` included) in one native call, from the cache blocks in place (bfloat16 caches
@@ -272,7 +273,7 @@ def native_attention(
         query, k_cache, v_cache, block_tables.int().contiguous(), rows.chunk_start,
         rows.chunk_shared, rows.q_rows, rows.table_rows, rows.ctx_lens, scale,
         out_rows=None if in_order else rows.q_rows, compute_dtype=compute_dtype,
-        window=window, softcap=softcap)
+        window=window, softcap=softcap, prompt_rows=prompt_rows)
 
 
 def attend_with_lse(

@@ -49,7 +49,8 @@ HEADER = _HERE / "plait_cpu.h"
 HEADERS = (HEADER, _HERE / "vec.h", _HERE / "quant.h", _HERE / "qgemm_bf16.h",
            _HERE / "qgemm_batch.h", _HERE / "qgemm_batch_bf16.h", _HERE / "attention_bf16.h",
            _HERE / "repack.h", _HERE / "repack_vnni.h",
-           _HERE / "repack_wide.h", _HERE / "repack_amx.h", _HERE / "repack_amx_bf16.h")
+           _HERE / "repack_wide.h", _HERE / "repack_amx.h", _HERE / "repack_amx_bf16.h",
+           _HERE / "amx.h", _HERE / "attention_amx.h")
 # -Wall -Werror: a warning fails the build; -Wmissing-prototypes: so does a non-static
 # function plait_cpu.h does not declare (each definition is checked against its prototype).
 # Seconds one compiler process may take (_build); a loaded 2-core machine has needed 300+

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 from plait.kernels.cpu.build import MAX_QUERIES, STACK_POINTERS, available, check_rc
 from plait.kernels.cpu.native_attn import (
+    ATTN_AMX,
     ATTN_BF16_DOT,
     KV_DTYPES,
     decode_attention,
     kv_caches_fit,
     kv_dtype_code,
     max_chunk_rows,
+    prompt_attention_amx,
     supports_attention,
+    takes_prompt_rows,
 )
 from plait.kernels.cpu.native_gemm import (
     F32_PANELS,
@@ -45,8 +48,9 @@ from plait.kernels.cpu.native_rows import (
     silu_mul,
 )
 
-__all__ = ["ATTN_BF16_DOT", "F32_PANELS", "KV_DTYPES", "MAX_QUERIES", "QUANT_TYPES",
+__all__ = ["ATTN_AMX", "ATTN_BF16_DOT", "F32_PANELS", "KV_DTYPES", "MAX_QUERIES", "QUANT_TYPES",
            "STACK_POINTERS", "add_rms_norm", "available", "check_rc", "decode_attention",
            "dequantize", "gemm", "kv_caches_fit", "kv_dtype_code", "lanes", "max_chunk_rows",
-           "pack_weight", "panels_desc", "qgemm", "rope_fits", "rope_write_kv", "rows_fit",
-           "sample_inverse_cdf", "silu_mul", "supports_attention"]
+           "pack_weight", "panels_desc", "prompt_attention_amx", "qgemm", "rope_fits",
+           "rope_write_kv", "rows_fit", "sample_inverse_cdf", "silu_mul", "supports_attention",
+           "takes_prompt_rows"]

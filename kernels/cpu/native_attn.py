@@ -30,6 +30,27 @@ KV_DTYPES: dict[torch.dtype, int] = {torch.float32: ABI.constants["PLAIT_KV_F32"
 # OR-ed into a bfloat16 cache's code for bfloat16 compute: the attention's tokens with bf16
 # dot products (plait_cpu.h's PLAIT_ATTN_BF16_DOT).
 ATTN_BF16_DOT = ABI.constants["PLAIT_ATTN_BF16_DOT"]
+# OR-ed into a bfloat16 dot code for prompt rows: AMX-BF16 tiles (plait_cpu.h's
+# PLAIT_ATTN_AMX; `prompt_attention_amx` says where it runs).
+ATTN_AMX = ABI.constants["PLAIT_ATTN_AMX"]
+
+
+@functools.cache
+def prompt_attention_amx() -> bool:
+    """Whether `decode_attention(..., prompt_rows=True)` runs in this process: a build with
+    AMX-BF16 whose repacked products take prompt rows too (`repack.prompt_bf16()`; not with
+    PLAIT_REPACK_AMX=0). Asked once: the answer holds for the process."""
+    return available() and bool(loaded().plait_attention_amx())
+
+
+def takes_prompt_rows(k_cache: torch.Tensor, compute_dtype: torch.dtype, head_dim: int,
+                      window: int = 0, softcap: float = 0.0) -> bool:
+    """Whether prompt rows of a layer with these caches and variants go through the AMX
+    tiles (`decode_attention`'s `prompt_rows`): bfloat16 caches and compute, head_dim a
+    multiple of 32, no window, no softcap, and `prompt_attention_amx()`. Depends on the
+    layer only, never on the step, so a prompt row's bits do not depend on its step."""
+    return (k_cache.dtype == compute_dtype == torch.bfloat16 and head_dim % 32 == 0
+            and window == 0 and softcap == 0 and prompt_attention_amx())
 
 
 def kv_caches_fit(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -72,6 +93,7 @@ def decode_attention(
     compute_dtype: torch.dtype = torch.float32,  # or torch.bfloat16 (bf16 caches only)
     window: int = 0,  # > 0: each sequence attends only its last `window` tokens
     softcap: float = 0.0,  # > 0: scores s = scale q.k become softcap * tanh(s / softcap)
+    prompt_rows: bool = False,  # the rows are prompt rows: AMX tiles (`takes_prompt_rows`)
 ) -> torch.Tensor:  # [S, H, D] float32 in chunk order; [T, H, D] with out_rows
     """Softmax attention of each sequence's one query over its tokens [0, ctx_len), read
     from the paged cache in place. The sequences of a chunk share their first
@@ -90,7 +112,10 @@ def decode_attention(
     `softcap` (0: off) as `reference.paged_attention_reference` takes them: a sequence's
     query sits at ctx_len - 1, so it attends tokens [ctx_len - window, ctx_len); the chunk
     still reads its shared tokens once, from its rows' lowest window start, each query
-    masked to its own."""
+    masked to its own. With `prompt_rows` (where `takes_prompt_rows`; the C kernel refuses
+    it elsewhere) every query walks its own tokens in AMX-BF16 tiles and chunk_shared plays
+    no part (attention_amx.h): other bits than without it, and still a function of the
+    query and its tokens alone."""
     lib = loaded()
     if window < 0 or not softcap >= 0:
         raise ValueError(f"decode_attention: window must be >= 0 and softcap >= 0, not "
@@ -109,7 +134,7 @@ def decode_attention(
                              else ())):
         if t.dtype != dtype or not t.is_contiguous():
             raise ValueError(f"decode_attention: {name} must be contiguous {dtype}")
-    kv_dtype = kv_dtype_code(k_cache, v_cache, compute_dtype)
+    kv_dtype = kv_dtype_code(k_cache, v_cache, compute_dtype) | (ATTN_AMX if prompt_rows else 0)
     if out_rows is not None and (out_rows.shape != q_rows.shape or (
             out_rows.numel() and not 0 <= int(out_rows.min()) <= int(out_rows.max())
             < query.shape[0])):

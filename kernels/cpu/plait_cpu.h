@@ -43,6 +43,14 @@
  * normaliser) float32. In a build without AVX512-BF16, every token as PLAIT_KV_BF16 alone
  * (the same bits). With PLAIT_KV_F32: PLAIT_ERR_SHAPES. */
 #define PLAIT_ATTN_BF16_DOT 256
+/* A flag OR-ed into PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT for prompt rows (the engine's
+ * prompt pass; plait_attention_amx() says where it runs): every query walks its tokens from
+ * 0 in AMX-BF16 tiles (attention_amx.h), the queries and the softmax weights rounded to
+ * bfloat16 as with PLAIT_ATTN_BF16_DOT alone, the sums in another order (other bits). A
+ * query's result still depends only on its query and its tokens. No window, no softcap,
+ * head_dim a multiple of 32; elsewhere, or where plait_attention_amx() is 0:
+ * PLAIT_ERR_SHAPES. */
+#define PLAIT_ATTN_AMX 512
 /* The most rows the engine sends through plait_gemm / plait_decoder_stack (a decode step's
  * few rows; more go to BLAS). */
 #define PLAIT_NATIVE_MAX_ROWS 24
@@ -185,6 +193,9 @@ int plait_repack_dequantize(const int64_t *desc, long K, const int64_t *rows, lo
  * PLAIT_MAX_QUERIES, D a multiple of lanes, kv_dtype one of those, window and softcap >= 0
  * (PLAIT_ERR_SHAPES). A sequence's result does not depend on its chunk, on chunk_shared or
  * on the other sequences of the call (row invariance). */
+/* attention.c: 1 where plait_decode_attention takes PLAIT_ATTN_AMX (a build with AMX-BF16
+ * and plait_repack_prompt_bf16()), else 0. */
+int plait_attention_amx(void);
 int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
                            const void *v_cache, int kv_dtype, long block_size, long num_kv_heads,
                            long num_heads, long head_dim, const int32_t *block_tables,

@@ -318,6 +318,13 @@ def prompt_rows(active: bool = True) -> Iterator[None]:
         _PROMPT_ROWS = before
 
 
+def in_prompt_rows() -> bool:
+    """Whether the forward pass running now is of prompt rows (within `prompt_rows(True)`):
+    the attention then takes its prompt rows' kernel where it has one
+    (`native.takes_prompt_rows`)."""
+    return _PROMPT_ROWS
+
+
 def prompt_rows_differ(chosen: dict[Product, list] | Iterator[Product]) -> bool:
     """Whether the rows `chosen` (select_products' answer) compute a prompt row otherwise
     than a generated one in this process: a repacked row where `repack.prompt_bf16()`."""
@@ -424,5 +431,5 @@ def _weight_text(weight: Weight) -> str:
 __all__ = ["BLAS", "MKL", "MKL_ROW_HINT", "MLP_CHUNK_BYTES", "MLP_CHUNK_MIN_ROWS",
            "NATIVE_MAX_ROWS", "ONEDNN", "QGEMM_MAX_ROWS", "SKINNY_ROWS", "TORCH", "Kernel",
            "Product", "ProductSettings", "ProductState", "Rung", "StackWeight", "Weight",
-           "check_native", "prompt_rows", "prompt_rows_differ", "qgemm_max_rows", "repacked_row",
-           "row", "table"]
+           "check_native", "in_prompt_rows", "prompt_rows", "prompt_rows_differ",
+           "qgemm_max_rows", "repacked_row", "row", "table"]

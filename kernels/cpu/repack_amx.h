@@ -53,6 +53,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "amx.h"
+
 /* The fewest x rows that take this rung for a part of a GGML type (below them, the
  * decode or wide rungs): where it beat the wide rung (Q8_0: vnni_tiles) in an interleaved
  * single-product sweep on SmolLM2's and Qwen2.5-0.5B's shapes, 1 thread, 2026-12-06
@@ -109,23 +111,6 @@ static int am_state(void) {
 
 /* Whether this process may use AMX tiles (am_state). */
 static int am_permitted(void) { return am_state() == PLAIT_AMX_ON; }
-
-/* Loads the calling thread's tile configuration, palette 1: tile t of colsb[t] bytes x
- * rows[t] rows (0: unused). */
-static void am_load_config(const int colsb[8], const int rows[8]) {
-  struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
-  for (int t = 0; t < 8; t++) {
-    cfg.colsb[t] = (uint16_t)colsb[t];
-    cfg.rows[t] = (uint8_t)rows[t];
-  }
-  _tile_loadconfig(&cfg);
-}
 
 /* This rung's tiles: tmm0 A 16 x 32 bytes, tmm1 B 8 x 64, tmm4 .. tmm7 C 16 x 64 (tmm2,
  * tmm3 unused). */

@@ -18,7 +18,8 @@ from plait import LLM, SamplingParams
 from plait.engine.outputs import RequestOutput
 from plait.engine.spec.config import SpeculativeConfig
 from plait.engine.spec.driver import SpecDecoder
-from plait.kernels.cpu import build, repack
+from plait.kernels import ops
+from plait.kernels.cpu import build, native, products, repack
 
 pytestmark = [
     pytest.mark.skipif(not build.available() or repack.isa() < repack.ISA_VNNI512,
@@ -154,4 +155,30 @@ def test_a_prompt_beside_decode_rows_changes_neither_stream(prompts, reference) 
         assert len(passes) == step + steps_of_b
     else:
         assert len(passes) == step
+    assert_pool_clean(llm)
+
+
+def test_the_prompt_pass_attends_through_its_own_kernel(prompts, monkeypatch) -> None:
+    """Where the runner passes prompt rows apart and the process has the AMX prompt
+    attention (kernels/cpu/attention_amx.h), every attention call of the prompt pass takes
+    it and no call outside it does; elsewhere no call does."""
+    llm = LLM(**OPTIONS, enable_prefix_caching=False)
+    calls: list[tuple[bool, bool]] = []
+    real = ops.native_attention
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append((products.in_prompt_rows(), bool(args[-1])))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "native_attention", spy)
+    llm.engine.add_request("a", prompts[0], SamplingParams(temperature=0, max_tokens=4))
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    layers = llm.engine.runner.model.config.num_layers
+    if llm.engine.runner.split_prompt_rows and native.prompt_attention_amx():
+        # the prompt: one pass, layer by layer (decode steps go through the native stack)
+        assert calls[:layers] == [(True, True)] * layers
+        assert calls[layers:] == [(False, False)] * (len(calls) - layers)
+    else:
+        assert not any(tiles for _, tiles in calls)
     assert_pool_clean(llm)

@@ -197,3 +197,48 @@ def share_prefix(batch: PagedBatch, rows: list[int], num_blocks: int, block_size
         batch.block_tables[r, :num_blocks] = batch.block_tables[owner, :num_blocks]
         batch.keys[r][:prefix] = batch.keys[owner][:prefix]
         batch.values[r][:prefix] = batch.values[owner][:prefix]
+
+
+BF16 = torch.bfloat16
+U_BF16 = 2.0**-8  # bf16's unit roundoff (round to nearest)
+
+
+def bf16_batch(group: int, head_dim: int, block_size: int, seed: int = 0) -> PagedBatch:
+    """Every path of the kernel, bf16 caches: 12 decode rows sharing 4 blocks (chunks of
+    up to 48 query heads), 2 more sharing 5, a lone long row,
+    a prefill chunk after a cached prefix and one from position 0 (causal tiles: prefixes of
+    any length, odd ones included)."""
+    kv_heads = 3 if group == 3 else 2
+    seqs = (*((1, 4 * block_size + 5 + 3 * i) for i in range(12)),
+            (1, 5 * block_size + 1), (1, 5 * block_size + 9), (1, 333), (45, 173), (30, 30))
+    batch = build_batch(BatchSpec(seqs=seqs, num_heads=group * kv_heads, num_kv_heads=kv_heads,
+                                  head_dim=head_dim, block_size=block_size, seed=seed))
+    share_prefix(batch, list(range(12)), 4, block_size)
+    share_prefix(batch, [12, 13], 5, block_size)
+    batch.k_cache, batch.v_cache = batch.k_cache.to(BF16), batch.v_cache.to(BF16)
+    batch.keys = [k.to(BF16).double() for k in batch.keys]
+    batch.values = [v.to(BF16).double() for v in batch.values]
+    return batch
+
+
+def bf16_reference(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 attention, the per-element bound of p's rounding): each row's tokens scored
+    with its scaled query rounded to bf16."""
+    num_tokens, num_heads, head_dim = batch.query.shape
+    scaled = batch.query * torch.tensor(batch.scale, dtype=torch.float32)  # [T, H, D]
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float64)
+    bound = torch.zeros_like(out)
+    starts = batch.cu_seqlens_q.tolist()
+    for s, (key, value) in enumerate(zip(batch.keys, batch.values, strict=True)):
+        group = num_heads // key.shape[1]
+        k = key.repeat_interleave(group, dim=1)  # [ctx, H, D]
+        v = value.repeat_interleave(group, dim=1)  # [ctx, H, D]
+        ctx = k.shape[0]
+        for row in range(starts[s], starts[s + 1]):
+            pos = ctx - (starts[s + 1] - row)  # the row's position: it attends [0, pos]
+            rounded = torch.einsum("hd,khd->hk", scaled[row].to(BF16).double(), k[:pos + 1])
+            w = rounded.softmax(-1)  # [H, pos + 1]
+            out[row] = torch.einsum("hk,khd->hd", w, v[:pos + 1])
+            spread = (v[:pos + 1].permute(1, 0, 2) - out[row][:, None]).abs()  # [H, k, D]
+            bound[row] = torch.einsum("hk,hkd->hd", w, spread) * U_BF16 / (1 - U_BF16)
+    return out, bound

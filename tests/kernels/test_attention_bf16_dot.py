@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from helpers.kernel_cases import BatchSpec, PagedBatch, build_batch, share_prefix
+from helpers.kernel_cases import PagedBatch, bf16_batch, bf16_reference
 from helpers.native_builds import library_without_avx512bf16
 from helpers.threads import torch_threads
 
@@ -30,27 +30,8 @@ HAS_DOT = build.available() and "avx512_bf16" in build._cpu_flags()
 needs_native = pytest.mark.skipif(not build.available(), reason="native kernels unavailable")
 needs_dot = pytest.mark.skipif(not HAS_DOT, reason="no AVX512-BF16: the flag computes float32")
 BF16 = torch.bfloat16
-U = 2.0**-8  # bf16's unit roundoff (round to nearest)
 
 
-
-
-def _batch(group: int, head_dim: int, block_size: int, seed: int = 0) -> PagedBatch:
-    """Every path of the kernel, bf16 caches: 12 decode rows sharing 4 blocks (chunks of
-    up to 48 query heads), 2 more sharing 5, a lone long row,
-    a prefill chunk after a cached prefix and one from position 0 (causal tiles: prefixes of
-    any length, odd ones included)."""
-    kv_heads = 3 if group == 3 else 2
-    seqs = (*((1, 4 * block_size + 5 + 3 * i) for i in range(12)),
-            (1, 5 * block_size + 1), (1, 5 * block_size + 9), (1, 333), (45, 173), (30, 30))
-    batch = build_batch(BatchSpec(seqs=seqs, num_heads=group * kv_heads, num_kv_heads=kv_heads,
-                                  head_dim=head_dim, block_size=block_size, seed=seed))
-    share_prefix(batch, list(range(12)), 4, block_size)
-    share_prefix(batch, [12, 13], 5, block_size)
-    batch.k_cache, batch.v_cache = batch.k_cache.to(BF16), batch.v_cache.to(BF16)
-    batch.keys = [k.to(BF16).double() for k in batch.keys]
-    batch.values = [v.to(BF16).double() for v in batch.values]
-    return batch
 
 
 def _plan(batch: PagedBatch) -> NativeRows:
@@ -67,29 +48,6 @@ def _attend(batch: PagedBatch, rows: NativeRows, compute_dtype: torch.dtype,
                             compute_dtype)
 
 
-def _reference(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float64 attention, the per-element bound of p's rounding): each row's tokens scored
-    with its scaled query rounded to bf16."""
-    num_tokens, num_heads, head_dim = batch.query.shape
-    scaled = batch.query * torch.tensor(batch.scale, dtype=torch.float32)  # [T, H, D]
-    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float64)
-    bound = torch.zeros_like(out)
-    starts = batch.cu_seqlens_q.tolist()
-    for s, (key, value) in enumerate(zip(batch.keys, batch.values, strict=True)):
-        group = num_heads // key.shape[1]
-        k = key.repeat_interleave(group, dim=1)  # [ctx, H, D]
-        v = value.repeat_interleave(group, dim=1)  # [ctx, H, D]
-        ctx = k.shape[0]
-        for row in range(starts[s], starts[s + 1]):
-            pos = ctx - (starts[s + 1] - row)  # the row's position: it attends [0, pos]
-            rounded = torch.einsum("hd,khd->hk", scaled[row].to(BF16).double(), k[:pos + 1])
-            w = rounded.softmax(-1)  # [H, pos + 1]
-            out[row] = torch.einsum("hk,khd->hd", w, v[:pos + 1])
-            spread = (v[:pos + 1].permute(1, 0, 2) - out[row][:, None]).abs()  # [H, k, D]
-            bound[row] = torch.einsum("hk,hkd->hd", w, spread) * U / (1 - U)
-    return out, bound
-
-
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("group", "head_dim", "block_size"),
@@ -99,7 +57,7 @@ def test_bf16_dot_is_within_the_rounding_of_p(group, head_dim, block_size, threa
     """Every row within the bound of p's rounding of float64 attention (module docstring),
     the rows of shared chunks, of prefill tiles and alone alike; each measurably not the
     float32 kernel's (the flag took the bf16 path for all of them)."""
-    batch = _batch(group, head_dim, block_size)
+    batch = bf16_batch(group, head_dim, block_size)
     rows = _plan(batch)
     with torch_threads(threads):
         out = _attend(batch, rows, BF16)
@@ -107,7 +65,7 @@ def test_bf16_dot_is_within_the_rounding_of_p(group, head_dim, block_size, threa
     if not HAS_DOT:
         assert torch.equal(out, f32)
         return
-    expected, bound = _reference(batch)
+    expected, bound = bf16_reference(batch)
     excess = (out.double() - expected).abs() - bound
     assert excess.max().item() <= 1e-5
     differs = (out - f32).abs().amax((1, 2)) > 1e-6  # [T]
@@ -121,7 +79,7 @@ def test_queries_are_rounded_once_to_nearest_even(group) -> None:
     """The output depends on the query only through its scaled value rounded to bf16: a
     query already rounded to nearest even gives the same bits (scale 1/8: rounding commutes
     with it); truncation would not."""
-    batch = _batch(group, 64, 16, seed=3)
+    batch = bf16_batch(group, 64, 16, seed=3)
     decode_rows = list(range(14))  # the rows sharing a prefix, one query each
     query = batch.query[decode_rows]  # [14, H, D]
     rounded = (query * batch.scale).to(BF16).float() / batch.scale
@@ -144,7 +102,7 @@ def test_weights_are_rounded_to_nearest_even_and_summed_rounded(group, threads) 
     first block on): every B token weighs p~ = bf16(e^-1.25) = 147 / 512 (nearest; 146 / 512
     truncated), shared or own, an A 1, and each row's output is (B weight) / (A + B weight)
     in every element, as rounded weights summed into the normaliser give it."""
-    batch = _batch(group, 64, 16, seed=5)
+    batch = bf16_batch(group, 64, 16, seed=5)
     rows = _plan(batch)
     _, block_size, kv_heads, head_dim = batch.k_cache.shape
     is_b = [[t % 3 == 1 for t in range(int(ctx))] for ctx in batch.context_lens]
@@ -202,7 +160,7 @@ def _raw_attention(lib: ctypes.CDLL, batch: PagedBatch, rows: NativeRows,
 
 @needs_native
 def test_the_flag_with_float32_caches_is_refused() -> None:
-    batch = _batch(3, 64, 16)
+    batch = bf16_batch(3, 64, 16)
     batch.k_cache, batch.v_cache = batch.k_cache.float(), batch.v_cache.float()
     rows = _plan(batch)
     kv_f32 = native.KV_DTYPES[torch.float32]
@@ -216,7 +174,7 @@ def test_a_build_without_avx512bf16_computes_float32(tmp_path, monkeypatch) -> N
     lib = library_without_avx512bf16(tmp_path)
     monkeypatch.setattr(native_attn, "loaded", lambda: lib)  # decode_attention's
     for group in (3, 7):
-        batch = _batch(group, 64, 16)
+        batch = bf16_batch(group, 64, 16)
         rows = _plan(batch)
         with torch_threads(2):
             assert torch.equal(_attend(batch, rows, BF16), _attend(batch, rows, torch.float32))

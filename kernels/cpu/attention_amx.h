@@ -1,0 +1,313 @@
+/* Prompt rows' attention on AMX-BF16 tiles: plait_decode_attention with kv_dtype
+ * PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT | PLAIT_ATTN_AMX (plait_cpu.h). Included by
+ * attention.c after attention_bf16.h (transpose16) and the online softmax's helpers.
+ *
+ * The engine attends a step's prompt rows in a pass of their own (the products'
+ * prompt_rows), so their attention may have arithmetic of its own, as long as a prompt
+ * row's bits never depend on the chunk, tile or step it came in: a cached prefix must give
+ * what the cold prompt gives. Here every query column runs the same sequence of
+ * operations over the same slices (slice_len's grid from token 0 to its own position),
+ * and every tile operation computes an element from its own row and column only, so a
+ * query's result is a function of its query, its tokens and nothing else: no shared
+ * range, no own range, no cut that depends on the other rows.
+ *
+ * A group is up to 16 query columns of one KV head that read one block table (a prefill
+ * tile's rows x the heads of the KV group; a lone row's G heads). Per 16-token slice:
+ *
+ *   scores  S^T = K Q^T     A  K rows       16 tokens x 32 d (64 bytes), from the cache
+ *                           B  Q^T pairs    16 x (q[c][2 i], q[c][2 i + 1]), built once
+ *                           C  S^T          16 tokens x 16 columns float32
+ *   softmax per column (the queries across the lanes, as attend_shared): masked tokens
+ *           (past the column's position) score -inf and weigh exactly 0; the weights are
+ *           rounded to bfloat16 (nearest even) and l sums the rounded weights
+ *   sums    O = P V         A  P            16 columns x 16 tokens (32 bytes), the
+ *                                           weights transposed
+ *                           B  V pairs      8 x (v[2 i][d], v[2 i + 1][d]) per 16 d
+ *                           C  O            16 columns x 16 d float32, kept in memory:
+ *                                           each slice scales a column's row by its alpha
+ *
+ * Rounding: the pre-scaled queries and the weights to bfloat16 (nearest even), as
+ * attention_bf16.h rounds them; K and V are the cache's values; the tile sums, the max,
+ * exp and normaliser float32. The bits are not attention_bf16.h's (the tiles sum in their
+ * own order): generated rows (decode, verification) never come here. A slice's masked
+ * tokens add exact zeros and a slice wholly masked for a column leaves it as it was
+ * (alpha = vexp(0) = 1), so the group's other columns cannot change a column's bits. */
+#ifndef PLAIT_CPU_ATTENTION_AMX_H
+#define PLAIT_CPU_ATTENTION_AMX_H
+
+#if ATTN_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define ATTN_AMX 1
+
+#include "amx.h"
+
+#define AX_COLS 16 /* query columns of a group: a score tile's columns */
+
+/* The tiles: scores S^T (C), K rows (A), Q^T pairs (B), sums O (C), weights P (A), V
+ * pairs (B). */
+#define AX_S 0
+#define AX_K 1
+#define AX_Q 2
+#define AX_O 3
+#define AX_P 4
+#define AX_V 5
+
+static inline void ax_config(void) {
+  const int colsb[8] = {64, 64, 64, 64, 32, 64, 0, 0};
+  const int rows[8] = {16, 16, 16, 16, 16, 8, 0, 0};
+  am_load_config(colsb, rows);
+}
+
+/* vpermt2w's indices interleaving two rows a, b of 32 bfloat16 into (a[i], b[i]) pairs:
+ * words 0 .. 15 of each (LO), 16 .. 31 (HI). */
+static const uint16_t AX_PAIR_LO[32] __attribute__((aligned(64))) = {
+    0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static const uint16_t AX_PAIR_HI[32] __attribute__((aligned(64))) = {
+    16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+/* e^x, x <= 0 (-inf: 0), to about 2 ulp: x = n ln2 + r (|r| <= ln2 / 2), a degree-6
+ * polynomial for e^r by FMAs, times 2^n by vscalefps (which gives 0 below float32's range,
+ * so no clamp but the one that keeps -inf from making r a NaN). Spelled in intrinsics, so
+ * its roundings do not depend on the compiler's contractions. A third of vexp's work: the
+ * softmax takes one per score. */
+static inline __attribute__((always_inline)) __m512 ax_exp(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-160.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+/* qt: the B tiles of Q^T, D / 32 of 16 rows x 16 pairs: row i of tile kk, column c =
+ * (q[c][32 kk + 2 i], q[c][32 kk + 2 i + 1]), q = scale * the query, rounded to bfloat16
+ * (nearest even); zero past nc. */
+static inline void ax_queries(int nc, const float *const *qcol, float scale, long head_dim,
+                              uint32_t *qt) {
+  for (long kk = 0; kk < head_dim / 32; kk++) {
+    __m512 in[16], out[16];
+    for (int c = 0; c < AX_COLS; c++) {
+      in[c] = _mm512_setzero_ps();
+      if (c >= nc) continue;
+      const __m512 lo = (__m512)(*(const vf *)(qcol[c] + 32 * kk) * scale);
+      const __m512 hi = (__m512)(*(const vf *)(qcol[c] + 32 * kk + 16) * scale);
+      in[c] = (__m512)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+    transpose16(in, out);
+    for (int i = 0; i < 16; i++) _mm512_store_ps((float *)(qt + (kk * 16 + i) * 16), out[i]);
+  }
+}
+
+/* The B tiles of n (<= 16) tokens' V rows from v (rows `stride` elements apart): tile db
+ * (16 d) row i = (v[2 i][16 db + c], v[2 i + 1][16 db + c]) for c < 16, zero past n. */
+static inline void ax_value_pairs(const uint16_t *v, long n, long stride, long head_dim,
+                                  uint16_t *vp) {
+  const __m512i lo = _mm512_load_si512(AX_PAIR_LO), hi = _mm512_load_si512(AX_PAIR_HI);
+  for (long i = 0; i < 8; i++)
+    for (long d0 = 0; d0 < head_dim; d0 += 32) {
+      const __m512i a = 2 * i < n ? _mm512_loadu_si512(v + 2 * i * stride + d0)
+                                  : _mm512_setzero_si512();
+      const __m512i b = 2 * i + 1 < n ? _mm512_loadu_si512(v + (2 * i + 1) * stride + d0)
+                                      : _mm512_setzero_si512();
+      _mm512_store_si512(vp + (d0 / 16 * 8 + i) * 32, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_store_si512(vp + ((d0 / 16 + 1) * 8 + i) * 32,
+                         _mm512_permutex2var_epi16(a, hi, b));
+    }
+}
+
+/* A group: up to 16 query columns of one KV head and block table, its running softmax
+ * (a column a lane) and its sums O in memory. */
+typedef struct {
+  int nc;
+  long ctx_max, ctx_min;
+  vf ctx;   /* each column's token count, as float (exact below 2^24; 0 past nc) */
+  vf m, l;  /* running max (from -FLT_MAX), normaliser of the rounded weights */
+  float *const *ocol;
+  uint32_t qt[PLAIT_MAX_HEAD_DIM / 2 * AX_COLS] __attribute__((aligned(64)));
+  float o[AX_COLS * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
+} ax_group_t;
+
+/* g's columns: query qcol[c] (head_dim floats) times `scale` attends tokens [0, ctx[c])
+ * (>= 1) and writes to ocol[c]. */
+static inline void ax_start(ax_group_t *g, int nc, const float *const *qcol,
+                            const long *ctx, float scale, long head_dim, float *const *ocol) {
+  float ctxf[AX_COLS] __attribute__((aligned(64)));
+  g->nc = nc;
+  g->ctx_max = 0;
+  g->ctx_min = LONG_MAX;
+  g->ocol = ocol;
+  for (int c = 0; c < AX_COLS; c++) {
+    ctxf[c] = c < nc ? (float)ctx[c] : 0.0f;
+    if (c >= nc) continue;
+    g->ctx_max = ctx[c] > g->ctx_max ? ctx[c] : g->ctx_max;
+    g->ctx_min = ctx[c] < g->ctx_min ? ctx[c] : g->ctx_min;
+  }
+  g->ctx = *(const vf *)ctxf;
+  g->m = vsplat(-FLT_MAX);
+  g->l = (vf){0};
+  ax_queries(nc, qcol, scale, head_dim, g->qt);
+  memset(g->o, 0, sizeof(float) * AX_COLS * (size_t)head_dim);
+}
+
+/* g's columns attend the slice of n tokens from t: K rows k (k_bytes apart; 16 rows, zero
+ * past n), V pairs vp (ax_value_pairs). */
+static inline void ax_slice(ax_group_t *g, long t, long n, const uint16_t *k, long k_bytes,
+                            const uint16_t *vp, long head_dim) {
+  const long D = head_dim;
+  float sp[16 * 16] __attribute__((aligned(64)));
+  uint16_t pa[16 * 16] __attribute__((aligned(64)));
+  _tile_zero(AX_S);
+  for (long kk = 0; kk < D / 32; kk++) {
+    _tile_loadd(AX_K, k + 32 * kk, k_bytes);
+    _tile_loadd(AX_Q, g->qt + kk * 256, 64);
+    _tile_dpbf16ps(AX_S, AX_K, AX_Q);
+  }
+  _tile_stored(AX_S, sp, 64);
+  /* the online softmax, a column a lane; a token past a column's position: -inf, weight 0 */
+  const int masked = t + n > g->ctx_min;
+  vf mx = g->m;
+  for (long j = 0; j < n; j++) {
+    vf s = *(const vf *)(sp + 16 * j);
+    if (masked) s = vselect(vsplat((float)(t + j)) >= g->ctx, vsplat(-INFINITY), s);
+    *(vf *)(sp + 16 * j) = s;
+    mx = vmax(s, mx);
+  }
+  const vf alpha = (vf)ax_exp((__m512)(g->m - mx));
+  vf sum = (vf){0};
+  for (long j = 0; j < 16; j++) {
+    vf e = (vf){0};
+    if (j < n) {
+      e = round_to_bf16((vf)ax_exp((__m512)(*(const vf *)(sp + 16 * j) - mx)));
+      if (masked) e = vselect(vsplat((float)(t + j)) >= g->ctx, (vf){0}, e);
+      sum += e;
+    }
+    *(vf *)(sp + 16 * j) = e;
+  }
+  g->l = g->l * alpha + sum;
+  g->m = mx;
+  {  /* P: the weights transposed, a column's 16 tokens a row of bfloat16 (exact) */
+    __m512 in[16], out[16];
+    for (int j = 0; j < 16; j++) in[j] = _mm512_load_ps(sp + 16 * j);
+    transpose16(in, out);
+    for (int c = 0; c < 16; c++)
+      _mm256_store_si256((__m256i *)(pa + 16 * c),
+                         _mm512_cvtepi32_epi16(_mm512_srli_epi32((__m512i)out[c], 16)));
+  }
+  if (_mm512_cmp_ps_mask((__m512)alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
+    for (int c = 0; c < g->nc; c++) {  /* x 1 is exact: only the columns that move */
+      if (alpha[c] == 1.0f) continue;
+      for (long d = 0; d < D; d += LANES)
+        *(vf *)(g->o + c * D + d) = *(const vf *)(g->o + c * D + d) * vsplat(alpha[c]);
+    }
+  _tile_loadd(AX_P, pa, 32);
+  for (long db = 0; db < D / 16; db++) {
+    _tile_loadd(AX_O, g->o + 16 * db, 4 * D);
+    _tile_loadd(AX_V, vp + db * 256, 64);
+    _tile_dpbf16ps(AX_O, AX_P, AX_V);
+    _tile_stored(AX_O, g->o + 16 * db, 4 * D);
+  }
+}
+
+/* g's outputs: each column's sums over its normaliser. */
+static inline void ax_finish(const ax_group_t *g, long head_dim) {
+  for (int c = 0; c < g->nc; c++) {
+    const float inv = 1.0f / g->l[c];
+    for (long d = 0; d < head_dim; d += LANES)
+      *(vf *)(g->ocol[c] + d) = *(const vf *)(g->o + c * head_dim + d) * inv;
+  }
+}
+
+/* The most groups a task attends slice by slice together: a chunk's queries of one KV head
+ * (PLAIT_MAX_QUERIES), which read each slice's K and V pairs once. */
+#define AX_GROUPS (PLAIT_MAX_QUERIES / AX_COLS)
+
+/* Groups g[0 .. ng) (one block table) attend their tokens slice by slice on slice_len's
+ * grid, each slice's K rows gathered (a short one) and V pairs made once for all; a group
+ * whose tokens end before a slice skips it (which is what the slice, all masked, would
+ * leave). kh, vh: the caches offset to the KV head. */
+static void ax_groups(ax_group_t *g, int ng, const int32_t *table, const uint16_t *kh,
+                      const uint16_t *vh, long block_size, long stride, long head_dim) {
+  const long D = head_dim;
+  uint16_t kbuf[16 * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
+  uint16_t vp[PLAIT_MAX_HEAD_DIM * 16] __attribute__((aligned(64)));
+  long ctx_max = 0;
+  for (int i = 0; i < ng; i++) ctx_max = g[i].ctx_max > ctx_max ? g[i].ctx_max : ctx_max;
+  for (long t = 0; t < ctx_max;) {
+    const long n = slice_len(t, ctx_max, block_size);
+    const long at = (table[t / block_size] * block_size + t % block_size) * stride;
+    const uint16_t *k = kh + at;
+    long k_bytes = stride * 2;
+    if (n < 16) {  /* a short slice: its rows copied, the tile's others zero */
+      for (long j = 0; j < n; j++) memcpy(kbuf + j * D, k + j * stride, 2 * (size_t)D);
+      memset(kbuf + n * D, 0, 2 * (size_t)((16 - n) * D));
+      k = kbuf;
+      k_bytes = 2 * D;
+    }
+    ax_value_pairs(vh + at, n, stride, D, vp);
+    for (int i = 0; i < ng; i++)
+      if (t < g[i].ctx_max) ax_slice(&g[i], t, n, k, k_bytes, vp, D);
+    t += n;
+  }
+  for (int i = 0; i < ng; i++) ax_finish(&g[i], D);
+}
+
+/* plait_decode_attention's contract over a bfloat16 cache for prompt rows (the file's
+ * comment): a task per chunk and KV head, its queries (row r, head g of the KV group) in
+ * groups of up to 16 consecutive ones that read one block table, the groups of a table
+ * together (ax_groups). chunk_shared plays no part: every column walks its tokens from 0. */
+static int ax_attention(const float *q, long q_stride, const uint16_t *k_cache,
+                        const uint16_t *v_cache, long block_size, long num_kv_heads,
+                        long num_heads, long head_dim, const int32_t *block_tables,
+                        long table_stride, long num_chunks, const int64_t *chunk_start,
+                        const int64_t *q_rows, const int64_t *table_rows,
+                        const int32_t *ctx_len, float scale, float *out,
+                        const int64_t *out_rows) {
+  const long G = num_heads / num_kv_heads, stride = num_kv_heads * head_dim;
+  int nomem = 0;
+#pragma omp parallel
+  {
+    ax_config();
+    ax_group_t *groups = aligned_alloc(64, sizeof(ax_group_t) * AX_GROUPS);
+#pragma omp for schedule(dynamic, 1)
+    for (long task = 0; task < num_chunks * num_kv_heads; task++) {
+      if (!groups) continue;
+      const long ch = task / num_kv_heads, h = task % num_kv_heads;
+      const long first = chunk_start[ch], nq = (chunk_start[ch + 1] - first) * G;
+      const float *qcol[AX_GROUPS][AX_COLS];
+      float *ocol[AX_GROUPS][AX_COLS];
+      long ctx[AX_COLS];
+      for (long a = 0; a < nq;) {  /* a bundle: the groups of one table */
+        const int64_t table = table_rows[first + a / G];
+        int ng = 0;
+        for (; ng < AX_GROUPS && a < nq && table_rows[first + a / G] == table; ng++) {
+          int nc = 0;
+          for (; nc < AX_COLS && a < nq && table_rows[first + a / G] == table; nc++, a++) {
+            const long i = first + a / G, head = h * G + a % G;
+            qcol[ng][nc] = q + q_rows[i] * q_stride + head * head_dim;
+            ocol[ng][nc] = out + ((out_rows ? out_rows[i] : i) * num_heads + head) * head_dim;
+            ctx[nc] = ctx_len[i];
+          }
+          ax_start(&groups[ng], nc, qcol[ng], ctx, scale, head_dim, ocol[ng]);
+        }
+        ax_groups(groups, ng, block_tables + table * table_stride, k_cache + h * head_dim,
+                  v_cache + h * head_dim, block_size, stride, head_dim);
+      }
+    }
+    if (!groups) __atomic_store_n(&nomem, 1, __ATOMIC_RELAXED);
+    free(groups);
+    _tile_release();
+  }
+  return nomem ? PLAIT_ERR_NOMEM : PLAIT_OK;
+}
+
+#endif
+#endif
