@@ -260,8 +260,6 @@ class ModelRunner:
         if not every_row:
             meta.keep = sample_idx
         meta = self.ops.plan(meta, positions)  # the attention plan, once for every layer
-        if prompt:
-            meta.whole_stack = False  # the native stack computes generated rows' products
         with prompt_rows(prompt):
             hidden = self.model(input_ids, positions, meta)  # [T, hidden], or [K, hidden]
         computed = self.model.compute_logits(hidden[sample_idx] if every_row else hidden)

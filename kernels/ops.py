@@ -273,12 +273,14 @@ class CpuNativeOps(TorchOps):
     def decoder_stack(self, native_stack: NativeStack, x: torch.Tensor,
                       positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Every layer and the final norm in one native call (`stack.decoder_stack`), for
-        a step `plan` marked `whole_stack`; `native_stack` is the model's, bound at load."""
+        a step `plan` marked `whole_stack`; `native_stack` is the model's, bound at load.
+        In a prompt pass (`in_prompt_rows()`), with the prompt rows' products and attention."""
         rows = meta.plan
         return stack.decoder_stack(
             native_stack, x, positions.to(torch.int64).contiguous(),
             meta.slot_mapping.to(torch.int64).contiguous(), meta.block_tables.int().contiguous(),
-            rows.chunk_start, rows.chunk_shared, rows.q_rows, rows.table_rows, rows.ctx_lens)
+            rows.chunk_start, rows.chunk_shared, rows.q_rows, rows.table_rows, rows.ctx_lens,
+            prompt=in_prompt_rows())
 
 
 class TritonOps(TorchOps):

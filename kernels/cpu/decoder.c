@@ -3,15 +3,18 @@
 #include "vec.h"
 
 /* y[rows, n] = x @ W^T (+ bias) through plait_qgemm, W the descriptor at `desc` (its
- * PLAIT_QGEMM_BF16 or PLAIT_QGEMM_REPACKED flag, if set, for plait_qgemm), which must hold
- * n rows (PLAIT_ERR_SHAPES otherwise: the table does not fit the shapes). */
+ * PLAIT_QGEMM_BF16 or PLAIT_QGEMM_REPACKED flag, if set, for plait_qgemm; with `prompt`, a
+ * PLAIT_QGEMM_REPACKED one through plait_repack_gemm_bf16), which must hold n rows
+ * (PLAIT_ERR_SHAPES otherwise: the table does not fit the shapes). */
 static int linear(const float *x, long rows, long k, const int64_t *desc, long n,
-                  const float *bias, float *y) {
+                  const float *bias, float *y, int prompt) {
   const int64_t parts = desc ? desc[0] & ~(int64_t)(PLAIT_QGEMM_BF16 | PLAIT_QGEMM_REPACKED)
                              : 0;
   long total = 0;
   for (int64_t i = 0; i < parts && i < PLAIT_MAX_PARTS; i++) total += desc[3 + 3 * i];
   if (total != n) return PLAIT_ERR_SHAPES;
+  if (prompt && (desc[0] & PLAIT_QGEMM_REPACKED))
+    return plait_repack_gemm_bf16(x, rows, k, desc, k, bias, y, n);
   return plait_qgemm(x, rows, k, desc, k, bias, y, n);
 }
 
@@ -25,10 +28,13 @@ static int linear(const float *x, long rows, long k, const int64_t *desc, long n
  *   q|k|v = h @ Wqkv^T (+ bias); rope of q and k; k, v written at slot_mapping (caches of
  *       kv_dtype elements, PLAIT_KV_*)
  *   a = attention of q over the cache (the chunks of plait_decode_attention, written to
- *       their token rows, q_rows; kv_dtype's PLAIT_ATTN_BF16_DOT flag, if set, is its alone)
+ *       their token rows, q_rows; kv_dtype's PLAIT_ATTN_BF16_DOT and PLAIT_ATTN_AMX flags,
+ *       if set, are its alone)
  *   x, h = x + a @ Wo^T, rms_norm(...);  m = down(silu(gate) * up) of h
  *
- * and at the end x += m, out = rms_norm(x) with final_norm. x [rows, hidden] (dense) is the
+ * and at the end x += m, out = rms_norm(x) with final_norm. With PLAIT_STACK_PROMPT in
+ * kv_dtype the rows are prompt rows: the repacked projections take plait_repack_gemm_bf16
+ * (plait_cpu.h), what the layer-by-layer forward's prompt pass computes. x [rows, hidden] (dense) is the
  * residual stream, updated in place; out [rows, hidden]. Returns PLAIT_OK, or the first
  * failing kernel's code: PLAIT_ERR_SHAPES for shapes a kernel refuses (RoPE: odd D; the
  * attention's limits; a weight descriptor of other rows, or one plait_qgemm refuses), PLAIT_ERR_NOMEM when one cannot allocate (layers after it are not
@@ -42,6 +48,9 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
                         const int64_t *chunk_start, const int32_t *chunk_shared,
                         const int64_t *q_rows, const int64_t *table_rows,
                         const int32_t *ctx_len, float scale, float *out) {
+  const int prompt = (kv_dtype & PLAIT_STACK_PROMPT) != 0;
+  const int attn_dtype = kv_dtype & ~PLAIT_STACK_PROMPT;
+  const int cache_dtype = attn_dtype & ~(PLAIT_ATTN_BF16_DOT | PLAIT_ATTN_AMX);
   const long q_dim = num_heads * head_dim, kv_dim = num_kv_heads * head_dim;
   const long qkv_dim = q_dim + 2 * kv_dim;
   const long sizes[] = {rows * hidden, rows * qkv_dim, rows * q_dim, rows * 2 * inter,
@@ -64,23 +73,23 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
     RUN(plait_add_rms_norm(x, hidden, l == 0 ? NULL : m, hidden, PTR(PLAIT_STACK_INPUT_NORM),
                            rows, hidden, eps, x, h));
     RUN(linear(h, rows, hidden, DESC(PLAIT_STACK_QKV_WEIGHT), qkv_dim,
-               PTR(PLAIT_STACK_QKV_BIAS), qkv));
+               PTR(PLAIT_STACK_QKV_BIAS), qkv, prompt));
     float *q = qkv, *k = qkv + q_dim, *v = k + kv_dim;
     RUN(plait_rope_write_kv(q, qkv_dim, k, qkv_dim, v, qkv_dim, rows, num_heads, num_kv_heads,
                             head_dim, head_dim, cos_sin, positions, CACHE(PLAIT_STACK_K_CACHE),
-                            CACHE(PLAIT_STACK_V_CACHE), kv_dtype & ~PLAIT_ATTN_BF16_DOT,
-                            slot_mapping));
+                            CACHE(PLAIT_STACK_V_CACHE), cache_dtype, slot_mapping));
     RUN(plait_decode_attention(q, qkv_dim, CACHE(PLAIT_STACK_K_CACHE),
-                               CACHE(PLAIT_STACK_V_CACHE), kv_dtype, block_size,
+                               CACHE(PLAIT_STACK_V_CACHE), attn_dtype, block_size,
                                num_kv_heads, num_heads, head_dim, block_tables, table_stride,
                                num_chunks, chunk_start, chunk_shared, q_rows, table_rows,
                                ctx_len, scale, 0, 0.0f, att, q_rows));
-    RUN(linear(att, rows, q_dim, DESC(PLAIT_STACK_O_WEIGHT), hidden, NULL, m));
+    RUN(linear(att, rows, q_dim, DESC(PLAIT_STACK_O_WEIGHT), hidden, NULL, m, prompt));
     RUN(plait_add_rms_norm(x, hidden, m, hidden, PTR(PLAIT_STACK_POST_NORM), rows, hidden, eps,
                            x, h));
-    RUN(linear(h, rows, hidden, DESC(PLAIT_STACK_GATE_UP_WEIGHT), 2 * inter, NULL, gate_up));
+    RUN(linear(h, rows, hidden, DESC(PLAIT_STACK_GATE_UP_WEIGHT), 2 * inter, NULL, gate_up,
+               prompt));
     RUN(plait_silu_mul(gate_up, 2 * inter, rows, inter, act));
-    RUN(linear(act, rows, inter, DESC(PLAIT_STACK_DOWN_WEIGHT), hidden, NULL, m));
+    RUN(linear(act, rows, inter, DESC(PLAIT_STACK_DOWN_WEIGHT), hidden, NULL, m, prompt));
 #undef RUN
 #undef PTR
 #undef CACHE

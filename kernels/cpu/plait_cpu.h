@@ -51,6 +51,12 @@
  * head_dim a multiple of 32; elsewhere, or where plait_attention_amx() is 0:
  * PLAIT_ERR_SHAPES. */
 #define PLAIT_ATTN_AMX 512
+/* A flag OR-ed into plait_decoder_stack's kv_dtype: the rows are prompt rows (the engine's
+ * prompt pass): every PLAIT_QGEMM_REPACKED projection goes through plait_repack_gemm_bf16
+ * (plait_repack_prompt_bf16() must be 1, else PLAIT_ERR_SHAPES), the others through
+ * plait_qgemm as without it; the attention takes kv_dtype's other flags (PLAIT_ATTN_AMX
+ * included), the KV write none. */
+#define PLAIT_STACK_PROMPT 2048
 /* The most rows the engine sends through plait_gemm / plait_decoder_stack (a decode step's
  * few rows; more go to BLAS). */
 #define PLAIT_NATIVE_MAX_ROWS 24

@@ -12,9 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.kernels.cpu import native
-from plait.kernels.cpu.build import STACK_POINTERS, check_rc, loaded
+from plait.kernels.cpu import native, repack
+from plait.kernels.cpu.build import ABI, STACK_POINTERS, check_rc, loaded
 from plait.kernels.cpu.products import StackWeight
+
+# OR-ed into the stack's kv_dtype for prompt rows (plait_cpu.h's PLAIT_STACK_PROMPT).
+STACK_PROMPT = ABI.constants["PLAIT_STACK_PROMPT"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,10 @@ class NativeStack:
     final_norm: torch.Tensor  # [hidden] float32
     cos_sin: torch.Tensor  # [max_positions, D] float32 contiguous: cos | sin halves
     kv_dtype: int  # `kv_dtype_code` of the caches (and the compute dtype)
+    # kv_dtype for prompt rows (`decoder_stack`'s `prompt`): with PLAIT_STACK_PROMPT where
+    # `repack.prompt_bf16()`, and ATTN_AMX where the layers' attention takes prompt rows
+    # there (`native.takes_prompt_rows`), as the layer-by-layer prompt pass computes them
+    prompt_kv_dtype: int
     block_size: int
     scale: float
     tensors: tuple[torch.Tensor, ...]
@@ -63,6 +70,7 @@ def decoder_stack(
     q_rows: torch.Tensor,  # [T] int64: token row of each attention row, chunk order
     table_rows: torch.Tensor,  # [T] int64
     ctx_lens: torch.Tensor,  # [T] int32
+    prompt: bool = False,  # the rows are prompt rows (`products.in_prompt_rows()`)
 ) -> torch.Tensor:  # [T, hidden] float32: the final norm of the last residual stream
     """Every layer of a Llama decoder over the T tokens of a step, one token per sequence
     (T at most `NATIVE_MAX_ROWS`; every projection a `qgemm` descriptor: a `QuantWeight`'s
@@ -70,7 +78,8 @@ def decoder_stack(
     the kernels the layer-by-layer forward runs (`add_rms_norm`, `gemm`/`qgemm`, `rope_write_kv`,
     `decode_attention`, `silu_mul`), in its order, with no Python between them, so the same
     bits. `stack.layers[l]` holds layer l's tensors' `data_ptr()`s in `STACK_POINTERS`
-    order. x is updated in place."""
+    order. x is updated in place. With `prompt`, the products and the attention are those
+    of the prompt pass (`NativeStack.prompt_kv_dtype`)."""
     rows, shape = x.shape[0], stack.shape
     if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == shape.hidden):
         raise ValueError(f"decoder_stack: x must be [T, {shape.hidden}] float32 contiguous")
@@ -79,7 +88,8 @@ def decoder_stack(
         stack.layers.shape[0], stack.layers.data_ptr(), rows, shape.hidden, shape.num_heads,
         shape.num_kv_heads, shape.head_dim, shape.intermediate, shape.eps,
         stack.final_norm.data_ptr(), x.data_ptr(), stack.cos_sin.data_ptr(),
-        positions.data_ptr(), slot_mapping.data_ptr(), stack.kv_dtype, stack.block_size,
+        positions.data_ptr(), slot_mapping.data_ptr(),
+        stack.prompt_kv_dtype if prompt else stack.kv_dtype, stack.block_size,
         block_tables.data_ptr(), block_tables.stride(0), chunk_shared.shape[0],
         chunk_start.data_ptr(), chunk_shared.data_ptr(), q_rows.data_ptr(),
         table_rows.data_ptr(), ctx_lens.data_ptr(), stack.scale, out.data_ptr())
@@ -153,9 +163,14 @@ def gather_stack(layers: list[StackLayer], shape: StackShape, final_norm: torch.
     if not layers or not _dense(final_norm) or not _dense(cos_sin):
         return None
     k_cache, v_cache = layers[0].k_cache, layers[0].v_cache
+    kv_dtype = native.kv_dtype_code(k_cache, v_cache, compute_dtype)
+    prompt_kv_dtype = kv_dtype
+    if repack.prompt_bf16():
+        prompt_kv_dtype |= STACK_PROMPT
+        if native.takes_prompt_rows(k_cache, compute_dtype, shape.head_dim):
+            prompt_kv_dtype |= native.ATTN_AMX
     return NativeStack(torch.tensor(rows, dtype=torch.int64), shape, final_norm, cos_sin,
-                       native.kv_dtype_code(k_cache, v_cache, compute_dtype),
-                       k_cache.shape[1], scale, tuple(tensors))
+                       kv_dtype, prompt_kv_dtype, k_cache.shape[1], scale, tuple(tensors))
 
 
 __all__ = ["NativeStack", "StackLayer", "StackShape", "decoder_stack", "gather_stack"]

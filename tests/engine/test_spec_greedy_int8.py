@@ -160,25 +160,53 @@ def test_a_prompt_beside_decode_rows_changes_neither_stream(prompts, reference) 
 
 def test_the_prompt_pass_attends_through_its_own_kernel(prompts, monkeypatch) -> None:
     """Where the runner passes prompt rows apart and the process has the AMX prompt
-    attention (kernels/cpu/attention_amx.h), every attention call of the prompt pass takes
-    it and no call outside it does; elsewhere no call does."""
+    attention (kernels/cpu/attention_amx.h), every attention call of a long prompt's pass
+    takes it and no call outside it does; a prompt of a few tokens runs the native stack
+    with the prompt rows' kernels (PLAIT_STACK_PROMPT), the decode steps without them."""
     llm = LLM(**OPTIONS, enable_prefix_caching=False)
     calls: list[tuple[bool, bool]] = []
-    real = ops.native_attention
+    stacks: list[bool] = []
+    attention, decoder_stack = ops.native_attention, ops.stack.decoder_stack
 
     def spy(*args: object, **kwargs: object) -> object:
         calls.append((products.in_prompt_rows(), bool(args[-1])))
-        return real(*args, **kwargs)
+        return attention(*args, **kwargs)
+
+    def stack_spy(*args: object, **kwargs: object) -> object:
+        stacks.append(bool(kwargs["prompt"]))
+        return decoder_stack(*args, **kwargs)
 
     monkeypatch.setattr(ops, "native_attention", spy)
-    llm.engine.add_request("a", prompts[0], SamplingParams(temperature=0, max_tokens=4))
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-    layers = llm.engine.runner.model.config.num_layers
-    if llm.engine.runner.split_prompt_rows and native.prompt_attention_amx():
-        # the prompt: one pass, layer by layer (decode steps go through the native stack)
-        assert calls[:layers] == [(True, True)] * layers
-        assert calls[layers:] == [(False, False)] * (len(calls) - layers)
-    else:
-        assert not any(tiles for _, tiles in calls)
+    monkeypatch.setattr(ops.stack, "decoder_stack", stack_spy)
+    runner = llm.engine.runner
+    split = runner.split_prompt_rows and native.prompt_attention_amx()
+    long = prompts[0] + prompts[1] + prompts[2]
+    assert len(long) > runner.ops.stack_rows >= len(prompts[0])
+    for rid, ids in (("long", long), ("short", prompts[0])):
+        calls.clear()
+        stacks.clear()
+        llm.engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=4,
+                                                        ignore_eos=True))
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        layers = runner.model.config.num_layers
+        if rid == "long" and split:  # one pass, layer by layer
+            assert calls == [(True, True)] * layers and stacks == [False] * 3
+        elif rid == "long":
+            assert not any(tiles for _, tiles in calls)
+        else:  # every step in the stack, the first with the prompt rows' kernels
+            assert calls == [] and stacks == [runner.split_prompt_rows, False, False, False]
     assert_pool_clean(llm)
+
+
+def test_a_short_prompt_in_the_stack_is_the_layer_loop(prompts, reference) -> None:
+    """A prompt of fewer tokens than the native stack takes (prompts[0]) computes in one C
+    call; without the stack, layer by layer: the same greedy tokens and logprobs (the prompt
+    pass's products and attention are the same kernels either way)."""
+    llm = LLM(**OPTIONS, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    assert len(prompts[0]) <= runner.ops.stack_rows and runner.model.stack is not None
+    stacked = greedy(llm.generate([prompts[0]], PARAMS)[0])
+    assert stacked == reference[0]
+    runner.model.stack = None  # every step layer by layer
+    assert greedy(llm.generate([prompts[0]], PARAMS)[0]) == stacked
