@@ -10,12 +10,14 @@ bfloat16 KV cache. Two cases:
 
 `--compute-dtype bfloat16` over a bfloat16 cache takes the engine's `--compute-dtype
 bfloat16` path (vdpbf16ps dot products for every token, where the build has
-AVX512-BF16). Prints the minimum, 10th percentile and median milliseconds per call over
-`--iters` calls (the minimum is the figure on a busy machine).
+AVX512-BF16); `--prompt-rows` with them, the prompt pass's AMX tiles (attention_amx.h,
+where `native.prompt_attention_amx()`). Prints the minimum, 10th percentile and median
+milliseconds per call over `--iters` calls (the minimum is the figure on a busy machine).
 
     python scripts/bench_cpu_attention.py [--kv-cache-dtype float32|bfloat16]
         [--compute-dtype float32|bfloat16] [--ctx 560] [--seqs 16] [--shared 0]
         [--prefill 0] [--heads 9] [--kv-heads 3] [--head-dim 64] [--iters 300]
+        [--prompt-rows]
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def _decode_call(args: argparse.Namespace, k_cache: torch.Tensor, v_cache: torch
                 ctx_lens=torch.full((seqs,), args.ctx, dtype=torch.int32))
     scale = args.head_dim ** -0.5
     return lambda: native.decode_attention(query, k_cache, v_cache, tables, scale=scale,
-                                           compute_dtype=compute_dtype, **rows)
+                                           compute_dtype=compute_dtype,
+                                           prompt_rows=args.prompt_rows, **rows)
 
 
 def _prefill_call(args: argparse.Namespace, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -64,7 +67,7 @@ def _prefill_call(args: argparse.Namespace, k_cache: torch.Tensor, v_cache: torc
                        args.heads // args.kv_heads, n, n)
     scale = args.head_dim ** -0.5
     return lambda: native_attention(query, k_cache, v_cache, tables, rows, scale,
-                                    compute_dtype)
+                                    compute_dtype, prompt_rows=args.prompt_rows)
 
 
 def main() -> None:
@@ -81,6 +84,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--prompt-rows", action="store_true",
+                        help="the prompt pass's AMX tiles (bfloat16 cache and compute)")
     args = parser.parse_args()
     torch.manual_seed(0)
     width = -(-max(args.ctx, args.prefill) // args.block_size)
@@ -101,6 +106,8 @@ def main() -> None:
     times.sort()
     what = (f"a {args.prefill}-token prefill chunk" if args.prefill else
             f"{args.seqs} rows x {args.ctx} tokens ({args.shared} shared)")
+    if args.prompt_rows:
+        what += ", prompt rows (AMX tiles)"
     print(f"{args.kv_cache_dtype} KV, {args.compute_dtype} compute, {what}, "
           f"H={args.heads} H_kv={args.kv_heads} D={args.head_dim}: min {times[0]:.3f} ms, "
           f"p10 {times[len(times) // 10]:.3f} ms, median {statistics.median(times):.3f} ms "
