@@ -494,6 +494,15 @@ int plait_repack_gemm_bf16(const float *x, long M, long ldx, const int64_t *desc
       M < 0 || K % 32)
     return PLAIT_ERR_SHAPES;
   if (M == 0 || N == 0) return PLAIT_OK;
+  if (M > AB_BLOCK_ROWS && K <= AB_BLOCK_MAX_K) {  /* in blocks of rows: the same bits */
+    for (long m0 = 0; m0 < M; m0 += AB_BLOCK_ROWS) {
+      const long rows = M - m0 < AB_BLOCK_ROWS ? M - m0 : AB_BLOCK_ROWS;
+      const int rc = plait_repack_gemm_bf16(x + m0 * ldx, rows, ldx, desc, K, bias,
+                                            y + m0 * ldy, ldy);
+      if (rc != PLAIT_OK) return rc;
+    }
+    return PLAIT_OK;
+  }
   for (int i = 0; i < num_parts; i++) units += rp_units(&parts[i]);
   const long G = K / 32, M16 = (M + 15) / 16 * 16;
   uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * (size_t)(M16 * K) + 63) / 64 * 64);

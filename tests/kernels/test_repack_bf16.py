@@ -84,6 +84,23 @@ def test_a_rows_bits_do_not_depend_on_the_others() -> None:
 
 
 @needs_bf16
+def test_more_rows_than_a_block_are_the_rows_alone() -> None:
+    """A product of more rows than the kernel takes in one block (AB_BLOCK_ROWS, 512, for
+    K <= 2048), x rows strided, with a bias: each row (first, last, either side of a
+    block's edge) is that row alone, bit for bit, and the whole within the tolerance."""
+    k, n = 576, 40
+    packed = repack.repack(random_weight((quant.Q4_1,), (n,), k, seed=6))
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1100, 2 * k, generator=gen)[:, :k]
+    bias = torch.randn(n, generator=gen)
+    whole = repack.product_bf16(x, packed.desc, k, n, bias)
+    assert _error(whole, x, packed, bias) < TOLERANCE
+    for i in (0, 511, 512, 1023, 1024, 1099):
+        alone = repack.product_bf16(x[i:i + 1], packed.desc, k, n, bias)
+        assert torch.equal(alone[0], whole[i])
+
+
+@needs_bf16
 def test_zero_rows_and_shapes() -> None:
     """No rows: an empty result; x of the wrong width: ValueError."""
     packed = repack.repack(random_weight((quant.Q4_0,), (48,), 64))
