@@ -57,15 +57,6 @@ static inline void ax_config(void) {
   am_load_config(colsb, rows);
 }
 
-/* vpermt2w's indices interleaving two rows a, b of 32 bfloat16 into (a[i], b[i]) pairs:
- * words 0 .. 15 of each (LO), 16 .. 31 (HI). */
-static const uint16_t AX_PAIR_LO[32] __attribute__((aligned(64))) = {
-    0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-static const uint16_t AX_PAIR_HI[32] __attribute__((aligned(64))) = {
-    16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-
 /* e^x, x <= 0 (-inf: 0), to about 2 ulp: x = n ln2 + r (|r| <= ln2 / 2), a degree-6
  * polynomial for e^r by FMAs, times 2^n by vscalefps (which gives 0 below float32's range,
  * so no clamp but the one that keeps -inf from making r a NaN). Spelled in intrinsics, so
@@ -107,25 +98,34 @@ static inline void ax_queries(int nc, const float *const *qcol, float scale, lon
   }
 }
 
-/* The B tiles of n (<= 16) tokens' V rows from v (rows `stride` elements apart): tile db
- * (16 d) row i = (v[2 i][16 db + c], v[2 i + 1][16 db + c]) for c < 16, zero past n. */
-static inline void ax_value_pairs(const uint16_t *v, long n, long stride, long head_dim,
-                                  uint16_t *vp) {
-  const __m512i lo = _mm512_load_si512(AX_PAIR_LO), hi = _mm512_load_si512(AX_PAIR_HI);
-  for (long i = 0; i < 8; i++)
-    for (long d0 = 0; d0 < head_dim; d0 += 32) {
-      const __m512i a = 2 * i < n ? _mm512_loadu_si512(v + 2 * i * stride + d0)
-                                  : _mm512_setzero_si512();
-      const __m512i b = 2 * i + 1 < n ? _mm512_loadu_si512(v + (2 * i + 1) * stride + d0)
-                                      : _mm512_setzero_si512();
-      _mm512_store_si512(vp + (d0 / 16 * 8 + i) * 32, _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_store_si512(vp + ((d0 / 16 + 1) * 8 + i) * 32,
-                         _mm512_permutex2var_epi16(a, hi, b));
+/* V^T of one sequence and KV head for tokens [0, ctx): vt[d * tpad + t] = v[t][d] (bfloat16
+ * words), zero from ctx to tpad (>= ctx rounded up to 16, plus 16: a slice's A tile reads
+ * 16 tokens from wherever it starts). vh: the V cache offset to the head; table: the
+ * sequence's blocks. 16 tokens x 16 d at a time, widened to float32 (exact), transposed
+ * and narrowed back. */
+static void ax_transpose_values(const uint16_t *vh, const int32_t *table, long block_size,
+                                long stride, long head_dim, long ctx, long tpad, long t0,
+                                uint16_t *vt) {
+  __m512 in[16], out[16];
+  for (long d0 = 0; d0 < head_dim; d0 += 16) {
+    for (int j = 0; j < 16; j++) {
+      const long t = t0 + j;
+      in[j] = _mm512_setzero_ps();
+      if (t < ctx) {
+        const uint16_t *row = vh + (table[t / block_size] * block_size + t % block_size) * stride;
+        in[j] = (__m512)widen_bf16(row + d0);
+      }
     }
+    transpose16(in, out);
+    for (int k = 0; k < 16; k++)
+      _mm256_storeu_si256((__m256i *)(vt + (d0 + k) * tpad + t0),
+                          _mm512_cvtepi32_epi16(_mm512_srli_epi32((__m512i)out[k], 16)));
+  }
 }
 
 /* A group: up to 16 query columns of one KV head and block table, its running softmax
- * (a column a lane) and its sums O in memory. */
+ * (a column a lane) and its sums in memory, transposed: o[d * 16 + c] (O^T, C tiles of 16
+ * d a tile). */
 typedef struct {
   int nc;
   long ctx_max, ctx_min;
@@ -159,12 +159,12 @@ static inline void ax_start(ax_group_t *g, int nc, const float *const *qcol,
 }
 
 /* g's columns attend the slice of n tokens from t: K rows k (k_bytes apart; 16 rows, zero
- * past n), V pairs vp (ax_value_pairs). */
+ * past n), V^T vt (ax_transpose_values, tpad tokens a row). */
 static inline void ax_slice(ax_group_t *g, long t, long n, const uint16_t *k, long k_bytes,
-                            const uint16_t *vp, long head_dim) {
+                            const uint16_t *vt, long tpad, long head_dim) {
   const long D = head_dim;
   float sp[16 * 16] __attribute__((aligned(64)));
-  uint16_t pa[16 * 16] __attribute__((aligned(64)));
+  uint16_t pb[8 * 32] __attribute__((aligned(64)));
   _tile_zero(AX_S);
   for (long kk = 0; kk < D / 32; kk++) {
     _tile_loadd(AX_K, k + 32 * kk, k_bytes);
@@ -194,57 +194,57 @@ static inline void ax_slice(ax_group_t *g, long t, long n, const uint16_t *k, lo
   }
   g->l = g->l * alpha + sum;
   g->m = mx;
-  {  /* P: the weights transposed, a column's 16 tokens a row of bfloat16 (exact) */
-    __m512 in[16], out[16];
-    for (int j = 0; j < 16; j++) in[j] = _mm512_load_ps(sp + 16 * j);
-    transpose16(in, out);
-    for (int c = 0; c < 16; c++)
-      _mm256_store_si256((__m256i *)(pa + 16 * c),
-                         _mm512_cvtepi32_epi16(_mm512_srli_epi32((__m512i)out[c], 16)));
+  {  /* P^T pairs: row i = (p[2 i][c], p[2 i + 1][c]) for c < 16, bfloat16 (exact) */
+    const __m512i pairs = _mm512_load_si512(PAIR_WORDS);
+    for (int i = 0; i < 8; i++) {
+      const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(sp + 32 * i + 16),
+                                                        _mm512_load_ps(sp + 32 * i));
+      _mm512_store_si512(pb + 32 * i, _mm512_permutexvar_epi16(pairs, two));
+    }
   }
   if (_mm512_cmp_ps_mask((__m512)alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
-    for (int c = 0; c < g->nc; c++) {  /* x 1 is exact: only the columns that move */
-      if (alpha[c] == 1.0f) continue;
-      for (long d = 0; d < D; d += LANES)
-        *(vf *)(g->o + c * D + d) = *(const vf *)(g->o + c * D + d) * vsplat(alpha[c]);
-    }
-  _tile_loadd(AX_P, pa, 32);
+    for (long d = 0; d < D; d++)  /* x 1 is exact: the columns that did not move keep */
+      *(vf *)(g->o + 16 * d) = *(const vf *)(g->o + 16 * d) * alpha;
+  _tile_loadd(AX_V, pb, 64);
   for (long db = 0; db < D / 16; db++) {
-    _tile_loadd(AX_O, g->o + 16 * db, 4 * D);
-    _tile_loadd(AX_V, vp + db * 256, 64);
+    _tile_loadd(AX_O, g->o + 256 * db, 64);
+    _tile_loadd(AX_P, vt + 16 * db * tpad + t, 2 * tpad);
     _tile_dpbf16ps(AX_O, AX_P, AX_V);
-    _tile_stored(AX_O, g->o + 16 * db, 4 * D);
+    _tile_stored(AX_O, g->o + 256 * db, 64);
   }
 }
 
 /* g's outputs: each column's sums over its normaliser. */
 static inline void ax_finish(const ax_group_t *g, long head_dim) {
-  for (int c = 0; c < g->nc; c++) {
-    const float inv = 1.0f / g->l[c];
-    for (long d = 0; d < head_dim; d += LANES)
-      *(vf *)(g->ocol[c] + d) = *(const vf *)(g->o + c * head_dim + d) * inv;
+  for (long d0 = 0; d0 < head_dim; d0 += 16) {
+    __m512 in[16], out[16];
+    for (int j = 0; j < 16; j++) in[j] = _mm512_load_ps(g->o + 16 * (d0 + j));
+    transpose16(in, out);  /* out[c]: column c's d0 .. d0 + 15 */
+    for (int c = 0; c < g->nc; c++) {
+      const float inv = 1.0f / g->l[c];
+      *(vf *)(g->ocol[c] + d0) = (vf)out[c] * inv;
+    }
   }
 }
 
 /* The most groups a task attends slice by slice together: a chunk's queries of one KV head
- * (PLAIT_MAX_QUERIES), which read each slice's K and V pairs once. */
+ * (PLAIT_MAX_QUERIES), which read each slice's K rows once. */
 #define AX_GROUPS (PLAIT_MAX_QUERIES / AX_COLS)
 
 /* Groups g[0 .. ng) (one block table) attend their tokens slice by slice on slice_len's
- * grid, each slice's K rows gathered (a short one) and V pairs made once for all; a group
- * whose tokens end before a slice skips it (which is what the slice, all masked, would
- * leave). kh, vh: the caches offset to the KV head. */
+ * grid, each slice's K rows gathered once for all (a short one); a group whose tokens end
+ * before a slice skips it (which is what the slice, all masked, would leave). kh: the K
+ * cache offset to the KV head; vt: the sequence's V^T for that head (tpad a row). */
 static void ax_groups(ax_group_t *g, int ng, const int32_t *table, const uint16_t *kh,
-                      const uint16_t *vh, long block_size, long stride, long head_dim) {
+                      const uint16_t *vt, long tpad, long block_size, long stride,
+                      long head_dim) {
   const long D = head_dim;
   uint16_t kbuf[16 * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
-  uint16_t vp[PLAIT_MAX_HEAD_DIM * 16] __attribute__((aligned(64)));
   long ctx_max = 0;
   for (int i = 0; i < ng; i++) ctx_max = g[i].ctx_max > ctx_max ? g[i].ctx_max : ctx_max;
   for (long t = 0; t < ctx_max;) {
     const long n = slice_len(t, ctx_max, block_size);
-    const long at = (table[t / block_size] * block_size + t % block_size) * stride;
-    const uint16_t *k = kh + at;
+    const uint16_t *k = kh + (table[t / block_size] * block_size + t % block_size) * stride;
     long k_bytes = stride * 2;
     if (n < 16) {  /* a short slice: its rows copied, the tile's others zero */
       for (long j = 0; j < n; j++) memcpy(kbuf + j * D, k + j * stride, 2 * (size_t)D);
@@ -252,18 +252,66 @@ static void ax_groups(ax_group_t *g, int ng, const int32_t *table, const uint16_
       k = kbuf;
       k_bytes = 2 * D;
     }
-    ax_value_pairs(vh + at, n, stride, D, vp);
     for (int i = 0; i < ng; i++)
-      if (t < g[i].ctx_max) ax_slice(&g[i], t, n, k, k_bytes, vp, D);
+      if (t < g[i].ctx_max) ax_slice(&g[i], t, n, k, k_bytes, vt, tpad, D);
     t += n;
   }
   for (int i = 0; i < ng; i++) ax_finish(&g[i], D);
 }
 
+/* The sequences (block-table rows) of a call, each once: the longest context its rows
+ * attend, and where its V^T (all KV heads, ax_transpose_values) starts in one buffer. */
+typedef struct {
+  long count;
+  int64_t *table;  /* [count] its block-table row */
+  long *ctx;       /* [count] */
+  long *tpad;      /* [count] tokens a V^T row */
+  size_t *at;      /* [count] words before its V^T (head h at + h D tpad) */
+  long *slot;      /* [rows] the sequence of each row */
+} ax_seqs_t;
+
+static int ax_find_seqs(long rows, const int64_t *table_rows, const int32_t *ctx_len,
+                        long num_kv_heads, long head_dim, ax_seqs_t *s, size_t *words) {
+  s->count = 0;
+  s->table = malloc(sizeof(int64_t) * (size_t)(rows + 1));
+  s->ctx = malloc(sizeof(long) * (size_t)(rows + 1));
+  s->tpad = malloc(sizeof(long) * (size_t)(rows + 1));
+  s->at = malloc(sizeof(size_t) * (size_t)(rows + 1));
+  s->slot = malloc(sizeof(long) * (size_t)(rows + 1));
+  if (!s->table || !s->ctx || !s->tpad || !s->at || !s->slot) return PLAIT_ERR_NOMEM;
+  for (long i = 0; i < rows; i++) {
+    long j = s->count - 1;  /* the rows of a sequence mostly come together */
+    while (j >= 0 && s->table[j] != table_rows[i]) j--;
+    if (j < 0) {
+      j = s->count++;
+      s->table[j] = table_rows[i];
+      s->ctx[j] = 0;
+    }
+    s->ctx[j] = ctx_len[i] > s->ctx[j] ? ctx_len[i] : s->ctx[j];
+    s->slot[i] = j;
+  }
+  *words = 0;
+  for (long j = 0; j < s->count; j++) {
+    s->tpad[j] = (s->ctx[j] + 15) / 16 * 16 + 16;
+    s->at[j] = *words;
+    *words += (size_t)(num_kv_heads * head_dim * s->tpad[j]);
+  }
+  return PLAIT_OK;
+}
+
+static void ax_free_seqs(ax_seqs_t *s) {
+  free(s->table);
+  free(s->ctx);
+  free(s->tpad);
+  free(s->at);
+  free(s->slot);
+}
+
 /* plait_decode_attention's contract over a bfloat16 cache for prompt rows (the file's
- * comment): a task per chunk and KV head, its queries (row r, head g of the KV group) in
- * groups of up to 16 consecutive ones that read one block table, the groups of a table
- * together (ax_groups). chunk_shared plays no part: every column walks its tokens from 0. */
+ * comment): first every sequence's V^T per KV head (ax_transpose_values), then a task per
+ * chunk and KV head, its queries (row r, head g of the KV group) in groups of up to 16
+ * consecutive ones that read one block table, the groups of a table together
+ * (ax_groups). chunk_shared plays no part: every column walks its tokens from 0. */
 static int ax_attention(const float *q, long q_stride, const uint16_t *k_cache,
                         const uint16_t *v_cache, long block_size, long num_kv_heads,
                         long num_heads, long head_dim, const int32_t *block_tables,
@@ -272,9 +320,27 @@ static int ax_attention(const float *q, long q_stride, const uint16_t *k_cache,
                         const int32_t *ctx_len, float scale, float *out,
                         const int64_t *out_rows) {
   const long G = num_heads / num_kv_heads, stride = num_kv_heads * head_dim;
+  ax_seqs_t seqs = {0};
+  size_t words = 0;
+  int rc = ax_find_seqs(chunk_start[num_chunks], table_rows, ctx_len, num_kv_heads,
+                        head_dim, &seqs, &words);
+  uint16_t *vt = rc == PLAIT_OK ? aligned_alloc(64, (2 * words + 63) / 64 * 64 + 64) : NULL;
+  if (rc == PLAIT_OK && !vt) rc = PLAIT_ERR_NOMEM;
+  if (rc != PLAIT_OK) {
+    ax_free_seqs(&seqs);
+    return rc;
+  }
   int nomem = 0;
 #pragma omp parallel
   {
+#pragma omp for schedule(dynamic, 1)
+    for (long item = 0; item < seqs.count * num_kv_heads; item++) {
+      const long j = item / num_kv_heads, h = item % num_kv_heads;
+      for (long t0 = 0; t0 < seqs.tpad[j]; t0 += 16)
+        ax_transpose_values(v_cache + h * head_dim, block_tables + seqs.table[j] * table_stride,
+                            block_size, stride, head_dim, seqs.ctx[j], seqs.tpad[j], t0,
+                            vt + seqs.at[j] + (size_t)(h * head_dim * seqs.tpad[j]));
+    }
     ax_config();
     ax_group_t *groups = aligned_alloc(64, sizeof(ax_group_t) * AX_GROUPS);
 #pragma omp for schedule(dynamic, 1)
@@ -287,6 +353,7 @@ static int ax_attention(const float *q, long q_stride, const uint16_t *k_cache,
       long ctx[AX_COLS];
       for (long a = 0; a < nq;) {  /* a bundle: the groups of one table */
         const int64_t table = table_rows[first + a / G];
+        const long j = seqs.slot[first + a / G];
         int ng = 0;
         for (; ng < AX_GROUPS && a < nq && table_rows[first + a / G] == table; ng++) {
           int nc = 0;
@@ -299,13 +366,16 @@ static int ax_attention(const float *q, long q_stride, const uint16_t *k_cache,
           ax_start(&groups[ng], nc, qcol[ng], ctx, scale, head_dim, ocol[ng]);
         }
         ax_groups(groups, ng, block_tables + table * table_stride, k_cache + h * head_dim,
-                  v_cache + h * head_dim, block_size, stride, head_dim);
+                  vt + seqs.at[j] + (size_t)(h * head_dim * seqs.tpad[j]), seqs.tpad[j],
+                  block_size, stride, head_dim);
       }
     }
     if (!groups) __atomic_store_n(&nomem, 1, __ATOMIC_RELAXED);
     free(groups);
     _tile_release();
   }
+  free(vt);
+  ax_free_seqs(&seqs);
   return nomem ? PLAIT_ERR_NOMEM : PLAIT_OK;
 }
 
