@@ -20,11 +20,16 @@
  *   softmax per column (the queries across the lanes, as attend_shared): masked tokens
  *           (past the column's position) score -inf and weigh exactly 0; the weights are
  *           rounded to bfloat16 (nearest even) and l sums the rounded weights
- *   sums    O = P V         A  P            16 columns x 16 tokens (32 bytes), the
- *                                           weights transposed
- *                           B  V pairs      8 x (v[2 i][d], v[2 i + 1][d]) per 16 d
- *                           C  O            16 columns x 16 d float32, kept in memory:
- *                                           each slice scales a column's row by its alpha
+ *   sums    O^T = V^T P^T   A  V^T          16 d x 16 tokens (32 bytes), from the
+ *                                           sequence's V^T, made once per call
+ *                           B  P^T pairs    8 x (p[2 i][c], p[2 i + 1][c]), the
+ *                                           weights of tokens 2 i and 2 i + 1 paired
+ *                           C  O^T          16 d x 16 columns float32, kept in memory:
+ *                                           each slice scales them by alpha, a column a lane
+ *
+ * (The same products, in the same order per element, as O = P V with P the A tile and V's
+ * rows paired into B tiles, this kernel's first form: the same bits, without a transpose
+ * of the weights per slice and of V per slice and task.)
  *
  * Rounding: the pre-scaled queries and the weights to bfloat16 (nearest even), as
  * attention_bf16.h rounds them; K and V are the cache's values; the tile sums, the max,

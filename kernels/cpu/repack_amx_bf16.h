@@ -30,12 +30,12 @@
 #define AB_TILE 1024 /* bytes of a B tile (16 pairs x 16 columns x 2 bf16) or a C tile */
 
 /* plait_repack_gemm_bf16 takes more than AB_BLOCK_ROWS rows of K <= AB_BLOCK_MAX_K in
- * blocks of AB_BLOCK_ROWS, each a whole product (its units' B tiles widened again): a
- * unit's C tiles go to y's rows ldy apart, and over 2048 rows those are as many pages as
- * the TLB holds, for a few tile products per store where K is small. SmolLM2's q|k|v and
- * gate_up at 2048 rows (K = 576) measured 2-3x faster in blocks of 512 to 1024, K = 896
- * and 1536 5-30 %; from K = 4864 the widening again per block cost more than it saved
- * (BENCHMARKS.md). */
+ * blocks of AB_BLOCK_ROWS, each a whole product (its units' B tiles widened again).
+ * SmolLM2's q|k|v and gate_up at 2048 rows (K = 576) measured 2-3x faster in blocks of 512
+ * to 1024, K = 896 and 1536 5-30 %; from K = 4864 the widening again per block cost more
+ * than it saved (BENCHMARKS.md). Presumably the TLB: a unit's C tiles go to y's rows ldy
+ * apart, over 2048 rows as many pages, for a few tile products per store where K is small
+ * (not measured: no counters in the VM it was measured on). */
 #define AB_BLOCK_ROWS 512
 #define AB_BLOCK_MAX_K 2048
 
