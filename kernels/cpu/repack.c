@@ -495,8 +495,10 @@ int plait_repack_gemm_bf16(const float *x, long M, long ldx, const int64_t *desc
     return PLAIT_ERR_SHAPES;
   if (M == 0 || N == 0) return PLAIT_OK;
   if (M > AB_BLOCK_ROWS && K <= AB_BLOCK_MAX_K) {  /* in blocks of rows: the same bits */
-    for (long m0 = 0; m0 < M; m0 += AB_BLOCK_ROWS) {
-      const long rows = M - m0 < AB_BLOCK_ROWS ? M - m0 : AB_BLOCK_ROWS;
+    const long blocks = (M + AB_BLOCK_ROWS - 1) / AB_BLOCK_ROWS;
+    const long block = ((M + blocks - 1) / blocks + 31) / 32 * 32;
+    for (long m0 = 0; m0 < M; m0 += block) {
+      const long rows = M - m0 < block ? M - m0 : block;
       const int rc = plait_repack_gemm_bf16(x + m0 * ldx, rows, ldx, desc, K, bias,
                                             y + m0 * ldy, ldy);
       if (rc != PLAIT_OK) return rc;

@@ -30,12 +30,12 @@
 #define AB_TILE 1024 /* bytes of a B tile (16 pairs x 16 columns x 2 bf16) or a C tile */
 
 /* plait_repack_gemm_bf16 takes more than AB_BLOCK_ROWS rows of K <= AB_BLOCK_MAX_K in
- * blocks of AB_BLOCK_ROWS, each a whole product (its units' B tiles widened again).
- * SmolLM2's q|k|v and gate_up at 2048 rows (K = 576) measured 2-3x faster in blocks of 512
- * to 1024, K = 896 and 1536 5-30 %; from K = 4864 the widening again per block cost more
- * than it saved (BENCHMARKS.md). Presumably the TLB: a unit's C tiles go to y's rows ldy
- * apart, over 2048 rows as many pages, for a few tile products per store where K is small
- * (not measured: no counters in the VM it was measured on). */
+ * near-equal blocks of at most that many (multiples of 32), each a whole product (its
+ * units' B tiles widened again). SmolLM2's q|k|v and gate_up at 2048 rows (K = 576)
+ * measured 1.3-3x faster in blocks of 512, K = 896 and 1536 up to 30 %; from K = 4864
+ * widening again per block cost more than it saved (BENCHMARKS.md). Presumably L2: every
+ * unit reads all of x's A tiles, 590 KB for 512 rows of K = 576 and 2.4 MB for 2048 (L2
+ * is 2 MB a core here). Not the TLB: y on transparent huge pages changed nothing. */
 #define AB_BLOCK_ROWS 512
 #define AB_BLOCK_MAX_K 2048
 
