@@ -289,8 +289,9 @@ def select_products(model: nn.Module, numerics: Numerics) -> dict[Product, list[
             logger.info("products: the AMX-INT8 prefill rung is %s", unused)
     if prompt_rows_differ(chosen):
         logger.info("products: prompt rows through AMX-BF16 tiles (x and the repacked "
-                    "weights' values rounded to bfloat16, float32 sums), generated rows "
-                    "through the int8 kernels")
+                    "weights' values rounded to bfloat16, float32 sums; their attention "
+                    "too where the layer allows it: %s), generated rows through the int8 "
+                    "kernels", "yes" if native.prompt_attention_amx() else "no")
     return chosen
 
 
