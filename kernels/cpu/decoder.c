@@ -34,8 +34,8 @@ static int linear(const float *x, long rows, long k, const int64_t *desc, long n
  *
  * and at the end x += m, out = rms_norm(x) with final_norm. With PLAIT_STACK_PROMPT in
  * kv_dtype the rows are prompt rows: the repacked projections take plait_repack_gemm_bf16
- * (plait_cpu.h), what the layer-by-layer forward's prompt pass computes. x [rows, hidden] (dense) is the
- * residual stream, updated in place; out [rows, hidden]. Returns PLAIT_OK, or the first
+ * (plait_cpu.h), what the layer-by-layer forward's prompt pass computes. x [rows, hidden]
+ * (dense) is the residual stream, updated in place; out [rows, hidden]. Returns PLAIT_OK, or the first
  * failing kernel's code: PLAIT_ERR_SHAPES for shapes a kernel refuses (RoPE: odd D; the
  * attention's limits; a weight descriptor of other rows, or one plait_qgemm refuses), PLAIT_ERR_NOMEM when one cannot allocate (layers after it are not
  * run; x is then partly updated). */
