@@ -512,6 +512,15 @@ static void attend_task_bf16_dot_var(TASK_PARAMS) { attend_task(TASK_ARGS, 1, 1,
 #undef TASK_PARAMS
 #undef TASK_ARGS
 
+/* Whether plait_decode_attention takes PLAIT_ATTN_AMX in this process (plait_cpu.h). */
+int plait_attention_amx(void) {
+#if ATTN_AMX
+  return plait_repack_prompt_bf16();
+#else
+  return 0;
+#endif
+}
+
 /* Decode attention: one query token per sequence over its paged K/V, read in place.
  *
  * Sequences come in chunks: chunk c is sequences chunk_start[c] .. chunk_start[c+1] - 1,
@@ -540,14 +549,6 @@ static void attend_task_bf16_dot_var(TASK_PARAMS) { attend_task(TASK_ARGS, 1, 1,
  * before the softmax (vtanh, a few ulps).
  * D must be a multiple of LANES and every sequence must attend at least one token.
  * Returns 0, -1 if the shapes exceed this kernel's limits (or window, softcap < 0). */
-int plait_attention_amx(void) {
-#if ATTN_AMX
-  return plait_repack_prompt_bf16();
-#else
-  return 0;
-#endif
-}
-
 #define OUT_ROW(i) (out_rows ? out_rows[i] : (i))
 int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
                            const void *v_cache, int kv_dtype, long block_size, long num_kv_heads,
@@ -556,12 +557,16 @@ int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
                            const int32_t *chunk_shared, const int64_t *q_rows,
                            const int64_t *table_rows, const int32_t *ctx_len, float scale,
                            long window, float softcap, float *out, const int64_t *out_rows) {
-  if (kv_dtype & PLAIT_ATTN_AMX) {  /* prompt rows (attention_amx.h) */
+  const int amx = kv_dtype == (PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT | PLAIT_ATTN_AMX);
+  if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % LANES || window < 0 ||
+      !(softcap >= 0) ||
+      head_dim > PLAIT_MAX_HEAD_DIM || block_size > PLAIT_MAX_BLOCK ||
+      (kv_dtype != PLAIT_KV_F32 && kv_dtype != PLAIT_KV_BF16 &&
+       kv_dtype != (PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT) && !amx))
+    return PLAIT_ERR_SHAPES;
+  if (amx) {  /* prompt rows (attention_amx.h) */
 #if ATTN_AMX
-    if (kv_dtype != (PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT | PLAIT_ATTN_AMX) ||
-        num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % 32 ||
-        head_dim > PLAIT_MAX_HEAD_DIM || block_size > PLAIT_MAX_BLOCK || window != 0 ||
-        softcap != 0 || !plait_repack_prompt_bf16())
+    if (head_dim % 32 || window != 0 || softcap != 0 || !plait_repack_prompt_bf16())
       return PLAIT_ERR_SHAPES;
     return ax_attention(q, q_stride, k_cache, v_cache, block_size, num_kv_heads, num_heads,
                         head_dim, block_tables, table_stride, num_chunks, chunk_start, q_rows,
@@ -570,12 +575,6 @@ int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
     return PLAIT_ERR_SHAPES;
 #endif
   }
-  if (num_kv_heads < 1 || num_heads % num_kv_heads || head_dim % LANES || window < 0 ||
-      !(softcap >= 0) ||
-      head_dim > PLAIT_MAX_HEAD_DIM || block_size > PLAIT_MAX_BLOCK ||
-      (kv_dtype != PLAIT_KV_F32 && kv_dtype != PLAIT_KV_BF16 &&
-       kv_dtype != (PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT)))
-    return PLAIT_ERR_SHAPES;
   const long G = num_heads / num_kv_heads;
   /* a window or a softcap: the copies that apply them (the others hold no such code) */
   const int var = window > 0 || softcap > 0;

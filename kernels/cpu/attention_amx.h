@@ -1,6 +1,7 @@
 /* Prompt rows' attention on AMX-BF16 tiles: plait_decode_attention with kv_dtype
  * PLAIT_KV_BF16 | PLAIT_ATTN_BF16_DOT | PLAIT_ATTN_AMX (plait_cpu.h). Included by
- * attention.c after attention_bf16.h (transpose16) and the online softmax's helpers.
+ * attention.c after attention_bf16.h (transpose16, PAIR_WORDS) and the online softmax's
+ * helpers.
  *
  * The engine attends a step's prompt rows in a pass of their own (the products'
  * prompt_rows), so their attention may have arithmetic of its own, as long as a prompt
@@ -104,10 +105,9 @@ static inline void ax_queries(int nc, const float *const *qcol, float scale, lon
 }
 
 /* V^T of one sequence and KV head for tokens [0, ctx): vt[d * tpad + t] = v[t][d] (bfloat16
- * words), zero from ctx to tpad (>= ctx rounded up to 16, plus 16: a slice's A tile reads
- * 16 tokens from wherever it starts). vh: the V cache offset to the head; table: the
- * sequence's blocks. 16 tokens x 16 d at a time, widened to float32 (exact), transposed
- * and narrowed back. */
+ * words), zero from ctx to tpad (ax_tpad(ctx)); tokens [t0, t0 + 16) of it. vh: the V
+ * cache offset to the head; table: the sequence's blocks. 16 tokens x 16 d at a time,
+ * widened to float32 (exact), transposed and narrowed back. */
 static void ax_transpose_values(const uint16_t *vh, const int32_t *table, long block_size,
                                 long stride, long head_dim, long ctx, long tpad, long t0,
                                 uint16_t *vt) {
@@ -264,52 +264,41 @@ static void ax_groups(ax_group_t *g, int ng, const int32_t *table, const uint16_
   for (int i = 0; i < ng; i++) ax_finish(&g[i], D);
 }
 
-/* The sequences (block-table rows) of a call, each once: the longest context its rows
- * attend, and where its V^T (all KV heads, ax_transpose_values) starts in one buffer. */
-typedef struct {
-  long count;
-  int64_t *table;  /* [count] its block-table row */
-  long *ctx;       /* [count] */
-  long *tpad;      /* [count] tokens a V^T row */
-  size_t *at;      /* [count] words before its V^T (head h at + h D tpad) */
-  long *slot;      /* [rows] the sequence of each row */
-} ax_seqs_t;
+/* Tokens a row of a sequence's V^T holds, for a context of ctx: ctx rounded up to 16,
+ * plus 16 (a slice's A tile reads 16 tokens from wherever the slice starts). */
+static inline long ax_tpad(long ctx) { return (ctx + 15) / 16 * 16 + 16; }
 
-static int ax_find_seqs(long rows, const int64_t *table_rows, const int32_t *ctx_len,
-                        long num_kv_heads, long head_dim, ax_seqs_t *s, size_t *words) {
-  s->count = 0;
-  s->table = malloc(sizeof(int64_t) * (size_t)(rows + 1));
-  s->ctx = malloc(sizeof(long) * (size_t)(rows + 1));
-  s->tpad = malloc(sizeof(long) * (size_t)(rows + 1));
-  s->at = malloc(sizeof(size_t) * (size_t)(rows + 1));
-  s->slot = malloc(sizeof(long) * (size_t)(rows + 1));
-  if (!s->table || !s->ctx || !s->tpad || !s->at || !s->slot) return PLAIT_ERR_NOMEM;
+/* A sequence (block-table row) of a call: the longest context its rows attend, and where
+ * its V^T starts in the call's buffer (head h at at + h D ax_tpad(ctx) words). */
+typedef struct {
+  int64_t table;
+  long ctx;
+  size_t at;
+} ax_seq_t;
+
+/* The call's sequences, each once, into seq (room for `rows`), slot[i] that of row i;
+ * returns how many, *words the bfloat16 words of all their V^T. */
+static long ax_find_seqs(long rows, const int64_t *table_rows, const int32_t *ctx_len,
+                         long num_kv_heads, long head_dim, ax_seq_t *seq, long *slot,
+                         size_t *words) {
+  long count = 0;
   for (long i = 0; i < rows; i++) {
-    long j = s->count - 1;  /* the rows of a sequence mostly come together */
-    while (j >= 0 && s->table[j] != table_rows[i]) j--;
+    long j = count - 1;  /* the rows of a sequence mostly come together */
+    while (j >= 0 && seq[j].table != table_rows[i]) j--;
     if (j < 0) {
-      j = s->count++;
-      s->table[j] = table_rows[i];
-      s->ctx[j] = 0;
+      j = count++;
+      seq[j].table = table_rows[i];
+      seq[j].ctx = 0;
     }
-    s->ctx[j] = ctx_len[i] > s->ctx[j] ? ctx_len[i] : s->ctx[j];
-    s->slot[i] = j;
+    seq[j].ctx = ctx_len[i] > seq[j].ctx ? ctx_len[i] : seq[j].ctx;
+    slot[i] = j;
   }
   *words = 0;
-  for (long j = 0; j < s->count; j++) {
-    s->tpad[j] = (s->ctx[j] + 15) / 16 * 16 + 16;
-    s->at[j] = *words;
-    *words += (size_t)(num_kv_heads * head_dim * s->tpad[j]);
+  for (long j = 0; j < count; j++) {
+    seq[j].at = *words;
+    *words += (size_t)(num_kv_heads * head_dim * ax_tpad(seq[j].ctx));
   }
-  return PLAIT_OK;
-}
-
-static void ax_free_seqs(ax_seqs_t *s) {
-  free(s->table);
-  free(s->ctx);
-  free(s->tpad);
-  free(s->at);
-  free(s->slot);
+  return count;
 }
 
 /* plait_decode_attention's contract over a bfloat16 cache for prompt rows (the file's
@@ -325,26 +314,29 @@ static int ax_attention(const float *q, long q_stride, const uint16_t *k_cache,
                         const int32_t *ctx_len, float scale, float *out,
                         const int64_t *out_rows) {
   const long G = num_heads / num_kv_heads, stride = num_kv_heads * head_dim;
-  ax_seqs_t seqs = {0};
+  const long rows = chunk_start[num_chunks];
+  ax_seq_t *seq = malloc(sizeof(ax_seq_t) * (size_t)(rows + 1));
+  long *slot = malloc(sizeof(long) * (size_t)(rows + 1));
   size_t words = 0;
-  int rc = ax_find_seqs(chunk_start[num_chunks], table_rows, ctx_len, num_kv_heads,
-                        head_dim, &seqs, &words);
-  uint16_t *vt = rc == PLAIT_OK ? aligned_alloc(64, (2 * words + 63) / 64 * 64 + 64) : NULL;
-  if (rc == PLAIT_OK && !vt) rc = PLAIT_ERR_NOMEM;
-  if (rc != PLAIT_OK) {
-    ax_free_seqs(&seqs);
-    return rc;
+  const long count = seq && slot ? ax_find_seqs(rows, table_rows, ctx_len, num_kv_heads,
+                                                head_dim, seq, slot, &words)
+                                 : 0;
+  uint16_t *vt = seq && slot ? aligned_alloc(64, (2 * words + 63) / 64 * 64 + 64) : NULL;
+  if (!vt) {
+    free(seq);
+    free(slot);
+    return PLAIT_ERR_NOMEM;
   }
   int nomem = 0;
 #pragma omp parallel
   {
 #pragma omp for schedule(dynamic, 1)
-    for (long item = 0; item < seqs.count * num_kv_heads; item++) {
-      const long j = item / num_kv_heads, h = item % num_kv_heads;
-      for (long t0 = 0; t0 < seqs.tpad[j]; t0 += 16)
-        ax_transpose_values(v_cache + h * head_dim, block_tables + seqs.table[j] * table_stride,
-                            block_size, stride, head_dim, seqs.ctx[j], seqs.tpad[j], t0,
-                            vt + seqs.at[j] + (size_t)(h * head_dim * seqs.tpad[j]));
+    for (long item = 0; item < count * num_kv_heads; item++) {
+      const long j = item / num_kv_heads, h = item % num_kv_heads, tpad = ax_tpad(seq[j].ctx);
+      for (long t0 = 0; t0 < tpad; t0 += 16)
+        ax_transpose_values(v_cache + h * head_dim, block_tables + seq[j].table * table_stride,
+                            block_size, stride, head_dim, seq[j].ctx, tpad, t0,
+                            vt + seq[j].at + (size_t)(h * head_dim * tpad));
     }
     ax_config();
     ax_group_t *groups = aligned_alloc(64, sizeof(ax_group_t) * AX_GROUPS);
@@ -358,7 +350,7 @@ static int ax_attention(const float *q, long q_stride, const uint16_t *k_cache,
       long ctx[AX_COLS];
       for (long a = 0; a < nq;) {  /* a bundle: the groups of one table */
         const int64_t table = table_rows[first + a / G];
-        const long j = seqs.slot[first + a / G];
+        const long j = slot[first + a / G], tpad = ax_tpad(seq[j].ctx);
         int ng = 0;
         for (; ng < AX_GROUPS && a < nq && table_rows[first + a / G] == table; ng++) {
           int nc = 0;
@@ -371,8 +363,8 @@ static int ax_attention(const float *q, long q_stride, const uint16_t *k_cache,
           ax_start(&groups[ng], nc, qcol[ng], ctx, scale, head_dim, ocol[ng]);
         }
         ax_groups(groups, ng, block_tables + table * table_stride, k_cache + h * head_dim,
-                  vt + seqs.at[j] + (size_t)(h * head_dim * seqs.tpad[j]), seqs.tpad[j],
-                  block_size, stride, head_dim);
+                  vt + seq[j].at + (size_t)(h * head_dim * tpad), tpad, block_size, stride,
+                  head_dim);
       }
     }
     if (!groups) __atomic_store_n(&nomem, 1, __ATOMIC_RELAXED);
@@ -380,7 +372,8 @@ static int ax_attention(const float *q, long q_stride, const uint16_t *k_cache,
     _tile_release();
   }
   free(vt);
-  ax_free_seqs(&seqs);
+  free(seq);
+  free(slot);
   return nomem ? PLAIT_ERR_NOMEM : PLAIT_OK;
 }
 

@@ -191,6 +191,9 @@ int plait_repack_gemm(const float *x, long M, long ldx, const int64_t *desc, lon
 int plait_repack_dequantize(const int64_t *desc, long K, const int64_t *rows, long num_rows,
                             float *out);
 
+/* attention.c: 1 where plait_decode_attention takes PLAIT_ATTN_AMX (a build with AMX-BF16
+ * and plait_repack_prompt_bf16()), else 0. */
+int plait_attention_amx(void);
 /* attention.c: one query per sequence over its paged K/V (PLAIT_KV_* kv_dtype elements,
  * PLAIT_KV_BF16 possibly with PLAIT_ATTN_BF16_DOT), read in place; the sequences of a chunk
  * read their chunk_shared[c] common tokens once. window > 0: sequence i attends only its
@@ -199,9 +202,6 @@ int plait_repack_dequantize(const int64_t *desc, long K, const int64_t *rows, lo
  * PLAIT_MAX_QUERIES, D a multiple of lanes, kv_dtype one of those, window and softcap >= 0
  * (PLAIT_ERR_SHAPES). A sequence's result does not depend on its chunk, on chunk_shared or
  * on the other sequences of the call (row invariance). */
-/* attention.c: 1 where plait_decode_attention takes PLAIT_ATTN_AMX (a build with AMX-BF16
- * and plait_repack_prompt_bf16()), else 0. */
-int plait_attention_amx(void);
 int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
                            const void *v_cache, int kv_dtype, long block_size, long num_kv_heads,
                            long num_heads, long head_dim, const int32_t *block_tables,

@@ -42,7 +42,8 @@
 /* Loads the calling thread's tile configuration: tmm0, tmm1 A; tmm2, tmm3 B; tmm4 .. tmm7
  * C; each 16 rows x 64 bytes. */
 static void ab_config(void) {
-  const int colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64}, rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+  const int colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+  const int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
   am_load_config(colsb, rows);
 }
 
