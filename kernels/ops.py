@@ -160,11 +160,15 @@ class TorchOps:
         k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [T] int64
+        k_offset: torch.Tensor | None = None,  # [H_kv, D] float32
     ) -> torch.Tensor:  # [T, H, D] q rotated
-        """RoPE of q and k (`apply_rope`: the first R dims of each head), then k and v
+        """RoPE of q and k (`apply_rope`: the first R dims of each head), then k (less
+        `k_offset` where given: the layer's key offset, engine/models/key_offset.py) and v
         written to the cache at their slots. The table is the caller's, per call (a model
         whose layers differ in theta passes each layer's own)."""
         q, k = apply_rope(cos_sin, positions, q, k)
+        if k_offset is not None:
+            k = k - k_offset
         self.write_kv(k, v, k_cache, v_cache, slot_mapping)
         return q
 
@@ -253,9 +257,10 @@ class CpuNativeOps(TorchOps):
 
     def rope_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos_sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_offset: torch.Tensor | None = None) -> torch.Tensor:
         return native.rope_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache,
-                                    slot_mapping)
+                                    slot_mapping, k_offset)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return native.silu_mul(gate_up)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from plait.engine.model_config import ModelConfig
+from plait.engine.models.key_offset import key_offset, uses_key_offset
 from plait.engine.models.linear import Linear
 from plait.kernels import AttentionMetadata, TorchOps
 
@@ -72,6 +73,19 @@ class Attention(nn.Module):
             per_head = cfg.qk_norm == "head"
             self.q_norm = RMSNorm(self.head_dim if per_head else q_size, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim if per_head else kv_size, cfg.rms_norm_eps)
+        # [H_kv, D] subtracted from every stored key (key_offset.py), set by `bind_cache`
+        self.k_offset: torch.Tensor | None = None
+
+    def bind_cache(self, cache_dtype: torch.dtype, cos_sin: torch.Tensor) -> None:
+        """Derive the key offset for a cache of `cache_dtype` (None where the layer does
+        not use one) from the loaded k bias and this layer's RoPE table."""
+        bias = self.qkv_proj.bias
+        self.k_offset = None
+        if uses_key_offset(cache_dtype, bias is not None, self.softcap, self.qk_norm):
+            assert bias is not None
+            q_size, kv_size, _ = self.split
+            self.k_offset = key_offset(bias[q_size:q_size + kv_size], self.num_kv_heads,
+                                       self.head_dim, cos_sin if self.rope else None)
 
     def forward(
         self,
@@ -94,9 +108,10 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         if self.rope:
             q = self.ops.rope_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache,
-                                       meta.slot_mapping)
+                                       meta.slot_mapping, self.k_offset)
         else:  # a NoPE layer: q and k as they are
-            self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            stored = k if self.k_offset is None else k - self.k_offset
+            self.ops.write_kv(stored, v, k_cache, v_cache, meta.slot_mapping)
         if prune and meta.keep is not None:
             if meta.keep.numel() == 0:
                 return x.new_empty(0, self.o_proj.out_features)

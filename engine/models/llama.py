@@ -72,9 +72,14 @@ class LlamaForCausalLM(nn.Module):
 
     def bind(self, kv_caches: list[KVCache]) -> None:
         """Give the model its KV caches (one (k, v) per layer), after its linear layers have
-        their final format: where the ops table runs whole stacks, the layers' addresses
-        are gathered here, once."""
+        their final format: each attention derives its key offset for the caches' dtype
+        (key_offset.py); where the ops table runs whole stacks, the layers' addresses are
+        gathered here, once."""
         self.kv_caches = list(kv_caches)
+        for layer, (k_cache, _) in zip(self.decoder_layers(), self.kv_caches, strict=True):
+            table = self.cos_sin_local if layer.local_rope else self.cos_sin
+            assert table is not None
+            layer.self_attn.bind_cache(k_cache.dtype, table)
         self.stack = self._native_stack() if self.ops.stack_rows else None
 
     def forward(
@@ -132,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
                 down=mlp.down_proj.stack_weight(),
                 extra_bias=any(lin.bias is not None for lin in
                                (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                k_cache=k, v_cache=v))
+                k_cache=k, v_cache=v, k_offset=attn.k_offset))
         shape = StackShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.intermediate_size, cfg.rms_norm_eps)
         return gather_stack(parts, shape, self.norm.weight.detach(), self.cos_sin,

@@ -77,7 +77,8 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
     float *q = qkv, *k = qkv + q_dim, *v = k + kv_dim;
     RUN(plait_rope_write_kv(q, qkv_dim, k, qkv_dim, v, qkv_dim, rows, num_heads, num_kv_heads,
                             head_dim, head_dim, cos_sin, positions, CACHE(PLAIT_STACK_K_CACHE),
-                            CACHE(PLAIT_STACK_V_CACHE), cache_dtype, slot_mapping));
+                            CACHE(PLAIT_STACK_V_CACHE), cache_dtype, slot_mapping,
+                            PTR(PLAIT_STACK_K_OFFSET)));
     RUN(plait_decode_attention(q, qkv_dim, CACHE(PLAIT_STACK_K_CACHE),
                                CACHE(PLAIT_STACK_V_CACHE), attn_dtype, block_size,
                                num_kv_heads, num_heads, head_dim, block_tables, table_stride,

@@ -32,14 +32,21 @@ def rope_write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] float32 or bf16 contiguous
     v_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D] as k_cache
     slot_mapping: torch.Tensor,  # [T] int64, -1 = not written
+    k_offset: torch.Tensor | None = None,  # [H_kv, D] float32, subtracted from stored keys
 ) -> torch.Tensor:  # q
     """`apply_rope` (neox style, over the first R dims of each head: partial rotary when
     R < D, the rest passed through) of q in place and of k, then `write_kv` of the rotated k
-    and of v, in one pass over the step's tokens; the same bits as the plain-torch path
-    (into a bfloat16 cache: the float32 values rounded to nearest even, as
-    `.to(torch.bfloat16)`)."""
+    (less `k_offset` where given) and of v, in one pass over the step's tokens; the same
+    bits as the plain-torch path (into a bfloat16 cache: the float32 values rounded to
+    nearest even, as `.to(torch.bfloat16)`)."""
     if not rope_fits(q, k, v, k_cache, v_cache):
         raise ValueError("rope_write_kv: tensors do not fit (see rope_fits)")
+    if k_offset is not None and (k_offset.dtype != torch.float32 or k_offset.device.type
+                                 != "cpu" or k_offset.shape != k.shape[1:]
+                                 or not k_offset.is_contiguous()):
+        raise ValueError(f"rope_write_kv: a key offset of {tuple(k_offset.shape)} "
+                         f"{k_offset.dtype} for keys of {tuple(k.shape[1:])}: it must be "
+                         "a contiguous float32 CPU tensor of the keys' [H_kv, D]")
     rot = cos_sin.shape[-1]
     if rot % 2 or not 0 < rot <= q.shape[2]:
         raise ValueError(f"rope_write_kv: a RoPE table of width {rot} for heads of "
@@ -51,7 +58,8 @@ def rope_write_kv(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         q.shape[0], q.shape[1], k.shape[1], q.shape[2], rot, cos_sin.data_ptr(),
         positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        KV_DTYPES[k_cache.dtype], slot_mapping.data_ptr()), "rope_write_kv")
+        KV_DTYPES[k_cache.dtype], slot_mapping.data_ptr(),
+        None if k_offset is None else k_offset.data_ptr()), "rope_write_kv")
     return q
 
 

@@ -104,6 +104,7 @@ enum plait_stack_pointer {
   PLAIT_STACK_DOWN_WEIGHT,    /* descriptor of [hidden, I] */
   PLAIT_STACK_K_CACHE,        /* [num_blocks, block_size, H_kv, D] of the stack's kv_dtype */
   PLAIT_STACK_V_CACHE,        /* [num_blocks, block_size, H_kv, D] of the stack's kv_dtype */
+  PLAIT_STACK_K_OFFSET,       /* [H_kv, D] subtracted from every stored key, or 0: none */
   PLAIT_STACK_POINTERS
 };
 
@@ -211,13 +212,15 @@ int plait_decode_attention(const float *q, long q_stride, const void *k_cache,
                            long window, float softcap, float *out, const int64_t *out_rows);
 
 /* rowwise.c: neox RoPE of the first rot_dim dims of each head of q (in place) and k (the
- * rest pass through; cos_sin rows of rot_dim), k and v written to the caches (PLAIT_KV_*
- * kv_dtype elements; bfloat16 rounded to nearest even) at slots (-1: not written); the same
- * bits as the torch path. rot_dim odd, <= 0 or > D, another kv_dtype: PLAIT_ERR_SHAPES. */
+ * rest pass through; cos_sin rows of rot_dim), k - k_offset ([H_kv, D]; NULL: k) and v
+ * written to the caches (PLAIT_KV_* kv_dtype elements; bfloat16 rounded to nearest even) at
+ * slots (-1: not written); the same bits as the torch path. rot_dim odd, <= 0 or > D,
+ * another kv_dtype: PLAIT_ERR_SHAPES. */
 int plait_rope_write_kv(float *q, long q_stride, const float *k, long k_stride, const float *v,
                         long v_stride, long num_tokens, long num_heads, long num_kv_heads,
                         long head_dim, long rot_dim, const float *cos_sin, const int64_t *positions,
-                        void *k_cache, void *v_cache, int kv_dtype, const int64_t *slots);
+                        void *k_cache, void *v_cache, int kv_dtype, const int64_t *slots,
+                        const float *k_offset);
 
 /* rowwise.c: sum_out = x + add (add NULL: nothing added, sum_out unused), out =
  * rms_norm(sum) * w, row by row. Negative sizes: PLAIT_ERR_SHAPES. */

@@ -19,7 +19,7 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
     float *q, long q_stride, const float *k, long k_stride, const float *v, long v_stride,
     long num_tokens, long num_heads, long num_kv_heads, long head_dim, long rot_dim,
     const float *cos_sin, const int64_t *positions, void *k_cache, void *v_cache,
-    const int64_t *slots, const int bf16) {
+    const int64_t *slots, const float *k_offset, const int bf16) {
   const long half = rot_dim / 2, kv_dim = num_kv_heads * head_dim;
 #pragma omp parallel for schedule(static) if (num_tokens >= 64)
   for (long t = 0; t < num_tokens; t++) {
@@ -37,6 +37,16 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
     for (long h = 0; h < num_kv_heads; h++) {
       const float *x = k + t * k_stride + h * head_dim;
       const long o = at + h * head_dim;
+      if (k_offset) {
+        const float *c = k_offset + h * head_dim;
+        for (long i = 0; i < half; i++) {
+          const float x1 = x[i], x2 = x[i + half];
+          put_kv(k_cache, o + i, (x1 * cs[i] - x2 * sn[i]) - c[i], bf16);
+          put_kv(k_cache, o + i + half, (x2 * cs[i] + x1 * sn[i]) - c[i + half], bf16);
+        }
+        for (long i = rot_dim; i < head_dim; i++) put_kv(k_cache, o + i, x[i] - c[i], bf16);
+        continue;
+      }
       for (long i = 0; i < half; i++) {
         const float x1 = x[i], x2 = x[i + half];
         put_kv(k_cache, o + i, x1 * cs[i] - x2 * sn[i], bf16);
@@ -59,24 +69,26 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
  * v_stride) copied into v_cache at slot slots[t] (caches [num_slots, H_kv, D] contiguous, of
  * kv_dtype elements: PLAIT_KV_F32, or PLAIT_KV_BF16, each value rounded to nearest even as
  * torch's .to(torch.bfloat16) rounds it; slot -1: not written). Token t's angles are row
- * positions[t] of cos_sin [P, rot_dim] (cos | sin halves). Without FMA contraction, each element
- * is (x1 * cos) - (x2 * sin) rounded as torch's separate multiplies and subtraction round
- * it, so the result is the same bits as the plain-torch path. Returns PLAIT_OK, or
+ * positions[t] of cos_sin [P, rot_dim] (cos | sin halves). k_offset [H_kv, D] (NULL: none)
+ * is subtracted from every rotated k before it is stored (the model's key offset,
+ * engine/models/key_offset.py). Without FMA contraction, each element is (x1 * cos) -
+ * (x2 * sin) (then - k_offset) rounded as torch's separate multiplies and subtractions
+ * round it, so the result is the same bits as the plain-torch path. Returns PLAIT_OK, or
  * PLAIT_ERR_SHAPES if rot_dim is odd, <= 0 or > D, or kv_dtype another value. */
 __attribute__((optimize("fp-contract=off"))) int plait_rope_write_kv(
     float *q, long q_stride, const float *k, long k_stride, const float *v, long v_stride,
     long num_tokens, long num_heads, long num_kv_heads, long head_dim, long rot_dim,
     const float *cos_sin, const int64_t *positions, void *k_cache, void *v_cache,
-    int kv_dtype, const int64_t *slots) {
+    int kv_dtype, const int64_t *slots, const float *k_offset) {
   if (rot_dim % 2 || rot_dim <= 0 || rot_dim > head_dim ||
       (kv_dtype != PLAIT_KV_F32 && kv_dtype != PLAIT_KV_BF16))
     return PLAIT_ERR_SHAPES;
   if (kv_dtype == PLAIT_KV_BF16)
     rope_write_kv(q, q_stride, k, k_stride, v, v_stride, num_tokens, num_heads, num_kv_heads,
-                  head_dim, rot_dim, cos_sin, positions, k_cache, v_cache, slots, 1);
+                  head_dim, rot_dim, cos_sin, positions, k_cache, v_cache, slots, k_offset, 1);
   else
     rope_write_kv(q, q_stride, k, k_stride, v, v_stride, num_tokens, num_heads, num_kv_heads,
-                  head_dim, rot_dim, cos_sin, positions, k_cache, v_cache, slots, 0);
+                  head_dim, rot_dim, cos_sin, positions, k_cache, v_cache, slots, k_offset, 0);
   return PLAIT_OK;
 }
 

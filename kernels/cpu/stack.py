@@ -115,6 +115,7 @@ class StackLayer:
     extra_bias: bool
     k_cache: torch.Tensor  # [num_blocks, block_size, H_kv, D]
     v_cache: torch.Tensor
+    k_offset: torch.Tensor | None = None  # [H_kv, D] subtracted from stored keys
 
 
 def _dense(t: torch.Tensor | None) -> bool:
@@ -133,13 +134,15 @@ def _layer_row(layer: StackLayer) -> tuple[list[int], list[torch.Tensor]] | None
     if any(w is None for w in weights) or layer.extra_bias \
             or not (_dense(layer.input_norm) and _dense(layer.post_norm)) \
             or not native.kv_caches_fit(layer.k_cache, layer.v_cache) \
-            or (layer.qkv_bias is not None and not _dense(layer.qkv_bias)):
+            or (layer.qkv_bias is not None and not _dense(layer.qkv_bias)) \
+            or (layer.k_offset is not None and not _dense(layer.k_offset)):
         return None
     qkv, o, gate_up, down = (w.desc for w in weights if w is not None)
     named: dict[str, torch.Tensor | None] = {
         "input_norm": layer.input_norm, "qkv_weight": qkv, "qkv_bias": layer.qkv_bias,
         "o_weight": o, "post_norm": layer.post_norm, "gate_up_weight": gate_up,
-        "down_weight": down, "k_cache": layer.k_cache, "v_cache": layer.v_cache}
+        "down_weight": down, "k_cache": layer.k_cache, "v_cache": layer.v_cache,
+        "k_offset": layer.k_offset}
     held = [t for w in weights if w is not None for t in w.tensors]
     held += [t for t in named.values() if t is not None]
     return [_address(named[n]) for n in STACK_POINTERS], held

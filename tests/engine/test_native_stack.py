@@ -64,7 +64,8 @@ def _both(model: LlamaForCausalLM, harness: PagedHarness, ids, positions, meta):
 
 @pytest.mark.parametrize(("model_type", "kv_dtype"), [
     ("llama", torch.float32), ("qwen2", torch.float32),  # qwen2: a q|k|v bias
-    ("llama", torch.bfloat16)])  # --kv-cache-dtype bfloat16
+    ("llama", torch.bfloat16),  # --kv-cache-dtype bfloat16
+    ("qwen2", torch.bfloat16)])  # and keys stored less the layers' key offsets
 def test_decode_step_is_the_layer_loop_bit_for_bit(tmp_path, default_model, model_type,
                                                    kv_dtype) -> None:
     """Six decode rows in an order that interleaves the shared group with rows alone, so
@@ -78,6 +79,8 @@ def test_decode_step_is_the_layer_loop_bit_for_bit(tmp_path, default_model, mode
                                          for i in order])
     (stacked, kv_stack), (looped, kv_loop) = _both(model, harness, ids, positions, meta)
     assert model.stack is not None and model.stack.kv_dtype == native.KV_DTYPES[kv_dtype]
+    offsets = model.stack.layers[:, STACK_POINTERS.index("k_offset")]
+    assert bool((offsets != 0).all()) == (model_type == "qwen2" and kv_dtype == torch.bfloat16)
     assert stacked is not None and stacked.shape == (6, model.config.hidden_size)
     assert torch.equal(stacked, looped)
     for (k, v), (k_ref, v_ref) in zip(kv_stack, kv_loop, strict=True):

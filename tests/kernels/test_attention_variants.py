@@ -388,10 +388,12 @@ def test_one_plan_serves_every_variant_through_the_native_ops(batch_name):
 @needs_native
 @pytest.mark.parametrize("rot", [96, 128])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_native_partial_rotary_is_the_torch_path_bit_for_bit(rot, cache_dtype):
+@pytest.mark.parametrize("offset", [False, True])
+def test_native_partial_rotary_is_the_torch_path_bit_for_bit(rot, cache_dtype, offset):
     """`native.rope_write_kv` with a table of width R (96 of 128: Phi-3) equals
     `apply_rope` then `write_kv_reference` exactly: q in place in its strided qkv buffer,
-    the rotated k and v at their slots, a slot of -1 not written."""
+    the rotated k (less the key offset, where given: every dim, rotated or not) and v at
+    their slots, a slot of -1 not written; `TorchOps.rope_write_kv` writes the same."""
     from plait.engine.models.rope import rope_cos_sin
 
     gen = torch.Generator().manual_seed(rot)
@@ -409,15 +411,26 @@ def test_native_partial_rotary_is_the_torch_path_bit_for_bit(rot, cache_dtype):
 
     caches = [torch.randn(10, 8, kv_heads, head_dim, generator=gen).to(cache_dtype)
               for _ in range(2)]
+    k_offset = 30 * torch.randn(kv_heads, head_dim, generator=gen) if offset else None
     expected = [c.clone() for c in caches]
     q, k, v = split(qkv.clone())
     q_ref, k_ref = apply_rope(cos_sin, positions, q, k)
-    write_kv_reference(k_ref, v, *expected, slots)
+    write_kv_reference(k_ref if k_offset is None else k_ref - k_offset, v, *expected, slots)
+    torch_caches, valid = [c.clone() for c in caches], slots >= 0  # (it takes no -1 slot)
+    shape = AttentionShape(heads, kv_heads, head_dim, 8)
+    q_torch = TorchOps(shape).rope_write_kv(
+        *(t[valid] for t in split(qkv.clone())), cos_sin, positions[valid], *torch_caches,
+        slots[valid], k_offset)
+    assert torch.equal(q_torch, q_ref[valid])
+    assert all(torch.equal(a, b) for a, b in zip(torch_caches, expected, strict=True))
     q, k, v = split(qkv.clone())
-    out = native.rope_write_kv(q, k, v, cos_sin, positions, *caches, slots)
+    out = native.rope_write_kv(q, k, v, cos_sin, positions, *caches, slots, k_offset)
     assert out.data_ptr() == q.data_ptr()
     assert torch.equal(q, q_ref)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    if k_offset is not None:
+        with pytest.raises(ValueError, match="key offset"):
+            native.rope_write_kv(q, k, v, cos_sin, positions, *caches, slots, k_offset[:1])
     torch.testing.assert_close(q.double(), _explicit_rope(split(qkv)[0], positions, rot,
                                                            10000.0), atol=2e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="RoPE table"):

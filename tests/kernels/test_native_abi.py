@@ -96,7 +96,7 @@ def test_library_exports_exactly_the_declared_functions_with_generated_signature
                                      for p in params], name
     # spot checks against the C, independent of the parser
     assert len(lib.plait_decode_attention.argtypes) == 22
-    assert len(lib.plait_rope_write_kv.argtypes) == 17
+    assert len(lib.plait_rope_write_kv.argtypes) == 18
     assert len(lib.plait_decoder_stack.argtypes) == 26
     assert lib.plait_lanes.argtypes == []
     assert len(lib.plait_qgemm.argtypes) == 8 and len(lib.plait_dequantize.argtypes) == 5
@@ -168,7 +168,7 @@ def test_python_constants_are_the_headers() -> None:
             constants["PLAIT_ERR_NOMEM"]) == (0, -1, -2)
     assert native.STACK_POINTERS == build.STACK_POINTERS == ABI.stack_pointers == (
         "input_norm", "qkv_weight", "qkv_bias", "o_weight", "post_norm", "gate_up_weight",
-        "down_weight", "k_cache", "v_cache")
+        "down_weight", "k_cache", "v_cache", "k_offset")
     # the enum as the C compiler numbers it: the header text, in order
     enum = re.findall(r"^\s*PLAIT_STACK_(\w+)", HEADER_TEXT, flags=re.M)
     assert tuple(n.lower() for n in enum) == (*native.STACK_POINTERS, "pointers")
@@ -233,10 +233,10 @@ def test_return_codes_follow_the_header_convention() -> None:
     # a rotated width odd, zero, or past the head: refused before anything is read
     for head_dim, rot_dim in ((3, 3), (4, 3), (4, 0), (4, 6)):
         assert lib.plait_rope_write_kv(*(None, 0) * 3, 0, 1, 1, head_dim, rot_dim,
-                                       *(None,) * 4, f32, None) == shapes
+                                       *(None,) * 4, f32, None, None) == shapes
     # a KV element type the kernels do not know: refused before anything is read
     assert lib.plait_rope_write_kv(*(None, 0) * 3, 0, 1, 1, 2, 2, *(None,) * 4, 7,
-                                   None) == shapes
+                                   None, None) == shapes
     # attention: a head_dim beyond PLAIT_MAX_HEAD_DIM is refused before anything is read
     lanes = native.lanes()
     assert lib.plait_decode_attention(
