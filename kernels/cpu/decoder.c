@@ -2,20 +2,37 @@
 #include "plait_cpu.h"
 #include "vec.h"
 
+/* The rows of W that a descriptor holds (0 for NULL). */
+static long desc_rows(const int64_t *desc) {
+  const int64_t parts = desc ? desc[0] & ~(int64_t)(PLAIT_QGEMM_BF16 | PLAIT_QGEMM_REPACKED)
+                             : 0;
+  long total = 0;
+  for (int64_t i = 0; i < parts && i < PLAIT_MAX_PARTS; i++) total += desc[3 + 3 * i];
+  return total;
+}
+
 /* y[rows, n] = x @ W^T (+ bias) through plait_qgemm, W the descriptor at `desc` (its
  * PLAIT_QGEMM_BF16 or PLAIT_QGEMM_REPACKED flag, if set, for plait_qgemm; with `prompt`, a
  * PLAIT_QGEMM_REPACKED one through plait_repack_gemm_bf16), which must hold n rows
  * (PLAIT_ERR_SHAPES otherwise: the table does not fit the shapes). */
 static int linear(const float *x, long rows, long k, const int64_t *desc, long n,
                   const float *bias, float *y, int prompt) {
-  const int64_t parts = desc ? desc[0] & ~(int64_t)(PLAIT_QGEMM_BF16 | PLAIT_QGEMM_REPACKED)
-                             : 0;
-  long total = 0;
-  for (int64_t i = 0; i < parts && i < PLAIT_MAX_PARTS; i++) total += desc[3 + 3 * i];
-  if (total != n) return PLAIT_ERR_SHAPES;
+  if (desc_rows(desc) != n) return PLAIT_ERR_SHAPES;
   if (prompt && (desc[0] & PLAIT_QGEMM_REPACKED))
     return plait_repack_gemm_bf16(x, rows, k, desc, k, bias, y, n);
   return plait_qgemm(x, rows, k, desc, k, bias, y, n);
+}
+
+/* act[rows, inter] = silu(gate) * up of h @ Wgate_up^T through `linear` and plait_silu_mul
+ * (gate_up [rows, 2 inter] the scratch between them); prompt rows of a repacked weight in
+ * one pass instead where plait_repack_gemm_bf16_silu takes it (the same bits). */
+static int gate_up_silu(const float *h, long rows, long k, const int64_t *desc, long inter,
+                        float *gate_up, float *act, int prompt) {
+  if (prompt && desc_rows(desc) == 2 * inter && (desc[0] & PLAIT_QGEMM_REPACKED) &&
+      plait_repack_gemm_bf16_silu(h, rows, k, desc, k, NULL, act, inter) == PLAIT_OK)
+    return PLAIT_OK;
+  const int rc = linear(h, rows, k, desc, 2 * inter, NULL, gate_up, prompt);
+  return rc != PLAIT_OK ? rc : plait_silu_mul(gate_up, 2 * inter, rows, inter, act);
 }
 
 /* Every layer of a Llama decoder over `rows` tokens: what the model's eager forward does
@@ -87,9 +104,8 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
     RUN(linear(att, rows, q_dim, DESC(PLAIT_STACK_O_WEIGHT), hidden, NULL, m, prompt));
     RUN(plait_add_rms_norm(x, hidden, m, hidden, PTR(PLAIT_STACK_POST_NORM), rows, hidden, eps,
                            x, h));
-    RUN(linear(h, rows, hidden, DESC(PLAIT_STACK_GATE_UP_WEIGHT), 2 * inter, NULL, gate_up,
-               prompt));
-    RUN(plait_silu_mul(gate_up, 2 * inter, rows, inter, act));
+    RUN(gate_up_silu(h, rows, hidden, DESC(PLAIT_STACK_GATE_UP_WEIGHT), inter, gate_up, act,
+                     prompt));
     RUN(linear(act, rows, inter, DESC(PLAIT_STACK_DOWN_WEIGHT), hidden, NULL, m, prompt));
 #undef RUN
 #undef PTR

@@ -171,6 +171,14 @@ int plait_repack_prompt_bf16(void);
  * plait_repack_prompt_bf16() is 0 or the shapes do not fit; PLAIT_ERR_NOMEM. */
 int plait_repack_gemm_bf16(const float *x, long M, long ldx, const int64_t *desc, long K,
                            const float *bias, float *y, long ldy);
+/* repack.c: silu(gate) * up of a gate | up weight's plait_repack_gemm_bf16 (W's rows [0, N/2)
+ * the gate, [N/2, N) the up) into act [M, N/2] (lda apart), in one pass: each 16-row tile of
+ * the gate meets the up's tile of the same columns, and silu_mul's float32 arithmetic runs
+ * on the product's values (the same bits as plait_silu_mul on plait_repack_gemm_bf16's y).
+ * PLAIT_ERR_SHAPES as plait_repack_gemm_bf16's, and where bias is not NULL, N % 32, lda <
+ * N / 2, or 16 rows of W lie in two parts; PLAIT_ERR_NOMEM. */
+int plait_repack_gemm_bf16_silu(const float *x, long M, long ldx, const int64_t *desc, long K,
+                                const float *bias, float *act, long lda);
 /* repack.c: the bytes of `rows` rows of K weights of GGML `type` repacked; PLAIT_ERR_SHAPES
  * for a type not repacked, K not a whole number of its blocks, or negative rows. */
 long plait_repack_bytes(int type, long rows, long K);

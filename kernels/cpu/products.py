@@ -340,6 +340,19 @@ def _repacked_gemm(state: ProductState, x: torch.Tensor) -> torch.Tensor:
                           state.bias)
 
 
+def _repacked_silu(state: ProductState, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: prompt rows in one pass with their product
+    (`repack.product_bf16_silu`, the same bits) where it takes the weight, else
+    `native.silu_mul` on the product."""
+    assert state.desc is not None
+    if _PROMPT_ROWS and repack.prompt_bf16() and state.bias is None \
+            and state.out_features % 32 == 0:
+        with contextlib.suppress(ValueError):  # (16 rows of W in two parts: unfused)
+            return repack.product_bf16_silu(x.float(), state.desc, state.in_features,
+                                            state.out_features)
+    return native.silu_mul(_repacked_gemm(state, x))
+
+
 def _repacked_stack(state: ProductState) -> StackWeight | None:
     assert state.desc is not None and state.packed is not None
     return StackWeight(state.desc, (state.packed,))  # the flag sends plait_qgemm there
@@ -352,7 +365,7 @@ def _repacked_row() -> Product:
     stack's included (the descriptor's PLAIT_QGEMM_REPACKED flag); prompt rows
     (`prompt_rows`) through `repack.product_bf16` where the process has AMX-BF16."""
     return Product(f"repacked/{repack.ISA_NAMES[repack.isa()]}", _repacked, _prepare_repacked,
-                   (Rung(None, _repacked_gemm, chunk_rows=_chunk_rows),),
+                   (Rung(None, _repacked_gemm, silu=_repacked_silu, chunk_rows=_chunk_rows),),
                    _native_silu_mul, _repacked_stack, torch.float32, native=True)
 
 

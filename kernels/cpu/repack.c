@@ -484,28 +484,28 @@ int plait_repack_prompt_bf16(void) {
 #endif
 }
 
-int plait_repack_gemm_bf16(const float *x, long M, long ldx, const int64_t *desc, long K,
-                           const float *bias, float *y, long ldy) {
 #if REPACK_AMX_BF16
-  rp_part_t parts[PLAIT_MAX_PARTS];
-  int num_parts;
-  long N, units = 0;
-  if (!plait_repack_prompt_bf16() || rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK ||
-      M < 0 || K % 32)
-    return PLAIT_ERR_SHAPES;
-  if (M == 0 || N == 0) return PLAIT_OK;
+/* plait_repack_gemm_bf16 (act NULL: y = x W^T + bias) or plait_repack_gemm_bf16_silu (act:
+ * silu(gate) * up of the gate | up weight, its N / 2 columns lda apart; no bias) of rows
+ * [0, M), W's parts read, N its rows. */
+static int ab_gemm(const float *x, long M, long ldx, const rp_part_t *parts, int num_parts,
+                   long N, long K, const float *bias, float *y, long ldy, float *act, long lda) {
   if (M > AB_BLOCK_ROWS && K <= AB_BLOCK_MAX_K) {  /* in blocks of rows: the same bits */
     const long blocks = (M + AB_BLOCK_ROWS - 1) / AB_BLOCK_ROWS;
     const long block = ((M + blocks - 1) / blocks + 31) / 32 * 32;
     for (long m0 = 0; m0 < M; m0 += block) {
       const long rows = M - m0 < block ? M - m0 : block;
-      const int rc = plait_repack_gemm_bf16(x + m0 * ldx, rows, ldx, desc, K, bias,
-                                            y + m0 * ldy, ldy);
+      const int rc = ab_gemm(x + m0 * ldx, rows, ldx, parts, num_parts, N, K, bias,
+                             act ? NULL : y + m0 * ldy, ldy, act ? act + m0 * lda : NULL, lda);
       if (rc != PLAIT_OK) return rc;
     }
     return PLAIT_OK;
   }
-  for (int i = 0; i < num_parts; i++) units += rp_units(&parts[i]);
+  long units = 0;
+  if (act)
+    units = N / 32;  /* unit t: the gate's tile t and the up's tile t */
+  else
+    for (int i = 0; i < num_parts; i++) units += rp_units(&parts[i]);
   const long G = K / 32, M16 = (M + 15) / 16 * 16;
   uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * (size_t)(M16 * K) + 63) / 64 * 64);
   if (!xb) return PLAIT_ERR_NOMEM;
@@ -523,16 +523,28 @@ int plait_repack_gemm_bf16(const float *x, long M, long ldx, const int64_t *desc
 #pragma omp barrier
     if (rc == PLAIT_OK) {
       uint8_t *bt = scratch + wide_bytes;
+      /* cbuf: one C tile, or two with act (whose second is the unused bias tiles') */
       float *cbuf = (float *)(bt + (size_t)(2 * G) * AB_TILE);
       uint8_t *bias_tiles = bt + (size_t)(2 * G + 1) * AB_TILE;
       ab_config();
 #pragma omp for schedule(static)
       for (long t = 0; t < units; t++) {
+        if (act) {
+          const rp_part_t *pg = NULL, *pu = NULL;
+          const uint8_t *gate = ab_tile_at(parts, num_parts, 16 * t, &pg);
+          const uint8_t *up = ab_tile_at(parts, num_parts, N / 2 + 16 * t, &pu);
+          ab_fill(pg->type, 1, gate, pg->tile_bytes, G, scratch, bt);
+          ab_fill(pu->type, 1, up, pu->tile_bytes, G, scratch, bt + G * AB_TILE);
+          ab_unit(2, bt, bt + G * AB_TILE, AB_TILE, G, xb, M, NULL, NULL, NULL, 0, 32, cbuf,
+                  act + 16 * t, lda);
+          continue;
+        }
         rp_unit_t un = rp_unit_at(parts, t);
         const float *b = bias ? bias + un.n0 : NULL;
         ab_fill(un.p->type, un.T, un.tile, un.p->tile_bytes, G, scratch, bt);
         ab_bias_tiles(b, un.T, un.cols, bias_tiles);
-        ab_unit(un.T, bt, G, xb, M, b, bias_tiles, y + un.n0, ldy, un.cols, cbuf);
+        ab_unit(un.T, bt, bt + AB_TILE, (long)un.T * AB_TILE, G, xb, M, b, bias_tiles,
+                y + un.n0, ldy, un.cols, cbuf, NULL, 0);
       }
       _tile_release();
     }
@@ -540,8 +552,43 @@ int plait_repack_gemm_bf16(const float *x, long M, long ldx, const int64_t *desc
   }
   free(xb);
   return rc;
+}
+#endif
+
+int plait_repack_gemm_bf16(const float *x, long M, long ldx, const int64_t *desc, long K,
+                           const float *bias, float *y, long ldy) {
+#if REPACK_AMX_BF16
+  rp_part_t parts[PLAIT_MAX_PARTS];
+  int num_parts;
+  long N;
+  if (!plait_repack_prompt_bf16() || rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK ||
+      M < 0 || K % 32)
+    return PLAIT_ERR_SHAPES;
+  if (M == 0 || N == 0) return PLAIT_OK;
+  return ab_gemm(x, M, ldx, parts, num_parts, N, K, bias, y, ldy, NULL, 0);
 #else
   (void)x, (void)M, (void)ldx, (void)desc, (void)K, (void)bias, (void)y, (void)ldy;
+  return PLAIT_ERR_SHAPES;
+#endif
+}
+
+int plait_repack_gemm_bf16_silu(const float *x, long M, long ldx, const int64_t *desc, long K,
+                                const float *bias, float *act, long lda) {
+#if REPACK_AMX_BF16
+  rp_part_t parts[PLAIT_MAX_PARTS];
+  int num_parts;
+  long N;
+  if (!plait_repack_prompt_bf16() || rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK ||
+      M < 0 || K % 32 || bias || N % 32 || lda < N / 2)
+    return PLAIT_ERR_SHAPES;
+  for (long row = 0; row < N; row += 16) {  /* every 16 rows one tile of one part */
+    const rp_part_t *p;
+    if (!ab_tile_at(parts, num_parts, row, &p)) return PLAIT_ERR_SHAPES;
+  }
+  if (M == 0 || N == 0) return PLAIT_OK;
+  return ab_gemm(x, M, ldx, parts, num_parts, N, K, NULL, NULL, 0, act, lda);
+#else
+  (void)x, (void)M, (void)ldx, (void)desc, (void)K, (void)bias, (void)act, (void)lda;
   return PLAIT_ERR_SHAPES;
 #endif
 }

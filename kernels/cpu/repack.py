@@ -162,10 +162,10 @@ def repack_gemm(
 
 def _gemm(kernel: str, fn: Callable[..., int], x: torch.Tensor, desc: torch.Tensor,
           in_features: int, out_features: int, bias: torch.Tensor | None, what: str = "W",
-          *extra: int) -> torch.Tensor:  # [M, N] float32
-    """y = fn(x, M, ldx, desc, K, bias, y, N, *extra) for a plait_repack_gemm-shaped C
-    product `fn`: x made unit-stride along K and bias float32, both checked against W [N, K]
-    (ValueError naming `kernel` otherwise)."""
+          *extra: int, width: int | None = None) -> torch.Tensor:  # [M, width or N] float32
+    """y = fn(x, M, ldx, desc, K, bias, y, width, *extra) for a plait_repack_gemm-shaped C
+    product `fn` whose y has `width` columns (default N): x made unit-stride along K and
+    bias float32, both checked against W [N, K] (ValueError naming `kernel` otherwise)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, k = x.shape
@@ -176,12 +176,12 @@ def _gemm(kernel: str, fn: Callable[..., int], x: torch.Tensor, desc: torch.Tens
         bias = bias.to(torch.float32).contiguous()
         if bias.shape != (out_features,):
             raise ValueError(f"{kernel}: bias {tuple(bias.shape)}, W has {out_features} rows")
-    y = torch.empty(rows, out_features, dtype=torch.float32)
+    width = out_features if width is None else width
+    y = torch.empty(rows, width, dtype=torch.float32)
     if rows == 0:
         return y
     _check(fn(x.data_ptr(), rows, x.stride(0), desc.data_ptr(), k,
-              None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, *extra),
-           kernel)
+              None if bias is None else bias.data_ptr(), y.data_ptr(), width, *extra), kernel)
     return y
 
 
@@ -228,6 +228,26 @@ def product_bf16(
                  out_features, bias)
 
 
+def product_bf16_silu(
+    x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
+    desc: torch.Tensor,  # int64: a gate | up RepackedWeight's desc, no bias
+    in_features: int,
+    out_features: int,  # 2 I
+) -> torch.Tensor:  # [M, I] float32
+    """silu(gate) * up of `product_bf16`'s gate | up product in one pass (each gate tile
+    meets the up's tile of the same columns; no [M, 2 I] temporary): the same bits as
+    `native.silu_mul(product_bf16(...))`. Needs `prompt_bf16()`, I % 16 == 0 and every 16
+    rows of W in one part (ValueError otherwise)."""
+    if not prompt_bf16():
+        raise ValueError("repack product_bf16_silu: this build or process has no AMX-BF16 "
+                         "tiles")
+    if out_features % 32:
+        raise ValueError(f"repack product_bf16_silu: {out_features} rows, not 2 x a multiple "
+                         "of 16")
+    return _gemm("repack product_bf16_silu", loaded().plait_repack_gemm_bf16_silu, x, desc,
+                 in_features, out_features, None, width=out_features // 2)
+
+
 def repack_dequantize(
     weight: RepackedWeight,
     rows: torch.Tensor | None = None,  # [R] integer row ids in [0, N); None: all N rows
@@ -261,5 +281,5 @@ def dequantize_rows(
 
 __all__ = ["AMX_ABSENT", "AMX_OFF", "AMX_ON", "ISA_AMX", "ISA_C", "ISA_NAMES", "ISA_VNNI512",
            "REPACKED_FLAG", "REPACKED_TYPES", "RepackedWeight", "amx_state", "amx_unused",
-           "dequantize_rows", "isa", "product", "repack", "repack_dequantize", "repack_gemm",
-           "repackable"]
+           "dequantize_rows", "isa", "product", "product_bf16_silu", "repack",
+           "repack_dequantize", "repack_gemm", "repackable"]

@@ -122,12 +122,27 @@ static void ab_fill(int type, int T, const uint8_t *tile, long tile_bytes, long 
       _tile_zero(CT);                                  \
   } while (0)
 
-/* T tiles' B tiles bt (all G groups) against x rows [0, M) of xb (ab_round_x's blocks):
- * y's columns [0, cols) = bias (bias_tiles: per tile, 16 rows of its bias; unread where
- * bias is NULL) + the sum over the groups in order. */
-static void ab_unit(int T, const uint8_t *bt, long G, const uint16_t *xb, long M,
-                    const float *bias, const uint8_t *bias_tiles, float *y, long ldy,
-                    int cols, float *cbuf) {
+/* act's 16 columns (rows m + ROW0 ..) = silu(C tile CG) * C tile CU, through cbuf (two
+ * tiles): plait_silu_mul's float32 arithmetic on the same values, so the same bits. */
+#define AB_SILU(CG, CU, ROW0)                                                             \
+  do {                                                                                    \
+    long rr = M - m - (ROW0) < 16 ? M - m - (ROW0) : 16;                                 \
+    _tile_stored(CG, cbuf, 64);                                                           \
+    _tile_stored(CU, cbuf + 256, 64);                                                     \
+    for (long r = 0; r < rr; r++) {                                                       \
+      const vf gv = *(const vf *)(cbuf + 16 * r), uv = *(const vf *)(cbuf + 256 + 16 * r); \
+      _mm512_storeu_ps(act + (m + (ROW0) + r) * lda, (__m512)(gv / (1.0f + vexp(-gv)) * uv)); \
+    }                                                                                     \
+  } while (0)
+
+/* T tiles' B tiles (tile 0's group g at b0 + g bstride, tile 1's at b1 + g bstride) against
+ * x rows [0, M) of xb (ab_round_x's blocks): y's columns [0, cols) = bias (bias_tiles: per
+ * tile, 16 rows of its bias; unread where bias is NULL) + the sum over the groups in order.
+ * With act (T = 2, no bias): instead of y, act's 16 columns = silu(tile 0) * tile 1 (lda
+ * apart; cbuf two tiles). */
+static void ab_unit(int T, const uint8_t *b0, const uint8_t *b1, long bstride, long G,
+                    const uint16_t *xb, long M, const float *bias, const uint8_t *bias_tiles,
+                    float *y, long ldy, int cols, float *cbuf, float *act, long lda) {
   for (long m = 0; m < M; m += 32) {
     const int two = m + 16 < M;
     const uint16_t *x0 = xb + m * 32 * G, *x1 = xb + (m + 16) * 32 * G;
@@ -138,12 +153,11 @@ static void ab_unit(int T, const uint8_t *bt, long G, const uint16_t *xb, long M
       if (T == 2) AB_START(7, 1);
     }
     for (long g = 0; g < G; g++) {
-      const uint8_t *b = bt + g * T * AB_TILE;
       _tile_loadd(0, x0 + 512 * g, 64);
-      _tile_loadd(2, b, 64);
+      _tile_loadd(2, b0 + g * bstride, 64);
       _tile_dpbf16ps(4, 0, 2);
       if (T == 2) {
-        _tile_loadd(3, b + AB_TILE, 64);
+        _tile_loadd(3, b1 + g * bstride, 64);
         _tile_dpbf16ps(5, 0, 3);
       }
       if (two) {
@@ -151,6 +165,11 @@ static void ab_unit(int T, const uint8_t *bt, long G, const uint16_t *xb, long M
         _tile_dpbf16ps(6, 1, 2);
         if (T == 2) _tile_dpbf16ps(7, 1, 3);
       }
+    }
+    if (act) {
+      AB_SILU(4, 5, 0);
+      if (two) AB_SILU(6, 7, 16);
+      continue;
     }
     AB_STORE(4, 0, 0);
     if (T == 2) AB_STORE(5, 0, 1);
@@ -160,8 +179,23 @@ static void ab_unit(int T, const uint8_t *bt, long G, const uint16_t *xb, long M
     }
   }
 }
+#undef AB_SILU
 #undef AB_STORE
 #undef AB_START
+
+/* The tile of W's rows [row, row + 16) (row a multiple of 16) and its part, or NULL where
+ * no part holds those 16 rows as one of its tiles. */
+static const uint8_t *ab_tile_at(const rp_part_t *parts, int num_parts, long row,
+                                 const rp_part_t **part) {
+  for (int i = 0; i < num_parts; i++) {
+    const rp_part_t *p = &parts[i];
+    if (row < p->first || row >= p->first + p->rows) continue;
+    if ((row - p->first) % 16 || row + 16 > p->first + p->rows) return NULL;
+    *part = p;
+    return p->data + (row - p->first) / 16 * p->tile_bytes;
+  }
+  return NULL;
+}
 
 /* The bias tiles of a unit (bias: its columns, cols of them; NULL: none): 16 rows of
  * bias[16 u .. 16 u + 15] per tile u, 0 past cols. */

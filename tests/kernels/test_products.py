@@ -21,6 +21,7 @@ from plait.kernels.cpu.products import (
     BLAS,
     Product,
     ProductSettings,
+    prompt_rows,
     qgemm_max_rows,
     row,
     table,
@@ -119,7 +120,9 @@ def test_kept_rows_equal_the_dequantized_product(name: str) -> None:
 @pytest.mark.parametrize("name", KEPT)
 def test_fused_silu_is_silu_mul_of_the_product(name: str) -> None:
     """Every rung's fused SiLU kernel (bf16 BLAS: the bits of the bf16 silu_mul of the
-    product rounded to bf16); a rung without one, silu_mul of its product."""
+    product rounded to bf16; repacked: silu_mul of the product, prompt rows too, which
+    take `repack.product_bf16_silu` where the process has AMX-BF16); a rung without one,
+    silu_mul of its product."""
     if not _usable(name):
         pytest.skip(f"row {name} not in this build (the repacked row needs AVX512-VNNI)")
     weight = _kept_weight()
@@ -140,7 +143,10 @@ def test_fused_silu_is_silu_mul_of_the_product(name: str) -> None:
             assert torch.equal(out.float(), unfused.bfloat16().float())
         else:
             assert torch.equal(out, unfused)
-    assert (fused_seen > 0) == (name == "kept/bf16")  # the bf16 BLAS rung
+            with prompt_rows():
+                assert torch.equal(layer.silu_mul(x), layer.silu_mul(x, fused=False))
+    # the bf16 BLAS rung, and the repacked row's
+    assert (fused_seen > 0) == (name == "kept/bf16" or name.startswith("repacked/"))
 
 
 @needs_native

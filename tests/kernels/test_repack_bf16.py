@@ -101,6 +101,38 @@ def test_more_rows_than_a_block_are_the_rows_alone() -> None:
 
 
 @needs_bf16
+@pytest.mark.parametrize(("types", "rows", "m"), [
+    ((quant.Q4_1, quant.Q4_1), (48, 48), 1),  # gate | up as two parts (SmolLM2's)
+    ((quant.Q5_0, quant.Q5_0), (64, 64), 33),  # Qwen's
+    ((quant.Q4_K, quant.Q6_K), (32, 32), 600),  # parts of two types; two blocks of rows
+    ((quant.Q8_0,), (96,), 17),  # one part holding both halves
+    ((quant.Q6_K, quant.Q4_K, quant.Q5_K), (16, 48, 32), 40),  # the halves across parts
+])
+def test_silu_fused_is_silu_mul_of_the_product(types, rows, m) -> None:
+    """`product_bf16_silu` of a gate | up weight is, bit for bit, `native.silu_mul` of
+    `product_bf16` (x rows strided), whatever the parts' types and boundaries on 16 rows."""
+    from plait.kernels.cpu import native
+
+    k, n = 512, sum(rows)
+    packed = repack.repack(random_weight(types, rows, k, seed=n + m))
+    x = torch.randn(m, 2 * k, generator=torch.Generator().manual_seed(m))[:, :k]
+    fused = repack.product_bf16_silu(x, packed.desc, k, n)
+    assert fused.shape == (m, n // 2)
+    assert torch.equal(fused, native.silu_mul(repack.product_bf16(x, packed.desc, k, n)))
+
+
+@needs_bf16
+def test_silu_fused_refusals() -> None:
+    """Halves not whole tiles (N % 32), 16 rows of W in two parts: refused."""
+    odd = repack.repack(random_weight((quant.Q4_0,), (48,), 64))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        repack.product_bf16_silu(torch.zeros(2, 64), odd.desc, 64, 48)
+    split = repack.repack(random_weight((quant.Q4_0, quant.Q4_0), (8, 56), 64))
+    with pytest.raises(ValueError, match="product_bf16_silu"):
+        repack.product_bf16_silu(torch.zeros(2, 64), split.desc, 64, 64)
+
+
+@needs_bf16
 def test_zero_rows_and_shapes() -> None:
     """No rows: an empty result; x of the wrong width: ValueError."""
     packed = repack.repack(random_weight((quant.Q4_0,), (48,), 64))
