@@ -345,11 +345,10 @@ def _repacked_silu(state: ProductState, x: torch.Tensor) -> torch.Tensor:
     (`repack.product_bf16_silu`, the same bits) where it takes the weight, else
     `native.silu_mul` on the product."""
     assert state.desc is not None
-    if _PROMPT_ROWS and repack.prompt_bf16() and state.bias is None \
-            and state.out_features % 32 == 0:
-        with contextlib.suppress(ValueError):  # (16 rows of W in two parts: unfused)
-            return repack.product_bf16_silu(x.float(), state.desc, state.in_features,
-                                            state.out_features)
+    if _PROMPT_ROWS and repack.prompt_bf16() and repack.silu_fusable(state.desc) \
+            and state.bias is None:
+        return repack.product_bf16_silu(x.float(), state.desc, state.in_features,
+                                        state.out_features)
     return native.silu_mul(_repacked_gemm(state, x))
 
 

@@ -26,6 +26,7 @@ forces the plain C kernel, `ISA_VNNI512` the VNNI one without AMX: all give the 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -228,6 +229,14 @@ def product_bf16(
                  out_features, bias)
 
 
+def silu_fusable(desc: torch.Tensor) -> bool:
+    """Whether `product_bf16_silu` takes a weight of this descriptor: its halves whole
+    tiles (N % 32 == 0) and every part boundary on a multiple of 16 rows."""
+    words = desc.tolist()
+    bounds = itertools.accumulate(words[3 + 3 * i] for i in range(words[0] & ~REPACKED_FLAG))
+    return all(b % 16 == 0 for b in bounds) and sum(words[3::3]) % 32 == 0
+
+
 def product_bf16_silu(
     x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
     desc: torch.Tensor,  # int64: a gate | up RepackedWeight's desc, no bias
@@ -282,4 +291,4 @@ def dequantize_rows(
 __all__ = ["AMX_ABSENT", "AMX_OFF", "AMX_ON", "ISA_AMX", "ISA_C", "ISA_NAMES", "ISA_VNNI512",
            "REPACKED_FLAG", "REPACKED_TYPES", "RepackedWeight", "amx_state", "amx_unused",
            "dequantize_rows", "isa", "product", "product_bf16_silu", "repack",
-           "repack_dequantize", "repack_gemm", "repackable"]
+           "repack_dequantize", "repack_gemm", "repackable", "silu_fusable"]

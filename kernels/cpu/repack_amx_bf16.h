@@ -20,6 +20,10 @@
  * the same bits whatever chunks the scheduler cuts it into. They are not the int8 rungs'
  * bits (other arithmetic): the engine sends prompt rows here and generated rows (decode,
  * verification) to plait_repack_gemm, so that each token's state has one definition.
+ *
+ * A gate | up weight's product can end in silu(gate) * up instead (plait_repack_gemm_bf16_
+ * silu): a unit's two tiles are the gate's tile t and the up's tile t, and the epilogue
+ * stores silu_mul of their C tiles, never the product itself.
  */
 #ifndef PLAIT_CPU_REPACK_AMX_BF16_H
 #define PLAIT_CPU_REPACK_AMX_BF16_H
@@ -130,8 +134,10 @@ static void ab_fill(int type, int T, const uint8_t *tile, long tile_bytes, long 
     _tile_stored(CG, cbuf, 64);                                                           \
     _tile_stored(CU, cbuf + 256, 64);                                                     \
     for (long r = 0; r < rr; r++) {                                                       \
-      const vf gv = *(const vf *)(cbuf + 16 * r), uv = *(const vf *)(cbuf + 256 + 16 * r); \
-      _mm512_storeu_ps(act + (m + (ROW0) + r) * lda, (__m512)(gv / (1.0f + vexp(-gv)) * uv)); \
+      const vf gv = *(const vf *)(cbuf + 16 * r);                                         \
+      const vf uv = *(const vf *)(cbuf + 256 + 16 * r);                                   \
+      const vf yv = gv / (1.0f + vexp(-gv)) * uv;                                         \
+      _mm512_storeu_ps(act + (m + (ROW0) + r) * lda, (__m512)yv);                         \
     }                                                                                     \
   } while (0)
 

@@ -123,13 +123,18 @@ def test_silu_fused_is_silu_mul_of_the_product(types, rows, m) -> None:
 
 @needs_bf16
 def test_silu_fused_refusals() -> None:
-    """Halves not whole tiles (N % 32), 16 rows of W in two parts: refused."""
+    """Halves not whole tiles (N % 32), 16 rows of W in two parts: refused, as
+    `silu_fusable` says beforehand (the products' fused rung asks it)."""
     odd = repack.repack(random_weight((quant.Q4_0,), (48,), 64))
+    assert not repack.silu_fusable(odd.desc)
     with pytest.raises(ValueError, match="multiple of 16"):
         repack.product_bf16_silu(torch.zeros(2, 64), odd.desc, 64, 48)
     split = repack.repack(random_weight((quant.Q4_0, quant.Q4_0), (8, 56), 64))
+    assert not repack.silu_fusable(split.desc)
     with pytest.raises(ValueError, match="product_bf16_silu"):
         repack.product_bf16_silu(torch.zeros(2, 64), split.desc, 64, 64)
+    across = repack.repack(random_weight((quant.Q4_0, quant.Q4_0), (16, 48), 64))
+    assert repack.silu_fusable(across.desc)
 
 
 @needs_bf16
