@@ -553,19 +553,30 @@ static int ab_gemm(const float *x, long M, long ldx, const rp_part_t *parts, int
   free(xb);
   return rc;
 }
+
+/* plait_repack_gemm_bf16 (act NULL) and plait_repack_gemm_bf16_silu: their checks, then
+ * ab_gemm. */
+static int ab_checked(const float *x, long M, long ldx, const int64_t *desc, long K,
+                      const float *bias, float *y, long ldy, float *act, long lda) {
+  rp_part_t parts[PLAIT_MAX_PARTS];
+  int num_parts;
+  long N;
+  if (!plait_repack_prompt_bf16() || rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK ||
+      M < 0 || K % 32 || (act && (bias || N % 32 || lda < N / 2)))
+    return PLAIT_ERR_SHAPES;
+  for (long row = 0; act && row < N; row += 16) {  /* every 16 rows one tile of one part */
+    const rp_part_t *p;
+    if (!ab_tile_at(parts, num_parts, row, &p)) return PLAIT_ERR_SHAPES;
+  }
+  if (M == 0 || N == 0) return PLAIT_OK;
+  return ab_gemm(x, M, ldx, parts, num_parts, N, K, bias, y, ldy, act, lda);
+}
 #endif
 
 int plait_repack_gemm_bf16(const float *x, long M, long ldx, const int64_t *desc, long K,
                            const float *bias, float *y, long ldy) {
 #if REPACK_AMX_BF16
-  rp_part_t parts[PLAIT_MAX_PARTS];
-  int num_parts;
-  long N;
-  if (!plait_repack_prompt_bf16() || rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK ||
-      M < 0 || K % 32)
-    return PLAIT_ERR_SHAPES;
-  if (M == 0 || N == 0) return PLAIT_OK;
-  return ab_gemm(x, M, ldx, parts, num_parts, N, K, bias, y, ldy, NULL, 0);
+  return ab_checked(x, M, ldx, desc, K, bias, y, ldy, NULL, 0);
 #else
   (void)x, (void)M, (void)ldx, (void)desc, (void)K, (void)bias, (void)y, (void)ldy;
   return PLAIT_ERR_SHAPES;
@@ -575,18 +586,7 @@ int plait_repack_gemm_bf16(const float *x, long M, long ldx, const int64_t *desc
 int plait_repack_gemm_bf16_silu(const float *x, long M, long ldx, const int64_t *desc, long K,
                                 const float *bias, float *act, long lda) {
 #if REPACK_AMX_BF16
-  rp_part_t parts[PLAIT_MAX_PARTS];
-  int num_parts;
-  long N;
-  if (!plait_repack_prompt_bf16() || rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK ||
-      M < 0 || K % 32 || bias || N % 32 || lda < N / 2)
-    return PLAIT_ERR_SHAPES;
-  for (long row = 0; row < N; row += 16) {  /* every 16 rows one tile of one part */
-    const rp_part_t *p;
-    if (!ab_tile_at(parts, num_parts, row, &p)) return PLAIT_ERR_SHAPES;
-  }
-  if (M == 0 || N == 0) return PLAIT_OK;
-  return ab_gemm(x, M, ldx, parts, num_parts, N, K, NULL, NULL, 0, act, lda);
+  return ab_checked(x, M, ldx, desc, K, bias, NULL, 0, act, lda);
 #else
   (void)x, (void)M, (void)ldx, (void)desc, (void)K, (void)bias, (void)act, (void)lda;
   return PLAIT_ERR_SHAPES;
