@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from plait import LLM, SamplingParams
-from plait.engine.models.key_offset import key_offset
 from plait.kernels import ops as ops_module
 
 
@@ -65,14 +64,11 @@ def main() -> None:
     print("| layer | max abs k | k spread (max std) | no offset | key offset | prompt mean |")
     print("|---|---|---|---|---|---|")
     for i, (layer, (q, k)) in enumerate(zip(layers, caught, strict=False)):
-        attn = layer.self_attn
         zero = torch.zeros(k.shape[1:])
-        offset = zero
-        if attn.qkv_proj.bias is not None:
-            q_size, kv_size, _ = attn.split
-            table = model.cos_sin_local if layer.local_rope else model.cos_sin
-            offset = key_offset(attn.qkv_proj.bias[q_size:q_size + kv_size],
-                                attn.num_kv_heads, attn.head_dim, table)
+        table = model.cos_sin_local if layer.local_rope else model.cos_sin
+        assert table is not None
+        offset = layer.self_attn.key_offset(table)
+        offset = zero if offset is None else offset
         print(f"| {i} | {k.abs().max():.1f} | {k.std(0).max():.2f} | "
               f"{score_error(q, k, zero):.4f} | {score_error(q, k, offset):.4f} | "
               f"{score_error(q, k, k.mean(0)):.4f} |")

@@ -76,16 +76,22 @@ class Attention(nn.Module):
         # [H_kv, D] subtracted from every stored key (key_offset.py), set by `bind_cache`
         self.k_offset: torch.Tensor | None = None
 
-    def bind_cache(self, cache_dtype: torch.dtype, cos_sin: torch.Tensor) -> None:
-        """Derive the key offset for a cache of `cache_dtype` (None where the layer does
-        not use one) from the loaded k bias and this layer's RoPE table."""
+    def key_offset(self, cos_sin: torch.Tensor) -> torch.Tensor | None:
+        """[H_kv, D]: the key offset of this layer's loaded k bias and RoPE table
+        (key_offset.py), whatever the cache; None without a bias."""
         bias = self.qkv_proj.bias
-        self.k_offset = None
-        if uses_key_offset(cache_dtype, bias is not None, self.softcap, self.qk_norm):
-            assert bias is not None
-            q_size, kv_size, _ = self.split
-            self.k_offset = key_offset(bias[q_size:q_size + kv_size], self.num_kv_heads,
-                                       self.head_dim, cos_sin if self.rope else None)
+        if bias is None:
+            return None
+        q_size, kv_size, _ = self.split
+        return key_offset(bias[q_size:q_size + kv_size], self.num_kv_heads, self.head_dim,
+                          cos_sin if self.rope else None)
+
+    def bind_cache(self, cache_dtype: torch.dtype, cos_sin: torch.Tensor) -> None:
+        """Set `k_offset` for a cache of `cache_dtype`: `key_offset`, or None where the
+        layer does not use one."""
+        used = uses_key_offset(cache_dtype, self.qkv_proj.bias is not None, self.softcap,
+                               self.qk_norm)
+        self.k_offset = self.key_offset(cos_sin) if used else None
 
     def forward(
         self,

@@ -331,9 +331,15 @@ def prompt_rows_differ(chosen: dict[Product, list] | Iterator[Product]) -> bool:
     return any(p.name.startswith("repacked/") for p in chosen) and repack.prompt_bf16()
 
 
+def _bf16_prompt_rows() -> bool:
+    """Whether the repacked row computes the rows running now through the AMX-BF16 tiles
+    (prompt rows, in a process that has them)."""
+    return _PROMPT_ROWS and repack.prompt_bf16()
+
+
 def _repacked_gemm(state: ProductState, x: torch.Tensor) -> torch.Tensor:
     assert state.desc is not None
-    if _PROMPT_ROWS and repack.prompt_bf16():
+    if _bf16_prompt_rows():
         return repack.product_bf16(x.float(), state.desc, state.in_features,
                                    state.out_features, state.bias)
     return repack.product(x.float(), state.desc, state.in_features, state.out_features,
@@ -345,8 +351,7 @@ def _repacked_silu(state: ProductState, x: torch.Tensor) -> torch.Tensor:
     (`repack.product_bf16_silu`, the same bits) where it takes the weight, else
     `native.silu_mul` on the product."""
     assert state.desc is not None
-    if _PROMPT_ROWS and repack.prompt_bf16() and repack.silu_fusable(state.desc) \
-            and state.bias is None:
+    if _bf16_prompt_rows() and repack.silu_fusable(state.desc) and state.bias is None:
         return repack.product_bf16_silu(x.float(), state.desc, state.in_features,
                                         state.out_features)
     return native.silu_mul(_repacked_gemm(state, x))

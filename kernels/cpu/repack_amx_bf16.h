@@ -127,16 +127,15 @@ static void ab_fill(int type, int T, const uint8_t *tile, long tile_bytes, long 
   } while (0)
 
 /* act's 16 columns (rows m + ROW0 ..) = silu(C tile CG) * C tile CU, through cbuf (two
- * tiles): plait_silu_mul's float32 arithmetic on the same values, so the same bits. */
+ * tiles): plait_silu_mul's vsilu_mul on the same values, so the same bits. */
 #define AB_SILU(CG, CU, ROW0)                                                             \
   do {                                                                                    \
     long rr = M - m - (ROW0) < 16 ? M - m - (ROW0) : 16;                                 \
     _tile_stored(CG, cbuf, 64);                                                           \
     _tile_stored(CU, cbuf + 256, 64);                                                     \
     for (long r = 0; r < rr; r++) {                                                       \
-      const vf gv = *(const vf *)(cbuf + 16 * r);                                         \
-      const vf uv = *(const vf *)(cbuf + 256 + 16 * r);                                   \
-      const vf yv = gv / (1.0f + vexp(-gv)) * uv;                                         \
+      const vf yv = vsilu_mul(*(const vf *)(cbuf + 16 * r),                               \
+                              *(const vf *)(cbuf + 256 + 16 * r));                        \
       _mm512_storeu_ps(act + (m + (ROW0) + r) * lda, (__m512)yv);                         \
     }                                                                                     \
   } while (0)

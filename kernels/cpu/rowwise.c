@@ -36,23 +36,17 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
     const long at = slots[t] * kv_dim;  /* the slot's first element */
     for (long h = 0; h < num_kv_heads; h++) {
       const float *x = k + t * k_stride + h * head_dim;
+      const float *c = k_offset ? k_offset + h * head_dim : NULL;
       const long o = at + h * head_dim;
-      if (k_offset) {
-        const float *c = k_offset + h * head_dim;
-        for (long i = 0; i < half; i++) {
-          const float x1 = x[i], x2 = x[i + half];
-          put_kv(k_cache, o + i, (x1 * cs[i] - x2 * sn[i]) - c[i], bf16);
-          put_kv(k_cache, o + i + half, (x2 * cs[i] + x1 * sn[i]) - c[i + half], bf16);
-        }
-        for (long i = rot_dim; i < head_dim; i++) put_kv(k_cache, o + i, x[i] - c[i], bf16);
-        continue;
-      }
+      /* less the offset; without one, x - 0 is x (the same bits, -0 and NaN included) */
+#define OFF(i) (c ? c[i] : 0.0f)
       for (long i = 0; i < half; i++) {
         const float x1 = x[i], x2 = x[i + half];
-        put_kv(k_cache, o + i, x1 * cs[i] - x2 * sn[i], bf16);
-        put_kv(k_cache, o + i + half, x2 * cs[i] + x1 * sn[i], bf16);
+        put_kv(k_cache, o + i, (x1 * cs[i] - x2 * sn[i]) - OFF(i), bf16);
+        put_kv(k_cache, o + i + half, (x2 * cs[i] + x1 * sn[i]) - OFF(i + half), bf16);
       }
-      for (long i = rot_dim; i < head_dim; i++) put_kv(k_cache, o + i, x[i], bf16);
+      for (long i = rot_dim; i < head_dim; i++) put_kv(k_cache, o + i, x[i] - OFF(i), bf16);
+#undef OFF
     }
     if (bf16)
       for (long i = 0; i < kv_dim; i++) put_kv(v_cache, at + i, v[t * v_stride + i], 1);
@@ -212,7 +206,7 @@ static inline __attribute__((always_inline)) void silu_mul(const void *gate_up, 
     long i = 0;
     for (; i + LANES <= inter; i += LANES) {
       const vf gv = get_lanes(gate_up, g + i, bf16);
-      const vf y = gv / (1.0f + vexp(-gv)) * get_lanes(gate_up, u + i, bf16);
+      const vf y = vsilu_mul(gv, get_lanes(gate_up, u + i, bf16));
       if (bf16)
         store_bf16((uint16_t *)out + o + i, y);
       else

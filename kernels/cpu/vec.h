@@ -100,6 +100,12 @@ static inline __attribute__((always_inline)) vf vexp(vf x) {
   return e * (vf)((n + 127) << 23);
 }
 
+/* silu(g) * u lane by lane, g / (1 + e^-g) * u: plait_silu_mul's arithmetic, which the
+ * fused gate | up product (repack_amx_bf16.h) must repeat bit for bit. */
+static inline __attribute__((always_inline)) vf vsilu_mul(vf g, vf u) {
+  return g / (1.0f + vexp(-g)) * u;
+}
+
 /* The sum of a vector's lanes, as a tree (a serial sum would chain LANES dependent adds). */
 static inline __attribute__((always_inline)) float hsum(vf v) {
 #if LANES == 16
