@@ -18,10 +18,23 @@ DONE = b"data: [DONE]\n\n"
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def encode(payload: dict[str, Any]) -> bytes:
-    """One `data:` event holding `payload` as compact JSON."""
+# Characters that Python's str.splitlines (and so httpx's `aiter_lines`) takes for line
+# ends but JSON leaves raw: a token's text holding one would cut its event's line in two.
+_LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
+                                "\u2029": "\\u2029"})
+
+
+def event_json(payload: dict[str, Any]) -> str:
+    """`payload` as the compact JSON of one event's `data:` line: UTF-8 as it is, except
+    the characters a client's line splitter may break on, escaped (the same JSON value;
+    control characters json.dumps escapes already)."""
     text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    return b"data: " + text.encode() + b"\n\n"
+    return text.translate(_LINE_BREAKING)
+
+
+def encode(payload: dict[str, Any]) -> bytes:
+    """One `data:` event holding `payload` as compact JSON (`event_json`)."""
+    return b"data: " + event_json(payload).encode() + b"\n\n"
 
 
 def error_event(message: str) -> bytes:

@@ -25,7 +25,6 @@ status.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -40,6 +39,7 @@ from plait.server.responses.objects import (
     text_part,
 )
 from plait.server.responses.translate import Item, reasoning_item
+from plait.server.sse import event_json
 
 
 class EventLog:
@@ -53,8 +53,7 @@ class EventLog:
     def frame(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.num_events, **fields}
         self.num_events += 1
-        text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-        return f"event: {kind}\ndata: {text}\n\n".encode()
+        return f"event: {kind}\ndata: {event_json(payload)}\n\n".encode()
 
 
 class ItemWriter:
