@@ -33,7 +33,10 @@ class SpeculativeConfig:
     `suffix_decoding_*` knobs (engine/spec/suffix.py). draft_model: `model`, a path the
     target's loader accepts, with the same tokenizer; `draft_vocab_size`, the token ids
     below which its LM head scores every token (the ids past it only where the sequence
-    holds them; None: 32768 for vocabularies over 65536, else all; engine/spec/draft_head.py).
+    holds them; None: 32768 for vocabularies over 65536, else all; engine/spec/draft_head.py);
+    `draft_p_min`, the least probability the draft model gives its own argmax for a draft
+    token: a draft ends before the first token the draft model is less sure of (llama.cpp's
+    `--draft-p-min`; 0: no cut; engine/spec/draft_model.py).
 
     `disable_by_batch_size`: speculation steps aside for a step whose decoding sequences
     number at least this many (vLLM's name; None: the measured default in
@@ -50,6 +53,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     disable_by_batch_size: int | None = None
     draft_vocab_size: int | None = None
+    draft_p_min: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -77,6 +81,10 @@ class SpeculativeConfig:
         if self.method != "draft_model" and self.draft_vocab_size is not None:
             raise ValueError(f"speculative config: draft_vocab_size is a draft_model "
                              f"setting, not a {self.method!r} one")
+        _check_float("draft_p_min", self.draft_p_min, 0.0, 1.0)
+        if self.method != "draft_model" and self.draft_p_min:
+            raise ValueError(f"speculative config: draft_p_min is a draft_model setting, "
+                             f"not a {self.method!r} one")
         if self.method == "suffix":
             _check_int("suffix_decoding_max_tree_depth",
                        self.suffix_decoding_max_tree_depth, 1)

@@ -24,6 +24,7 @@ another row scores the whole vocabulary.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ import torch
 
 from plait.engine.models.linear import Linear
 from plait.kernels.cpu import repack
+from plait.kernels.cpu.products import TORCH
 
 # `draft_vocab_size` when none is given: this many ids for vocabularies above AUTO_ABOVE.
 DEFAULT_DRAFT_VOCAB = 32768
@@ -110,8 +112,13 @@ class DraftHead:
         weight = lm_head.weight
         if weight is not None and lm_head.qweight is None:
             dense = weight.detach()
+            # The torch row computes the prefix as the whole head (W @ x^T for few rows on
+            # the CPU, which BLAS rounds otherwise than x @ W^T): the same bits, no copy.
+            plain = TORCH.prepare(dense[:n], cut) if lm_head.product is TORCH else None
 
             def dense_scores(x: torch.Tensor) -> torch.Tensor:
+                if plain is not None:
+                    return TORCH(plain, x.to(dense.dtype))
                 out = x.to(dense.dtype) @ dense[:n].T
                 return out if cut is None else out + cut.to(out.dtype)
 
@@ -142,18 +149,33 @@ class DraftHead:
     def argmax(self, hidden: torch.Tensor,  # [S, hidden], the rows' last positions
                seqs: Sequence[SeqTokens]) -> list[int]:
         """Each row's best token among ids < num_rows and its sequence's own."""
+        return self.best(hidden, seqs, probs=False)[0]
+
+    def best(self, hidden: torch.Tensor,  # [S, hidden], the rows' last positions
+             seqs: Sequence[SeqTokens], probs: bool = True,
+             ) -> tuple[list[int], list[float] | None]:
+        """`argmax`'s tokens and, with `probs`, each one's probability under the softmax of
+        the logits the head scored for its row (ids < num_rows and its sequence's own: the
+        ids left out hold little of the mass, so this is about the model's own)."""
         logits = self._scores(hidden).float()  # [S, num_rows]
         best, top = torch.max(logits, dim=-1)  # [S], [S]
         tokens = [int(t) for t in top.tolist()]
-        if self._rows is None:
-            return tokens
-        for i, seq in enumerate(seqs):
-            if seq.rows is None:
-                continue
-            own = seq.rows @ hidden[i].float().cpu()  # [E]
-            if self._bias is not None:
-                own = own + self._bias[seq.ids]
-            j = int(torch.argmax(own))
-            if float(own[j]) > float(best[i]):
-                tokens[i] = seq.ids[j]
-        return tokens
+        values = [float(v) for v in best.tolist()]
+        norms = [float(v) for v in torch.logsumexp(logits, dim=-1).tolist()] if probs \
+            else None  # log of each row's softmax denominator
+        if self._rows is not None:
+            for i, seq in enumerate(seqs):
+                if seq.rows is None:
+                    continue
+                own = seq.rows @ hidden[i].float().cpu()  # [E]
+                if self._bias is not None:
+                    own = own + self._bias[seq.ids]
+                j = int(torch.argmax(own))
+                if float(own[j]) > values[i]:
+                    tokens[i], values[i] = seq.ids[j], float(own[j])
+                if norms is not None:
+                    norms[i] = float(torch.logaddexp(torch.tensor(norms[i]),
+                                                     torch.logsumexp(own, dim=0)))
+        if norms is None:
+            return tokens, None
+        return tokens, [math.exp(v - n) for v, n in zip(values, norms, strict=True)]

@@ -8,11 +8,17 @@ positions):
     pass 1   rows tokens[c_i : L_i] at positions c_i..L_i-1   -> argmax: d_1   (catch-up)
     pass j   one row d_{j-1} at position L_i + j - 2           -> argmax: d_j   (j = 2..k)
 
+With `draft_p_min` > 0 a sequence's draft ends before the first d_j whose probability
+under the draft model is below it (that token is neither drafted nor fed): text the draft
+model cannot predict costs fewer passes and fewer rejected rows. An empty draft counts as
+a missed one for the acceptance feedback (`Proposer.empty_draft_costs`).
+
 The cache then holds positions < L_i for sure; after verification accepted a of the
-draft, positions < L_i + min(a, k - 1) too (those rows were fed the accepted tokens), so
-the next catch-up starts there (`on_verified`). Rejected positions are simply written
-again. Blocks come from the proposer's own free list (no prefix cache); a sequence whose
-next blocks do not fit gets no draft that step.
+draft, positions < L_i + min(a, f) too, f the draft tokens fed (k - 1, fewer for a draft
+cut short: those rows were fed the accepted tokens), so the next catch-up starts there
+(`on_verified`). Rejected positions are simply written again. Blocks come from the
+proposer's own free list (no prefix cache); a sequence whose next blocks do not fit gets
+no draft that step.
 """
 
 from __future__ import annotations
@@ -69,6 +75,8 @@ class DraftModelProposer(Proposer):
     target's pool, `target.num_kv_tokens`). Raises DraftVocabMismatch (before loading
     the draft's weights) when its vocabulary is not the target's."""
 
+    empty_draft_costs = True  # a pass of the draft model, whatever it finds
+
     def __init__(self, config: SpeculativeConfig, target: TargetModel,
                  num_kv_tokens: int | None = None) -> None:
         if config.model is None:
@@ -91,6 +99,7 @@ class DraftModelProposer(Proposer):
                                                config.draft_vocab_size))
         logger.info("draft model %s: its LM head scores %s", resolved.name,
                     self.head.describe())
+        self.p_min = config.draft_p_min
         self.block_size = block_size
         self._free = list(range(self.runner.num_blocks - 1, -1, -1))  # pop() gives 0 first
         self._seqs: dict[str, _DraftSeq] = {}
@@ -117,10 +126,15 @@ class DraftModelProposer(Proposer):
             self.head.update(state.tokens, seq.token_ids)
         drafts: dict[str, list[int]] = {r.request_id: [] for r in rows}
         while rows:
-            for row, token in zip(rows, self._greedy(rows), strict=True):
+            tokens, probs = self._greedy(rows)
+            sure = []  # the rows whose draft goes on
+            for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+                if probs is not None and probs[i] < self.p_min:
+                    continue  # the draft ends before a token the draft model doubts
                 drafts[row.request_id].append(token)
+                sure.append(row)
             rows = [_Row(r.request_id, [drafts[r.request_id][-1]],
-                         r.start + len(r.token_ids)) for r in rows
+                         r.start + len(r.token_ids)) for r in sure
                     if len(drafts[r.request_id]) < budgets[r.request_id]]
             for row in rows:
                 self._seqs[row.request_id].num_fed += 1
@@ -149,9 +163,10 @@ class DraftModelProposer(Proposer):
         state.block_ids.extend(self._free.pop() for _ in range(max(0, missing)))
         return True
 
-    def _greedy(self, rows: list[_Row]) -> list[int]:
+    def _greedy(self, rows: list[_Row]) -> tuple[list[int], list[float] | None]:
         """One forward pass of the draft model over `rows`: the argmax token after each
-        row's last position (its K/V written into the draft cache on the way)."""
+        row's last position (its K/V written into the draft cache on the way) and, where
+        `p_min` cuts drafts, its probability (DraftHead.best)."""
         runner, bs = self.runner, self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -184,4 +199,5 @@ class DraftModelProposer(Proposer):
         with prompt_rows(len(input_ids) > CATCH_UP_TOKENS):
             hidden = runner.model(runner.to_device(input_ids, torch.int64), pos,
                                   runner.ops.plan(meta, pos))  # [S, hidden]: the kept rows
-        return self.head.argmax(hidden, [self._seqs[r.request_id].tokens for r in rows])
+        return self.head.best(hidden, [self._seqs[r.request_id].tokens for r in rows],
+                              probs=self.p_min > 0)

@@ -91,6 +91,8 @@ class SpecDecoder:
             if self.vocab_size is not None:
                 draft = draft[:next((i for i, t in enumerate(draft)
                                      if not 0 <= t < self.vocab_size), len(draft))]
+            if not draft and self.proposer.empty_draft_costs:
+                self.policy.record(seq.request_id, 1, 0)  # paid for, and nothing to verify
             if draft and seq.request_id in structured and grammar_check is not None:
                 draft = draft[:grammar_check(seq.request_id, draft)]
             if draft:

@@ -38,7 +38,14 @@ class Proposer(ABC):
     """Guesses the tokens that follow each sequence.
 
     A draft is only a guess: the engine verifies every drafted token against the target
-    model before it becomes output, so a wrong draft costs time, never correctness."""
+    model before it becomes output, so a wrong draft costs time, never correctness.
+
+    `empty_draft_costs`: whether proposing costs time even when no draft comes of it (a
+    draft model's forward pass): the engine then takes an empty draft as a missed one, so
+    that a sequence with nothing to draft backs off (policy.py) instead of paying for a
+    proposal every step. False for lookups (ngram, suffix), whose misses cost nothing."""
+
+    empty_draft_costs: bool = False
 
     @abstractmethod
     def propose(self, seqs: Sequence[SpecInput]) -> list[list[int]]:

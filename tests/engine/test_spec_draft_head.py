@@ -42,11 +42,53 @@ def test_draft_vocab_size_is_a_draft_model_setting() -> None:
         SpeculativeConfig(method="ngram", draft_vocab_size=4096)
 
 
+def test_draft_p_min_is_a_draft_model_setting() -> None:
+    config = SpeculativeConfig.parse('{"method": "draft_model", "model": "m", '
+                                     '"draft_p_min": 0.75}')
+    assert config.draft_p_min == 0.75
+    assert '"draft_p_min": 0.75' in config.to_json()
+    assert "draft_p_min" not in SpeculativeConfig(method="draft_model", model="m").to_json()
+    for bad in (-0.1, 1.5, "0.5", True):
+        with pytest.raises(ValueError, match=r"draft_p_min must be a number in \[0.0, 1.0\]"):
+            SpeculativeConfig(method="draft_model", model="m", draft_p_min=bad)
+    with pytest.raises(ValueError, match="draft_p_min is a draft_model setting, not a "
+                                         "'suffix' one"):
+        SpeculativeConfig(method="suffix", draft_p_min=0.5)
+
+
+def test_best_gives_each_tokens_softmax_probability(tiny_path) -> None:
+    """`best`'s probability: the softmax, over the ids the head scored for the row (ids < N
+    and the sequence's own), at the token `argmax` picks (float64 reference)."""
+    lm_head = make_llm(tiny_path).engine.runner.model.lm_head
+    n = 1024
+    hidden = hidden_past(lm_head, n, 2, lm_head.in_features)
+    full = lm_head(hidden).double()  # [2, V]
+    head = DraftHead(lm_head, n)
+    own = SeqTokens()
+    past = int(full[0].argmax())  # >= n: the best of row 0 is one of its sequence's own
+    head.update(own, [3, past, n + 5])
+    seqs = [own, SeqTokens()]
+    tokens, probs = head.best(hidden, seqs)
+    assert tokens == head.argmax(hidden, seqs) == [past, int(full[1, :n].argmax())]
+    assert probs is not None
+    row0 = torch.cat([full[0, :n], full[0, [past, n + 5]]])
+    assert probs[0] == pytest.approx(float(torch.softmax(row0, 0).max()), rel=1e-4)
+    assert probs[1] == pytest.approx(float(torch.softmax(full[1, :n], 0).max()), rel=1e-4)
+    whole = DraftHead(lm_head, lm_head.out_features)
+    tokens, probs = whole.best(hidden, seqs)
+    assert probs == pytest.approx(torch.softmax(full, -1).max(-1).values.tolist(), rel=1e-4)
+    assert whole.best(hidden, seqs, probs=False) == (tokens, None)
+
+
 def check_head(head: DraftHead, lm_head, n: int, hidden: torch.Tensor) -> None:
     """`head` (N = n) against the whole head's logits on `hidden` [S, H]."""
     full = lm_head(hidden).float()  # [S, V]
     assert head.num_rows == n
-    assert torch.equal(head._scores(hidden).float(), full[:, :n])  # the same columns
+    scores = head._scores(hidden).float()
+    if lm_head.product.name.startswith(("repacked/", "torch")):
+        assert torch.equal(scores, full[:, :n])  # the same columns, the same bits
+    else:  # a packed dense row: the prefix read in place through plain torch
+        torch.testing.assert_close(scores, full[:, :n], rtol=1e-5, atol=1e-5)
     top_below = full[:, :n].argmax(-1)
     # no ids of its own: the best id < n, whatever the rest of the vocabulary says
     nothing = [SeqTokens() for _ in range(hidden.shape[0])]
@@ -95,9 +137,13 @@ def test_a_repacked_head_is_cut_in_place() -> None:
     check_head(head, lm_head, 4096, hidden_past(lm_head, 4096, 3, lm_head.in_features))
 
 
-def test_a_dense_head_is_cut_and_the_whole_vocabulary_kept_otherwise(tiny_path) -> None:
-    lm_head = make_llm(tiny_path).engine.runner.model.lm_head
+@pytest.mark.parametrize("options", [{}, {"native": False, "cpu_gemm": "none"}],
+                         ids=["panels", "torch"])
+def test_a_dense_head_is_cut_and_the_whole_vocabulary_kept_otherwise(tiny_path,
+                                                                     options) -> None:
+    lm_head = make_llm(tiny_path, **options).engine.runner.model.lm_head
     assert lm_head.weight is not None
+    assert (lm_head.product.name == "torch") == bool(options)
     head = DraftHead(lm_head, 1024)
     check_head(head, lm_head, 1024, hidden_past(lm_head, 1024, 3, lm_head.in_features))
     whole = DraftHead(lm_head, lm_head.out_features)

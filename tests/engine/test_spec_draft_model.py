@@ -7,6 +7,7 @@ The draft runs with the target engine's config, and a draft model of another voc
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -18,8 +19,10 @@ from helpers.tiny_model import make_tiny_model
 from plait import LLM, SamplingParams
 from plait.engine.config import EngineConfig
 from plait.engine.model_loader import load_tokenizer
+from plait.engine.request import Request, RequestStatus
 from plait.engine.spec.config import SpeculativeConfig
 from plait.engine.spec.draft_model import DraftModelProposer
+from plait.engine.spec.driver import SpecDecoder
 from plait.engine.spec.proposer import SpecInput
 from plait.engine.spec.target import DraftVocabMismatch, TargetModel
 
@@ -37,9 +40,10 @@ def greedy(path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in make_llm(path).generate(prompts, params)]
 
 
-def make_proposer(path, k: int = 4, num_kv_tokens: int = 256) -> DraftModelProposer:
+def make_proposer(path, k: int = 4, num_kv_tokens: int = 256,
+                  p_min: float = 0.0) -> DraftModelProposer:
     config = SpeculativeConfig(method="draft_model", model=str(path),
-                               num_speculative_tokens=k)
+                               num_speculative_tokens=k, draft_p_min=p_min)
     target = TargetModel(EngineConfig(block_size=4), "target", 49152,
                          load_tokenizer(path), num_kv_tokens=1024)
     return DraftModelProposer(config, target, num_kv_tokens)
@@ -64,6 +68,48 @@ def test_drafts_are_the_draft_models_greedy_tokens_batched(draft_path) -> None:
     again = proposer.propose([SpecInput("a", other, 9, 2)])
     fresh = make_proposer(draft_path).propose([SpecInput("z", other, 9, 2)])
     assert again == fresh
+
+
+def test_p_min_ends_a_draft_before_the_first_doubtful_token(draft_path) -> None:
+    """With `draft_p_min`, a draft is the draft model's greedy tokens up to, not
+    including, the first whose probability (its own logprob, from a run of the draft model
+    alone) is below p_min; a doubtful first token gives an empty draft."""
+    ids = prompt(1, 9)
+    out = make_llm(draft_path).generate([ids], SamplingParams(
+        temperature=0, max_tokens=9, ignore_eos=True, logprobs=0))[0].outputs[0]
+    tokens = out.token_ids
+    assert out.logprobs is not None
+    probs = [math.exp(lp.logprob) for lp in out.logprobs]
+    # drafting after tokens[0]: tokens[1:9], of probabilities probs[1:9]. The cut c (2..8)
+    # where probs[c] falls furthest below every probs[1..c-1]: p_min between them
+    c = max(range(2, 9), key=lambda i: min(probs[1:i]) / probs[i])
+    assert min(probs[1:c]) > 1.02 * probs[c], "no clear cut in this model's probabilities"
+    seq = SpecInput("a", ids + tokens[:1], 9, 8)
+    for p_min, want in ((math.sqrt(min(probs[1:c]) * probs[c]), tokens[1:c]),
+                        (1.02 * probs[1], []), (0.0, tokens[1:9])):
+        proposer = make_proposer(draft_path, k=8, p_min=p_min)
+        assert proposer.propose([seq]) == [want], p_min
+
+
+def test_an_empty_draft_of_a_draft_model_counts_as_a_miss(tiny_path, draft_path) -> None:
+    """A draft model's pass costs time even when it drafts nothing (every token doubted):
+    the sequence then backs off as after a missed draft (k halves, then pauses), where an
+    empty lookup (ngram) changes nothing."""
+    config = SpeculativeConfig(method="draft_model", model=str(draft_path),
+                               num_speculative_tokens=4, draft_p_min=1.0)
+    target = TargetModel(EngineConfig(block_size=4), "target", 49152,
+                         load_tokenizer(draft_path), num_kv_tokens=1024)
+    spec = SpecDecoder(config, 1024, target=target)
+    req = Request("a", prompt(2, 12), SamplingParams(max_tokens=64), max_tokens=64)
+    req.status, req.output_token_ids, req.num_computed_tokens = RequestStatus.RUNNING, [5], 12
+    budgets = []
+    for _ in range(5):
+        assert spec.drafts([req]) == {}
+        budgets.append(spec.policy._seqs["a"].k)
+    assert budgets == [2, 1, 1, 1, 1]
+    assert spec.policy._seqs["a"].pause_left > 0  # from k = 1: a pause
+    ngram = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 1024)
+    assert ngram.drafts([req]) == {} and ngram.policy._seqs["a"].k == 4
 
 
 def test_blocks_are_returned_and_a_full_cache_gives_no_draft(draft_path) -> None:
