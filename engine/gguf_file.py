@@ -37,6 +37,17 @@ class GgufTensor:
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
+    offset: int = 0  # the first byte's position in the file
+
+
+def map_tensor(path: Path, tensor: GgufTensor) -> np.ndarray:
+    """`tensor`'s bytes (`data`'s shape) in a mapping of their own of the file at `path`,
+    copy-on-write and never written: its pages are the page cache's, resident in this
+    process only once read through this mapping, whatever `read_gguf`'s mapping touched
+    while loading (a table read a few rows at a time, as llama.cpp's mmap serves its
+    token embeddings)."""
+    return np.memmap(path, dtype=np.uint8, mode="c", offset=tensor.offset,
+                     shape=tensor.data.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +138,9 @@ def read_gguf(path: Path) -> GgufFile:
         begin = start + offset
         data = buf[begin : begin + rows * row_bytes]
         tensors[name] = GgufTensor(name, kind, shape,
-                                   data.reshape(rows, row_bytes) if len(shape) > 1 else data)
+                                   data.reshape(rows, row_bytes) if len(shape) > 1 else data,
+                                   begin)
     return GgufFile(str(wanted["general.architecture"]), tensors, metadata)
 
 
-__all__ = ["GgufFile", "GgufTensor", "read_gguf"]
+__all__ = ["GgufFile", "GgufTensor", "map_tensor", "read_gguf"]

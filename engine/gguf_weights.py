@@ -3,8 +3,10 @@
 not converted to safetensors by transformers, model_loader.py).
 
 The file is memory-mapped (`gguf_file.read_gguf`) and each tensor's bytes copied once into a
-`QuantPart`; a type the native kernels do not take (`KEPT_TYPES`) is dequantized at load,
-with a log line. GGUF names map onto Plait's fused modules:
+`QuantPart`, but the token embeddings', which stay file-backed in a mapping of their own
+(`gguf_file.map_tensor`: resident only as far as their rows are read); a type the native
+kernels do not take (`KEPT_TYPES`) is dequantized at load, with a log line. GGUF names map
+onto Plait's fused modules:
 
     token_embd                      -> embed_tokens (QuantEmbedding)
     blk.N.attn_q | attn_k | attn_v  -> layers.N.self_attn.qkv_proj, three parts in that order
@@ -43,7 +45,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
-from plait.engine.gguf_file import GgufTensor, read_gguf
+from plait.engine.gguf_file import GgufTensor, map_tensor, read_gguf
 from plait.engine.model_config import ModelLoadError
 from plait.engine.models.linear import Linear, QuantEmbedding
 from plait.engine.models.llama import LlamaForCausalLM
@@ -157,7 +159,7 @@ class _Loader:
         if shape != (hidden_size, vocab_size):  # GGUF order: [K, rows]
             raise ModelLoadError(f"{self.path.name}: {name} is {list(reversed(shape))}, "
                                  f"expected [{vocab_size}, {hidden_size}]")
-        piece = self.piece(name)
+        piece = self.piece(name, mapped=True)
         if isinstance(piece, QuantPart):
             in_features = int(self.tensors[name].shape[0])
             return QuantEmbedding(QuantWeight.build([piece], in_features))
@@ -180,14 +182,17 @@ class _Loader:
         self.used.add(name)
         return self.tensors[name]
 
-    def piece(self, name: str, heads: int | None = None) -> Piece:
-        """Tensor `name` as a kept `QuantPart`, or dequantized to float32 [rows, K]."""
+    def piece(self, name: str, heads: int | None = None, mapped: bool = False) -> Piece:
+        """Tensor `name` as a kept `QuantPart`, or dequantized to float32 [rows, K]. A kept
+        part's bytes are copied out of the file, or with `mapped` (the token embeddings,
+        read a few rows a step) left in a mapping of their own (`map_tensor`)."""
         t = self.tensor(name)
         ggml_type, in_features = int(t.tensor_type), int(t.shape[0])
         rows = int(np.prod(t.shape[1:]))
         order = _unpermute(rows, heads) if self.permuted and heads else None
         if ggml_type in KEPT_TYPES and self.keep:
-            data = torch.from_numpy(np.array(t.data).view(np.uint8).reshape(rows, -1))
+            raw = map_tensor(self.path, t) if mapped and order is None else np.array(t.data)
+            data = torch.from_numpy(raw.view(np.uint8).reshape(rows, -1))
             data = data if order is None else data[order].contiguous()
             return QuantPart(data, ggml_type, rows)
         if self.keep:

@@ -152,7 +152,9 @@ class ModelRunner:
             max_query_len=n, max_context_len=n)
         meta.keep = self.to_device([n - 1], torch.int64)  # only the last row's state
         vocab = self.model_config.vocab_size
-        input_ids = self.to_device([7919 * p % vocab for p in positions], torch.int64)
+        # ids 0..n-1: the embedding's first rows, not rows spread over a table that stays
+        # file-backed (gguf_weights.py) and would become resident wherever it was read
+        input_ids = self.to_device([p % vocab for p in positions], torch.int64)
         pos = self.to_device(positions, torch.int64)
         self.model.compute_logits(self.model(input_ids, pos, self.ops.plan(meta, pos)))
         return n

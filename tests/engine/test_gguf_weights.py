@@ -97,6 +97,29 @@ def test_embedding_rows_equal_the_reference(kept) -> None:
     assert torch.equal(kept.model.embed_tokens(ids), dequantize_reference(qweight)[ids])
 
 
+def _mapped_file(address: int) -> str | None:
+    """The file this process maps at `address` (None: anonymous memory)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if low <= address < high:
+            return fields[5] if len(fields) == 6 and fields[5].startswith("/") else None
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
+def test_the_embedding_stays_file_backed_and_the_layers_are_copied(kept) -> None:
+    """The token embeddings' blocks are read in place from the GGUF file (a mapping of
+    their own: resident only where rows are read, as llama.cpp's mmap); a layer's blocks
+    are copies (anonymous memory, whatever happens to the file)."""
+    table = kept.model.embed_tokens.qweight.parts[0].data
+    gguf_file = os.path.realpath(default_gguf_path())
+    for address in (table.data_ptr(), table.data_ptr() + table.numel() - 1):
+        assert _mapped_file(address) == gguf_file
+    down = kept.model.layers[0].mlp.down_proj.qweight.parts[0].data
+    assert _mapped_file(down.data_ptr()) is None
+
+
 def test_q_k_unpermuted_as_transformers(kept, default_model) -> None:
     """llama.cpp permuted attn_q/attn_k's rows; the kept blocks, dequantized, equal the
     float32 weights transformers converted from the same file, bit for bit."""
