@@ -37,7 +37,8 @@ class GgufTensor:
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
-    offset: int = 0  # the first byte's position in the file
+    offset: int | None = None  # the first byte's position in the file (None: not read
+    # from one, a stand-in: map_tensor refuses it)
 
 
 def map_tensor(path: Path, tensor: GgufTensor) -> np.ndarray:
@@ -45,7 +46,9 @@ def map_tensor(path: Path, tensor: GgufTensor) -> np.ndarray:
     copy-on-write and never written: its pages are the page cache's, resident in this
     process only once read through this mapping, whatever `read_gguf`'s mapping touched
     while loading (a table read a few rows at a time, as llama.cpp's mmap serves its
-    token embeddings)."""
+    token embeddings). ValueError for a tensor not read from a file (no offset)."""
+    if tensor.offset is None:
+        raise ValueError(f"{tensor.name}: not read from a file, no offset to map")
     return np.memmap(path, dtype=np.uint8, mode="c", offset=tensor.offset,
                      shape=tensor.data.shape)
 
