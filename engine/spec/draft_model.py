@@ -11,7 +11,9 @@ positions):
 With `draft_p_min` > 0 a sequence's draft ends before the first d_j whose probability
 under the draft model is below it (that token is neither drafted nor fed): text the draft
 model cannot predict costs fewer passes and fewer rejected rows. An empty draft counts as
-a missed one for the acceptance feedback (`Proposer.empty_draft_costs`).
+a missed one for the acceptance feedback (`Proposer.empty_draft_costs`), so does the empty
+draft of a sequence whose blocks did not fit (no pass ran for it; it backs off while the
+draft cache is full).
 
 The cache then holds positions < L_i for sure; after verification accepted a of the
 draft, positions < L_i + min(a, f) too, f the draft tokens fed (k - 1, fewer for a draft
@@ -75,7 +77,7 @@ class DraftModelProposer(Proposer):
     target's pool, `target.num_kv_tokens`). Raises DraftVocabMismatch (before loading
     the draft's weights) when its vocabulary is not the target's."""
 
-    empty_draft_costs = True  # a pass of the draft model, whatever it finds
+    empty_draft_costs = True  # a pass of the draft model, whatever it finds (see above)
 
     def __init__(self, config: SpeculativeConfig, target: TargetModel,
                  num_kv_tokens: int | None = None) -> None:
