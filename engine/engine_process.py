@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 from plait.engine.client import EngineClient, EngineLoadError, run_core_loop
 from plait.engine.config import EngineConfig, RuntimeInfo
 from plait.engine.core_api import EngineStats
+from plait.engine.libc import release_free_heap
 from plait.engine.model_loader import load_tokenizer, resolve_model
 from plait.engine.outputs import RequestDelta
 from plait.engine.wire import (
@@ -106,6 +107,7 @@ class ProcessEngine(EngineClient):
         resolved = resolve_model(self.config.model, self.config.weights == "float32",
                                  isolate_conversion=True)  # this process stays torch-free
         self._tokenizer = load_tokenizer(resolved.path)
+        release_free_heap()  # the tokenizer file's parse, freed mid-heap (libc.py)
         self._conn, child_conn = multiprocessing.get_context("spawn").Pipe(duplex=True)
         # The reader thread spawns the child: PR_SET_PDEATHSIG fires when the *thread* that
         # forked exits, and the reader lives exactly as long as the child.

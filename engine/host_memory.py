@@ -14,18 +14,16 @@ backend preloads for the same reason.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import logging
 import math
 import mmap
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
+from plait.engine.libc import libc_function, release_free_heap
 from plait.engine.sampler import Sampler, SamplingMetadata
 from plait.engine.sampling_params import SamplingParams
 
@@ -37,23 +35,10 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20
 
 
-@functools.cache
-def _libc_function(name: str, argtypes: tuple[Any, ...]) -> Any | None:
-    """The C library's function `name` (returning int) via ctypes, or None where the C
-    library or the function is missing (not glibc / not Linux). Looked up once."""
-    try:
-        function = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), name)
-    except (OSError, AttributeError, TypeError):
-        return None
-    function.argtypes = list(argtypes)
-    function.restype = ctypes.c_int
-    return function
-
-
 def keep_freed_memory_mapped() -> bool:
     """Raise glibc's mmap and trim thresholds for this process (see the module docstring).
     Returns False, changing nothing, where the C library has no `mallopt` (not glibc)."""
-    mallopt = _libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
+    mallopt = libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
     if mallopt is None:
         return False
     # a trim threshold of -1: never trim
@@ -61,17 +46,6 @@ def keep_freed_memory_mapped() -> bool:
         logger.warning("mallopt refused the thresholds; large temporaries may page-fault")
         return False
     return True
-
-
-def release_free_heap() -> bool:
-    """Give the C heap's free pages back to the OS (glibc `malloc_trim(0)`), whatever the
-    trim threshold: once, after loading, whose temporaries (GGUF metadata, the tokenizer's
-    conversion, checkpoint buffers) would otherwise stay resident for the process's life
-    under `keep_freed_memory_mapped` (109 MB on the default model). Call it before
-    `warm_sampler`, whose mapped pages it would also release. False where the C library has
-    no `malloc_trim` (not glibc) or nothing could be released."""
-    malloc_trim = _libc_function("malloc_trim", (ctypes.c_size_t,))
-    return malloc_trim is not None and malloc_trim(0) == 1
 
 
 # madvise(2) advice (linux/mman.h): transparent huge pages, or none; fault every page in,
@@ -85,7 +59,7 @@ HUGE_PAGE = 2 << 20
 def _madvise(address: int, length: int, advice: int) -> bool:
     """madvise(address, length, advice); False where the C library or the kernel refuses
     (not Linux, transparent huge pages compiled out, a kernel older than the advice)."""
-    madvise = _libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+    madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
     return madvise is not None and madvise(address, length, advice) == 0
 
 

@@ -35,8 +35,9 @@ def _children(pid: int) -> list[int]:
 
 
 def test_app_and_tokenizer_do_not_import_torch(tmp_path, default_model: ResolvedModel) -> None:
-    """Importing the server, building the default (process-engine) app and loading the
-    default model's tokenizer leave torch unimported; the in-thread engine imports it."""
+    """Importing the server, building the default (process-engine) app, loading the
+    default model's tokenizer and trimming the heap after it leave torch unimported; the
+    in-thread engine imports it."""
     code = textwrap.dedent(f"""
         import sys
         from pathlib import Path
@@ -50,6 +51,8 @@ def test_app_and_tokenizer_do_not_import_torch(tmp_path, default_model: Resolved
         tokenizer = load_tokenizer(Path({str(default_model.path)!r}))
         tokenizer.apply_chat_template([{{"role": "user", "content": "hi"}}], tokenize=True,
                                       add_generation_prompt=True)
+        from plait.engine.libc import release_free_heap
+        release_free_heap()
         print("torch" in sys.modules)
         create_app(ServerSettings(engine_process=False))  # the in-thread engine: torch
         print("torch" in sys.modules)
