@@ -137,7 +137,8 @@ class EngineCore:
         self.spec: SpecDecoder | None = None  # speculative decoding (engine/spec/)
         if config.speculative_config is not None:
             target = TargetModel(config, resolved.name, resolved.config.vocab_size,
-                                 self.tokenizer, self.runner.num_blocks * config.block_size)
+                                 self.tokenizer, self.runner.num_blocks * config.block_size,
+                                 self.runner.weight_bytes)
             self.spec = SpecDecoder(config.speculative_config, self.runner.max_model_len,
                                     vocab_size=resolved.config.vocab_size, target=target)
             logger.info("speculative decoding: %s", config.speculative_config.to_json())

@@ -58,7 +58,8 @@ class SpecDecoder:
         self.max_k = config.num_tokens
         self.max_model_len = max_model_len
         self.proposer = proposer if proposer is not None else make_proposer(config, target)
-        self.policy = SpecPolicy(self.max_k, config.disable_by_batch_size)
+        self.policy = SpecPolicy(self.max_k, config.disable_by_batch_size,
+                                 self.proposer.draft_token_cost)
         self.counters = SpecCounters(accepted_per_pos=[0] * self.max_k)
         self._logged_at = time.monotonic()
         self._logged_drafts = 0

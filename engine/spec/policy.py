@@ -5,9 +5,18 @@ Per sequence, k (the draft budget) follows what was accepted:
 
     all of a draft accepted          k doubles (up to num_speculative_tokens)
     some accepted (a of p)           k = a + 1
-    none accepted                    k halves; from k = 1 the sequence stops proposing for
+    none accepted, or r < c          k halves; from k = 1 the sequence stops proposing for
                                      a pause of 8 steps, doubling (to 64) while its drafts
                                      keep missing, back to 8 once one is accepted
+
+c is the proposer's `draft_token_cost` (proposer.py): what drafting one token costs,
+against one decode step of the target; r the sequence's recent acceptance, accepted over
+drafted tokens with both sums decayed by RATE_DECAY a draft. Drafting k tokens that each
+hold with probability r yields fewer than r k accepted ones on average, at a cost of c k:
+where r < c no k pays, and the draft counts as missed however it went. A lookup's drafts
+cost nothing (c = 0: the rule never fires); a draft model's cost c p steps, so free text
+that the draft model predicts as often as it costs (r about 0.4 against c = 0.43 for
+Qwen2.5-Coder-0.5B drafting for -1.5B) backs off as a lookup's misses do.
 
 A miss costs the extra rows of one step, so free text with few repeats settles at rare,
 short drafts. A proposal that finds nothing (an empty draft) costs no rows and changes
@@ -37,6 +46,8 @@ from dataclasses import dataclass
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 PAUSE_MIN_STEPS = 8
 PAUSE_MAX_STEPS = 64
+# The weight each earlier draft keeps in a sequence's recent acceptance, per later draft.
+RATE_DECAY = 0.8
 
 
 @dataclass(slots=True)
@@ -44,15 +55,22 @@ class _SeqState:
     k: int
     pause_left: int = 0  # steps left without proposing
     pause_len: int = PAUSE_MIN_STEPS  # the next pause's length
+    accepted: float = 0.0  # decayed sums of accepted and drafted tokens (RATE_DECAY)
+    drafted: float = 0.0
 
 
 class SpecPolicy:
     """Draft budgets per sequence id (see the module docstring). Core thread only."""
 
-    def __init__(self, max_k: int, disable_by_batch_size: int | None = None) -> None:
+    def __init__(self, max_k: int, disable_by_batch_size: int | None = None,
+                 draft_token_cost: float = 0.0) -> None:
+        """`draft_token_cost`: c of the module docstring (>= 0)."""
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
+        if not draft_token_cost >= 0:
+            raise ValueError(f"draft_token_cost must be >= 0, got {draft_token_cost}")
         self.max_k = max_k
+        self.draft_token_cost = draft_token_cost
         self.disable_by_batch_size = (DEFAULT_DISABLE_BY_BATCH_SIZE
                                       if disable_by_batch_size is None
                                       else disable_by_batch_size)
@@ -77,6 +95,10 @@ class SpecPolicy:
         seq = self._seqs.get(request_id)
         if seq is None:
             seq = self._seqs[request_id] = _SeqState(self.max_k)
+        seq.accepted = RATE_DECAY * seq.accepted + num_accepted
+        seq.drafted = RATE_DECAY * seq.drafted + num_proposed
+        if seq.accepted < self.draft_token_cost * seq.drafted:  # r < c: no k pays
+            num_accepted = 0
         if num_accepted >= num_proposed:
             seq.k = min(self.max_k, 2 * max(seq.k, num_proposed))
             seq.pause_len = PAUSE_MIN_STEPS

@@ -43,9 +43,13 @@ class Proposer(ABC):
     `empty_draft_costs`: whether proposing costs time even when no draft comes of it (a
     draft model's forward pass): the engine then takes an empty draft as a missed one, so
     that a sequence with nothing to draft backs off (policy.py) instead of paying for a
-    proposal every step. False for lookups (ngram, suffix), whose misses cost nothing."""
+    proposal every step. False for lookups (ngram, suffix), whose misses cost nothing.
+    `draft_token_cost`: see policy.py; 0 for lookups."""
 
     empty_draft_costs: bool = False
+    # What drafting one token costs, against one decode step of the target model (0: a
+    # lookup); the policy counts a draft that keeps fewer tokens than it cost as missed.
+    draft_token_cost: float = 0.0
 
     @abstractmethod
     def propose(self, seqs: Sequence[SpecInput]) -> list[list[int]]:

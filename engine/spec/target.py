@@ -26,14 +26,16 @@ SHOWN_DIFFERENCES = 3
 class TargetModel:
     """The target engine as a proposer sees it: its `engine_config` (device, dtypes, kernel
     flags, block size: a draft model runs with the same), served `name`, `vocab_size`
-    (rows of its LM head), its `tokenizer`, and `num_kv_tokens`, the tokens its KV pool
-    holds (a draft model's own pool holds as many)."""
+    (rows of its LM head), its `tokenizer`, `num_kv_tokens`, the tokens its KV pool
+    holds (a draft model's own pool holds as many), and `weight_bytes`, what its weights
+    hold in memory (0: unknown), which a decode step reads once."""
 
     engine_config: EngineConfig
     name: str
     vocab_size: int
     tokenizer: PreTrainedTokenizerBase
     num_kv_tokens: int
+    weight_bytes: int = 0
 
 
 class DraftVocabMismatch(ValueError):

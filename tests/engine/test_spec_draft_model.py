@@ -198,3 +198,20 @@ def test_a_draft_of_another_vocabulary_size_is_refused(tiny_path, tmp_path,
             f"draft model {bigger.name!r} does not share the vocabulary of the target "
             f"model {tiny_path.name!r}: vocabulary size 49216 vs 49152")):
         LLM(str(tiny_path), speculative_config=config, num_kv_blocks=16, block_size=4)
+
+
+def test_a_draft_token_costs_the_draft_models_share_of_the_weight_bytes(draft_path) -> None:
+    """The draft model's `draft_token_cost` is its weights' bytes over the target's (a
+    decode step reads each once), the policy's c; 0 where the target's are unknown."""
+    config = SpeculativeConfig(method="draft_model", model=str(draft_path),
+                               num_speculative_tokens=4)
+    unknown = make_proposer(draft_path)
+    assert unknown.draft_token_cost == 0.0
+    own = unknown.runner.weight_bytes
+    assert own > 0
+    target = TargetModel(EngineConfig(block_size=4), "target", 49152,
+                         load_tokenizer(draft_path), num_kv_tokens=1024,
+                         weight_bytes=4 * own)
+    spec = SpecDecoder(config, 1024, target=target)
+    assert spec.proposer.draft_token_cost == 0.25
+    assert spec.policy.draft_token_cost == 0.25

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from plait import SamplingParams
 from plait.engine import StructuredSpec
 from plait.engine.request import Request, RequestStatus
 from plait.engine.spec.config import SpeculativeConfig
 from plait.engine.spec.driver import SpecDecoder
-from plait.engine.spec.policy import PAUSE_MAX_STEPS, PAUSE_MIN_STEPS, SpecPolicy
+from plait.engine.spec.policy import PAUSE_MAX_STEPS, PAUSE_MIN_STEPS, RATE_DECAY, SpecPolicy
 from plait.engine.spec.proposer import Proposer, SpecInput
 
 
@@ -47,6 +49,30 @@ def test_misses_at_k_1_pause_proposals_longer_each_time() -> None:
     assert sum(policy.budget("a") == 0 for _ in range(200)) == PAUSE_MIN_STEPS
     policy.forget("a")
     assert policy.budget("a") == 1
+
+
+def test_drafts_that_cost_more_than_they_keep_count_as_misses() -> None:
+    """With a draft token costing c of a target step, a draft counts as missed while the
+    sequence's recent acceptance (decayed sums, RATE_DECAY) is below c; a lookup (c = 0)
+    keeps a + 1 for the same drafts."""
+    lookup, costly = SpecPolicy(max_k=8), SpecPolicy(max_k=8, draft_token_cost=0.5)
+    for policy in (lookup, costly):
+        policy.record("a", 8, 2)
+    assert lookup.budget("a") == 3  # a + 1
+    assert costly.budget("a") == 4  # 2 of 8 < 0.5: halved
+    costly.record("a", 4, 4)  # (0.8 * 2 + 4) / (0.8 * 8 + 4) = 0.54: all kept
+    assert costly.budget("a") == 8
+    assert RATE_DECAY == 0.8
+    slow = SpecPolicy(max_k=1, draft_token_cost=0.5)
+    for _ in range(5):
+        slow.record("a", 1, 0)
+    for _ in range(PAUSE_MAX_STEPS):  # the last pause runs out
+        slow.budget("a")
+    assert slow.budget("a") == 1
+    slow.record("a", 1, 1)  # accepted, yet the recent rate 1 / 3.69 < 0.5: a pause
+    assert slow.budget("a") == 0
+    with pytest.raises(ValueError, match="draft_token_cost"):
+        SpecPolicy(max_k=1, draft_token_cost=-0.1)
 
 
 class Echo(Proposer):
