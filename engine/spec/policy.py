@@ -12,11 +12,12 @@ Per sequence, k (the draft budget) follows what was accepted:
 c is the proposer's `draft_token_cost` (proposer.py): what drafting one token costs,
 against one decode step of the target; r the sequence's recent acceptance, accepted over
 drafted tokens with both sums decayed by RATE_DECAY a draft. Drafting k tokens that each
-hold with probability r yields fewer than r k accepted ones on average, at a cost of c k:
-where r < c no k pays, and the draft counts as missed however it went. A lookup's drafts
-cost nothing (c = 0: the rule never fires); a draft model's cost c p steps, so free text
-that the draft model predicts as often as it costs (r about 0.4 against c = 0.43 for
-Qwen2.5-Coder-0.5B drafting for -1.5B) backs off as a lookup's misses do.
+hold with probability r yields at most r k accepted ones on average (a draft ends at its
+first rejected token), at a cost of c k: where r < c no k pays, and the draft counts as
+missed however it went. A lookup's drafts cost nothing (c = 0: the rule never fires); a
+draft model's p tokens cost about c p steps, so free text that the draft model predicts
+about as often as it costs (r about 0.4 against c = 0.43 for Qwen2.5-Coder-0.5B drafting
+for -1.5B) backs off as a lookup's misses do.
 
 A miss costs the extra rows of one step, so free text with few repeats settles at rare,
 short drafts. A proposal that finds nothing (an empty draft) costs no rows and changes
