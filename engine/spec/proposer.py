@@ -48,7 +48,8 @@ class Proposer(ABC):
 
     empty_draft_costs: bool = False
     # What drafting one token costs, against one decode step of the target model (0: a
-    # lookup); the policy counts a draft that keeps fewer tokens than it cost as missed.
+    # lookup); the policy counts drafts as missed while a sequence's recent acceptance
+    # is below it.
     draft_token_cost: float = 0.0
 
     @abstractmethod
