@@ -23,9 +23,7 @@
 /* Bytes past a record's start that vnni_tiles prefetches while it reads the record: a
  * decode step reads each weight once from memory, and the hardware prefetchers alone keep
  * too few lines in flight for one core's share of the read bandwidth. */
-#ifndef RP_PREFETCH_BYTES
 #define RP_PREFETCH_BYTES 4096
-#endif
 
 #if LANES == 16 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define REPACK_VNNI 1
@@ -82,11 +80,10 @@ ALWAYS_INLINE void vnni_tiles(int type, int T, int R, const uint8_t *tile, long 
     });
     for (int gi = 0; gi < groups; gi++) {
       long g = blk * groups + gi;
-      if (RP_PREFETCH_BYTES > 0)
-        VN_RECS({
-          const char *ahead = (const char *)rec[u] + RP_PREFETCH_BYTES + 64 * ahead_lines * gi;
-          for (int l = 0; l < ahead_lines; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
-        });
+      VN_RECS({
+        const char *ahead = (const char *)rec[u] + RP_PREFETCH_BYTES + 64 * ahead_lines * gi;
+        for (int l = 0; l < ahead_lines; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+      });
       for (int h = 0; h < halves; h++) {
         __m512i acc[2][RP_TILE_ROWS];
         for (int r = 0; r < R; r++) {
