@@ -13,6 +13,7 @@ set (stop, length, abort or error).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from plait.engine.scheduler import Scheduler
 from plait.engine.spec.driver import SpecDecoder
 from plait.engine.spec.target import TargetModel
 from plait.engine.structured import GRAMMAR_FAILED
+from plait.engine.vocabulary import TextDecoder, TokenizerText, Vocabulary
 
 if TYPE_CHECKING:
     import torch
@@ -42,9 +44,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("plait.engine")
 
-# Builds a request's detokenizer: (tokenizer, prompt token ids, params) -> detokenizer.
-DetokenizerFactory = Callable[["PreTrainedTokenizerBase", list[int], SamplingParams],
-                              IncrementalDetokenizer]
+# Builds a request's detokenizer: (text decoder, prompt token ids, params) -> detokenizer.
+DetokenizerFactory = Callable[[TextDecoder, list[int], SamplingParams], IncrementalDetokenizer]
 RunnerFactory = Callable[..., ModelRunner]
 
 SAMPLING_FAILED = "internal error while sampling the request"
@@ -70,11 +71,11 @@ class OutputState:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
 
-def eos_token_ids(resolved: ResolvedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+def eos_token_ids(resolved: ResolvedModel, tokenizer_eos: int | None) -> tuple[int, ...]:
     """The model's end-of-sequence ids: its config's, plus the tokenizer's own."""
     eos = set(resolved.config.eos_token_ids)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        eos.add(tokenizer.eos_token_id)
+    if tokenizer_eos is not None:
+        eos.add(tokenizer_eos)
     return tuple(sorted(eos))
 
 
@@ -92,6 +93,11 @@ def _kv_warmer(config: EngineConfig, kv_cache: torch.Tensor | None,
 class EngineCore:
     """Owns the scheduler, the model runner and every live request (by id).
 
+    Text comes from `vocabulary` (vocabulary.py) when given: the engine process gets it
+    from the API process, and then loads the model's tokenizer only when something asks for
+    `tokenizer` (a grammar, a draft model's vocabulary check). Else from `tokenizer`, loaded
+    here when not given.
+
     `runner_factory(config, resolved, eos_token_ids=...)` and `detokenizer_factory` are the
     seams tests use to inject faults (engine/faults.py); production uses the defaults.
     Requests must be validated before `add_request` (engine/validation.py)."""
@@ -99,11 +105,19 @@ class EngineCore:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None,
                  runner_factory: RunnerFactory = ModelRunner,
-                 detokenizer_factory: DetokenizerFactory = IncrementalDetokenizer) -> None:
+                 detokenizer_factory: DetokenizerFactory = IncrementalDetokenizer,
+                 vocabulary: Vocabulary | None = None) -> None:
         self.config = config
         resolved = resolved or resolve_model(config.model, config.weights == "float32")
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(resolved.path)
-        eos = eos_token_ids(resolved, self.tokenizer)
+        self._tokenizer_path = resolved.path
+        self._tokenizer = tokenizer
+        self._tokenizer_lock = threading.Lock()
+        if vocabulary is None:
+            vocabulary = Vocabulary.from_tokenizer(self.tokenizer)
+        self.text: TextDecoder = vocabulary if vocabulary is not None \
+            else TokenizerText(self.tokenizer)
+        eos = eos_token_ids(resolved, vocabulary.eos_token_id if vocabulary is not None
+                            else getattr(self.tokenizer, "eos_token_id", None))
         self.runner = runner_factory(config, resolved, eos_token_ids=eos)
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching,
                               record_events=config.kv_events_endpoint is not None)
@@ -129,7 +143,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.outputs: dict[str, OutputState] = {}  # by request id, for each of `requests`
         # Structured requests whose grammar is still being compiled (not yet scheduled).
-        self.grammars = GrammarCompiler(self.tokenizer, eos_ids=eos)
+        self.grammars = GrammarCompiler(lambda: self.tokenizer, eos_ids=eos)
         self.runner.grammars = self.grammars
         self.compiling: dict[str, tuple[Request, Future[None]]] = {}
         self.counters = StepCounters()
@@ -137,11 +151,21 @@ class EngineCore:
         self.spec: SpecDecoder | None = None  # speculative decoding (engine/spec/)
         if config.speculative_config is not None:
             target = TargetModel(config, resolved.name, resolved.config.vocab_size,
-                                 self.tokenizer, self.runner.num_blocks * config.block_size,
+                                 lambda: self.tokenizer,
+                                 self.runner.num_blocks * config.block_size,
                                  self.runner.weight_bytes)
             self.spec = SpecDecoder(config.speculative_config, self.runner.max_model_len,
                                     vocab_size=resolved.config.vocab_size, target=target)
             logger.info("speculative decoding: %s", config.speculative_config.to_json())
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The model's tokenizer, loaded on first use when the core was given only its
+        vocabulary (any thread: the grammar compiler asks from its worker)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(self._tokenizer_path)
+            return self._tokenizer
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -152,7 +176,7 @@ class EngineCore:
             raise ValueError(f"duplicate request id {request_id!r}")
         req = Request(request_id, list(prompt_token_ids), params, extra_key=extra_key)
         self.outputs[request_id] = OutputState(
-            self.detokenizer_factory(self.tokenizer, req.prompt_token_ids, params))
+            self.detokenizer_factory(self.text, req.prompt_token_ids, params))
         if params.structured is not None:  # scheduled once its grammar is compiled
             self.compiling[request_id] = (req, self.grammars.submit(params.structured))
         else:

@@ -78,7 +78,9 @@ class Core(Protocol):
     `ValueError` for a duplicate id."""
 
     info: RuntimeInfo
-    tokenizer: PreTrainedTokenizerBase
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None: ...

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from plait.engine.sampling_params import SamplingParams
-from plait.engine.token_text import decode_ids
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from plait.engine.vocabulary import TextDecoder
 
 # Prompt tokens that seed the decode window, so the first output token's leading space (and
 # any merge with the prompt tail) decodes as it would inside the full text.
@@ -55,9 +54,10 @@ class IncrementalDetokenizer:
     step.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+    def __init__(self, text: TextDecoder, prompt_token_ids: list[int],
                  params: SamplingParams) -> None:
-        self._tokenizer = tokenizer
+        """`text` decodes ids as the tokenizer does (vocabulary.py)."""
+        self._text = text
         self._skip_special = params.skip_special_tokens
         self._stops = [s for s in params.stop if s]
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
@@ -108,8 +108,7 @@ class IncrementalDetokenizer:
         return DetokenizerStep(delta, stop_str)
 
     def _decode(self, token_ids: list[int]) -> str:
-        return decode_ids(self._tokenizer, token_ids, skip_special_tokens=self._skip_special,
-                          clean_up_tokenization_spaces=False)
+        return self._text.decode(token_ids, self._skip_special)
 
     def _decode_next(self, token_id: int) -> str:
         self._window.append(token_id)

@@ -3,7 +3,10 @@ the tokenizer (prompt encoding, chat templates, /tokenize), the HTTP stack and t
 a child process named `plait-engine` owns the model, the KV cache, the scheduler, and
 detokenization with stop strings. Those stay with the core on purpose: a matched stop string
 ends the request and frees its KV blocks in the same step, with no extra token computed, and
-deltas cross the pipe already as text.
+deltas cross the pipe already as text. The child decodes through the tokenizer's
+`Vocabulary` (vocabulary.py), which the server builds from its tokenizer and sends with the
+start arguments: it loads the tokenizer itself (about 130 MB for a 152k vocabulary) only
+when a grammar or a draft model's vocabulary check asks for it.
 
     server process (ProcessEngine)                engine process (run_engine_process)
     event loop: add_request / abort
@@ -49,6 +52,7 @@ from plait.engine.core_api import EngineStats
 from plait.engine.libc import release_free_heap
 from plait.engine.model_loader import load_tokenizer, resolve_model
 from plait.engine.outputs import RequestDelta
+from plait.engine.vocabulary import Vocabulary
 from plait.engine.wire import (
     Command,
     EngineStart,
@@ -108,10 +112,15 @@ class ProcessEngine(EngineClient):
                                  isolate_conversion=True)  # this process stays torch-free
         self._tokenizer = load_tokenizer(resolved.path)
         release_free_heap()  # the tokenizer file's parse, freed mid-heap (libc.py)
+        # The vocabulary lives only in the frame: encoded here, its pieces freed again.
+        start = encode(EngineStart(self.config, self._fault_injection,
+                                   logging.getLogger("plait").getEffectiveLevel(), os.getpid(),
+                                   Vocabulary.from_tokenizer(self._tokenizer)))
+        release_free_heap()
         self._conn, child_conn = multiprocessing.get_context("spawn").Pipe(duplex=True)
         # The reader thread spawns the child: PR_SET_PDEATHSIG fires when the *thread* that
         # forked exits, and the reader lives exactly as long as the child.
-        self._reader = threading.Thread(target=self._read, args=(child_conn,),
+        self._reader = threading.Thread(target=self._read, args=(child_conn, start),
                                         name="plait-engine-reader", daemon=True)
         self._reader.start()
         self._loaded.wait()
@@ -169,14 +178,13 @@ class ProcessEngine(EngineClient):
             except OSError:  # the child is gone: the reader reports it
                 return
 
-    def _read(self, child_conn: Connection) -> None:
-        """Reader thread: spawn the child, then hand its events over until EOF."""
+    def _read(self, child_conn: Connection, start: bytes) -> None:
+        """Reader thread: spawn the child with its `EngineStart` frame, then hand its
+        events over until EOF."""
         assert self._conn is not None
-        start = EngineStart(self.config, self._fault_injection,
-                            logging.getLogger("plait").getEffectiveLevel(), os.getpid())
         try:
             process = multiprocessing.get_context("spawn").Process(
-                target=run_engine_process, args=(child_conn, encode(start)),
+                target=run_engine_process, args=(child_conn, start),
                 name=PROCESS_NAME, daemon=True)
             self._process = process
             process.start()
@@ -249,7 +257,7 @@ def run_engine_process(conn: Connection, start_frame: bytes) -> None:
     try:
         from plait.engine.core import EngineCore  # torch: imported here, after the checks
 
-        core = EngineCore(start.config)
+        core = EngineCore(start.config, vocabulary=start.vocabulary)
         if start.fault_injection:
             from plait.engine.faults import arm_engine_faults
 

@@ -24,16 +24,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from plait.engine.token_text import decode_ids
-
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedTokenizerBase
 
     from plait.engine.core import EngineCore
     from plait.engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
     from plait.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
     from plait.engine.sampling_params import SamplingParams
+    from plait.engine.vocabulary import TextDecoder
 
 logger = logging.getLogger("plait.engine")
 
@@ -121,9 +119,9 @@ def install_fault_hook(core: Any, hook: Hook) -> None:
     core.runner = _RunnerFaults(runner, core, hook)
     make_detokenizer = core.detokenizer_factory
 
-    def faulty_detokenizer(tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+    def faulty_detokenizer(text: TextDecoder, prompt_token_ids: list[int],
                            params: SamplingParams) -> _DetokenizerFaults:
-        inner = make_detokenizer(tokenizer, prompt_token_ids, params)
+        inner = make_detokenizer(text, prompt_token_ids, params)
         return _DetokenizerFaults(inner, prompt_token_ids, hook)
 
     core.detokenizer_factory = faulty_detokenizer
@@ -135,8 +133,8 @@ class FaultHook:
     A prompt's marker is found once (the prompt decoded) and remembered in a bounded LRU
     table keyed by the prompt's tokens."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_remembered: int = 4096) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, text: TextDecoder, max_remembered: int = 4096) -> None:
+        self._text = text
         self._max_remembered = max_remembered
         self._markers: OrderedDict[tuple[int, ...], tuple[str, int] | None] = OrderedDict()
 
@@ -154,7 +152,7 @@ class FaultHook:
         if prompt in self._markers:
             self._markers.move_to_end(prompt)
             return self._markers[prompt]
-        marker = find_marker(decode_ids(self._tokenizer, list(prompt)))
+        marker = find_marker(self._text.decode(list(prompt)))
         self._markers[prompt] = marker
         if len(self._markers) > self._max_remembered:
             self._markers.popitem(last=False)
@@ -163,6 +161,6 @@ class FaultHook:
 
 def arm_engine_faults(core: EngineCore) -> None:
     """Install the marker-driven `FaultHook` on a loaded core; call where the core runs."""
-    install_fault_hook(core, FaultHook(core.tokenizer))
+    install_fault_hook(core, FaultHook(core.text))
     logger.warning("FAULT INJECTION IS ON (test-only): engine phases fail for prompts with "
                    "'plait-fault:' markers")

@@ -7,8 +7,9 @@
                               pristine matcher, advanced by each token the request keeps
 
 The llguidance tokenizer is built from the engine's Hugging Face tokenizer once, lazily, in
-the compiler's worker thread (about 0.4 s for a 49k vocabulary), so neither engine start nor
-the step loop pays for it. A compiled matcher is never advanced itself: each request gets a
+the compiler's worker thread (about 0.4 s for a 49k vocabulary, plus loading the tokenizer
+itself where the engine had only its vocabulary), so neither engine start nor the step
+loop pays for it. A compiled matcher is never advanced itself: each request gets a
 `deep_copy`, so the n choices of one request have n independent matchers.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -114,9 +116,10 @@ class GrammarCompiler:
     `GrammarError` when it cannot be); `grammar(spec)` then returns a fresh per-request
     `RequestGrammar`. Thread-safe."""
 
-    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, cache_size: int = DEFAULT_CACHE_SIZE,
-                 eos_ids: tuple[int, ...] = ()) -> None:
-        """`eos_ids`: every id that ends a sequence in the engine (the model config's and
+    def __init__(self, hf_tokenizer: Callable[[], PreTrainedTokenizerBase],
+                 cache_size: int = DEFAULT_CACHE_SIZE, eos_ids: tuple[int, ...] = ()) -> None:
+        """`hf_tokenizer()` gives the model's tokenizer, called once, at the first compile.
+        `eos_ids`: every id that ends a sequence in the engine (the model config's and
         the tokenizer's); a complete grammar allows all of them. Empty: the tokenizer's."""
         self._hf_tokenizer = hf_tokenizer
         self._engine_eos = list(eos_ids)
@@ -193,7 +196,7 @@ class GrammarCompiler:
 
             # llguidance types its argument as a fast tokenizer; it checks the kind itself.
             tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer,  # type: ignore[arg-type]
+                self._hf_tokenizer(),  # type: ignore[arg-type]
                 eos_token=self._engine_eos or None)
             self._eos_ids = frozenset(tokenizer.eos_tokens)
             self._tokenizer = tokenizer

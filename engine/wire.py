@@ -29,6 +29,7 @@ from plait.engine.config import EngineConfig, RuntimeInfo
 from plait.engine.core_api import EngineStats
 from plait.engine.outputs import RequestDelta
 from plait.engine.sampling_params import SamplingParams
+from plait.engine.vocabulary import Vocabulary
 
 
 class WireError(ValueError):
@@ -40,12 +41,15 @@ class EngineStart(msgspec.Struct, frozen=True):
     """The engine process's start arguments (the only thing its spawn carries besides the
     pipe). `fault_injection` arms the test-only engine faults (engine/faults.py);
     `log_level` is the server's logging level, so both processes log alike; `parent_pid`
-    lets the child notice a parent that died before it could ask to die with it."""
+    lets the child notice a parent that died before it could ask to die with it;
+    `vocabulary` is the tokenizer's text view (vocabulary.py), so the child need not load
+    the tokenizer (None: it loads it)."""
 
     config: EngineConfig
     fault_injection: bool = False
     log_level: int = 20
     parent_pid: int | None = None
+    vocabulary: Vocabulary | None = None
 
 
 class AddCommand(msgspec.Struct, tag="add", array_like=True):

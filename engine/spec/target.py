@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from plait.engine.config import EngineConfig
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from transformers import PreTrainedTokenizerBase
 
 # How many differing ids a vocabulary error lists.
@@ -26,14 +28,15 @@ SHOWN_DIFFERENCES = 3
 class TargetModel:
     """The target engine as a proposer sees it: its `engine_config` (device, dtypes, kernel
     flags, block size: a draft model runs with the same), served `name`, `vocab_size`
-    (rows of its LM head), its `tokenizer`, `num_kv_tokens`, the tokens its KV pool
+    (rows of its LM head), its `tokenizer()` (loaded on the first call where the engine
+    had only its vocabulary), `num_kv_tokens`, the tokens its KV pool
     holds (a draft model's own pool holds as many), and `weight_bytes`, what its weights
     hold in memory (0: unknown), which a decode step reads once."""
 
     engine_config: EngineConfig
     name: str
     vocab_size: int
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: Callable[[], PreTrainedTokenizerBase]
     num_kv_tokens: int
     weight_bytes: int = 0
 
@@ -52,7 +55,7 @@ def check_same_vocab(target: TargetModel, draft_name: str, draft_vocab_size: int
     if draft_vocab_size != target.vocab_size:
         raise DraftVocabMismatch(f"{prefix}: vocabulary size {draft_vocab_size} vs "
                                  f"{target.vocab_size}")
-    want, got = target.tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    want, got = target.tokenizer().get_vocab(), draft_tokenizer.get_vocab()
     if want == got:
         return
     by_id_want = {i: t for t, i in want.items()}

@@ -45,7 +45,7 @@ def make_proposer(path, k: int = 4, num_kv_tokens: int = 256,
     config = SpeculativeConfig(method="draft_model", model=str(path),
                                num_speculative_tokens=k, draft_p_min=p_min)
     target = TargetModel(EngineConfig(block_size=4), "target", 49152,
-                         load_tokenizer(path), num_kv_tokens=1024)
+                         lambda: load_tokenizer(path), num_kv_tokens=1024)
     return DraftModelProposer(config, target, num_kv_tokens)
 
 
@@ -98,7 +98,7 @@ def test_an_empty_draft_of_a_draft_model_counts_as_a_miss(tiny_path, draft_path)
     config = SpeculativeConfig(method="draft_model", model=str(draft_path),
                                num_speculative_tokens=4, draft_p_min=1.0)
     target = TargetModel(EngineConfig(block_size=4), "target", 49152,
-                         load_tokenizer(draft_path), num_kv_tokens=1024)
+                         lambda: load_tokenizer(draft_path), num_kv_tokens=1024)
     spec = SpecDecoder(config, 1024, target=target)
     req = Request("a", prompt(2, 12), SamplingParams(max_tokens=64), max_tokens=64)
     req.status, req.output_token_ids, req.num_computed_tokens = RequestStatus.RUNNING, [5], 12
@@ -210,7 +210,7 @@ def test_a_draft_token_costs_the_draft_models_share_of_the_weight_bytes(draft_pa
     own = unknown.runner.weight_bytes
     assert own > 0
     target = TargetModel(EngineConfig(block_size=4), "target", 49152,
-                         load_tokenizer(draft_path), num_kv_tokens=1024,
+                         lambda: load_tokenizer(draft_path), num_kv_tokens=1024,
                          weight_bytes=4 * own)
     spec = SpecDecoder(config, 1024, target=target)
     assert spec.proposer.draft_token_cost == 0.25

@@ -27,7 +27,7 @@ SPEC = StructuredSpec("json_schema", json.dumps(SMALL))
 
 
 def test_valid_prefix_stops_at_the_first_refused_token(tokenizer) -> None:
-    compiler = GrammarCompiler(tokenizer, eos_ids=(2,))
+    compiler = GrammarCompiler(lambda: tokenizer, eos_ids=(2,))
     spec = StructuredSpec("regex", r"[0-9]{3}-[a-z]{2}")
     compiler.submit(spec).result()
     grammar = compiler.grammar(spec)

@@ -7,6 +7,7 @@ import pytest
 from plait.engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.token_text import TokenTextTable
+from plait.engine.vocabulary import TextDecoder, TokenizerText, Vocabulary
 
 IM_END = 2
 MULTILINGUAL = "Hi 😀 你好世界 👩‍👩‍👧 café"
@@ -16,12 +17,23 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+@pytest.fixture(params=["vocabulary", "tokenizer"])
+def text(request, tokenizer) -> TextDecoder:
+    """Both ways the engine decodes: the tokenizer's `Vocabulary`, and the tokenizer."""
+    if request.param == "tokenizer":
+        return TokenizerText(tokenizer)
+    vocabulary = Vocabulary.from_tokenizer(tokenizer)
+    assert vocabulary is not None and vocabulary.kind == "byte_level"
+    return vocabulary
+
+
 def run(tokenizer, token_ids: list[int], params: SamplingParams | None = None, *,
-        prompt: str = "The answer is", chunk: int = 1,
-        finish: bool = True) -> tuple[IncrementalDetokenizer, list[DetokenizerStep]]:
-    """Feed `token_ids` `chunk` at a time; the last call has finished=`finish`."""
-    detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, prompt),
-                                   params or SamplingParams())
+        prompt: str = "The answer is", chunk: int = 1, finish: bool = True,
+        text: TextDecoder | None = None) -> tuple[IncrementalDetokenizer, list[DetokenizerStep]]:
+    """Feed `token_ids` `chunk` at a time; the last call has finished=`finish`. `text`:
+    the tokenizer's vocabulary unless given."""
+    detok = IncrementalDetokenizer(text or Vocabulary.from_tokenizer(tokenizer),
+                                   encode(tokenizer, prompt), params or SamplingParams())
     steps = []
     for start in range(0, len(token_ids), chunk):
         last = start + chunk >= len(token_ids)
@@ -32,10 +44,10 @@ def run(tokenizer, token_ids: list[int], params: SamplingParams | None = None, *
 # --- text reconstruction -------------------------------------------------------------------
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 100])
-def test_split_utf8_characters_reconstruct_exactly(tokenizer, chunk):
+def test_split_utf8_characters_reconstruct_exactly(tokenizer, text, chunk):
     ids = encode(tokenizer, MULTILINGUAL)
     assert tokenizer.decode(ids[2:3]) == "\ufffd"  # precondition: the emoji is split
-    detok, steps = run(tokenizer, ids, chunk=chunk)
+    detok, steps = run(tokenizer, ids, chunk=chunk, text=text)
     deltas = [s.text for s in steps]
     assert "".join(deltas) == tokenizer.decode(ids) == MULTILINGUAL
     assert detok.output_text == MULTILINGUAL
@@ -43,10 +55,10 @@ def test_split_utf8_characters_reconstruct_exactly(tokenizer, chunk):
     assert all(s.stop_str is None for s in steps)
 
 
-def test_split_character_is_emitted_when_complete(tokenizer):
+def test_split_character_is_emitted_when_complete(tokenizer, text):
     ids = encode(tokenizer, "😀!")  # three byte tokens for the emoji, then "!"
     assert len(ids) == 4
-    _, steps = run(tokenizer, ids)
+    _, steps = run(tokenizer, ids, text=text)
     assert [s.text for s in steps] == ["", "", "😀", "!"]
 
 
@@ -56,24 +68,24 @@ def test_leading_space_tokens(tokenizer):
     assert [s.text for s in steps] == [" forty", " two"]
 
 
-def test_incomplete_character_is_released_on_finish(tokenizer):
+def test_incomplete_character_is_released_on_finish(tokenizer, text):
     ids = encode(tokenizer, "ok 😀")[:-1]  # cut inside the emoji (e.g. max_tokens)
-    detok, steps = run(tokenizer, ids)
+    detok, steps = run(tokenizer, ids, text=text)
     assert detok.output_text == tokenizer.decode(ids) == "ok \ufffd"
     assert steps[-1].text.endswith("\ufffd")
 
 
-def test_skip_special_tokens(tokenizer):
+def test_skip_special_tokens(tokenizer, text):
     ids = [*encode(tokenizer, "Hi there"), IM_END]
-    detok, _ = run(tokenizer, ids)
+    detok, _ = run(tokenizer, ids, text=text)
     assert detok.output_text == "Hi there"
-    detok, _ = run(tokenizer, ids, SamplingParams(skip_special_tokens=False))
+    detok, _ = run(tokenizer, ids, SamplingParams(skip_special_tokens=False), text=text)
     assert detok.output_text == "Hi there<|im_end|>"
 
 
-def test_special_token_in_the_middle_is_skipped(tokenizer):
+def test_special_token_in_the_middle_is_skipped(tokenizer, text):
     ids = [*encode(tokenizer, "Hi"), IM_END, *encode(tokenizer, " there")]
-    _, steps = run(tokenizer, ids)
+    _, steps = run(tokenizer, ids, text=text)
     assert [s.text for s in steps] == ["Hi", "", " there"]
 
 
@@ -156,7 +168,8 @@ def test_stop_strings_only_match_from_min_tokens_on(tokenizer):
     not a stop; "world," ends in the third token's text, so it stops there."""
     ids = encode(tokenizer, "Hello world, friend")  # Hello | ␣world | , | ␣friend
     params = SamplingParams(stop=["o", "world,"], min_tokens=3)
-    detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, "The answer is"), params)
+    detok = IncrementalDetokenizer(Vocabulary.from_tokenizer(tokenizer),
+                                   encode(tokenizer, "The answer is"), params)
     steps = [detok.step([t], finished=False, match_stops=i + 1 >= params.min_tokens)
              for i, t in enumerate(ids)]
     assert [s.text for s in steps] == ["Hello", " ", "", ""]
@@ -166,7 +179,8 @@ def test_stop_strings_only_match_from_min_tokens_on(tokenizer):
 
 def test_stop_string_before_min_tokens_is_emitted(tokenizer):
     ids = encode(tokenizer, "Hello world, friend")
-    detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, "The answer is"),
+    detok = IncrementalDetokenizer(Vocabulary.from_tokenizer(tokenizer),
+                                   encode(tokenizer, "The answer is"),
                                    SamplingParams(stop=["o"], min_tokens=4))
     steps = [detok.step([t], finished=i == 3, match_stops=i + 1 >= 4)
              for i, t in enumerate(ids)]

@@ -22,7 +22,7 @@ ANY_TEXT = StructuredSpec("regex", r"(.|\n)*")
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, cache_size=2)
+    return GrammarCompiler(lambda: tokenizer, cache_size=2)
 
 
 def compiled(compiler: GrammarCompiler, spec: StructuredSpec):
@@ -67,8 +67,8 @@ def test_every_engine_eos_ends_a_complete_grammar(tokenizer) -> None:
     """The engine stops on the model config's EOS ids as well as the tokenizer's: a
     complete grammar allows each of them (here id 0 besides the tokenizer's 2), not only
     the tokenizer's, or a model's natural end of turn would be redrawn away."""
-    engine_eos = GrammarCompiler(tokenizer, eos_ids=(0, EOS))
-    default = GrammarCompiler(tokenizer)
+    engine_eos = GrammarCompiler(lambda: tokenizer, eos_ids=(0, EOS))
+    default = GrammarCompiler(lambda: tokenizer)
     spec = StructuredSpec("regex", "a+")
     grammars = [compiled(c, spec) for c in (engine_eos, default)]
     for grammar in grammars:
