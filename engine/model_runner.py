@@ -126,8 +126,10 @@ class ModelRunner:
         self.grammars: GrammarCompiler | None = None
         self.batch = InputBatch(config.max_num_seqs, cdiv(self.max_model_len, self.block_size),
                                 self.device)
-        # kept_logits: [max_shared_logits, vocab] float32, rows addressed by kept slot
-        self.kept_logits = torch.zeros(config.max_shared_logits, cfg.vocab_size,
+        # kept_logits: [max_shared_logits, vocab] float32, rows addressed by kept slot; a
+        # row is read only after its slot was written, so unwritten rows stay unset (and,
+        # on CPU, their pages untouched: 19 MB for Qwen2's vocabulary)
+        self.kept_logits = torch.empty(config.max_shared_logits, cfg.vocab_size,
                                        dtype=torch.float32, device=self.device)
         self.warm_up(config.warm_up_tokens)
 

@@ -139,7 +139,7 @@ def hf_greedy(default_model, tokenizer) -> tuple[list[list[int]], list[list[int]
     loader converted it (`test_q_k_unpermuted_as_transformers`: the kept blocks dequantize
     to exactly these weights)."""
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    eos = list(eos_token_ids(default_model, tokenizer))
+    eos = list(eos_token_ids(default_model, tokenizer.eos_token_id))
     return prompts, greedy_reference(default_model.path, prompts, eos, NUM_TOKENS)
 
 
