@@ -152,6 +152,29 @@ def test_the_api_process_trims_its_heap_once_the_tokenizer_is_loaded(monkeypatch
     assert engine._reader is None
 
 
+def test_load_sends_the_engine_the_tokenizers_vocabulary(tiny_path: Path, monkeypatch) -> None:
+    """The engine child's start frame carries the tokenizer's `Vocabulary`, so the child
+    decodes without loading the tokenizer (engine/vocabulary.py)."""
+    from plait.engine.vocabulary import Vocabulary
+
+    frames: list[bytes] = []
+
+    def capture(self: ProcessEngine, child_conn, start: bytes) -> None:
+        frames.append(start)
+        child_conn.close()
+        self._load_error = "captured"  # no child is spawned
+        self._loaded.set()
+
+    monkeypatch.setattr(ProcessEngine, "_read", capture)
+    engine = ProcessEngine(EngineConfig(model=str(tiny_path), num_kv_blocks=64))
+    with pytest.raises(EngineLoadError, match="captured"):
+        engine.load()
+    start = wire.decode_start(frames[0])
+    assert start.config == engine.config and start.parent_pid == os.getpid()
+    assert start.vocabulary is not None
+    assert start.vocabulary == Vocabulary.from_tokenizer(engine.tokenizer)
+
+
 def test_process_engine_serves_and_reports_fresh_stats(tiny_path: Path) -> None:
     engine = ProcessEngine(EngineConfig(model=str(tiny_path), num_kv_blocks=64))
 
