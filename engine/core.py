@@ -36,7 +36,7 @@ from plait.engine.scheduler import Scheduler
 from plait.engine.spec.driver import SpecDecoder
 from plait.engine.spec.target import TargetModel
 from plait.engine.structured import GRAMMAR_FAILED
-from plait.engine.vocabulary import TextDecoder, TokenizerText, Vocabulary
+from plait.engine.vocabulary import TextDecoder, Vocabulary, text_decoder
 
 if TYPE_CHECKING:
     import torch
@@ -112,12 +112,9 @@ class EngineCore:
         self._tokenizer_path = resolved.path
         self._tokenizer = tokenizer
         self._tokenizer_lock = threading.Lock()
-        if vocabulary is None:
-            vocabulary = Vocabulary.from_tokenizer(self.tokenizer)
         self.text: TextDecoder = vocabulary if vocabulary is not None \
-            else TokenizerText(self.tokenizer)
-        eos = eos_token_ids(resolved, vocabulary.eos_token_id if vocabulary is not None
-                            else getattr(self.tokenizer, "eos_token_id", None))
+            else text_decoder(self.tokenizer)
+        eos = eos_token_ids(resolved, self.text.eos_token_id)
         self.runner = runner_factory(config, resolved, eos_token_ids=eos)
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching,
                               record_events=config.kv_events_endpoint is not None)

@@ -34,19 +34,21 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any, Protocol
 
-from plait.engine.token_text import _unicode_to_byte, decode_ids
+from plait.engine.token_text import _BYTE_FALLBACK, _METASPACE, _unicode_to_byte, decode_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 DECODER_KINDS = ("byte_level", "byte_fallback")
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-_METASPACE = "\u2581"  # sentencepiece's visible space "▁"
 _REPLACEMENT = "\ufffd"
 
 
 class TextDecoder(Protocol):
-    """What the engine needs of a tokenizer: token ids to text."""
+    """What the engine needs of a tokenizer: token ids to text, and its own
+    end-of-sequence id (None if it has none)."""
+
+    @property
+    def eos_token_id(self) -> int | None: ...
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
@@ -105,7 +107,7 @@ class Vocabulary:
             return cls(kind, pieces, special, {}, 0, eos)
         pieces = [None if token is None else token.replace(_METASPACE, " ") for token in tokens]
         byte_ids = {i: int(match.group(1), 16) for i, piece in enumerate(pieces)
-                    if piece is not None and (match := _BYTE_PIECE.fullmatch(piece))}
+                    if piece is not None and (match := _BYTE_FALLBACK.fullmatch(piece))}
         return cls(kind, pieces, special, byte_ids, strip_start, eos)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -145,6 +147,11 @@ class TokenizerText:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return eos if isinstance(eos, int) else None
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return decode_ids(self.tokenizer, token_ids, skip_special_tokens=skip_special_tokens,
