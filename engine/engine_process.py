@@ -111,8 +111,8 @@ class ProcessEngine(EngineClient):
         resolved = resolve_model(self.config.model, self.config.weights == "float32",
                                  isolate_conversion=True)  # this process stays torch-free
         self._tokenizer = load_tokenizer(resolved.path)
-        release_free_heap()  # the tokenizer file's parse, freed mid-heap (libc.py)
-        # The vocabulary lives only in the frame: encoded here, its pieces freed again.
+        # The vocabulary lives only in the frame: encoded here, then its pieces and the
+        # tokenizer file's parse, both freed mid-heap, are given back at once (libc.py).
         start = encode(EngineStart(self.config, self._fault_injection,
                                    logging.getLogger("plait").getEffectiveLevel(), os.getpid(),
                                    Vocabulary.from_tokenizer(self._tokenizer)))
