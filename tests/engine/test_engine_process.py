@@ -126,9 +126,9 @@ def test_the_heap_release_is_for_cpu_engines_with_a_delay() -> None:
 
 
 def test_the_api_process_trims_its_heap_once_the_tokenizer_is_loaded(monkeypatch) -> None:
-    """`ProcessEngine.load` gives the C heap's free pages back right after it loads the
-    tokenizer (whose JSON parse leaves 44 MB free mid-heap for Qwen2.5's vocabulary), and
-    before it spawns the engine child."""
+    """`ProcessEngine.load` gives the C heap's free pages back once it has loaded the
+    tokenizer (whose JSON parse leaves 44 MB free mid-heap for Qwen2.5's vocabulary) and
+    encoded the start frame, and before it spawns the engine child."""
     from plait.engine import engine_process
 
     calls: list[str] = []
