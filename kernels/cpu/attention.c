@@ -425,7 +425,8 @@ INLINE void attend_range(state_t *st, const int32_t *table, long t_from, long t_
 
 /* One row's queries attend tokens [t_from, t_to) (t_from on the slice grid): those of KV
  * heads [h, h + nh) are `st`'s queries a0 + (hh - h) * G + g, each head's G as a state of
- * their own, through attend_few_dot / attend_few (a few queries, the tokens across the
+ * their own (or, through attend_few_dot without a window or a softcap, few_heads' heads'
+ * together), through attend_few_dot / attend_few (a few queries, the tokens across the
  * lanes) or attend_range: the same roundings, so the same bits as when the row's tokens
  * are shared with other rows, or split elsewhere between the shared and the own range. */
 INLINE void attend_own(state_t *st, long a0, long G, const int32_t *table, long t_from,
@@ -433,18 +434,20 @@ INLINE void attend_own(state_t *st, long a0, long G, const int32_t *table, long 
                        long num_kv_heads, long h, long nh, long head_dim, const int bf16,
                        const int dot, const int var) {
   float lo[QVMAX * LANES] __attribute__((aligned(64)));
-  for (long hh = h; hh < h + nh; hh++) {
-    const long first = a0 + (hh - h) * G;
-    state_t sub = {G, st->dv, st->q + first * head_dim, st->m + first, st->l + first,
+  for (long hh = h, take; hh < h + nh; hh += take) {
+    /* several heads at once only through attend_few_dot, without a window or a softcap */
+    take = dot && !var && G <= FEW_ONE && t_from < t_to ? few_heads(G, h + nh - hh) : 1;
+    const long first = a0 + (hh - h) * G, nq = take * G;
+    state_t sub = {nq, st->dv, st->q + first * head_dim, st->m + first, st->l + first,
                    st->acc + first * st->dv, st->softcap, st->window, LONG_MAX, 0, lo};
     for (long a = 0; a < QVMAX * LANES; a++) {
-      lo[a] = a < G ? st->lo[first + a] : 0.0f;
-      if (a >= G) continue;
+      lo[a] = a < nq ? st->lo[first + a] : 0.0f;
+      if (a >= nq) continue;
       sub.lo_min = (long)lo[a] < sub.lo_min ? (long)lo[a] : sub.lo_min;
       sub.lo_max = (long)lo[a] > sub.lo_max ? (long)lo[a] : sub.lo_max;
     }
-    if (dot && G <= FEW_MAX && t_from < t_to)
-      attend_few_dot(var, &sub, table, t_from, t_to, k_cache, v_cache, block_size,
+    if (dot && G <= FEW_ONE && t_from < t_to)
+      attend_few_dot(var, &sub, G, table, t_from, t_to, k_cache, v_cache, block_size,
                      num_kv_heads, hh, head_dim);
 #if ATTN_BF16_DOT
     else if (G <= 4 && t_from < t_to)

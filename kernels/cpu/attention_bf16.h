@@ -261,8 +261,11 @@ INLINE void attend_shared_dot(state_t *st, const int32_t *table, long t_from, lo
   }
 #undef DOT_ARGS
 }
-/* The most queries attend_few_dot takes (one row's heads of one KV head). */
-#define FEW_MAX 8
+/* The most queries attend_few_dot takes: one head's G (at most FEW_ONE), or several heads'
+ * (few_heads: at most FEW_HEADS heads, FEW_MAX queries). */
+#define FEW_ONE 8
+#define FEW_MAX 14
+#define FEW_HEADS 3
 
 /* One query's lane of softmax_update for attend_few_dot and attention.c's attend_few (the
  * tokens across the lanes): query a's scores s of tokens t .. t + 15 (`live` the slice's
@@ -284,23 +287,56 @@ INLINE vf few_weights(state_t *st, int a, vf s, long t, __mmask16 live, const in
   return vexp(s - vsplat(mx));
 }
 
-/* attend_shared_dot's arithmetic, bit for bit, for the few queries of one row and KV head
- * (nq <= FEW_MAX, a decode row's or a prefill tile row's own tokens), with the tokens
- * across the lanes instead of the queries: a slice's K rows transposed once into pair
- * columns kt [D/2][tokens], each query's scores one vector of its tokens (the same
- * vdpbf16ps chain over the pairs, lane by lane), its softmax weights summed in token order
- * (as each lane of the shared loop sums them), its weighted sum of values in its own
- * [D] layout (the same vdpbf16ps over the same (p, V) pairs, per dimension). A query's
- * every rounding is the shared loop's, so its result does not depend on which loop ran
- * it; with 16 queries' lanes for G = 3 the shared loop would waste 13 in 16. */
-INLINE void attend_few_dot_nq(const int NQ, const int VAR, state_t *st, const int32_t *table,
-                              long t_from, long t_to, const void *k_cache, const void *v_cache,
-                              long block_size, long num_kv_heads, long h, long head_dim) {
-  /* NQ (a constant) = st->nq: the queries' chains interleaved, their sums in registers */
+/* A query's weighted sum of values, acc [D/16] = acc * alpha + sum_j p_j V_j, over the
+ * slice's (p, V) pairs j < (n + 1) / 2 (vp: pair_values' words; e: the rounded weights,
+ * 0 past n): per dimension vector one vdpbf16ps chain in pair order, four chains a pass in
+ * registers. */
+INLINE void few_values(const float *e, long n, float alpha, const word_t *vp, long head_dim,
+                       vf *acc) {
+  const long dv = head_dim / LANES;
+  const __m512 al = _mm512_set1_ps(alpha);
+  for (long d0 = 0; d0 < dv; d0 += 4) {
+    const int w = dv - d0 < 4 ? (int)(dv - d0) : 4;  /* 4 but for a D of 16 x (4 k + r) */
+    __m512 r[4];
+    for (int c = 0; c < 4; c++)
+      r[c] = c < w ? _mm512_mul_ps((__m512)acc[d0 + c], al) : _mm512_setzero_ps();
+    for (long j = 0; 2 * j < n; j++) {
+      uint32_t lo, hi;
+      memcpy(&lo, e + 2 * j, 4);
+      memcpy(&hi, e + 2 * j + 1, 4);
+      const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)((hi & 0xffff0000u) | lo >> 16));
+      const word_t *row = vp + j * head_dim + d0 * LANES;
+      for (int c = 0; c < 4; c++)
+        if (c < w) r[c] = _mm512_dpbf16_ps(r[c], pw, (__m512bh)_mm512_load_si512(row + c * LANES));
+    }
+    for (int c = 0; c < w; c++) acc[d0 + c] = (vf)r[c];
+  }
+}
+
+/* attend_shared_dot's arithmetic, bit for bit, for the few queries of one row (nq = NQ:
+ * G per KV head, heads h .. h + NQ / G - 1, query a of head h + a / G; a decode row's or a
+ * prefill tile row's own tokens), with the tokens across the lanes instead of the queries:
+ * a slice's K rows of each head transposed once into pair columns kt [D/2][tokens], each
+ * query's scores one vector of its tokens (the same vdpbf16ps chain over the pairs, lane by
+ * lane), its softmax weights summed in token order (as each lane of the shared loop sums
+ * them), its weighted sum of values in its own [D] layout (the same vdpbf16ps over the same
+ * (p, V) pairs, per dimension). A query's every rounding is the shared loop's, so its
+ * result does not depend on which loop ran it, nor on how many heads one call takes; with
+ * 16 queries' lanes for G = 3 the shared loop would waste 13 in 16. Several heads a call
+ * (a lone decode row's, attend_own): one walk over the row's blocks reads each token's K
+ * and V rows of all of them (contiguous in the cache) at once, and their queries' chains
+ * interleave, where one head at a time left the vdpbf16ps chains' latency exposed. */
+INLINE void attend_few_dot_nq(const int NQ, const int G, const int VAR, state_t *st,
+                              const int32_t *table, long t_from, long t_to,
+                              const void *k_cache, const void *v_cache, long block_size,
+                              long num_kv_heads, long h, long head_dim) {
+  /* NQ, G (constants): NQ = st->nq, NH heads; the queries' chains interleaved, their sums in
+   * registers */
+  const int NH = NQ / G;
   const long stride = num_kv_heads * head_dim, dv = st->dv, pairs = head_dim / 2;
   word_t qw[FEW_MAX][PLAIT_MAX_HEAD_DIM / 2 + LANES] __attribute__((aligned(64)));
-  __m512 kt[PLAIT_MAX_HEAD_DIM / 2 + LANES];
-  word_t vp[LANES / 2 * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
+  __m512 kt[FEW_HEADS][PLAIT_MAX_HEAD_DIM / 2 + LANES];
+  word_t vp[FEW_HEADS][LANES / 2 * PLAIT_MAX_HEAD_DIM] __attribute__((aligned(64)));
   float e[FEW_MAX][LANES] __attribute__((aligned(64)));
   for (int a = 0; a < NQ; a++)  /* round_queries' words, in the query's own order */
     for (long d = 0; d < head_dim; d += 2 * LANES) {
@@ -313,27 +349,31 @@ INLINE void attend_few_dot_nq(const int NQ, const int VAR, state_t *st, const in
     const __mmask16 live = (__mmask16)((1u << n) - 1);
     const span_t sp = locate(table, t, t_to, k_cache, v_cache, block_size, num_kv_heads, h,
                              head_dim, 1);
-    for (long i0 = 0; i0 < pairs; i0 += LANES) {  /* kt[i][j]: pair word i of token j */
-      const __mmask16 words = pairs - i0 >= LANES ? 0xffff : (__mmask16)((1u << (pairs - i0)) - 1);
-      __m512 in[16], out[16];
-      for (int j = 0; j < 16; j++) {
-        in[j] = _mm512_setzero_ps();
-        if (j < n) {
-          in[j] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(
-              words, (const word_t *)kv_at(sp.k, j * stride, 1) + i0));
-          if (i0 == 0) prefetch_rows(&sp, j, stride, head_dim, 1);
+    for (int k = 0; k < NH; k++) {
+      const void *kh = kv_at(sp.k, k * head_dim, 1);
+      for (long i0 = 0; i0 < pairs; i0 += LANES) {  /* kt[k][i][j]: pair word i of token j */
+        const __mmask16 words =
+            pairs - i0 >= LANES ? 0xffff : (__mmask16)((1u << (pairs - i0)) - 1);
+        __m512 in[16], out[16];
+        for (int j = 0; j < 16; j++) {
+          in[j] = _mm512_setzero_ps();
+          if (j < n) {
+            in[j] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(
+                words, (const word_t *)kv_at(kh, j * stride, 1) + i0));
+            if (k == 0 && i0 == 0) prefetch_rows(&sp, j, stride, NH * head_dim, 1);
+          }
         }
+        transpose16(in, out);
+        for (int c = 0; c < 16 && i0 + c < pairs; c++) kt[k][i0 + c] = out[c];
       }
-      transpose16(in, out);
-      for (int k = 0; k < 16 && i0 + k < pairs; k++) kt[i0 + k] = out[k];
+      pair_values(kv_at(sp.v, k * head_dim, 1), n, stride, head_dim, vp[k]);
     }
-    pair_values(sp.v, n, stride, head_dim, vp);
     __m512 sc[FEW_MAX];
     for (int a = 0; a < NQ; a++) sc[a] = _mm512_setzero_ps();
     for (long i = 0; i < pairs; i++)
       for (int a = 0; a < NQ; a++)
         sc[a] = _mm512_dpbf16_ps(sc[a], (__m512bh)_mm512_set1_epi32((int)qw[a][i]),
-                                 (__m512bh)kt[i]);
+                                 (__m512bh)kt[a / G][i]);
     float alpha[FEW_MAX], sum[FEW_MAX];
     for (int a = 0; a < NQ; a++) {
       vf w = few_weights(st, a, (vf)sc[a], t, live, VAR, &alpha[a]);
@@ -343,44 +383,55 @@ INLINE void attend_few_dot_nq(const int NQ, const int VAR, state_t *st, const in
     }
     for (long j = 0; j < n; j++)  /* in token order, as each lane of the shared loop */
       for (int a = 0; a < NQ; a++) sum[a] += e[a][j];
-    __m512 r[FEW_MAX][PLAIT_MAX_HEAD_DIM / LANES];
-    for (int a = 0; a < NQ; a++) {
+    for (int a = 0; a < NQ; a++) {  /* each (query, dimension) chain in pair order */
       st->l[a] = st->l[a] * alpha[a] + sum[a];
-      for (long dd = 0; dd < dv; dd++)
-        r[a][dd] = _mm512_mul_ps((__m512)st->acc[a * dv + dd], _mm512_set1_ps(alpha[a]));
+      few_values(e[a], n, alpha[a], vp[a / G], head_dim, st->acc + a * dv);
     }
-    for (long j = 0; 2 * j < n; j++)
-      for (int a = 0; a < NQ; a++) {
-        uint32_t lo, hi;
-        memcpy(&lo, e[a] + 2 * j, 4);
-        memcpy(&hi, e[a] + 2 * j + 1, 4);
-        const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)((hi & 0xffff0000u) | lo >> 16));
-        for (long dd = 0; dd < dv; dd++)
-          r[a][dd] = _mm512_dpbf16_ps(r[a][dd], pw,
-                                      (__m512bh)_mm512_load_si512(vp + j * head_dim + dd * LANES));
-      }
-    for (int a = 0; a < NQ; a++)
-      for (long dd = 0; dd < dv; dd++) st->acc[a * dv + dd] = (vf)r[a][dd];
     t += n;
   }
 }
 
-INLINE void attend_few_dot(const int VAR, state_t *st, const int32_t *table, long t_from,
-                           long t_to, const void *k_cache, const void *v_cache,
+/* The queries of `st` (G per KV head, heads h, h + 1, ...) attend tokens [t_from, t_to):
+ * one head at a time (nq = G <= FEW_ONE), or, without a window or a softcap, the heads of
+ * a row together (few_heads: nq = NH x G). */
+INLINE void attend_few_dot(const int VAR, state_t *st, long G, const int32_t *table,
+                           long t_from, long t_to, const void *k_cache, const void *v_cache,
                            long block_size, long num_kv_heads, long h, long head_dim) {
-#define FEW_ARGS VAR, st, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads, h, \
-    head_dim
-  switch (st->nq) {
-    case 1: attend_few_dot_nq(1, FEW_ARGS); return;
-    case 2: attend_few_dot_nq(2, FEW_ARGS); return;
-    case 3: attend_few_dot_nq(3, FEW_ARGS); return;
-    case 4: attend_few_dot_nq(4, FEW_ARGS); return;
-    case 5: attend_few_dot_nq(5, FEW_ARGS); return;
-    case 6: attend_few_dot_nq(6, FEW_ARGS); return;
-    case 7: attend_few_dot_nq(7, FEW_ARGS); return;
-    default: attend_few_dot_nq(FEW_MAX, FEW_ARGS); return;  /* 8: the caller's limit */
+#define FEW_ARGS st, table, t_from, t_to, k_cache, v_cache, block_size, num_kv_heads, h, head_dim
+  if (st->nq == G) {
+    switch (G) {
+      case 1: attend_few_dot_nq(1, 1, VAR, FEW_ARGS); return;
+      case 2: attend_few_dot_nq(2, 2, VAR, FEW_ARGS); return;
+      case 3: attend_few_dot_nq(3, 3, VAR, FEW_ARGS); return;
+      case 4: attend_few_dot_nq(4, 4, VAR, FEW_ARGS); return;
+      case 5: attend_few_dot_nq(5, 5, VAR, FEW_ARGS); return;
+      case 6: attend_few_dot_nq(6, 6, VAR, FEW_ARGS); return;
+      case 7: attend_few_dot_nq(7, 7, VAR, FEW_ARGS); return;
+      default: attend_few_dot_nq(8, 8, VAR, FEW_ARGS); return;  /* 8: the caller's limit */
+    }
+  }
+  switch (st->nq / G * 8 + G) {  /* few_heads' shapes; never VAR */
+    case 2 * 8 + 1: attend_few_dot_nq(2, 1, 0, FEW_ARGS); return;
+    case 3 * 8 + 1: attend_few_dot_nq(3, 1, 0, FEW_ARGS); return;
+    case 2 * 8 + 2: attend_few_dot_nq(4, 2, 0, FEW_ARGS); return;
+    case 3 * 8 + 2: attend_few_dot_nq(6, 2, 0, FEW_ARGS); return;
+    case 2 * 8 + 3: attend_few_dot_nq(6, 3, 0, FEW_ARGS); return;
+    case 3 * 8 + 3: attend_few_dot_nq(9, 3, 0, FEW_ARGS); return;
+    case 2 * 8 + 4: attend_few_dot_nq(8, 4, 0, FEW_ARGS); return;
+    case 3 * 8 + 4: attend_few_dot_nq(12, 4, 0, FEW_ARGS); return;
+    case 2 * 8 + 5: attend_few_dot_nq(10, 5, 0, FEW_ARGS); return;
+    case 2 * 8 + 6: attend_few_dot_nq(12, 6, 0, FEW_ARGS); return;
+    default: attend_few_dot_nq(14, 7, 0, FEW_ARGS); return;  /* 2 x 7: few_heads' last */
   }
 #undef FEW_ARGS
+}
+
+/* How many of a row's `left` KV heads (G queries each) one attend_few_dot call takes
+ * together: 3 for G <= 4, 2 for G <= 7 (at most FEW_MAX queries, FEW_HEADS heads), else
+ * 1 (one head a call). */
+static inline long few_heads(long G, long left) {
+  const long most = G <= 4 ? 3 : G <= 7 ? 2 : 1;
+  return left < most ? left : most;
 }
 
 #else
@@ -391,8 +442,10 @@ static inline void attend_shared_dot(state_t *st, const int32_t *table, long t_f
                                      long t_to, const void *k_cache, const void *v_cache,
                                      long block_size, long num_kv_heads, long h,
                                      long head_dim, int var) {}
+#define FEW_ONE 0
 #define FEW_MAX 0
-static inline void attend_few_dot(const int VAR, state_t *st, const int32_t *table,
+static inline long few_heads(long G, long left) { return 1; }
+static inline void attend_few_dot(const int VAR, state_t *st, long G, const int32_t *table,
                                   long t_from, long t_to, const void *k_cache,
                                   const void *v_cache, long block_size, long num_kv_heads,
                                   long h, long head_dim) {}

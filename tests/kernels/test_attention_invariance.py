@@ -24,14 +24,15 @@ MODES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
 class Sequence:
     """One sequence of `length` tokens in a shuffled paged cache, a query per position."""
 
-    def __init__(self, length: int, block_size: int, kv_dtype: torch.dtype, seed: int) -> None:
+    def __init__(self, length: int, block_size: int, kv_dtype: torch.dtype, seed: int,
+                 heads: int = HEADS, kv_heads: int = KV_HEADS) -> None:
         gen = torch.Generator().manual_seed(seed)
         blocks = -(-length // block_size)
-        shape = (blocks + 3, block_size, KV_HEADS, HEAD_DIM)
+        shape = (blocks + 3, block_size, kv_heads, HEAD_DIM)
         self.k = torch.randn(shape, generator=gen).to(kv_dtype)
         self.v = torch.randn(shape, generator=gen).to(kv_dtype)
         self.table = torch.randperm(blocks + 3, generator=gen)[:blocks].int()[None]
-        self.q = torch.randn(length, HEADS, HEAD_DIM, generator=gen)
+        self.q = torch.randn(length, heads, HEAD_DIM, generator=gen)
 
     def attend(self, chunks: list[tuple[int, list[int]]], compute: torch.dtype,
                **variants) -> torch.Tensor:  # [rows, H, D] in chunk order
@@ -72,6 +73,23 @@ def test_a_row_is_the_same_bits_however_it_comes(kv_dtype, compute, block_size,
             assert torch.equal(seq.attend([(297, rows)], compute, **variants), alone)
             assert torch.equal(seq.attend([(0, [rows[-1]])], compute, **variants),
                                alone[-1:])
+
+
+@needs_native
+@pytest.mark.parametrize(("heads", "kv_heads"), [(14, 2), (12, 2), (8, 2), (12, 4), (8, 8),
+                                                 (10, 2), (16, 2)])
+def test_lone_rows_take_their_heads_together_in_the_same_bits(heads, kv_heads) -> None:
+    """Lone decode rows, enough of them for a task per row, walk their KV heads together
+    (attention_bf16.h's few_heads: 3 heads at once for G <= 4, 2 for G <= 7, one for more)
+    in the bits of one head at a time (each row alone: a task per KV head)."""
+    seq = Sequence(150, 16, torch.bfloat16, seed=heads * kv_heads, heads=heads,
+                   kv_heads=kv_heads)
+    rows = list(range(120, 150, 2))  # 15 lone rows: a task per row on 1 or 2 threads
+    alone = torch.cat([seq.attend([(0, [p])], torch.bfloat16) for p in rows])
+    for threads in (1, 2):
+        with torch_threads(threads):
+            together = seq.attend([(0, [p]) for p in rows], torch.bfloat16)
+        assert torch.equal(together, alone), threads
 
 
 @needs_native
