@@ -351,6 +351,9 @@ INLINE void attend_few_dot_nq(const int NQ, const int G, const int VAR, state_t 
                              head_dim, 1);
     for (int k = 0; k < NH; k++) {
       const void *kh = kv_at(sp.k, k * head_dim, 1);
+      /* head k's rows of the block ahead, a token at a time as its K rows are read */
+      const span_t ahead = {NULL, NULL, sp.kp ? kv_at(sp.kp, k * head_dim, 1) : NULL,
+                            sp.vp ? kv_at(sp.vp, k * head_dim, 1) : NULL};
       for (long i0 = 0; i0 < pairs; i0 += LANES) {  /* kt[k][i][j]: pair word i of token j */
         const __mmask16 words =
             pairs - i0 >= LANES ? 0xffff : (__mmask16)((1u << (pairs - i0)) - 1);
@@ -360,7 +363,7 @@ INLINE void attend_few_dot_nq(const int NQ, const int G, const int VAR, state_t 
           if (j < n) {
             in[j] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(
                 words, (const word_t *)kv_at(kh, j * stride, 1) + i0));
-            if (k == 0 && i0 == 0) prefetch_rows(&sp, j, stride, NH * head_dim, 1);
+            if (i0 == 0) prefetch_rows(&ahead, j, stride, head_dim, 1);
           }
         }
         transpose16(in, out);
