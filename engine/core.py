@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from plait.engine.block_pool import BlockPool
@@ -25,11 +25,12 @@ from plait.engine.core_api import EngineStats, StepResult
 from plait.engine.detokenizer import IncrementalDetokenizer
 from plait.engine.grammar import GrammarCompiler, GrammarError
 from plait.engine.kv_events import KVEventPublisher
-from plait.engine.kv_warm import KVWarmer
+from plait.engine.kv_warm import kv_warmer
 from plait.engine.model_loader import ResolvedModel, load_tokenizer, resolve_model
 from plait.engine.model_runner import ModelRunner
 from plait.engine.outputs import RequestDelta, TokenLogprob
 from plait.engine.request import Request
+from plait.engine.request_output import OutputState, token_delta
 from plait.engine.sampling_params import SamplingParams
 from plait.engine.sched_output import RunnerOutput, SchedulerOutput
 from plait.engine.scheduler import Scheduler
@@ -39,7 +40,6 @@ from plait.engine.structured import GRAMMAR_FAILED
 from plait.engine.vocabulary import TextDecoder, Vocabulary, text_decoder
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("plait.engine")
@@ -61,33 +61,12 @@ class StepCounters:
     steps: int = 0
 
 
-@dataclass(slots=True)
-class OutputState:
-    """What the core keeps of a live request for its output, beside the scheduler's
-    `Request`: the incremental detokenizer (text and stop strings) and, when
-    `params.prompt_logprobs` is set, the prompt's logprobs, filled chunk by chunk."""
-
-    detokenizer: IncrementalDetokenizer
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
-
-
 def eos_token_ids(resolved: ResolvedModel, tokenizer_eos: int | None) -> tuple[int, ...]:
     """The model's end-of-sequence ids: its config's, plus the tokenizer's own."""
     eos = set(resolved.config.eos_token_ids)
     if tokenizer_eos is not None:
         eos.add(tokenizer_eos)
     return tuple(sorted(eos))
-
-
-def _kv_warmer(config: EngineConfig, kv_cache: torch.Tensor | None,
-               pool: BlockPool) -> KVWarmer | None:
-    """The idle-time warmer of a lazily resident CPU cache (a window of
-    `kv_cache_warm_tokens`), or None: no cache here (a test's runner), a CUDA cache, a
-    prefaulted one, or a window of 0 tokens (the default)."""
-    if kv_cache is None or kv_cache.device.type != "cpu" or config.kv_cache_prefault:
-        return None
-    window = -(-config.kv_cache_warm_tokens // config.block_size)
-    return KVWarmer(kv_cache, pool, window) if window > 0 else None
 
 
 class EngineCore:
@@ -125,7 +104,7 @@ class EngineCore:
             self.kv_events = KVEventPublisher(
                 config.kv_events_endpoint, config.kv_events_topic,
                 config.kv_events_replay_endpoint, config.block_size, config.kv_events_encoding)
-        self.warmer = _kv_warmer(config, getattr(self.runner, "kv_cache", None), self.pool)
+        self.warmer = kv_warmer(config, getattr(self.runner, "kv_cache", None), self.pool)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.runner.max_model_len,
                                    config.max_shared_logits,
@@ -354,49 +333,15 @@ class EngineCore:
 
     def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None,
                       grammar_ended: bool = False) -> RequestDelta:
-        """Append one sampled token; stop checks. `grammar_ended`: the request's grammar
-        is complete with this token, so it stops (even below min_tokens or with
-        ignore_eos: the grammar wins); the token's text is kept unless it is EOS."""
-        params = req.params
-        output = self.outputs[req.request_id]
-        first = not req.output_token_ids
-        req.output_token_ids.append(token_id)
+        """Append one sampled token (request_output.token_delta); a token that ends the
+        request frees it here."""
         self.counters.generation_tokens += 1
-        reason, stop_reason = self._check_stop(req, token_id)
-        # A stop token (EOS or stop_token_ids) ends the text without its own text.
-        hide = reason == "stop" and not params.include_stop_str_in_output
-        if grammar_ended and reason != "stop":
-            reason, stop_reason = "stop", None
-            hide = token_id in self.info.eos_token_ids and not params.include_stop_str_in_output
-        # Below min_tokens a stop string cannot end the request either (as vLLM).
-        step = output.detokenizer.step([] if hide else [token_id], finished=reason is not None,
-                                    match_stops=len(req.output_token_ids) >= params.min_tokens)
-        if step.stop_str is not None:
-            reason, stop_reason = "stop", step.stop_str
-        delta = RequestDelta(
-            req.request_id, token_ids=[token_id], text=step.text,
-            logprobs=[logprob] if logprob is not None and params.logprobs is not None else None,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens or 0)
-        if first and req.needs_prompt_logprobs:
-            delta.prompt_logprobs = output.prompt_logprobs
-        if reason is not None:
+        delta = token_delta(req, self.outputs[req.request_id], token_id, logprob,
+                            self.info.eos_token_ids, self.runner.max_model_len, grammar_ended)
+        if delta.finished:
             self._forget(req)
             self.scheduler.finish(req)
-            delta.finish_reason, delta.stop_reason = reason, stop_reason
         return delta
-
-    def _check_stop(self, req: Request, token_id: int) -> tuple[str | None, str | int | None]:
-        params = req.params
-        num_out = len(req.output_token_ids)
-        if num_out >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.info.eos_token_ids:
-                return "stop", None
-            if token_id in params.stop_token_ids:
-                return "stop", token_id
-        if num_out >= req.max_tokens or req.num_tokens >= self.runner.max_model_len:
-            return "length", None
-        return None, None
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestDelta:
         self._forget(req)

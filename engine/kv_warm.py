@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from plait.engine.block_pool import BlockPool
+from plait.engine.config import EngineConfig
 from plait.engine.host_memory import populate_writable
 
 logger = logging.getLogger("plait.engine")
@@ -93,4 +94,15 @@ class KVWarmer:
         return bool(todo)
 
 
-__all__ = ["RUN_BLOCKS", "SLICE_SECONDS", "KVWarmer"]
+def kv_warmer(config: EngineConfig, kv_cache: torch.Tensor | None,
+              pool: BlockPool) -> KVWarmer | None:
+    """The idle-time warmer of a lazily resident CPU cache (a window of
+    `kv_cache_warm_tokens`), or None: no cache here (a test's runner), a CUDA cache, a
+    prefaulted one, or a window of 0 tokens (the default)."""
+    if kv_cache is None or kv_cache.device.type != "cpu" or config.kv_cache_prefault:
+        return None
+    window = -(-config.kv_cache_warm_tokens // config.block_size)
+    return KVWarmer(kv_cache, pool, window) if window > 0 else None
+
+
+__all__ = ["RUN_BLOCKS", "SLICE_SECONDS", "KVWarmer", "kv_warmer"]

@@ -14,9 +14,8 @@ from helpers.pages import resident_pages
 from plait.engine.async_engine import AsyncEngine
 from plait.engine.block_pool import BlockPool
 from plait.engine.config import EngineConfig
-from plait.engine.core import _kv_warmer
 from plait.engine.host_memory import kv_zeros
-from plait.engine.kv_warm import RUN_BLOCKS, KVWarmer
+from plait.engine.kv_warm import RUN_BLOCKS, KVWarmer, kv_warmer
 
 LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 64, 16, 2, 32
 # bytes of one block in one (layer, K|V) region: 16 tokens x 2 heads x 32 floats = 4 KiB
@@ -141,10 +140,10 @@ def test_the_engine_warms_a_window_of_kv_cache_warm_tokens(
         warm_tokens: int, prefault: bool, window: int | None) -> None:
     config = EngineConfig(kv_cache_warm_tokens=warm_tokens, kv_cache_prefault=prefault)
     pool = BlockPool(4096)
-    warmer = _kv_warmer(config, _cache(4096), pool)
+    warmer = kv_warmer(config, _cache(4096), pool)
     assert (warmer.window if warmer else None) == window
-    assert _kv_warmer(EngineConfig(kv_cache_warm_tokens=64), None, pool) is None  # no cache
-    assert _kv_warmer(EngineConfig(), _cache(4096), pool) is None  # off by default
+    assert kv_warmer(EngineConfig(kv_cache_warm_tokens=64), None, pool) is None  # no cache
+    assert kv_warmer(EngineConfig(), _cache(4096), pool) is None  # off by default
 
 
 def test_kv_cache_warm_tokens_is_validated() -> None:
