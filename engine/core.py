@@ -3,6 +3,7 @@
     SchedulerOutput = scheduler.schedule()      ids and plain data (sched_output.py)
     RunnerOutput    = runner.execute(...)       forward pass + sampling, keyed by request id
     deltas          = self._update(...)         append tokens, detokenize, stop checks
+                                                (request_output.py: each token's delta)
 
 `EngineCore` is synchronous and single-threaded; `AsyncEngine` runs it in a thread, the
 engine process (engine_process.py) in a child process, and the offline `LLM` drives it
