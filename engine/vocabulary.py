@@ -100,8 +100,7 @@ class Vocabulary:
         # loading thread's heap, left about 7 MB there that no trim gave back (Qwen2).
         tokens: list[str | None] = [backend.id_to_token(i) for i in range(size)]
         special = frozenset(i for i, added_token in added.items() if added_token.special)
-        eos = getattr(tokenizer, "eos_token_id", None)
-        eos = eos if isinstance(eos, int) else None
+        eos = tokenizer_eos(tokenizer)
         if kind == "byte_level":
             pieces = [None if token is None else _byte_level_piece(token) for token in tokens]
             return cls(kind, pieces, special, {}, 0, eos)
@@ -150,12 +149,17 @@ class TokenizerText:
 
     @property
     def eos_token_id(self) -> int | None:
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        return eos if isinstance(eos, int) else None
+        return tokenizer_eos(self.tokenizer)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return decode_ids(self.tokenizer, token_ids, skip_special_tokens=skip_special_tokens,
                           clean_up_tokenization_spaces=False)
+
+
+def tokenizer_eos(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The tokenizer's own end-of-sequence id; None where it has none (or not an int)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return eos if isinstance(eos, int) else None
 
 
 def text_decoder(tokenizer: PreTrainedTokenizerBase) -> TextDecoder:
