@@ -434,9 +434,11 @@ INLINE void attend_own(state_t *st, long a0, long G, const int32_t *table, long 
                        long num_kv_heads, long h, long nh, long head_dim, const int bf16,
                        const int dot, const int var) {
   float lo[QVMAX * LANES] __attribute__((aligned(64)));
+  /* attend_few_dot's tokens-across-lanes loop, several heads a call without a window or a
+   * softcap */
+  const int few_dot = dot && G <= FEW_ONE && t_from < t_to;
   for (long hh = h, take; hh < h + nh; hh += take) {
-    /* several heads at once only through attend_few_dot, without a window or a softcap */
-    take = dot && !var && G <= FEW_ONE && t_from < t_to ? few_heads(G, h + nh - hh) : 1;
+    take = few_dot && !var ? few_heads(G, h + nh - hh) : 1;
     const long first = a0 + (hh - h) * G, nq = take * G;
     state_t sub = {nq, st->dv, st->q + first * head_dim, st->m + first, st->l + first,
                    st->acc + first * st->dv, st->softcap, st->window, LONG_MAX, 0, lo};
@@ -446,7 +448,7 @@ INLINE void attend_own(state_t *st, long a0, long G, const int32_t *table, long 
       sub.lo_min = (long)lo[a] < sub.lo_min ? (long)lo[a] : sub.lo_min;
       sub.lo_max = (long)lo[a] > sub.lo_max ? (long)lo[a] : sub.lo_max;
     }
-    if (dot && G <= FEW_ONE && t_from < t_to)
+    if (few_dot)
       attend_few_dot(var, &sub, G, table, t_from, t_to, k_cache, v_cache, block_size,
                      num_kv_heads, hh, head_dim);
 #if ATTN_BF16_DOT
