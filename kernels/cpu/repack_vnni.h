@@ -22,7 +22,10 @@
 
 /* Bytes past a record's start that vnni_tiles prefetches while it reads the record: a
  * decode step reads each weight once from memory, and the hardware prefetchers alone keep
- * too few lines in flight for one core's share of the read bandwidth. */
+ * too few lines in flight for one core's share of the read bandwidth. The lines go to L2
+ * (T1), not L1: on a Zen 4 EPYC a decode step's products (every weight once, one row) took
+ * 0.74-0.90x the time of T0's, alternating in one process; 4096 bytes beat 2048, 3072,
+ * 6144 and 8192 (BENCHMARKS.md). */
 #define RP_PREFETCH_BYTES 4096
 
 #if LANES == 16 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -82,7 +85,7 @@ ALWAYS_INLINE void vnni_tiles(int type, int T, int R, const uint8_t *tile, long 
       long g = blk * groups + gi;
       VN_RECS({
         const char *ahead = (const char *)rec[u] + RP_PREFETCH_BYTES + 64 * ahead_lines * gi;
-        for (int l = 0; l < ahead_lines; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+        for (int l = 0; l < ahead_lines; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
       });
       for (int h = 0; h < halves; h++) {
         __m512i acc[2][RP_TILE_ROWS];
