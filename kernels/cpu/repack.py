@@ -153,7 +153,7 @@ def repack_gemm(
     round(x / sx) to nearest even) and exact int32 dot products with W's codes, float32
     scales and sums: W's values are the file's, x's rounding the only approximation (as
     llama.cpp's CPU path). Any M: a decode step's few rows widen W's codes in registers per
-    tile of rows; from 8 to 32 rows by type (prefill, batched decode; Q8_0 never) each
+    tile of rows; from 12 to 32 rows by type (prefill, batched decode; Q8_0 never) each
     tile is widened once into a small per-thread scratch that all rows then read
     (repack_wide.h); with ISA_AMX, from 16 rows each widened group meets 16 rows at once
     in an AMX-INT8 tile product (repack_amx.h). All with the same bits."""

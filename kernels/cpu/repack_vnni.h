@@ -52,6 +52,15 @@ ALWAYS_INLINE __m512i vn_codes(int type, const rp_layout_t *L, const uint8_t *re
   return c;
 }
 
+/* Prefetch (into L2) group gi's share of the record RP_PREFETCH_BYTES past rec: a record's
+ * lines spread evenly over its groups, so that a walk over the record's groups fetches
+ * the whole record that far ahead. */
+ALWAYS_INLINE void vn_prefetch_group(const rp_layout_t *L, const uint8_t *rec, int gi) {
+  const int groups = L->qk / 32, lines = (L->rec_bytes + 64 * groups - 1) / (64 * groups);
+  const char *ahead = (const char *)rec + RP_PREFETCH_BYTES + 64 * lines * gi;
+  for (int l = 0; l < lines; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
+}
+
 /* 16 bytes at p widened to float32 (signed or not). */
 ALWAYS_INLINE __m512 vn_bytes(const uint8_t *p, int is_signed) {
   __m128i b = _mm_loadu_si128((const __m128i *)p);
@@ -68,7 +77,6 @@ ALWAYS_INLINE void vnni_tiles(int type, int T, int R, const uint8_t *tile, long 
                               int cols) {
   const rp_layout_t *L = rp_layout(type);
   const int groups = L->qk / 32, halves = type == PLAIT_GGML_Q6_K ? 2 : 1, steps = 8 / halves;
-  const int ahead_lines = (L->rec_bytes + 64 * groups - 1) / (64 * groups); /* a group's */
   __m512 f[2][RP_TILE_ROWS];
   for (int u = 0; u < T; u++)
     for (int r = 0; r < R; r++) f[u][r] = _mm512_setzero_ps();
@@ -83,10 +91,7 @@ ALWAYS_INLINE void vnni_tiles(int type, int T, int R, const uint8_t *tile, long 
     });
     for (int gi = 0; gi < groups; gi++) {
       long g = blk * groups + gi;
-      VN_RECS({
-        const char *ahead = (const char *)rec[u] + RP_PREFETCH_BYTES + 64 * ahead_lines * gi;
-        for (int l = 0; l < ahead_lines; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
-      });
+      VN_RECS(vn_prefetch_group(L, rec[u], gi));
       for (int h = 0; h < halves; h++) {
         __m512i acc[2][RP_TILE_ROWS];
         for (int r = 0; r < R; r++) {

@@ -1,5 +1,5 @@
 /* The prefill rung of the AVX512-VNNI repacked product (repack.c's plait_repack_gemm takes it
- * for a part of M >= wd_min_rows(type) x rows: 8 to 32 by type, never Q8_0); included by
+ * for a part of M >= wd_min_rows(type) x rows: 12 to 32 by type, never Q8_0); included by
  * repack.c after repack_vnni.h, whose vn_codes it reuses.
  *
  * vnni_tiles widens a tile's 4 (5, 6) bit codes and converts its scales again for every
@@ -38,13 +38,15 @@
  * unmeasured). The cheaper a type's widening, the later the rung pays; Q8_0's codes are
  * bytes already, so it never does. Q6_K from 16, not 8: once vnni_tiles prefetched its
  * records, it took 8-12 rows in 0.6-0.8x the rung's time on a Zen 4 EPYC (a verification
- * of 9 rows of Qwen2.5-Coder-1.5B: 86 against 95 ms a step). */
+ * of 9 rows of Qwen2.5-Coder-1.5B: 86 against 95 ms a step). Q4_K from 16, not 12, once
+ * both prefetched into L2: Qwen2.5-Coder-1.5B's products at 12 rows 79 against 89 ms, at
+ * 16 equal; Q5_0 stays at 12 (Qwen2.5-Coder-0.5B at 12 and 14 rows: 0.96-0.98x of 16's). */
 static inline long wd_min_rows(int type) {
   switch (type) {
-    case PLAIT_GGML_Q6_K: return 16;
+    case PLAIT_GGML_Q6_K:
+    case PLAIT_GGML_Q4_K: return 16;
     case PLAIT_GGML_Q5_0:
-    case PLAIT_GGML_Q5_K:
-    case PLAIT_GGML_Q4_K: return 12;
+    case PLAIT_GGML_Q5_K: return 12;
     case PLAIT_GGML_Q4_1: return 24;
     case PLAIT_GGML_Q4_0: return 32;
     default: return LONG_MAX;
@@ -76,6 +78,7 @@ ALWAYS_INLINE void wd_fill(int type, int T, const uint8_t *tile, long tile_bytes
     for (int u = 0; u < T; u++) {
       const uint8_t *rec = tile + u * tile_bytes + g / per_block * L->rec_bytes;
       uint8_t *out = dst + (j * T + u) * RP_WIDE_GROUP;
+      vn_prefetch_group(L, rec, gi); /* 12-16 rows: 0.83x the time of none (the 1.5B, 13 rows) */
 #pragma GCC unroll 8
       for (int s = 0; s < 8; s++)
         _mm512_store_si512(out + 64 * s,
