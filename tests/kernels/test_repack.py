@@ -96,12 +96,16 @@ def test_product_of_every_type(ggml_type: int, k: int) -> None:
 def test_plain_c_kernel_gives_the_same_bits(ggml_type: int) -> None:
     if repack.isa() == repack.ISA_C:
         pytest.skip("this build's fastest kernel is the plain C one")
+    """N = 21 (one unit of two tiles, the second of 5 columns), 4 rows (the two tiles
+    together against 4 rows) and 5 and 11 (each tile alone against 8 rows at a time)."""
     weight = random_weight((ggml_type,), (21,), 512, seed=3 * ggml_type)
     packed = repack.repack(weight)
     gen = torch.Generator().manual_seed(ggml_type)
-    x, bias = torch.randn(11, 512, generator=gen), torch.randn(21, generator=gen)
-    fast = repack.repack_gemm(x, packed, bias)
-    assert torch.equal(repack.repack_gemm(x, packed, bias, repack.ISA_C), fast)
+    bias = torch.randn(21, generator=gen)
+    for rows in (4, 5, 11):
+        x = torch.randn(rows, 512, generator=gen)
+        fast = repack.repack_gemm(x, packed, bias)
+        assert torch.equal(repack.repack_gemm(x, packed, bias, repack.ISA_C), fast), rows
 
 
 def test_mixed_parts_bias_and_strides() -> None:
@@ -213,9 +217,10 @@ def test_prefill_rung_gives_the_plain_c_bits(ggml_type: int, n: int) -> None:
 
 
 def test_prefill_rung_with_mixed_parts_and_strides() -> None:
-    """Parts whose types take the rung from different M (Q6_K 8, Q4_0 32, Q8_0 never), K =
-    768, x rows inside wider rows, a bias: at M = 12 only the Q6_K part takes it, at M = 40
-    the Q4_0 part too; each part's columns are the plain C kernel's bits."""
+    """Parts whose types take the rung from different M (Q6_K and Q4_K 16, Q4_0 32, Q8_0
+    never), K = 768, x rows inside wider rows, a bias: at M = 12 none takes it, at M = 16
+    the Q6_K and Q4_K parts, at M = 40 the Q4_0 part too; each part's columns are the
+    plain C kernel's bits."""
     if repack.isa() == repack.ISA_C:
         pytest.skip("this build's fastest kernel is the plain C one")
     types = (quant.Q6_K, quant.Q4_0, quant.Q8_0, quant.Q4_K)
@@ -223,7 +228,7 @@ def test_prefill_rung_with_mixed_parts_and_strides() -> None:
     packed, w = repack.repack(weight), dequantize_reference(weight)
     gen = torch.Generator().manual_seed(11)
     bias = torch.randn(80, generator=gen)
-    for rows in (12, 40):
+    for rows in (12, 16, 40):
         wide = torch.randn(rows, 768 + 24, generator=gen)
         x = wide[:, 8:8 + 768]
         y = repack.repack_gemm(x, packed, bias)
