@@ -1,5 +1,5 @@
 /* The prefill rung of the AVX512-VNNI repacked product (repack.c's plait_repack_gemm takes it
- * for a part of M >= wd_min_rows(type) x rows: 12 to 32 by type, never Q8_0); included by
+ * for a part of M >= wd_min_rows(type) x rows: Q6_K from 24, Q5_0 / Q5_K from 128); included by
  * repack.c after repack_vnni.h, whose vn_codes it reuses.
  *
  * vnni_tiles widens a tile's 4 (5, 6) bit codes and converts its scales again for every
@@ -32,23 +32,21 @@
 
 #if REPACK_VNNI
 
-/* The fewest x rows that take this rung for a part of a GGML type: below them vnni_tiles'
- * widening again per register tile of rows costs less than the scratch's stores and
- * reloads (measured on Qwen2.5-0.5B's shapes, BENCHMARKS.md; Q5_K as Q5_0 / Q4_K,
- * unmeasured). The cheaper a type's widening, the later the rung pays; Q8_0's codes are
- * bytes already, so it never does. Q6_K from 16, not 8: once vnni_tiles prefetched its
- * records, it took 8-12 rows in 0.6-0.8x the rung's time on a Zen 4 EPYC (a verification
- * of 9 rows of Qwen2.5-Coder-1.5B: 86 against 95 ms a step). Q4_K from 16, not 12, once
- * both prefetched into L2: Qwen2.5-Coder-1.5B's products at 12 rows 79 against 89 ms, at
- * 16 equal; Q5_0 stays at 12 (Qwen2.5-Coder-0.5B at 12 and 14 rows: 0.96-0.98x of 16's). */
+/* The fewest x rows that take this rung for a part of a GGML type: below them register
+ * tiles of 8 rows against one tile (vnni_tiles), widening its codes again per 8 rows, cost
+ * less than the scratch's stores and reloads. The cheaper a type's widening, the later the
+ * rung pays: Q8_0's codes are bytes already and the 4-bit types' an and and a shift, so they
+ * never take it. Measured on a Zen 4 EPYC, per type, every weight of a model once at M
+ * rows, the rung against none (ms; BENCHMARKS.md): Q6_K (Qwen2.5-Coder-1.5B) 16.8 / 16.4
+ * at 16, 25.2 / 26.2 at 24, 30.7 / 33.0 at 32, 210 / 257 at 256; Q5_0 (the 0.5B's gate_up)
+ * about even at 128, 184 / 190 at 256; Q4_K (the 1.5B's gate_up) 101 / 87 at 32, 679 / 670
+ * at 256; Q4_1 (SmolLM2, all its layers) 29.6 / 24.7 at 64, 104 / 98 at 256. Q5_K as
+ * Q5_0, Q4_0 as Q4_1: unmeasured. */
 static inline long wd_min_rows(int type) {
   switch (type) {
-    case PLAIT_GGML_Q6_K:
-    case PLAIT_GGML_Q4_K: return 16;
+    case PLAIT_GGML_Q6_K: return 24;
     case PLAIT_GGML_Q5_0:
-    case PLAIT_GGML_Q5_K: return 12;
-    case PLAIT_GGML_Q4_1: return 24;
-    case PLAIT_GGML_Q4_0: return 32;
+    case PLAIT_GGML_Q5_K: return 128;
     default: return LONG_MAX;
   }
 }
@@ -206,7 +204,7 @@ static void wd_fill_any(int type, int T, const uint8_t *tile, long tile_bytes, l
     else                                                                                \
       wd_fill(PLAIT_GGML_##t, 1, tile, tile_bytes, g0, ng, 0, dst);                     \
     return;
-    WD_TYPE(Q4_0) WD_TYPE(Q4_1) WD_TYPE(Q5_0) WD_TYPE(Q4_K) WD_TYPE(Q5_K) WD_TYPE(Q6_K)
+    WD_TYPE(Q5_0) WD_TYPE(Q5_K) WD_TYPE(Q6_K)
 #undef WD_TYPE
     default: return;
   }

@@ -189,9 +189,9 @@ def test_a_build_without_an_isa_reports_the_one_below(tmp_path, build_without, r
     assert torch.equal(y, repack.repack_gemm(x, packed, kernel_isa=repack.ISA_C))
 
 
-# x rows around each type's prefill rung (repack_wide.h's wd_min_rows: Q6_K 8, Q5_0 / Q5_K /
-# Q4_K 12, Q4_1 24, Q4_0 32; Q8_0 never) and past it, ragged against the register tiles.
-RUNG_ROWS = (7, 8, 12, 13, 24, 31, 32, 37, 67)
+# x rows around each type's prefill rung (repack_wide.h's wd_min_rows: Q6_K 24, Q5_0 / Q5_K
+# 128; the 4-bit types and Q8_0 never) and past it, ragged against the register tiles.
+RUNG_ROWS = (7, 8, 12, 13, 23, 24, 31, 37, 67, 127, 128, 133)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=quant.type_name)
@@ -217,18 +217,18 @@ def test_prefill_rung_gives_the_plain_c_bits(ggml_type: int, n: int) -> None:
 
 
 def test_prefill_rung_with_mixed_parts_and_strides() -> None:
-    """Parts whose types take the rung from different M (Q6_K and Q4_K 16, Q4_0 32, Q8_0
-    never), K = 768, x rows inside wider rows, a bias: at M = 12 none takes it, at M = 16
-    the Q6_K and Q4_K parts, at M = 40 the Q4_0 part too; each part's columns are the
-    plain C kernel's bits."""
+    """Parts whose types take the rung from different M (Q6_K 24, Q5_0 128, Q4_K and Q8_0
+    never), K = 768, x rows inside wider rows, a bias: at M = 16 none takes it, at M = 24
+    the Q6_K part, at M = 130 the Q5_0 part too; each part's columns are the plain C
+    kernel's bits."""
     if repack.isa() == repack.ISA_C:
         pytest.skip("this build's fastest kernel is the plain C one")
-    types = (quant.Q6_K, quant.Q4_0, quant.Q8_0, quant.Q4_K)
+    types = (quant.Q6_K, quant.Q5_0, quant.Q8_0, quant.Q4_K)
     weight = random_weight(types, (20, 16, 9, 35), 768, seed=11)
     packed, w = repack.repack(weight), dequantize_reference(weight)
     gen = torch.Generator().manual_seed(11)
     bias = torch.randn(80, generator=gen)
-    for rows in (12, 16, 40):
+    for rows in (16, 24, 130):
         wide = torch.randn(rows, 768 + 24, generator=gen)
         x = wide[:, 8:8 + 768]
         y = repack.repack_gemm(x, packed, bias)
@@ -237,9 +237,9 @@ def test_prefill_rung_with_mixed_parts_and_strides() -> None:
 
 
 def test_prefill_rung_zero_rows_give_the_bias() -> None:
-    """40 rows (the rung for Q4_K), all zero but one group of one row: the others are the
+    """40 rows (the rung for Q6_K), all zero but one group of one row: the others are the
     bias exactly (their groups scale by 0, not by nan)."""
-    packed = repack.repack(random_weight((quant.Q4_K,), (48,), 512, seed=2))
+    packed = repack.repack(random_weight((quant.Q6_K,), (48,), 512, seed=2))
     x = torch.zeros(40, 512)
     x[17, 300] = -1.5
     bias = torch.randn(48, generator=torch.Generator().manual_seed(2))
