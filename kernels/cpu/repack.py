@@ -152,11 +152,12 @@ def repack_gemm(
     """x @ W^T + bias with x quantized to int8 per 32 weights (sx = max |x| / 127, q =
     round(x / sx) to nearest even) and exact int32 dot products with W's codes, float32
     scales and sums: W's values are the file's, x's rounding the only approximation (as
-    llama.cpp's CPU path). Any M: a decode step's few rows widen W's codes in registers per
-    tile of rows; from 12 to 32 rows by type (prefill, batched decode; Q8_0 never) each
-    tile is widened once into a small per-thread scratch that all rows then read
-    (repack_wide.h); with ISA_AMX, from 16 rows each widened group meets 16 rows at once
-    in an AMX-INT8 tile product (repack_amx.h). All with the same bits."""
+    llama.cpp's CPU path). Any M: W's codes are widened in registers per tile of rows (two
+    tiles against up to 4 rows, one against 8 past that); for Q6_K from 24 rows and Q5_0 /
+    Q5_K from 128 (prefill) each tile is widened once into a small per-thread scratch that
+    all rows then read (repack_wide.h); with ISA_AMX, from 32 or 48 rows by type each
+    widened group meets 16 rows at once in an AMX-INT8 tile product (repack_amx.h). All
+    with the same bits."""
     return product(x, weight.desc, weight.in_features, weight.out_features, bias, kernel_isa,
                    weight.describe())
 

@@ -94,10 +94,10 @@ def test_product_of_every_type(ggml_type: int, k: int) -> None:
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=quant.type_name)
 def test_plain_c_kernel_gives_the_same_bits(ggml_type: int) -> None:
-    if repack.isa() == repack.ISA_C:
-        pytest.skip("this build's fastest kernel is the plain C one")
     """N = 21 (one unit of two tiles, the second of 5 columns), 4 rows (the two tiles
     together against 4 rows) and 5 and 11 (each tile alone against 8 rows at a time)."""
+    if repack.isa() == repack.ISA_C:
+        pytest.skip("this build's fastest kernel is the plain C one")
     weight = random_weight((ggml_type,), (21,), 512, seed=3 * ggml_type)
     packed = repack.repack(weight)
     gen = torch.Generator().manual_seed(ggml_type)
