@@ -380,7 +380,7 @@ static void rp_unit(const rp_part_t *parts, long t, const rp_acts_t *a, long M, 
   rp_unit_t un = rp_unit_at(parts, t);
   const rp_part_t *p = un.p;
   const float *b = bias ? bias + un.n0 : NULL;
-  int T = un.T, cols = un.cols, rows_per = T == 2 ? RP_PAIR_ROWS : RP_TILE_ROWS;
+  int T = un.T, cols = un.cols;
 #if REPACK_AMX
   if (scratch && rp_amx_takes(isa, p->type, M)) {
     am_unit(p, T, un.tile, a, M, K, b, y + un.n0, ldy, cols, scratch);
@@ -393,32 +393,29 @@ static void rp_unit(const rp_part_t *parts, long t, const rp_acts_t *a, long M, 
     return;
   }
 #endif
+  /* Register tiles of rows. Up to RP_PAIR_ROWS rows the two tiles go together (each
+   * broadcast activation feeds both); past that each tile goes alone against RP_TILE_ROWS
+   * rows at a time, so that vnni_tiles widens its codes once per 8 rows, not once per 4:
+   * 5 to 16 rows in 0.75-0.9x the time on a Zen 4 EPYC (BENCHMARKS.md). */
+  const int TT = T == 2 && M > RP_PAIR_ROWS ? 1 : T, per = TT == 2 ? RP_PAIR_ROWS : RP_TILE_ROWS;
+  for (int u = 0; u < T; u += TT) {
+    const uint8_t *tile = un.tile + u * p->tile_bytes;
+    const float *bu = b ? b + 16 * u : NULL;
+    const int cu = cols - 16 * u < 16 * TT ? cols - 16 * u : 16 * TT;
+    for (long m = 0; m < M; m += per) {
+      int R = (int)(M - m < per ? M - m : per);
+      rp_acts_t at = rp_acts_from(a, m);
+      float *yt = y + m * ldy + un.n0 + 16 * u;
 #if REPACK_VNNI
-  if (isa >= PLAIT_REPACK_VNNI512) {
-    /* Up to RP_PAIR_ROWS rows the two tiles go together (each broadcast activation feeds
-     * both); past that each tile goes alone against RP_TILE_ROWS rows at a time, so that
-     * its codes are widened once per 8 rows, not once per 4: 5 to 16 rows in 0.75-0.9x
-     * the time on a Zen 4 EPYC (BENCHMARKS.md). */
-    const int apart = T == 2 && M > RP_PAIR_ROWS, TT = apart ? 1 : T;
-    const int per = TT == 2 ? RP_PAIR_ROWS : RP_TILE_ROWS;
-    for (int u = 0; u < (apart ? 2 : 1); u++)
-      for (long m = 0; m < M; m += per) {
-        int R = (int)(M - m < per ? M - m : per);
-        rp_acts_t at = rp_acts_from(a, m);
-        vnni_tiles_any(p->type, TT, R, un.tile + u * p->tile_bytes, p->tile_bytes, &at, K,
-                       b ? b + 16 * u : NULL, y + m * ldy + un.n0 + 16 * u, ldy,
-                       apart ? (cols - 16 * u < 16 ? cols - 16 * u : 16) : cols);
+      if (isa >= PLAIT_REPACK_VNNI512) {
+        vnni_tiles_any(p->type, TT, R, tile, p->tile_bytes, &at, K, bu, yt, ldy, cu);
+        continue;
       }
-    return;
-  }
 #endif
-  for (long m = 0; m < M; m += rows_per) {
-    int R = (int)(M - m < rows_per ? M - m : rows_per);
-    rp_acts_t at = rp_acts_from(a, m);
-    float *yt = y + m * ldy + un.n0;
-    for (int u = 0; u < T; u++)
-      c_tile(p, un.tile + u * p->tile_bytes, &at, R, K, b ? b + 16 * u : NULL, yt + 16 * u,
-             ldy, cols - 16 * u < 16 ? cols - 16 * u : 16);
+      for (int v = 0; v < TT; v++)
+        c_tile(p, tile + v * p->tile_bytes, &at, R, K, bu ? bu + 16 * v : NULL, yt + 16 * v,
+               ldy, cu - 16 * v < 16 ? cu - 16 * v : 16);
+    }
   }
 }
 
