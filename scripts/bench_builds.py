@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import statistics
 import time
 from collections.abc import Sequence
@@ -28,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from plait.engine.llm import LLM
+from plait.engine.models.linear import Linear
 from plait.kernels.cpu import build
-from plait.kernels.cpu.product_row import ProductState
 from plait.kernels.cpu.quant import type_name
 from plait.kernels.cpu.repack import REPACKED_FLAG as REPACKED
 
@@ -45,17 +44,19 @@ class _Weight:
     kind: str  # its parts' types, e.g. "Q4_K+Q6_K"
 
 
-def repacked_weights(llm: LLM) -> list[_Weight]:
-    """Every repacked weight the loaded model holds, in memory order (its layers' order)."""
+def repacked_weights(model: torch.nn.Module) -> list[_Weight]:
+    """Every repacked weight of the model's `Linear` layers, once each (a tied head shares
+    its state), in memory order (its layers' order)."""
     seen: dict[int, _Weight] = {}
-    for obj in gc.get_objects():
-        if not (isinstance(obj, ProductState) and obj.packed is not None
-                and obj.desc is not None and int(obj.desc[0]) & REPACKED):
+    for module in model.modules():
+        state = module.state if isinstance(module, Linear) else None
+        if (state is None or state.packed is None or state.desc is None
+                or not int(state.desc[0]) & REPACKED):
             continue
-        parts = int(obj.desc[0]) & ~REPACKED
-        kind = "+".join(type_name(int(obj.desc[2 + 3 * i])) for i in range(parts))
-        seen[obj.packed.data_ptr()] = _Weight(obj.desc, obj.in_features, obj.out_features,
-                                              obj.packed.numel(), kind)
+        parts = int(state.desc[0]) & ~REPACKED
+        kind = "+".join(type_name(int(state.desc[2 + 3 * i])) for i in range(parts))
+        seen[state.packed.data_ptr()] = _Weight(state.desc, state.in_features,
+                                                state.out_features, state.packed.numel(), kind)
     return [seen[k] for k in sorted(seen)]
 
 
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     builds = dict(spec.split("=", 1) for spec in args.builds)
     llm = LLM(args.model)
-    weights = repacked_weights(llm)
+    weights = repacked_weights(llm.engine.runner.model)
     if not weights:
         raise SystemExit("the model holds no repacked weights (its products take another row)")
     groups: dict[str, list[_Weight]] = {}
