@@ -133,6 +133,7 @@ class EngineCore:
                                  self.runner.weight_bytes)
             self.spec = SpecDecoder(config.speculative_config, self.runner.max_model_len,
                                     vocab_size=resolved.config.vocab_size, target=target)
+            self.runner.report_confidence = self.spec.wants_confidence
             logger.info("speculative decoding: %s", config.speculative_config.to_json())
 
     @property
@@ -281,16 +282,21 @@ class EngineCore:
             accepted_logprobs: list[TokenLogprob | None] = [None] * len(accepted)
             if row.request_id in run.accepted_logprobs:
                 accepted_logprobs = list(run.accepted_logprobs[row.request_id])
+            chunk = spec_chunks.get(row.request_id)
+            if self.spec is not None:  # before the tokens: one may finish the request,
+                # whose speculation state then goes (SpecDecoder.finish)
+                if chunk is not None:
+                    self.spec.verified(req.request_id, len(chunk.draft_token_ids),
+                                       len(accepted))
+                if row.request_id in run.top_probs:
+                    self.spec.observe(row.request_id, run.top_probs[row.request_id])
             delta = self._safe_update(req, [*accepted, run.sampled[row.request_id]],
                                       [*accepted_logprobs, run.logprobs.get(row.request_id)],
                                       row.request_id in run.grammar_ended)
             if delta is not None:
                 deltas.append(delta)
-            chunk = spec_chunks.get(row.request_id)
-            if chunk is not None and self.spec is not None:
-                self.spec.verified(req.request_id, len(chunk.draft_token_ids), len(accepted))
-                if req.request_id in self.requests:  # not finished by these tokens
-                    self.scheduler.verified(req, chunk.start, 1 + len(accepted))
+            if chunk is not None and req.request_id in self.requests:  # not finished
+                self.scheduler.verified(req, chunk.start, 1 + len(accepted))
         return deltas
 
     def _copy_shared_prompt_logprobs(self, out: SchedulerOutput) -> None:

@@ -124,6 +124,8 @@ class ModelRunner:
             warm_sampler(self.sampler, cfg.vocab_size, config.max_num_seqs)
         # Structured output: the engine core's compiler (engine/grammar.py), set by the core.
         self.grammars: GrammarCompiler | None = None
+        # Set by the core where speculation asks for it: `RunnerOutput.top_probs`.
+        self.report_confidence = False
         self.batch = InputBatch(config.max_num_seqs, cdiv(self.max_model_len, self.block_size),
                                 self.device)
         # kept_logits: [max_shared_logits, vocab] float32, rows addressed by kept slot; a
@@ -392,6 +394,11 @@ class ModelRunner:
                     logger.exception("sampling request %s failed", state.request_id)
                     result.errors[state.request_id] = f"{type(exc).__name__}: {exc}"
                     picks.append(None)
+        if self.report_confidence and samples:
+            top = logits.float()  # [num_samples, vocab]
+            top = (top.amax(dim=-1) - torch.logsumexp(top, dim=-1)).exp()  # [num_samples]
+            result.top_probs.update(zip([s.request_id for s in states],
+                                        torch.nan_to_num(top).tolist(), strict=True))
         for state, pick in zip(states, picks, strict=True):
             if pick is None or state.request_id in failed:
                 continue

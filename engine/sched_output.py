@@ -123,3 +123,7 @@ class RunnerOutput:
     # Structured requests whose grammar is complete after this step's token (it takes no
     # token but EOS): they finish with "stop".
     grammar_ended: set[str] = field(default_factory=set)
+    # Where the runner reports confidence (`ModelRunner.report_confidence`): for every
+    # request sampled by a plain row (not a speculative chunk), the probability its logits
+    # give their most likely token (softmax at temperature 1, before any processing).
+    top_probs: dict[str, float] = field(default_factory=dict)

@@ -36,7 +36,10 @@ class SpeculativeConfig:
     holds them; None: 32768 for vocabularies over 65536, else all; engine/spec/draft_head.py);
     `draft_p_min`, the least probability the draft model gives its own argmax for a draft
     token: a draft ends before the first token the draft model is less sure of (llama.cpp's
-    `--draft-p-min`; 0: no cut; engine/spec/draft_model.py).
+    `--draft-p-min`; 0: no cut; engine/spec/draft_model.py); `draft_token_cost`, what
+    drafting one token costs against one decode step of the target (policy.py's c: drafts
+    whose recent acceptance, or a target whose own confidence, is below it back off; None:
+    the draft's weights' bytes over the target's; 0: no back-off for cost).
 
     `disable_by_batch_size`: speculation steps aside for a step whose decoding sequences
     number at least this many (vLLM's name; None: the measured default in
@@ -54,6 +57,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     draft_vocab_size: int | None = None
     draft_p_min: float = 0.0
+    draft_token_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -85,6 +89,11 @@ class SpeculativeConfig:
         if self.method != "draft_model" and self.draft_p_min:
             raise ValueError(f"speculative config: draft_p_min is a draft_model setting, "
                              f"not a {self.method!r} one")
+        if self.draft_token_cost is not None:
+            _check_float("draft_token_cost", self.draft_token_cost, 0.0, None)
+            if self.method != "draft_model":
+                raise ValueError(f"speculative config: draft_token_cost is a draft_model "
+                                 f"setting, not a {self.method!r} one")
         if self.method == "suffix":
             _check_int("suffix_decoding_max_tree_depth",
                        self.suffix_decoding_max_tree_depth, 1)

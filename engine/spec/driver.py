@@ -4,6 +4,8 @@ counters for the metrics, feedback to the policy and the proposer).
 
     drafts = spec.drafts(running, ...)        before Scheduler.schedule(drafts)
     spec.verified(id, proposed, accepted)     per speculative chunk, after the step
+    spec.observe(id, top_prob)                per plain sample, after the step, where
+                                              spec.wants_confidence
     spec.finish(id)                           when a sequence ends or is preempted
 """
 
@@ -70,7 +72,9 @@ class SpecDecoder:
         computed up to their last token), within each one's budget: the policy's k, the
         tokens `max_tokens` leaves after the step's own token, and the context. A
         structured sequence's draft is cut before the first token its grammar refuses
-        (`grammar_check`, given for those). Empty when the batch is too large."""
+        (`grammar_check`, given for those). A sequence whose proposal has a setup cost
+        (`Proposer.setup_cost`) drafts only where its remaining tokens could repay it
+        (`SpecPolicy.repays`). Empty when the batch is too large."""
         decoding = [r for r in running if r.status == RequestStatus.RUNNING
                     and r.output_token_ids and r.num_computed_tokens == r.num_tokens - 1]
         if not decoding or not self.policy.enabled_for_batch(len(decoding)):
@@ -80,7 +84,10 @@ class SpecDecoder:
             room = min(req.max_tokens - len(req.output_token_ids),
                        self.max_model_len - req.num_tokens) - 1
             k = min(self.policy.budget(req.request_id), room) if room > 0 else 0
-            if k > 0:
+            if k <= 0:
+                continue
+            setup = self.proposer.setup_cost(req.request_id, req.num_tokens)
+            if setup == 0 or self.policy.repays(req.request_id, setup, room + 1, k):
                 seqs.append(SpecInput(req.request_id, req.prompt_token_ids
                                       + req.output_token_ids, req.num_prompt_tokens, k))
         if not seqs:
@@ -99,6 +106,16 @@ class SpecDecoder:
             if draft:
                 found[seq.request_id] = draft
         return found
+
+    @property
+    def wants_confidence(self) -> bool:
+        """Whether `observe` matters: only where a draft costs time (policy.py)."""
+        return self.policy.draft_token_cost > 0
+
+    def observe(self, request_id: str, top_prob: float) -> None:
+        """The target's probability of its most likely token at a step where `request_id`
+        verified no draft (RunnerOutput.top_probs)."""
+        self.policy.observe(request_id, top_prob)
 
     def verified(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         """A draft of `num_proposed` tokens was verified, `num_accepted` kept."""

@@ -23,6 +23,27 @@ A miss costs the extra rows of one step, so free text with few repeats settles a
 short drafts. A proposal that finds nothing (an empty draft) costs no rows and changes
 nothing.
 
+Before it drafts at all, a sequence whose drafts cost time (c > 0) must look predictable
+to the target itself: the probability the target gives its most likely token at its plain
+steps (`observe`, decayed as r is) must average at least c. A drafted token is accepted
+about as often as the target would have picked it, so where the target spreads its
+probability (free text sampled at temperature 1: random words continued on
+Qwen2.5-Coder-1.5B average 0.19 and 0.36) no draft pays, and a draft model's first
+proposal would also pay for computing the whole prompt into its own cache. Where the
+target is sure (a code edit's copy: 0.997) drafting starts at its first decode step.
+The gate takes no step of a pause and needs no draft to learn; it reads only plain steps
+(a speculative step's rows are the verification's).
+
+A proposal may cost something before its draft: a draft model first computes the tokens
+its cache lacks (the whole prompt at the first proposal; `Proposer.setup_cost`, s target
+steps). With each draft token accepted with probability a (the gate's average), a draft
+of k tokens yields 1 + a + ... + a^k tokens for 1 + c k steps (Leviathan et al.), so each
+of the R tokens a sequence may still make saves 1 - (1 + c k) / (1 + a + ... + a^k) steps
+at best: a proposal is made only where R times that reaches s (`repays`). On a 128-token
+answer whose target grows sure only late (random words that the 1.5B starts to repeat),
+the 0.5B's catch-up over a 270-token prompt (0.5 s, 17 target steps) no longer comes with
+30-70 tokens left at a near c.
+
 Batch size: a decode step of B sequences reads every weight once for B rows; while B is
 small the step is bound by reading the weights, and k extra rows per sequence are nearly
 free. Past some B it is bound by computing them, and drafts only add work. A step with
@@ -58,6 +79,8 @@ class _SeqState:
     pause_len: int = PAUSE_MIN_STEPS  # the next pause's length
     accepted: float = 0.0  # decayed sums of accepted and drafted tokens (RATE_DECAY)
     drafted: float = 0.0
+    sure: float = 0.0  # decayed sums of the target's top probability and of its steps
+    steps: float = 0.0
 
 
 class SpecPolicy:
@@ -89,7 +112,27 @@ class SpecPolicy:
         if seq.pause_left > 0:
             seq.pause_left -= 1
             return 0
+        if seq.sure < self.draft_token_cost * seq.steps:  # the target is unsure itself
+            return 0
         return seq.k
+
+    def repays(self, request_id: str, setup_cost: float, remaining: int, k: int) -> bool:
+        """Whether `remaining` tokens of `request_id`, drafting k at a time, could repay a
+        proposal's setup cost (target steps; see the module docstring). With nothing
+        observed, a = 1."""
+        seq = self._seqs.get(request_id)
+        a = seq.sure / seq.steps if seq is not None and seq.steps > 0 else 1.0
+        tokens = 1 + sum(a ** j for j in range(1, k + 1))  # per draft and verification
+        return remaining * (1 - (1 + self.draft_token_cost * k) / tokens) >= setup_cost
+
+    def observe(self, request_id: str, top_prob: float) -> None:
+        """At a plain step of `request_id`, the target gave its most likely token
+        `top_prob` (0..1)."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            seq = self._seqs[request_id] = _SeqState(self.max_k)
+        seq.sure = RATE_DECAY * seq.sure + top_prob
+        seq.steps = RATE_DECAY * seq.steps + 1
 
     def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         """A draft of `num_proposed` (>= 1) tokens of `request_id` was verified."""

@@ -163,7 +163,8 @@ def test_greedy_equal_with_a_cut_draft_head(tiny_path, caplog) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = [list(o.outputs[0].token_ids) for o in make_llm(tiny_path).generate(prompts, params)]
     config = {"method": "draft_model", "model": str(tiny_path), "num_speculative_tokens": 4,
-              "disable_by_batch_size": 10_000, "draft_vocab_size": 64}
+              "disable_by_batch_size": 10_000, "draft_vocab_size": 64,
+              "draft_token_cost": 0}  # as costly as the target: drafts kept all the same
     with caplog.at_level(logging.INFO, logger="plait.engine"):
         llm = LLM(str(tiny_path), speculative_config=config, num_kv_blocks=64, block_size=4)
     assert (f"draft model {tiny_path.name}: its LM head scores ids < 64 of 49152 and each "

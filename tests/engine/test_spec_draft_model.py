@@ -6,6 +6,7 @@ The draft runs with the target engine's config, and a draft model of another voc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -21,7 +22,7 @@ from plait.engine.config import EngineConfig
 from plait.engine.model_loader import load_tokenizer
 from plait.engine.request import Request, RequestStatus
 from plait.engine.spec.config import SpeculativeConfig
-from plait.engine.spec.draft_model import DraftModelProposer
+from plait.engine.spec.draft_model import CATCH_UP_ROW_SHARE, DraftModelProposer
 from plait.engine.spec.driver import SpecDecoder
 from plait.engine.spec.proposer import SpecInput
 from plait.engine.spec.target import DraftVocabMismatch, TargetModel
@@ -128,8 +129,12 @@ def test_blocks_are_returned_and_a_full_cache_gives_no_draft(draft_path) -> None
 def test_greedy_equal_with_a_draft_model(tiny_path, draft_path, same: bool) -> None:
     prompts = [prompt(1, 9), prompt(2, 14), prompt(3, 5)]
     want = greedy(tiny_path, prompts, 24)
+    # the two tiny models cost the same, so by default the policy would never let one
+    # draft for the other (test_a_draft_model_as_costly_as_the_target_never_drafts);
+    # draft_token_cost 0 keeps every draft, which is what verification is tested on
     config = {"method": "draft_model", "model": str(tiny_path if same else draft_path),
-              "num_speculative_tokens": 4, "disable_by_batch_size": 10_000}
+              "num_speculative_tokens": 4, "disable_by_batch_size": 10_000,
+              "draft_token_cost": 0}
     llm = LLM(str(tiny_path), speculative_config=config, num_kv_blocks=64, block_size=4)
     assert isinstance(llm.engine.spec.proposer, DraftModelProposer)
     got = [list(o.outputs[0].token_ids) for o in llm.generate(
@@ -215,3 +220,38 @@ def test_a_draft_token_costs_the_draft_models_share_of_the_weight_bytes(draft_pa
     spec = SpecDecoder(config, 1024, target=target)
     assert spec.proposer.draft_token_cost == 0.25
     assert spec.policy.draft_token_cost == 0.25
+    assert spec.wants_confidence
+    # the catch-up before a draft: the tokens the draft cache lacks, each a share of a pass
+    row = CATCH_UP_ROW_SHARE * 0.25
+    assert spec.proposer.setup_cost("a", 20) == pytest.approx(20 * row)
+    assert spec.proposer.propose([SpecInput("a", prompt(3, 20), 20, 2)])[0]
+    assert spec.proposer.setup_cost("a", 23) == pytest.approx(3 * row)
+    given = SpecDecoder(dataclasses.replace(config, draft_token_cost=0.6), 1024,
+                        target=target)
+    assert given.policy.draft_token_cost == 0.6
+    free = SpecDecoder(dataclasses.replace(config, draft_token_cost=0), 1024, target=target)
+    assert free.policy.draft_token_cost == 0 and not free.wants_confidence
+
+
+def test_a_draft_model_as_costly_as_the_target_never_drafts(tiny_path, draft_path) -> None:
+    """The engine reports, at every plain step, the target's probability of its most
+    likely token (the exp of the top logprob of an unprocessed greedy row); the policy
+    lets a draft model draft only while that averages at least a draft token's cost. Two
+    tiny models of the same size (c = 1): never, and the draft model never runs."""
+    config = {"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": 4,
+              "disable_by_batch_size": 10_000}
+    llm = LLM(str(tiny_path), speculative_config=config, num_kv_blocks=64, block_size=4)
+    spec = llm.engine.spec
+    assert spec.policy.draft_token_cost == 1.0 and llm.engine.runner.report_confidence
+    observed: list[float] = []
+    observe = spec.observe
+    spec.observe = lambda request_id, p: (observed.append(p), observe(request_id, p))[1]
+    passes: list[int] = []
+    greedy_pass = spec.proposer._greedy
+    spec.proposer._greedy = lambda rows: (passes.append(len(rows)), greedy_pass(rows))[1]
+    out = llm.generate([prompt(1, 9)], SamplingParams(temperature=0, max_tokens=12,
+                                                      ignore_eos=True, logprobs=1))
+    tops = [math.exp(lp.top[0][1]) for lp in out[0].outputs[0].logprobs]
+    assert observed == pytest.approx(tops, rel=1e-5) and len(observed) == 12
+    assert spec_counts(llm)[0] == 0 and passes == []
+    assert_pool_clean(llm)

@@ -75,6 +75,34 @@ def test_drafts_that_cost_more_than_they_keep_count_as_misses() -> None:
         SpecPolicy(max_k=1, draft_token_cost=-0.1)
 
 
+def test_a_costly_draft_waits_for_a_target_sure_of_its_tokens() -> None:
+    """With c > 0 a sequence drafts only while the target's top probability at its plain
+    steps (decayed as the acceptance) averages at least c; a lookup (c = 0) ignores it.
+    The gate counts no pause step and needs no observation to start."""
+    lookup, costly = SpecPolicy(max_k=4), SpecPolicy(max_k=4, draft_token_cost=0.4)
+    assert costly.budget("new") == 4  # nothing observed yet
+    for policy in (lookup, costly):
+        policy.observe("a", 0.1)
+    assert lookup.budget("a") == 4
+    assert costly.budget("a") == 0
+    costly.observe("a", 0.6)  # (0.8 * 0.1 + 0.6) / 1.8 = 0.378 < 0.4
+    assert costly.budget("a") == 0
+    costly.observe("a", 0.5)  # (0.8 * 0.68 + 0.5) / 2.44 = 0.428
+    assert costly.budget("a") == 4
+    costly.record("a", 4, 0)
+    costly.record("a", 2, 0)
+    costly.record("a", 1, 0)  # a pause of PAUSE_MIN_STEPS
+    costly.observe("a", 0.0)
+    costly.observe("a", 0.0)  # unsure again: the pause runs out, the gate stays shut
+    assert [costly.budget("a") for _ in range(PAUSE_MIN_STEPS + 1)] == [0] * (
+        PAUSE_MIN_STEPS + 1)
+    for _ in range(10):
+        costly.observe("a", 1.0)
+    assert costly.budget("a") == 1
+    costly.forget("a")
+    assert costly.budget("a") == 4
+
+
 class Echo(Proposer):
     """Drafts 1, 2, 3, ... up to the budget; records what it was asked."""
 
@@ -120,6 +148,41 @@ def test_drafts_fit_max_tokens_context_and_batch_size() -> None:
     # a token outside the vocabulary ends a draft
     small = SpecDecoder(config, max_model_len=20, proposer=Echo(), vocab_size=3)
     assert small.drafts([a]) == {"a": [1, 2]}
+
+
+class Setup(Echo):
+    """Echo whose every proposal first costs `cost` target steps."""
+
+    draft_token_cost = 0.5
+
+    def __init__(self, cost: float) -> None:
+        super().__init__()
+        self.cost = cost
+
+    def setup_cost(self, request_id: str, num_tokens: int) -> float:
+        return self.cost
+
+
+def test_a_proposal_with_a_setup_cost_waits_for_tokens_that_could_repay_it() -> None:
+    """A draft of k tokens each accepted with probability a (the target's average
+    certainty) yields 1 + a + ... + a^k tokens for 1 + c k steps: a proposal costing s
+    steps first is made only where R (1 - (1 + c k) / (1 + a + ... + a^k)) >= s."""
+    policy = SpecPolicy(max_k=4, draft_token_cost=0.5)
+    assert policy.repays("new", 4.0, 10, 4)  # a = 1: 10 (1 - 3 / 5) = 4
+    assert not policy.repays("new", 4.01, 10, 4)
+    assert policy.repays("new", 2.5, 10, 1) and not policy.repays("new", 2.51, 10, 1)
+    policy.observe("a", 0.6)  # 1 + 0.6 + 0.36 = 1.96 tokens for 2 steps: nothing saved
+    assert not policy.repays("a", 0.01, 1000, 2)
+    # k = 1: 1.6 tokens for 1.5 steps, 1 - 1.5 / 1.6 = 0.0625 a token
+    assert policy.repays("a", 6.2, 100, 1) and not policy.repays("a", 6.3, 100, 1)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    cheap, dear = Setup(4.0), Setup(4.1)
+    for proposer, want in ((cheap, {"a": [1, 2, 3, 4]}), (dear, {})):
+        spec = SpecDecoder(config, max_model_len=100, proposer=proposer)
+        assert spec.policy.draft_token_cost == 0.5
+        a = decoding("a", 5, 1, max_tokens=11)  # 10 tokens left, k = 4: 4 steps saved
+        assert spec.drafts([a]) == want
+        assert proposer.asked == ([("a", 4)] if want else [])
 
 
 def test_structured_drafts_are_cut_by_the_grammar() -> None:
