@@ -36,7 +36,10 @@ class SpeculativeConfig:
     holds them; None: 32768 for vocabularies over 65536, else all; engine/spec/draft_head.py);
     `draft_p_min`, the least probability the draft model gives its own argmax for a draft
     token: a draft ends before the first token the draft model is less sure of (llama.cpp's
-    `--draft-p-min`; 0: no cut; engine/spec/draft_model.py); `draft_token_cost`, what
+    `--draft-p-min`; 0: no cut; engine/spec/draft_model.py); `prompt_lookup_min` /
+    `prompt_lookup_max` (not vLLM's: its draft_model takes no lookup), a prompt lookup as
+    ngram's tried first, the draft model drafting only where it finds nothing (None for
+    both: no lookup); `draft_token_cost`, what
     drafting one token costs against one decode step of the target (policy.py's c: drafts
     whose recent acceptance, or a target whose own confidence, is below it back off; None:
     the draft's weights' bytes over the target's; 0: no back-off for cost).
@@ -65,7 +68,7 @@ class SpeculativeConfig:
                              f"{', '.join(SPEC_METHODS)}, got {self.method!r}")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, allow_none=True)
         _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, allow_none=True)
-        if self.method == "ngram":
+        if self.method in ("ngram", "draft_model"):
             _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, allow_none=True)
             _check_int("prompt_lookup_max", self.prompt_lookup_max, 1, allow_none=True)
             low, high = self.lookup_window
@@ -74,7 +77,7 @@ class SpeculativeConfig:
                                  f"prompt_lookup_max ({high})")
         elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
             raise ValueError("speculative config: prompt_lookup_min/prompt_lookup_max are "
-                             f"ngram settings, not {self.method!r} ones")
+                             f"ngram and draft_model settings, not {self.method!r} ones")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative config: method 'draft_model' needs \"model\" "
                              "(the draft model's path)")
@@ -113,6 +116,14 @@ class SpeculativeConfig:
         if self.method == "suffix":
             return self.suffix_decoding_max_tree_depth
         return DEFAULT_NGRAM_TOKENS
+
+    @property
+    def draft_lookup(self) -> tuple[int, int] | None:
+        """draft_model's prompt lookup ahead of the draft model: `lookup_window` where
+        `prompt_lookup_min` or `prompt_lookup_max` is given, else None (no lookup)."""
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            return None
+        return self.lookup_window
 
     @property
     def lookup_window(self) -> tuple[int, int]:

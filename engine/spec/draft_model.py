@@ -23,6 +23,11 @@ cut short: those rows were fed the accepted tokens), so the next catch-up starts
 (`on_verified`). Rejected positions are simply written again. Blocks come from the
 proposer's own free list (no prefix cache); a sequence whose next blocks do not fit gets
 no draft that step.
+
+With `prompt_lookup_min` / `prompt_lookup_max` set, ngram's prompt lookup (ngram.py) is
+tried first: where it finds a match its draft is the sequence's, at no pass of the draft
+model, whose cache keeps the positions it held; the next pass catches up on them (one
+multi-row pass: a copied span costs the draft model one pass, not one per token).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from plait.engine.model_loader import load_tokenizer, resolve_model
 from plait.engine.model_runner import ModelRunner, cdiv
 from plait.engine.spec.config import SpeculativeConfig
 from plait.engine.spec.draft_head import DraftHead, SeqTokens, draft_vocab_rows
+from plait.engine.spec.ngram import ngram_draft
 from plait.engine.spec.proposer import Proposer, SpecInput
 from plait.engine.spec.target import TargetModel, check_same_vocab
 from plait.kernels import AttentionMetadata
@@ -63,6 +69,7 @@ class _DraftSeq:
     proposed_at: int = 0
     num_fed: int = 0
     tokens: SeqTokens = field(default_factory=SeqTokens)  # its ids past the head's prefix
+    looked_up: bool = False  # the last draft came from the prompt lookup
 
 
 @dataclass(slots=True)
@@ -118,6 +125,7 @@ class DraftModelProposer(Proposer):
         logger.info("draft model %s: a draft token costs about %.2f of a target step (%s)",
                     resolved.name, self.draft_token_cost, source)
         self.p_min = config.draft_p_min
+        self.lookup = config.draft_lookup  # (min n, max n) of the lookup tried first
         self.block_size = block_size
         self._free = list(range(self.runner.num_blocks - 1, -1, -1))  # pop() gives 0 first
         self._seqs: dict[str, _DraftSeq] = {}
@@ -130,8 +138,13 @@ class DraftModelProposer(Proposer):
     def propose(self, seqs: Sequence[SpecInput]) -> list[list[int]]:
         rows: list[_Row] = []
         budgets: dict[str, int] = {}
+        found: dict[str, list[int]] = {}  # the prompt lookup's drafts
         for seq in seqs:
             state = self._seqs.setdefault(seq.request_id, _DraftSeq())
+            found[seq.request_id] = self._looked_up(seq)
+            state.looked_up = bool(found[seq.request_id])
+            if state.looked_up:
+                continue  # the cache keeps what it holds for sure
             length = len(seq.token_ids)
             # positions written: up to length + k - 2 (d_k is never fed)
             if not self._reserve(state, length + seq.max_draft_tokens - 1):
@@ -158,19 +171,28 @@ class DraftModelProposer(Proposer):
                 self._seqs[row.request_id].num_fed += 1
         for request_id in drafts:
             self._seqs[request_id].num_cached = self._seqs[request_id].proposed_at
-        return [drafts.get(seq.request_id, []) for seq in seqs]
+        return [found[seq.request_id] or drafts.get(seq.request_id, []) for seq in seqs]
 
-    def setup_cost(self, request_id: str, num_tokens: int) -> float:
+    def setup_cost(self, seq: SpecInput) -> float:
         """The catch-up before the next draft: the tokens past what the draft cache holds
         for sure, each CATCH_UP_ROW_SHARE of a draft pass (a pass: `draft_token_cost`
-        target steps)."""
-        state = self._seqs.get(request_id)
-        cached = min(state.num_cached, num_tokens - 1) if state is not None else 0
-        return (num_tokens - cached) * CATCH_UP_ROW_SHARE * self.draft_token_cost
+        target steps); nothing where the prompt lookup drafts instead."""
+        if self._looked_up(seq):
+            return 0.0
+        state = self._seqs.get(seq.request_id)
+        length = len(seq.token_ids)
+        cached = min(state.num_cached, length - 1) if state is not None else 0
+        return (length - cached) * CATCH_UP_ROW_SHARE * self.draft_token_cost
+
+    def _looked_up(self, seq: SpecInput) -> list[int]:
+        """The prompt lookup's draft for `seq` ([] without a lookup or a match)."""
+        if self.lookup is None:
+            return []
+        return ngram_draft(seq.token_ids, *self.lookup, seq.max_draft_tokens)
 
     def on_verified(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         state = self._seqs.get(request_id)
-        if state is not None:
+        if state is not None and not state.looked_up:
             state.num_cached = state.proposed_at + min(num_accepted, state.num_fed)
 
     def finish(self, request_id: str) -> None:

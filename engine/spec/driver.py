@@ -86,10 +86,11 @@ class SpecDecoder:
             k = min(self.policy.budget(req.request_id), room) if room > 0 else 0
             if k <= 0:
                 continue
-            setup = self.proposer.setup_cost(req.request_id, req.num_tokens)
+            seq = SpecInput(req.request_id, req.prompt_token_ids + req.output_token_ids,
+                            req.num_prompt_tokens, k)
+            setup = self.proposer.setup_cost(seq)
             if setup == 0 or self.policy.repays(req.request_id, setup, room + 1, k):
-                seqs.append(SpecInput(req.request_id, req.prompt_token_ids
-                                      + req.output_token_ids, req.num_prompt_tokens, k))
+                seqs.append(seq)
         if not seqs:
             return {}
         found: dict[str, list[int]] = {}

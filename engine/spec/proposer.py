@@ -57,12 +57,11 @@ class Proposer(ABC):
         """Drafts for `seqs`, in the same order: for each, 0 to `max_draft_tokens` token
         ids that are guessed to follow `token_ids` (an empty list: no guess)."""
 
-    def setup_cost(self, request_id: str, num_tokens: int) -> float:
-        """What the next `propose` for `request_id`, at `num_tokens` tokens, costs before
-        its draft, in decode steps of the target (a draft model computing the tokens its
-        cache lacks); the policy drafts only where the request's remaining tokens could
-        repay it (policy.py). Default: 0."""
-        del request_id, num_tokens
+    def setup_cost(self, seq: SpecInput) -> float:
+        """What proposing for `seq` now costs before its draft, in decode steps of the
+        target (a draft model computing the tokens its cache lacks); the policy drafts
+        only where the request's remaining tokens could repay it (policy.py). Default: 0."""
+        del seq
         return 0.0
 
     def on_verified(self, request_id: str, num_proposed: int, num_accepted: int) -> None:

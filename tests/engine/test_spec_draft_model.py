@@ -41,10 +41,14 @@ def greedy(path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in make_llm(path).generate(prompts, params)]
 
 
-def make_proposer(path, k: int = 4, num_kv_tokens: int = 256,
-                  p_min: float = 0.0) -> DraftModelProposer:
+def make_proposer(path, k: int = 4, num_kv_tokens: int = 256, p_min: float = 0.0,
+                  lookup: tuple[int, int] | None = None,
+                  cost: float | None = None) -> DraftModelProposer:
+    low, high = lookup if lookup is not None else (None, None)
     config = SpeculativeConfig(method="draft_model", model=str(path),
-                               num_speculative_tokens=k, draft_p_min=p_min)
+                               num_speculative_tokens=k, draft_p_min=p_min,
+                               prompt_lookup_min=low, prompt_lookup_max=high,
+                               draft_token_cost=cost)
     target = TargetModel(EngineConfig(block_size=4), "target", 49152,
                          lambda: load_tokenizer(path), num_kv_tokens=1024)
     return DraftModelProposer(config, target, num_kv_tokens)
@@ -111,6 +115,33 @@ def test_an_empty_draft_of_a_draft_model_counts_as_a_miss(tiny_path, draft_path)
     assert spec.policy._seqs["a"].pause_left > 0  # from k = 1: a pause
     ngram = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 1024)
     assert ngram.drafts([req]) == {} and ngram.policy._seqs["a"].k == 4
+
+
+def test_a_prompt_lookup_drafts_first_and_the_cache_catches_up_after(draft_path) -> None:
+    """With prompt_lookup_min/max a draft model proposes the lookup's draft where it
+    finds one (no pass of the draft model, no catch-up cost), and its own greedy draft
+    elsewhere, catching up then on every token since its last pass."""
+    proposer = make_proposer(draft_path, lookup=(2, 3), cost=0.5)
+    passes: list[int] = []  # tokens per pass of the draft model
+    greedy_pass = proposer._greedy
+    proposer._greedy = lambda rows: (passes.append(sum(len(r.token_ids) for r in rows)),
+                                     greedy_pass(rows))[1]
+    ids = prompt(5, 12)
+    want = greedy(draft_path, [ids], 8)[0]
+    first = SpecInput("a", ids + want[:1], 12, 4)
+    assert proposer.setup_cost(first) > 0
+    assert proposer.propose([first]) == [want[1:5]] and passes == [13, 1, 1, 1]
+    proposer.on_verified("a", 4, 4)  # the cache holds 13 + 3 fed tokens for sure
+    seen = ids + want[:6]  # every draft token accepted, then the target's own
+    repeat = SpecInput("a", seen + ids[3:6], 12, 4)  # ends with a span of the prompt
+    assert proposer.setup_cost(repeat) == 0.0
+    assert proposer.propose([repeat]) == [ids[6:10]] and len(passes) == 4
+    proposer.on_verified("a", 4, 1)
+    assert proposer._seqs["a"].num_cached == 16  # unchanged by the lookup's draft
+    after = SpecInput("a", seen + ids[3:7] + [9], 12, 3)  # no match of its last tokens
+    assert proposer.setup_cost(after) == pytest.approx(7 * CATCH_UP_ROW_SHARE * 0.5)
+    assert proposer.propose([after]) == make_proposer(draft_path).propose([after])
+    assert passes[4:] == [7, 1, 1]  # one pass catches up on the 7 tokens since
 
 
 def test_blocks_are_returned_and_a_full_cache_gives_no_draft(draft_path) -> None:
@@ -223,9 +254,11 @@ def test_a_draft_token_costs_the_draft_models_share_of_the_weight_bytes(draft_pa
     assert spec.wants_confidence
     # the catch-up before a draft: the tokens the draft cache lacks, each a share of a pass
     row = CATCH_UP_ROW_SHARE * 0.25
-    assert spec.proposer.setup_cost("a", 20) == pytest.approx(20 * row)
-    assert spec.proposer.propose([SpecInput("a", prompt(3, 20), 20, 2)])[0]
-    assert spec.proposer.setup_cost("a", 23) == pytest.approx(3 * row)
+    seq = SpecInput("a", prompt(3, 20), 20, 2)
+    assert spec.proposer.setup_cost(seq) == pytest.approx(20 * row)
+    assert spec.proposer.propose([seq])[0]
+    longer = SpecInput("a", [*prompt(3, 20), 5, 6, 7], 20, 2)
+    assert spec.proposer.setup_cost(longer) == pytest.approx(3 * row)
     given = SpecDecoder(dataclasses.replace(config, draft_token_cost=0.6), 1024,
                         target=target)
     assert given.policy.draft_token_cost == 0.6

@@ -101,6 +101,28 @@ def test_greedy_with_speculation_in_one_batch(prompts, reference) -> None:
     assert spec_counts(llm)[2] > 0
 
 
+def test_greedy_with_a_draft_model_behind_a_lookup(prompts, reference, default_model) -> None:
+    """draft_model with a prompt lookup tried first (SmolLM2 drafting for itself, every
+    draft kept for its cost): drafts from both, in the engine, and the tokens and logprobs
+    of one-row steps."""
+    config = SpeculativeConfig(method="draft_model", model=str(default_model.path),
+                               num_speculative_tokens=4, prompt_lookup_min=2,
+                               prompt_lookup_max=4, disable_by_batch_size=10_000,
+                               draft_token_cost=0)
+    llm = LLM(**OPTIONS, speculative_config=config)
+    proposer = llm.engine.spec.proposer
+    passes: list[int] = []  # the draft model's
+    greedy_pass = proposer._greedy
+    proposer._greedy = lambda rows: (passes.append(len(rows)), greedy_pass(rows))[1]
+    hits: list[int] = []  # the lookup's (asked by setup_cost and by propose)
+    looked_up = proposer._looked_up
+    proposer._looked_up = lambda seq: (draft := looked_up(seq), hits.extend(draft[:1]))[0]
+    for p, want in zip(prompts, reference, strict=True):
+        assert greedy(llm.generate([p], PARAMS)[0]) == want
+    assert passes and hits and spec_counts(llm)[2] > 0
+    assert_pool_clean(llm)
+
+
 @pytest.mark.parametrize("rest", [1, 21])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_partly_cached_prompt_is_greedy_as_a_cold_one(plain, prompts, rest: int,

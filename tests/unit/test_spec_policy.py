@@ -159,7 +159,7 @@ class Setup(Echo):
         super().__init__()
         self.cost = cost
 
-    def setup_cost(self, request_id: str, num_tokens: int) -> float:
+    def setup_cost(self, seq: SpecInput) -> float:
         return self.cost
 
 
