@@ -39,10 +39,10 @@ class SpeculativeConfig:
     `--draft-p-min`; 0: no cut; engine/spec/draft_model.py); `prompt_lookup_min` /
     `prompt_lookup_max` (not vLLM's: its draft_model takes no lookup), a prompt lookup as
     ngram's tried first, the draft model drafting only where it finds nothing (None for
-    both: no lookup); `draft_token_cost`, what
-    drafting one token costs against one decode step of the target (policy.py's c: drafts
-    whose recent acceptance, or a target whose own confidence, is below it back off; None:
-    the draft's weights' bytes over the target's; 0: no back-off for cost).
+    both: no lookup); `draft_token_cost`, what drafting one token costs against one decode
+    step of the target (policy.py's c: drafts whose recent acceptance, or a target whose
+    own confidence, is below it back off; None: the draft's weights' bytes over the
+    target's; 0: no back-off for cost).
 
     `disable_by_batch_size`: speculation steps aside for a step whose decoding sequences
     number at least this many (vLLM's name; None: the measured default in
