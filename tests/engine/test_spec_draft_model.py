@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 from helpers.engine import assert_pool_clean, make_llm, prompt
-from helpers.spec import spec_counts
+from helpers.spec import calls, spec_counts
 from helpers.tiny_model import make_tiny_model
 
 from plait import LLM, SamplingParams
@@ -122,26 +122,27 @@ def test_a_prompt_lookup_drafts_first_and_the_cache_catches_up_after(draft_path)
     finds one (no pass of the draft model, no catch-up cost), and its own greedy draft
     elsewhere, catching up then on every token since its last pass."""
     proposer = make_proposer(draft_path, lookup=(2, 3), cost=0.5)
-    passes: list[int] = []  # tokens per pass of the draft model
-    greedy_pass = proposer._greedy
-    proposer._greedy = lambda rows: (passes.append(sum(len(r.token_ids) for r in rows)),
-                                     greedy_pass(rows))[1]
+    log = calls(proposer, "_greedy")
+
+    def passes() -> list[int]:  # tokens per pass of the draft model
+        return [sum(len(r.token_ids) for r in rows) for (rows,), _ in log]
+
     ids = prompt(5, 12)
     want = greedy(draft_path, [ids], 8)[0]
     first = SpecInput("a", ids + want[:1], 12, 4)
     assert proposer.setup_cost(first) > 0
-    assert proposer.propose([first]) == [want[1:5]] and passes == [13, 1, 1, 1]
+    assert proposer.propose([first]) == [want[1:5]] and passes() == [13, 1, 1, 1]
     proposer.on_verified("a", 4, 4)  # the cache holds 13 + 3 fed tokens for sure
     seen = ids + want[:6]  # every draft token accepted, then the target's own
     repeat = SpecInput("a", seen + ids[3:6], 12, 4)  # ends with a span of the prompt
     assert proposer.setup_cost(repeat) == 0.0
-    assert proposer.propose([repeat]) == [ids[6:10]] and len(passes) == 4
+    assert proposer.propose([repeat]) == [ids[6:10]] and len(passes()) == 4
     proposer.on_verified("a", 4, 1)
     assert proposer._seqs["a"].num_cached == 16  # unchanged by the lookup's draft
     after = SpecInput("a", seen + ids[3:7] + [9], 12, 3)  # no match of its last tokens
     assert proposer.setup_cost(after) == pytest.approx(7 * CATCH_UP_ROW_SHARE * 0.5)
     assert proposer.propose([after]) == make_proposer(draft_path).propose([after])
-    assert passes[4:] == [7, 1, 1]  # one pass catches up on the 7 tokens since
+    assert passes()[4:] == [7, 1, 1]  # one pass catches up on the 7 tokens since
 
 
 def test_blocks_are_returned_and_a_full_cache_gives_no_draft(draft_path) -> None:
@@ -276,15 +277,11 @@ def test_a_draft_model_as_costly_as_the_target_never_drafts(tiny_path, draft_pat
     llm = LLM(str(tiny_path), speculative_config=config, num_kv_blocks=64, block_size=4)
     spec = llm.engine.spec
     assert spec.policy.draft_token_cost == 1.0 and llm.engine.runner.report_confidence
-    observed: list[float] = []
-    observe = spec.observe
-    spec.observe = lambda request_id, p: (observed.append(p), observe(request_id, p))[1]
-    passes: list[int] = []
-    greedy_pass = spec.proposer._greedy
-    spec.proposer._greedy = lambda rows: (passes.append(len(rows)), greedy_pass(rows))[1]
+    observed, passes = calls(spec, "observe"), calls(spec.proposer, "_greedy")
     out = llm.generate([prompt(1, 9)], SamplingParams(temperature=0, max_tokens=12,
                                                       ignore_eos=True, logprobs=1))
     tops = [math.exp(lp.top[0][1]) for lp in out[0].outputs[0].logprobs]
-    assert observed == pytest.approx(tops, rel=1e-5) and len(observed) == 12
+    assert [p for (_, p), _ in observed] == pytest.approx(tops, rel=1e-5)
+    assert len(observed) == 12
     assert spec_counts(llm)[0] == 0 and passes == []
     assert_pool_clean(llm)

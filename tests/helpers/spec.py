@@ -4,6 +4,8 @@
                                                  run, with chosen draft tokens wrong
     spec_llm(path, proposer, **options)          an LLM that speculates with `proposer`
     spec_counts(llm)                             (drafts, draft tokens, accepted tokens)
+    calls(obj, name)                             the (args, result) of each later call of
+                                                 obj.name (a proposer's pass, a hook)
 
 ReferenceProposer is a real proposer (engine/spec/proposer.Proposer) that reads the
 answer of a run without speculation: it makes verification see drafts that are right,
@@ -14,6 +16,7 @@ demand. What is tested is the verification; the output must not depend on the dr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from plait import LLM
 from plait.engine.spec.config import SpeculativeConfig
@@ -72,3 +75,18 @@ def spec_counts(llm: LLM) -> tuple[int, int, int]:
     s = llm.stats()
     return (s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens,
             s.spec_decode_num_accepted_tokens)
+
+
+def calls(obj: object, name: str) -> list[tuple[tuple, Any]]:
+    """Wrap `obj`'s attribute `name` (a bound method) on this instance so that every later
+    call still runs it and appends `(args, result)` to the returned list."""
+    log: list[tuple[tuple, Any]] = []
+    method = getattr(obj, name)
+
+    def recorded(*args: Any) -> Any:
+        result = method(*args)
+        log.append((args, result))
+        return result
+
+    setattr(obj, name, recorded)
+    return log
