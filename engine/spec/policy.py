@@ -82,6 +82,11 @@ class _SeqState:
     sure: float = 0.0  # decayed sums of the target's top probability and of its steps
     steps: float = 0.0
 
+    @property
+    def certainty(self) -> float:
+        """a: the target's decayed average top probability (1 with nothing observed)."""
+        return self.sure / self.steps if self.steps > 0 else 1.0
+
 
 class SpecPolicy:
     """Draft budgets per sequence id (see the module docstring). Core thread only."""
@@ -112,7 +117,7 @@ class SpecPolicy:
         if seq.pause_left > 0:
             seq.pause_left -= 1
             return 0
-        if seq.sure < self.draft_token_cost * seq.steps:  # the target is unsure itself
+        if seq.steps > 0 and seq.certainty < self.draft_token_cost:  # the target is unsure
             return 0
         return seq.k
 
@@ -121,7 +126,7 @@ class SpecPolicy:
         proposal's setup cost (target steps; see the module docstring). With nothing
         observed, a = 1."""
         seq = self._seqs.get(request_id)
-        a = seq.sure / seq.steps if seq is not None and seq.steps > 0 else 1.0
+        a = seq.certainty if seq is not None else 1.0
         tokens = 1 + sum(a ** j for j in range(1, k + 1))  # per draft and verification
         return remaining * (1 - (1 + self.draft_token_cost * k) / tokens) >= setup_cost
 
