@@ -26,6 +26,14 @@ import torch
 from plait.engine.libc import libc_function, release_free_heap
 from plait.engine.sampler import Sampler, SamplingMetadata
 from plait.engine.sampling_params import SamplingParams
+from plait.kernels.cpu.pages import (
+    HUGE_PAGE,
+    MADV_HUGEPAGE,
+    MADV_NOHUGEPAGE,
+    MADV_POPULATE_WRITE,
+    aligned_mapping,
+    madvise,
+)
 
 logger = logging.getLogger("plait.engine")
 
@@ -48,19 +56,10 @@ def keep_freed_memory_mapped() -> bool:
     return True
 
 
-# madvise(2) advice (linux/mman.h): transparent huge pages, or none; fault every page in,
-# writable (Linux 5.14+); and the huge page size (x86-64).
-_MADV_HUGEPAGE = 14
-_MADV_NOHUGEPAGE = 15
-_MADV_POPULATE_WRITE = 23
-HUGE_PAGE = 2 << 20
-
-
-def _madvise(address: int, length: int, advice: int) -> bool:
-    """madvise(address, length, advice); False where the C library or the kernel refuses
-    (not Linux, transparent huge pages compiled out, a kernel older than the advice)."""
-    madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
-    return madvise is not None and madvise(address, length, advice) == 0
+# madvise(2) and its advice, here under the names the tests patch
+_madvise = madvise
+_MADV_HUGEPAGE, _MADV_NOHUGEPAGE, _MADV_POPULATE_WRITE = \
+    MADV_HUGEPAGE, MADV_NOHUGEPAGE, MADV_POPULATE_WRITE
 
 
 def populate_writable(address: int, length: int) -> bool:
@@ -100,11 +99,9 @@ def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype,
     A view of a mapping up to 2 MiB longer; the tensor keeps the mapping alive."""
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(shape) * elem
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the mapping
-    start = -(-raw.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    offset = start - raw.data_ptr()
-    out = raw[offset:offset + nbytes].view(dtype).view(shape)
+    region = aligned_mapping(nbytes)
+    start = region.data_ptr()
+    out = region.view(dtype).view(shape)
     length = nbytes // HUGE_PAGE * HUGE_PAGE
     if not prefault:
         if length:  # 4 KiB pages even where the system's setting is `always`

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from plait.kernels.cpu.build import ABI, loaded
+from plait.kernels.cpu.pages import weight_storage
 from plait.kernels.cpu.quant import Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, QuantWeight, type_name
 
 REPACKED_TYPES: frozenset[int] = frozenset({Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K})
@@ -130,9 +131,7 @@ def repack(weight: QuantWeight) -> RepackedWeight:
         _check(min(size, 0), "repack")
         offsets.append(total)
         total += -(-size // _ALIGN) * _ALIGN
-    data = torch.empty(total + _ALIGN, dtype=torch.uint8)
-    shift = -data.data_ptr() % _ALIGN
-    data = data[shift:shift + total]
+    data = weight_storage(total)  # on huge pages where the kernel gives them (pages.py)
     flat: list[int] = [len(weight.parts) | REPACKED_FLAG]
     for part, at in zip(weight.parts, offsets, strict=True):
         _check(lib.plait_repack(part.data.data_ptr(), part.ggml_type, part.rows, k,
