@@ -3,10 +3,14 @@ weights' storage on transparent huge pages.
 
 A one-row decode step streams every weight once. From ordinary 4 KiB pages that is a TLB
 miss, and a stop of the hardware prefetcher at a page boundary, every 4 KiB; a 2 MiB page
-covers 512 of them. torch's CPU allocator (glibc `posix_memalign`) gets no huge pages
-where the system's setting is `madvise` (the usual default): only memory that asks with
-MADV_HUGEPAGE does. Measured (BENCHMARKS.md, "Repacked weights on huge pages"): the 1.5B's
-one-stream decode in process went from 24.0 to 27.1 tok/s.
+covers 512 of them. Where the system's setting is `madvise` (the usual default) only
+memory that asks with MADV_HUGEPAGE gets huge pages. torch's CPU allocator (glibc's heap,
+under the engine's 32 MiB mmap threshold) does not ask; numpy asks for its own arrays of
+4 MiB and more, and glibc later hands those heap ranges to torch. So from torch the
+weights' share on huge pages was left to the load's allocation history: 98 MB to 1 GB of
+the 1.5B's repacked weights between processes of one build, and its one-stream decode in
+process 24.0 tok/s with 100 MB against 27.1 with the arena (BENCHMARKS.md, "Repacked
+weights on transparent huge pages").
 
     aligned_mapping(nbytes)   zeroed uint8 [nbytes] from a 2 MiB boundary, nothing resident
     madvise(address, length, advice)   the system call; False where refused
@@ -70,7 +74,7 @@ class HugePageArena:
     a new chunk, or, from half a chunk up, a mapping of its own. A chunk's memory is freed
     when the arena has moved on and every tensor in it is gone; the arena keeps only its
     current chunk. What is resident beyond the tensors' bytes: at most the rest of the
-    2 MiB page each chunk was last written in. Thread-safe."""
+    2 MiB page each chunk, or mapping of its own, was last written in. Thread-safe."""
 
     def __init__(self, chunk_bytes: int = 128 << 20, align: int = 64) -> None:
         if chunk_bytes % HUGE_PAGE or chunk_bytes <= 0:
