@@ -129,6 +129,9 @@ class DraftModelProposer(Proposer):
         self.block_size = block_size
         self._free = list(range(self.runner.num_blocks - 1, -1, -1))  # pop() gives 0 first
         self._seqs: dict[str, _DraftSeq] = {}
+        # each request's last prompt lookup, request id -> (tokens, k, draft): `setup_cost`
+        # and `propose` of one step share it
+        self._lookups: dict[str, tuple[int, int, list[int]]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -185,10 +188,18 @@ class DraftModelProposer(Proposer):
         return (length - cached) * CATCH_UP_ROW_SHARE * self.draft_token_cost
 
     def _looked_up(self, seq: SpecInput) -> list[int]:
-        """The prompt lookup's draft for `seq` ([] without a lookup or a match)."""
+        """The prompt lookup's draft for `seq` ([] without a lookup or a match), looked up
+        once a step: a request's tokens up to a length never change, so the key is its
+        length and k."""
         if self.lookup is None:
             return []
-        return ngram_draft(seq.token_ids, *self.lookup, seq.max_draft_tokens)
+        length, k = len(seq.token_ids), seq.max_draft_tokens
+        last = self._lookups.get(seq.request_id)
+        if last is not None and last[:2] == (length, k):
+            return last[2]
+        draft = ngram_draft(seq.token_ids, *self.lookup, k)
+        self._lookups[seq.request_id] = (length, k, draft)
+        return draft
 
     def on_verified(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         state = self._seqs.get(request_id)
@@ -196,6 +207,7 @@ class DraftModelProposer(Proposer):
             state.num_cached = state.proposed_at + min(num_accepted, state.num_fed)
 
     def finish(self, request_id: str) -> None:
+        self._lookups.pop(request_id, None)
         state = self._seqs.pop(request_id, None)
         if state is not None:
             self._free.extend(reversed(state.block_ids))

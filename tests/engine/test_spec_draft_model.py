@@ -21,6 +21,7 @@ from plait import LLM, SamplingParams
 from plait.engine.config import EngineConfig
 from plait.engine.model_loader import load_tokenizer
 from plait.engine.request import Request, RequestStatus
+from plait.engine.spec import draft_model
 from plait.engine.spec.config import SpeculativeConfig
 from plait.engine.spec.draft_model import CATCH_UP_ROW_SHARE, DraftModelProposer
 from plait.engine.spec.driver import SpecDecoder
@@ -143,6 +144,29 @@ def test_a_prompt_lookup_drafts_first_and_the_cache_catches_up_after(draft_path)
     assert proposer.setup_cost(after) == pytest.approx(7 * CATCH_UP_ROW_SHARE * 0.5)
     assert proposer.propose([after]) == make_proposer(draft_path).propose([after])
     assert passes()[4:] == [7, 1, 1]  # one pass catches up on the 7 tokens since
+
+
+def test_the_prompt_lookup_runs_once_a_step(draft_path, monkeypatch) -> None:
+    """`setup_cost` and `propose` of one step share each sequence's lookup; the next
+    step, one token longer, looks up again."""
+    lengths: list[int] = []  # the tokens of each lookup's sequence
+    real = draft_model.ngram_draft
+    monkeypatch.setattr(draft_model, "ngram_draft",
+                        lambda tokens, *rest: lengths.append(len(tokens)) or real(tokens, *rest))
+    proposer = make_proposer(draft_path, lookup=(2, 3), cost=0.5)
+    ids = prompt(5, 12)
+    seqs = [SpecInput("a", ids + ids[3:6], 12, 4), SpecInput("b", [*ids, ids[0]], 12, 4)]
+    costs = [proposer.setup_cost(seq) for seq in seqs]
+    drafts = proposer.propose(seqs)
+    assert lengths == [15, 13]
+    assert costs[0] == 0.0 and drafts[0] == ids[6:10]
+    step = SpecInput("a", ids + ids[3:7], 12, 4)
+    assert proposer.setup_cost(step) == 0.0
+    assert proposer.propose([step]) == [ids[7:11]]
+    assert lengths == [15, 13, 16]
+    proposer.finish("a")
+    proposer.finish("b")
+    assert proposer._lookups == {}  # one entry a request, gone with it
 
 
 def test_blocks_are_returned_and_a_full_cache_gives_no_draft(draft_path) -> None:
