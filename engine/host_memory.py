@@ -56,12 +56,6 @@ def keep_freed_memory_mapped() -> bool:
     return True
 
 
-# madvise(2) and its advice, here under the names the tests patch
-_madvise = madvise
-_MADV_HUGEPAGE, _MADV_NOHUGEPAGE, _MADV_POPULATE_WRITE = \
-    MADV_HUGEPAGE, MADV_NOHUGEPAGE, MADV_POPULATE_WRITE
-
-
 def populate_writable(address: int, length: int) -> bool:
     """Make the pages of [address, address + length) resident and writable now (Linux
     MADV_POPULATE_WRITE, 5.14+), without changing their contents: what a first write would
@@ -69,7 +63,7 @@ def populate_writable(address: int, length: int) -> bool:
     kernel or the C library refuses (nothing is touched then)."""
     start = address // mmap.PAGESIZE * mmap.PAGESIZE
     end = -(-(address + length) // mmap.PAGESIZE) * mmap.PAGESIZE
-    return end == start or _madvise(start, end - start, _MADV_POPULATE_WRITE)
+    return end == start or madvise(start, end - start, MADV_POPULATE_WRITE)
 
 
 def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype,
@@ -105,13 +99,13 @@ def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype,
     length = nbytes // HUGE_PAGE * HUGE_PAGE
     if not prefault:
         if length:  # 4 KiB pages even where the system's setting is `always`
-            _madvise(start, length, _MADV_NOHUGEPAGE)
+            madvise(start, length, MADV_NOHUGEPAGE)
         return out
-    if length and not _madvise(start, length, _MADV_HUGEPAGE):
+    if length and not madvise(start, length, MADV_HUGEPAGE):
         logger.info("transparent huge pages refused for the KV cache; ordinary pages")
     # the whole pages the tensor spans (the mapping extends at least 2 MiB past `start`)
     span = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-    if not _madvise(start, span, _MADV_POPULATE_WRITE):
+    if not madvise(start, span, MADV_POPULATE_WRITE):
         out.view(torch.uint8).view(-1)[::mmap.PAGESIZE].zero_()  # one write per page
     return out
 

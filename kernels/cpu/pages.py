@@ -20,13 +20,12 @@ weights on transparent huge pages").
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import mmap
 import threading
-from typing import Any
 
 import torch
+
+from plait.engine.libc import libc_function
 
 # madvise(2) advice (linux/mman.h): transparent huge pages, or none; fault every page in,
 # writable (Linux 5.14+); and the huge page size (x86-64).
@@ -36,21 +35,10 @@ MADV_POPULATE_WRITE = 23
 HUGE_PAGE = 2 << 20
 
 
-@functools.cache
-def _libc_madvise() -> Any | None:
-    try:
-        function = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
-    except (OSError, AttributeError, TypeError):
-        return None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    function.restype = ctypes.c_int
-    return function
-
-
 def madvise(address: int, length: int, advice: int) -> bool:
     """madvise(address, length, advice); False where the C library or the kernel refuses
     (not Linux, transparent huge pages compiled out, a kernel older than the advice)."""
-    function = _libc_madvise()
+    function = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
     return function is not None and function(address, length, advice) == 0
 
 

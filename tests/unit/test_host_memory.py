@@ -127,8 +127,8 @@ def test_kv_zeros_asks_for_huge_pages_only_when_prefaulting(monkeypatch, prefaul
     from plait.engine import host_memory
 
     calls = []
-    real = host_memory._madvise
-    monkeypatch.setattr(host_memory, "_madvise",
+    real = host_memory.madvise
+    monkeypatch.setattr(host_memory, "madvise",
                         lambda address, length, advice: calls.append((address, length, advice))
                         or real(address, length, advice))
     shape = (3, 2, 100, 16, 3, 64)  # 7.03 MiB float32: 3 whole huge pages
@@ -139,11 +139,11 @@ def test_kv_zeros_asks_for_huge_pages_only_when_prefaulting(monkeypatch, prefaul
     huge = (kv.data_ptr(), 3 * host_memory.HUGE_PAGE)
     if prefault:
         span = -(-kv.numel() * 4 // mmap.PAGESIZE) * mmap.PAGESIZE
-        assert calls == [(*huge, host_memory._MADV_HUGEPAGE),
-                         (kv.data_ptr(), span, host_memory._MADV_POPULATE_WRITE)]
+        assert calls == [(*huge, host_memory.MADV_HUGEPAGE),
+                         (kv.data_ptr(), span, host_memory.MADV_POPULATE_WRITE)]
     else:
-        assert calls == [(*huge, host_memory._MADV_NOHUGEPAGE)]
-    monkeypatch.setattr(host_memory, "_madvise", lambda address, length, advice: False)
+        assert calls == [(*huge, host_memory.MADV_NOHUGEPAGE)]
+    monkeypatch.setattr(host_memory, "madvise", lambda address, length, advice: False)
     small = host_memory.kv_zeros((5, 7), torch.bfloat16, prefault)
     assert small.shape == (5, 7) and small.dtype == torch.bfloat16 and not small.any()
 
@@ -188,8 +188,8 @@ def test_a_prefaulted_kv_cache_is_resident_at_once(tmp_path, populate: str) -> N
     """`prefault`: the whole 256 MiB mapping is resident before anything is written, and
     still zeros, both through MADV_POPULATE_WRITE and through the per-page writes used where
     the kernel refuses that advice."""
-    refuse = ("host_memory._madvise = lambda address, length, advice: "
-              "advice == host_memory._MADV_HUGEPAGE" if populate == "writes" else "")
+    refuse = ("host_memory.madvise = lambda address, length, advice: "
+              "advice == host_memory.MADV_HUGEPAGE" if populate == "writes" else "")
     code = f"""
 import pytest
 import torch
