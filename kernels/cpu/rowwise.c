@@ -12,6 +12,45 @@ static inline __attribute__((always_inline)) void put_kv(void *cache, long i, fl
     ((float *)cache)[i] = x;
 }
 
+/* LANES floats stored at element i of a cache (or row) of bfloat16 (bf16: each rounded to
+ * nearest even, as put_kv) or float32. */
+static inline __attribute__((always_inline)) void put_lanes(void *cache, long i, vf x,
+                                                            const int bf16) {
+  if (bf16)
+    store_bf16((uint16_t *)cache + i, x);
+  else
+    *(vf *)((float *)cache + i) = x;
+}
+
+/* One head's rotation: pairs (x[i], x[i + half]) of x rotated by (cs[i], sn[i]), i < half,
+ * each element (x1 * cos) - (x2 * sin) or (x2 * cos) + (x1 * sin), less c[i] where c is
+ * given, into out (float32, or bfloat16 bits rounded to nearest
+ * even: put_kv). LANES pairs a vector, the same arithmetic lane by lane: no FMA
+ * contraction in this file's rope functions, so every element rounds as torch's separate
+ * multiplies and subtractions round it. out may be x. */
+static inline __attribute__((always_inline, optimize("fp-contract=off"))) void rotate_half(
+    const float *x, const float *cs, const float *sn, long half, const float *c, void *out,
+    long o, const int bf16) {
+  long i = 0;
+  for (; i + LANES <= half; i += LANES) {
+    const vf x1 = *(const vf *)(x + i), x2 = *(const vf *)(x + i + half);
+    const vf cv = *(const vf *)(cs + i), sv = *(const vf *)(sn + i);
+    vf y1 = x1 * cv - x2 * sv, y2 = x2 * cv + x1 * sv;
+    if (c) {
+      y1 = y1 - *(const vf *)(c + i);
+      y2 = y2 - *(const vf *)(c + i + half);
+    }
+    put_lanes(out, o + i, y1, bf16);
+    put_lanes(out, o + i + half, y2, bf16);
+  }
+  for (; i < half; i++) {
+    const float x1 = x[i], x2 = x[i + half];
+    const float y1 = x1 * cs[i] - x2 * sn[i], y2 = x2 * cs[i] + x1 * sn[i];
+    put_kv(out, o + i, c ? y1 - c[i] : y1, bf16);
+    put_kv(out, o + i + half, c ? y2 - c[i + half] : y2, bf16);
+  }
+}
+
 /* plait_rope_write_kv for caches of float32 (bf16 = 0) or bfloat16 (bf16 = 1), a constant
  * in each of the two copies the entry point calls. Dims [0, rot_dim) rotated, pairs
  * (i, i + rot_dim / 2); dims [rot_dim, D) of q untouched, of k copied to the cache. */
@@ -25,12 +64,9 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
   for (long t = 0; t < num_tokens; t++) {
     const float *cs = cos_sin + positions[t] * rot_dim, *sn = cs + half;
     for (long h = 0; h < num_heads; h++) {
+      /* q in place, float32, no offset: x1 * cos - x2 * sin exactly as the keys' */
       float *x = q + t * q_stride + h * head_dim;
-      for (long i = 0; i < half; i++) {
-        const float x1 = x[i], x2 = x[i + half];
-        x[i] = x1 * cs[i] - x2 * sn[i];
-        x[i + half] = x2 * cs[i] + x1 * sn[i];
-      }
+      rotate_half(x, cs, sn, half, NULL, x, 0, 0);
     }
     if (slots[t] < 0) continue;
     const long at = slots[t] * kv_dim;  /* the slot's first element */
@@ -38,20 +74,18 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
       const float *x = k + t * k_stride + h * head_dim;
       const float *c = k_offset ? k_offset + h * head_dim : NULL;
       const long o = at + h * head_dim;
-      /* less the offset; without one, x - 0 is x (the same bits, -0 and NaN included) */
-#define OFF(i) (c ? c[i] : 0.0f)
-      for (long i = 0; i < half; i++) {
-        const float x1 = x[i], x2 = x[i + half];
-        put_kv(k_cache, o + i, (x1 * cs[i] - x2 * sn[i]) - OFF(i), bf16);
-        put_kv(k_cache, o + i + half, (x2 * cs[i] + x1 * sn[i]) - OFF(i + half), bf16);
-      }
-      for (long i = rot_dim; i < head_dim; i++) put_kv(k_cache, o + i, x[i] - OFF(i), bf16);
-#undef OFF
+      rotate_half(x, cs, sn, half, c, k_cache, o, bf16);
+      for (long i = rot_dim; i < head_dim; i++)
+        put_kv(k_cache, o + i, x[i] - (c ? c[i] : 0.0f), bf16);
     }
-    if (bf16)
-      for (long i = 0; i < kv_dim; i++) put_kv(v_cache, at + i, v[t * v_stride + i], 1);
-    else
+    if (bf16) {
+      const float *vr = v + t * v_stride;
+      long i = 0;
+      for (; i + LANES <= kv_dim; i += LANES) put_lanes(v_cache, at + i, *(const vf *)(vr + i), 1);
+      for (; i < kv_dim; i++) put_kv(v_cache, at + i, vr[i], 1);
+    } else {
       memcpy((float *)v_cache + at, v + t * v_stride, kv_dim * sizeof(float));
+    }
   }
 }
 

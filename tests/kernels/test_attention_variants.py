@@ -386,11 +386,12 @@ def test_one_plan_serves_every_variant_through_the_native_ops(batch_name):
 
 
 @needs_native
-@pytest.mark.parametrize("rot", [96, 128])
+@pytest.mark.parametrize("rot", [72, 96, 128])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("offset", [False, True])
 def test_native_partial_rotary_is_the_torch_path_bit_for_bit(rot, cache_dtype, offset):
-    """`native.rope_write_kv` with a table of width R (96 of 128: Phi-3) equals
+    """`native.rope_write_kv` with a table of width R (96 of 128: Phi-3; 72: 36 pairs a
+    head, the last 4 past two 16-lane vectors in the scalar tail) equals
     `apply_rope` then `write_kv_reference` exactly: q in place in its strided qkv buffer,
     the rotated k (less the key offset, where given: every dim, rotated or not) and v at
     their slots, a slot of -1 not written; `TorchOps.rope_write_kv` writes the same."""
