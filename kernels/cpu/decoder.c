@@ -24,12 +24,15 @@ static int linear(const float *x, long rows, long k, const int64_t *desc, long n
 }
 
 /* act[rows, inter] = silu(gate) * up of h @ Wgate_up^T through `linear` and plait_silu_mul
- * (gate_up [rows, 2 inter] the scratch between them); prompt rows of a repacked weight in
- * one pass instead where plait_repack_gemm_bf16_silu takes it (the same bits). */
+ * (gate_up [rows, 2 inter] the scratch between them); a repacked weight's in one pass
+ * instead where the fused kernel takes it (the same bits): plait_repack_gemm_bf16_silu for
+ * prompt rows, else plait_repack_gemm_silu. */
 static int gate_up_silu(const float *h, long rows, long k, const int64_t *desc, long inter,
                         float *gate_up, float *act, int prompt) {
-  if (prompt && desc_rows(desc) == 2 * inter && (desc[0] & PLAIT_QGEMM_REPACKED) &&
-      plait_repack_gemm_bf16_silu(h, rows, k, desc, k, NULL, act, inter) == PLAIT_OK)
+  if (desc_rows(desc) == 2 * inter && (desc[0] & PLAIT_QGEMM_REPACKED) &&
+      (prompt ? plait_repack_gemm_bf16_silu(h, rows, k, desc, k, NULL, act, inter)
+              : plait_repack_gemm_silu(h, rows, k, desc, k, NULL, act, inter,
+                                       plait_repack_isa())) == PLAIT_OK)
     return PLAIT_OK;
   const int rc = linear(h, rows, k, desc, 2 * inter, NULL, gate_up, prompt);
   return rc != PLAIT_OK ? rc : plait_silu_mul(gate_up, 2 * inter, rows, inter, act);

@@ -194,6 +194,15 @@ int plait_repack(const void *src, int type, long rows, long K, void *dst);
  * refuses, more than PLAIT_MAX_PARTS parts, another isa: PLAIT_ERR_SHAPES. PLAIT_ERR_NOMEM. */
 int plait_repack_gemm(const float *x, long M, long ldx, const int64_t *desc, long K,
                       const float *bias, float *y, long ldy, int isa);
+/* repack.c: silu(gate) * up of a gate | up weight's plait_repack_gemm (W's rows [0, N/2) the
+ * gate, [N/2, N) the up) into act [M, N/2] (lda apart), in one pass: per 16 columns the
+ * gate's tile and the up's tile of the same columns meet each x row (no [M, N] temporary),
+ * and plait_silu_mul's float32 arithmetic runs on their values (the same bits as
+ * plait_silu_mul on plait_repack_gemm's y, any isa). PLAIT_ERR_SHAPES as plait_repack_gemm's,
+ * and where bias is not NULL, N % 32, lda < N / 2, or 16 rows of W lie in two parts;
+ * PLAIT_ERR_NOMEM. */
+int plait_repack_gemm_silu(const float *x, long M, long ldx, const int64_t *desc, long K,
+                           const float *bias, float *act, long lda, int isa);
 /* repack.c: out[num_rows, K] = rows[i] of the repacked W (rows NULL: all N in order,
  * num_rows = N) in float32, the same bits as gguf-py's dequantizer of the file's blocks.
  * A row outside [0, N) or a descriptor plait_repack_gemm refuses: PLAIT_ERR_SHAPES. */

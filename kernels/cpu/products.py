@@ -347,13 +347,16 @@ def _repacked_gemm(state: ProductState, x: torch.Tensor) -> torch.Tensor:
 
 
 def _repacked_silu(state: ProductState, x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up: prompt rows in one pass with their product
-    (`repack.product_bf16_silu`, the same bits) where it takes the weight, else
-    `native.silu_mul` on the product."""
+    """silu(gate) * up in one pass with the product where the weight allows
+    (`repack.product_bf16_silu` for prompt rows on AMX-BF16, else `repack.product_silu`:
+    the same bits as the two passes), else `native.silu_mul` on the product."""
     assert state.desc is not None
-    if _bf16_prompt_rows() and repack.silu_fusable(state.desc) and state.bias is None:
-        return repack.product_bf16_silu(x.float(), state.desc, state.in_features,
-                                        state.out_features)
+    if repack.silu_fusable(state.desc) and state.bias is None:
+        if _bf16_prompt_rows():
+            return repack.product_bf16_silu(x.float(), state.desc, state.in_features,
+                                            state.out_features)
+        return repack.product_silu(x.float(), state.desc, state.in_features,
+                                   state.out_features)
     return native.silu_mul(_repacked_gemm(state, x))
 
 

@@ -303,6 +303,20 @@ static void c_tile(const rp_part_t *p, const uint8_t *tile, const rp_acts_t *a, 
   }
 }
 
+/* The tile of W's rows [row, row + 16) (row a multiple of 16) and its part, or NULL where
+ * no part holds those 16 rows as one of its tiles. */
+static const uint8_t *rp_tile_at(const rp_part_t *parts, int num_parts, long row,
+                                 const rp_part_t **part) {
+  for (int i = 0; i < num_parts; i++) {
+    const rp_part_t *p = &parts[i];
+    if (row < p->first || row >= p->first + p->rows) continue;
+    if ((row - p->first) % 16 || row + 16 > p->first + p->rows) return NULL;
+    *part = p;
+    return p->data + (row - p->first) / 16 * p->tile_bytes;
+  }
+  return NULL;
+}
+
 #include "repack_vnni.h"
 #include "repack_wide.h"
 #include "repack_amx.h"
@@ -419,26 +433,37 @@ static void rp_unit(const rp_part_t *parts, long t, const rp_acts_t *a, long M, 
   }
 }
 
+/* The bytes of the per-thread scratch that the prefill rungs need for parts against M rows
+ * (a multiple of 64; 0: none), and in *amx whether a part takes the AMX rung (each thread
+ * then loads the tile configuration). */
+static size_t rp_scratch_bytes(const rp_part_t *parts, int num_parts, long M, int isa,
+                               int *amx) {
+  size_t bytes = 0;
+  *amx = 0;
+  for (int i = 0; i < num_parts; i++) {
+#if REPACK_VNNI
+    if (rp_wide_takes(isa, parts[i].type, M) && wd_scratch_bytes() > bytes)
+      bytes = wd_scratch_bytes();
+#endif
+#if REPACK_AMX
+    if (rp_amx_takes(isa, parts[i].type, M)) {
+      *amx = 1;
+      if (am_scratch_bytes() > bytes) bytes = am_scratch_bytes();
+    }
+#endif
+  }
+  (void)parts, (void)M, (void)isa;
+  return (bytes + 63) / 64 * 64;
+}
+
 /* All units of parts against the quantized rows, shared by the threads; each thread holds
  * a scratch for the prefill rungs where a part takes one, and loads the AMX tile
  * configuration (released after) where a part takes that rung. PLAIT_ERR_NOMEM where a
  * scratch fails. */
 static int rp_products(const rp_part_t *parts, int num_parts, long units, const rp_acts_t *a,
                        long M, long K, const float *bias, float *y, long ldy, int isa) {
-  size_t scratch_bytes = 0;
-  int amx = 0;
-  for (int i = 0; i < num_parts; i++) {
-#if REPACK_VNNI
-    if (rp_wide_takes(isa, parts[i].type, M) && wd_scratch_bytes() > scratch_bytes)
-      scratch_bytes = wd_scratch_bytes();
-#endif
-#if REPACK_AMX
-    if (rp_amx_takes(isa, parts[i].type, M)) {
-      amx = 1;
-      if (am_scratch_bytes() > scratch_bytes) scratch_bytes = am_scratch_bytes();
-    }
-#endif
-  }
+  int amx;
+  const size_t scratch_bytes = rp_scratch_bytes(parts, num_parts, M, isa, &amx);
   int rc = PLAIT_OK;
 #pragma omp parallel
   {
@@ -461,6 +486,75 @@ static int rp_products(const rp_part_t *parts, int num_parts, long units, const 
     free(scratch);
   }
   (void)amx;
+  return rc;
+}
+
+/* plait_repack_gemm_silu's columns 16 j .. 16 j + 15 of act: gate tile j (W's rows 16 j ..)
+ * and up tile j (rows N / 2 + 16 j ..) each through rp_unit as a part of one tile (the rung
+ * and so the bits of plait_repack_gemm's columns; no bias) into gbuf and ubuf [M, 16], then
+ * silu(gate) * up LANES columns at a time by vsilu_mul, plait_silu_mul's vector arithmetic
+ * (a 16-column slice is whole vectors of it: the caller checked N % 32 == 0). */
+static void rp_silu_unit(const rp_part_t *parts, int num_parts, long N, long j,
+                         const rp_acts_t *a, long M, long K, int isa, uint8_t *scratch,
+                         float *gbuf, float *ubuf, float *act, long lda) {
+  const rp_part_t *pg = NULL, *pu = NULL;
+  const uint8_t *gate = rp_tile_at(parts, num_parts, 16 * j, &pg);
+  const uint8_t *up = rp_tile_at(parts, num_parts, N / 2 + 16 * j, &pu);
+  const rp_part_t g1 = {gate, pg->lay, pg->type, 0, 16, 1, pg->tile_bytes};
+  const rp_part_t u1 = {up, pu->lay, pu->type, 0, 16, 1, pu->tile_bytes};
+  rp_unit(&g1, 0, a, M, K, NULL, gbuf, 16, isa, scratch);
+  rp_unit(&u1, 0, a, M, K, NULL, ubuf, 16, isa, scratch);
+  for (long m = 0; m < M; m++)
+    for (int c = 0; c < 16; c += LANES)
+      *(vf *)(act + m * lda + 16 * j + c) =
+          vsilu_mul(*(const vf *)(gbuf + m * 16 + c), *(const vf *)(ubuf + m * 16 + c));
+}
+
+int plait_repack_gemm_silu(const float *x, long M, long ldx, const int64_t *desc, long K,
+                           const float *bias, float *act, long lda, int isa) {
+  rp_part_t parts[PLAIT_MAX_PARTS];
+  int num_parts;
+  long N;
+  if (rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK || M < 0 || K % 32 || bias ||
+      N % 32 || lda < N / 2 || isa < PLAIT_REPACK_C || isa > plait_repack_isa())
+    return PLAIT_ERR_SHAPES;
+  for (long row = 0; row < N; row += 16) { /* every 16 rows one tile of one part */
+    const rp_part_t *p;
+    if (!rp_tile_at(parts, num_parts, row, &p)) return PLAIT_ERR_SHAPES;
+  }
+  if (M == 0) return PLAIT_OK;
+  rp_acts_t acts;
+  void *mem;
+  if (quantize_acts(x, M, ldx, K, &acts, &mem) != PLAIT_OK) return PLAIT_ERR_NOMEM;
+  int amx;
+  const size_t scratch_bytes = rp_scratch_bytes(parts, num_parts, M, isa, &amx);
+  const size_t buf_bytes = sizeof(float) * 16 * (size_t)M; /* a multiple of 64 */
+  int rc = PLAIT_OK;
+#pragma omp parallel
+  {
+    uint8_t *own = aligned_alloc(64, scratch_bytes + 2 * buf_bytes);
+    if (!own) {
+#pragma omp atomic write
+      rc = PLAIT_ERR_NOMEM;
+    }
+#pragma omp barrier
+    if (rc == PLAIT_OK) {
+      float *gbuf = (float *)(own + scratch_bytes), *ubuf = gbuf + 16 * M;
+#if REPACK_AMX
+      if (amx) am_config();
+#endif
+#pragma omp for schedule(static)
+      for (long j = 0; j < N / 32; j++)
+        rp_silu_unit(parts, num_parts, N, j, &acts, M, K, isa, scratch_bytes ? own : NULL,
+                     gbuf, ubuf, act, lda);
+#if REPACK_AMX
+      if (amx) _tile_release();
+#endif
+    }
+    free(own);
+  }
+  (void)amx;
+  free(mem);
   return rc;
 }
 
@@ -541,8 +635,8 @@ static int ab_gemm(const float *x, long M, long ldx, const rp_part_t *parts, int
       for (long t = 0; t < units; t++) {
         if (act) {
           const rp_part_t *pg = NULL, *pu = NULL;
-          const uint8_t *gate = ab_tile_at(parts, num_parts, 16 * t, &pg);
-          const uint8_t *up = ab_tile_at(parts, num_parts, N / 2 + 16 * t, &pu);
+          const uint8_t *gate = rp_tile_at(parts, num_parts, 16 * t, &pg);
+          const uint8_t *up = rp_tile_at(parts, num_parts, N / 2 + 16 * t, &pu);
           ab_fill(pg->type, 1, gate, pg->tile_bytes, G, scratch, bt);
           ab_fill(pu->type, 1, up, pu->tile_bytes, G, scratch, bt + G * AB_TILE);
           ab_unit(2, bt, bt + G * AB_TILE, AB_TILE, G, xb, M, NULL, NULL, NULL, 0, 32, cbuf,
@@ -576,7 +670,7 @@ static int ab_checked(const float *x, long M, long ldx, const int64_t *desc, lon
     return PLAIT_ERR_SHAPES;
   for (long row = 0; act && row < N; row += 16) {  /* every 16 rows one tile of one part */
     const rp_part_t *p;
-    if (!ab_tile_at(parts, num_parts, row, &p)) return PLAIT_ERR_SHAPES;
+    if (!rp_tile_at(parts, num_parts, row, &p)) return PLAIT_ERR_SHAPES;
   }
   if (M == 0 || N == 0) return PLAIT_OK;
   return ab_gemm(x, M, ldx, parts, num_parts, N, K, bias, y, ldy, act, lda);

@@ -230,11 +230,32 @@ def product_bf16(
 
 
 def silu_fusable(desc: torch.Tensor) -> bool:
-    """Whether `product_bf16_silu` takes a weight of this descriptor: its halves whole
-    tiles (N % 32 == 0) and every part boundary on a multiple of 16 rows."""
+    """Whether `product_silu` and `product_bf16_silu` take a weight of this descriptor: its
+    halves whole tiles (N % 32 == 0) and every part boundary on a multiple of 16 rows."""
     words = desc.tolist()
     bounds = itertools.accumulate(words[3 + 3 * i] for i in range(words[0] & ~REPACKED_FLAG))
     return all(b % 16 == 0 for b in bounds) and sum(words[3::3]) % 32 == 0
+
+
+def product_silu(
+    x: torch.Tensor,  # [M, K] float32 CPU, unit stride along K
+    desc: torch.Tensor,  # int64: a gate | up RepackedWeight's desc, no bias
+    in_features: int,
+    out_features: int,  # 2 I
+    kernel_isa: int | None = None,  # as `repack_gemm`'s
+) -> torch.Tensor:  # [M, I] float32
+    """silu(gate) * up of `product`'s gate | up product in one pass (per 16 columns the
+    gate's tile and the up's tile meet each row; no [M, 2 I] temporary): the same bits as
+    `native.silu_mul(product(...))`. Needs `silu_fusable(desc)` (ValueError otherwise)."""
+    chosen = isa() if kernel_isa is None else kernel_isa
+    if chosen not in ISA_NAMES or chosen > isa():
+        raise ValueError(f"repack product_silu: kernel isa {chosen} (this build has up to "
+                         f"{isa()})")
+    if not silu_fusable(desc):
+        raise ValueError("repack product_silu: the gate | up halves are not whole tiles of "
+                         "16 rows in one part each")
+    return _gemm("repack product_silu", loaded().plait_repack_gemm_silu, x, desc,
+                 in_features, out_features, None, "W", chosen, width=out_features // 2)
 
 
 def product_bf16_silu(

@@ -188,20 +188,6 @@ static void ab_unit(int T, const uint8_t *b0, const uint8_t *b1, long bstride, l
 #undef AB_STORE
 #undef AB_START
 
-/* The tile of W's rows [row, row + 16) (row a multiple of 16) and its part, or NULL where
- * no part holds those 16 rows as one of its tiles. */
-static const uint8_t *ab_tile_at(const rp_part_t *parts, int num_parts, long row,
-                                 const rp_part_t **part) {
-  for (int i = 0; i < num_parts; i++) {
-    const rp_part_t *p = &parts[i];
-    if (row < p->first || row >= p->first + p->rows) continue;
-    if ((row - p->first) % 16 || row + 16 > p->first + p->rows) return NULL;
-    *part = p;
-    return p->data + (row - p->first) / 16 * p->tile_bytes;
-  }
-  return NULL;
-}
-
 /* The bias tiles of a unit (bias: its columns, cols of them; NULL: none): 16 rows of
  * bias[16 u .. 16 u + 15] per tile u, 0 past cols. */
 static void ab_bias_tiles(const float *bias, int T, int cols, uint8_t *dst) {
