@@ -34,6 +34,10 @@ model makes it (at most 640 / 384 tokens), and mostly repeats its context, the w
 speculative decoding speeds up. They are the same on every server, so greedy outputs can
 be compared.
 
+`--prefill-repeat N` runs W1 and W2 N times in a row on each start, each time with fresh
+prompts: one prefill is a single sample of a host whose speed drifts, so W1's TTFT p50 is
+then a median of N (the p99 the slowest).
+
 `--rounds R` runs the servers R times in turn (A, B, ..., then A, B, ... again), each round
 a fresh start, so that a slow spell of a shared host falls on every server alike; each
 figure printed is then the median over the rounds, tok/s and TTFT p50 with their range,
@@ -164,11 +168,19 @@ def decode_tok_s(streams: list[StreamResult]) -> float | None:
 
 
 async def run_workload(client: httpx.AsyncClient, model: str, name: str, args) -> Result:
-    endpoint, bodies = workload_bodies(model, name, args)
+    """One workload's requests, measured; the one-token workloads (W1, W2) repeated
+    `args.prefill_repeat` times one after another, each time with fresh prompts, their
+    latencies pooled."""
+    repeat = args.prefill_repeat if WORKLOADS[name][2] == 1 else 1
     before, spec_before = await scrape_computed(client), await scrape_spec(client)
+    bodies: list[dict[str, Any]] = []
+    streams: list[StreamResult] = []
     start = time.perf_counter()
-    streams = await asyncio.gather(*(stream_request(client, endpoint, body)
-                                     for body in bodies))
+    for _ in range(repeat):
+        endpoint, batch = workload_bodies(model, name, args)
+        bodies += batch
+        streams += await asyncio.gather(*(stream_request(client, endpoint, body)
+                                          for body in batch))
     wall = time.perf_counter() - start
     after, spec = await scrape_computed(client), spec_delta(spec_before,
                                                             await scrape_spec(client))
@@ -423,6 +435,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the servers this many times in turn; report medians")
+    parser.add_argument("--prefill-repeat", type=int, default=1, metavar="N",
+                        help="run the one-token workloads (W1, W2) N times one after "
+                             "another, each with fresh prompts; their TTFT percentiles "
+                             "over all N")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     args = parser.parse_args(argv)
     if not args.server:
@@ -440,6 +456,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
     if args.tokens < 1 or args.prompt_tokens < 1 or args.rounds < 1:
         parser.error("--tokens, --prompt-tokens and --rounds must be >= 1")
+    if args.prefill_repeat < 1:
+        parser.error("--prefill-repeat must be >= 1")
     return args
 
 
@@ -457,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         config = {"tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
                   "workloads": args.workloads, "extras": not args.no_extras,
-                  "rounds": args.rounds}
+                  "rounds": args.rounds, "prefill_repeat": args.prefill_repeat}
         args.json.write_text(json.dumps({"config": config, "servers": servers}, indent=2))
     return 0 if all(not s["error"] for s in servers) else 1
 

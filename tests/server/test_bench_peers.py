@@ -23,9 +23,9 @@ def test_bench_peers_reports_exact_token_counts(tmp_path, tiny_path) -> None:
         env["PLAIT_CACHE"] = os.environ["PLAIT_CACHE"]
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--server", "broken=false {port}",
-         "--server", f"plait={serve}", "--workloads", "W3,W5,W6", "--tokens", "8",
+         "--server", f"plait={serve}", "--workloads", "W1,W3,W5,W6", "--tokens", "8",
          "--prompt-tokens", "32", "--startup-timeout", "240", "--idle-wait", "1.5",
-         "--json", str(out)],
+         "--prefill-repeat", "3", "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1, result.stderr  # the broken server fails, the run goes on
     assert "[broken] FAILED: exited with status 1" in result.stderr
@@ -34,13 +34,19 @@ def test_bench_peers_reports_exact_token_counts(tmp_path, tiny_path) -> None:
     assert broken["name"] == "broken" and broken["workloads"] == {}
     assert plait["error"] is None, result.stderr
     assert plait["model"]  # the first name /v1/models lists
-    assert list(plait["workloads"]) == ["W3", "W5", "W6"]
-    w3, w5 = plait["workloads"]["W3"], plait["workloads"]["W5"]
+    assert list(plait["workloads"]) == ["W1", "W3", "W5", "W6"]
+    assert report["config"]["prefill_repeat"] == 3
+    w1, w3, w5 = (plait["workloads"][w] for w in ("W1", "W3", "W5"))
     def counts(w: dict) -> tuple[int, int, int, int]:
         return w["requests"], w["n"], w["output_tokens"], w["expected_tokens"]
 
-    assert counts(w3) == (1, 16, 128, 128)
+    assert counts(w1) == (3, 1, 3, 3)  # --prefill-repeat: three requests one after another
+    assert counts(w3) == (1, 16, 128, 128)  # the others once
     assert counts(w5) == (1, 1, 8, 8)
+    # each of W1's three with a prompt of its own: all computed, none found in the cache
+    assert len(w1["prompt_tokens"]) == 3 and min(w1["prompt_tokens"]) > 32
+    assert w1["prompt_tokens_computed"] == sum(w1["prompt_tokens"])
+    assert 0 < w1["ttft_p50_ms"] <= w1["ttft_p99_ms"] and w1["errors"] == []
     for w in (w3, w5):
         assert w["errors"] == []
         assert w["wall_s"] > 0 and w["output_tok_s"] > 0
@@ -166,3 +172,6 @@ def test_rounds_start_the_servers_in_turn(tmp_path) -> None:
     bad = subprocess.run([sys.executable, str(SCRIPT), "--server", "one=false {port}",
                           "--rounds", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--rounds must be >= 1" in bad.stderr
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--server", "one=false {port}",
+                          "--prefill-repeat", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--prefill-repeat must be >= 1" in bad.stderr
