@@ -24,10 +24,10 @@ static inline __attribute__((always_inline)) void put_lanes(void *cache, long i,
 
 /* One head's rotation: pairs (x[i], x[i + half]) of x rotated by (cs[i], sn[i]), i < half,
  * each element (x1 * cos) - (x2 * sin) or (x2 * cos) + (x1 * sin), less c[i] where c is
- * given, into out (float32, or bfloat16 bits rounded to nearest
- * even: put_kv). LANES pairs a vector, the same arithmetic lane by lane: no FMA
- * contraction in this file's rope functions, so every element rounds as torch's separate
- * multiplies and subtractions round it. out may be x. */
+ * given, into out at element o (float32, or bfloat16 bits rounded to nearest even:
+ * put_kv). LANES pairs a vector, the same arithmetic lane by lane: no FMA contraction in
+ * this file's rope functions, so every element rounds as torch's separate multiplies and
+ * subtractions round it. out may be x. */
 static inline __attribute__((always_inline, optimize("fp-contract=off"))) void rotate_half(
     const float *x, const float *cs, const float *sn, long half, const float *c, void *out,
     long o, const int bf16) {
@@ -81,7 +81,8 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
     if (bf16) {
       const float *vr = v + t * v_stride;
       long i = 0;
-      for (; i + LANES <= kv_dim; i += LANES) put_lanes(v_cache, at + i, *(const vf *)(vr + i), 1);
+      for (; i + LANES <= kv_dim; i += LANES)
+        put_lanes(v_cache, at + i, *(const vf *)(vr + i), 1);
       for (; i < kv_dim; i++) put_kv(v_cache, at + i, vr[i], 1);
     } else {
       memcpy((float *)v_cache + at, v + t * v_stride, kv_dim * sizeof(float));
