@@ -207,10 +207,85 @@ int plait_repack_dequantize(const int64_t *desc, long K, const int64_t *rows, lo
 /* Activations                                                                           */
 /* ------------------------------------------------------------------------------------ */
 
+#if LANES == 16
+/* Lane j of the result = op over the 16 lanes of v[j], for 16 vectors at once: halves,
+ * quarters, pairs and lanes folded pairwise across the vectors (15 x 2 shuffles and 15
+ * ops, where 16 separate reductions take 16 x 4 of each); op is max or an integer add, so
+ * the order does not change the result. The folds leave group 4 k + q in lane 4 q + k,
+ * which the last permute undoes. */
+#define RP_REDUCE16(T, OP, SHUF4, SHUF, v, out)                                          \
+  do {                                                                                  \
+    T w_[8], u_[4], r_[2];                                                              \
+    for (int i_ = 0; i_ < 8; i_++)                                                      \
+      w_[i_] = OP(SHUF4(v[2 * i_], v[2 * i_ + 1], 0x44),                                \
+                  SHUF4(v[2 * i_], v[2 * i_ + 1], 0xee));                               \
+    for (int i_ = 0; i_ < 4; i_++)                                                      \
+      u_[i_] = OP(SHUF4(w_[2 * i_], w_[2 * i_ + 1], 0x88),                              \
+                  SHUF4(w_[2 * i_], w_[2 * i_ + 1], 0xdd));                             \
+    for (int i_ = 0; i_ < 2; i_++)                                                      \
+      r_[i_] = OP(SHUF(u_[2 * i_], u_[2 * i_ + 1], 0x44),                               \
+                  SHUF(u_[2 * i_], u_[2 * i_ + 1], 0xee));                              \
+    const T f_ = OP(SHUF(r_[0], r_[1], 0x88), SHUF(r_[0], r_[1], 0xdd));                \
+    out = f_;                                                                           \
+  } while (0)
+#define RP_SHUF4_PS(a, b, imm) _mm512_shuffle_f32x4(a, b, imm)
+#define RP_SHUF_PS(a, b, imm) _mm512_shuffle_ps(a, b, imm)
+#define RP_SHUF4_EPI(a, b, imm) _mm512_shuffle_i32x4(a, b, imm)
+#define RP_SHUF_EPI(a, b, imm) \
+  _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), imm))
+
+/* 16 groups of row x (x [512]) into q [512] and sx, sxq, sum16 [16, 32, 16, 32 entries]:
+ * quantize_row's arithmetic, each group's reductions folded together with the other 15's
+ * (RP_REDUCE16: the same maxima and integer sums). */
+static void quantize_16_groups(const float *x, int8_t *q, float *sx, float *sxq,
+                               int32_t *sum16) {
+  /* lane j of RP_REDUCE16's result holds group 4 (j % 4) + j / 4 */
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  __m512 m[16];
+  for (int j = 0; j < 16; j++)
+    m[j] = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + 32 * j)),
+                         _mm512_abs_ps(_mm512_loadu_ps(x + 32 * j + 16)));
+  __m512 amax;
+  RP_REDUCE16(__m512, _mm512_max_ps, RP_SHUF4_PS, RP_SHUF_PS, m, amax);
+  amax = _mm512_permutexvar_ps(order, amax);
+  /* 127 / amax where amax > 0, else 0 (quantize_row's inv) */
+  const __mmask16 live = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+  const __m512 inv = _mm512_maskz_div_ps(live, _mm512_set1_ps(127.0f), amax);
+  float inv_j[16] __attribute__((aligned(64)));
+  _mm512_store_ps(inv_j, inv);
+  __m512i c[2][16];
+  for (int j = 0; j < 16; j++)
+    for (int h = 0; h < 2; h++) {
+      /* vcvtps2dq rounds as lrintf (the default rounding mode: nearest even) */
+      c[h][j] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * j + 16 * h),
+                                                 _mm512_set1_ps(inv_j[j])));
+      _mm_storeu_si128((__m128i *)(q + 32 * j + 16 * h), _mm512_cvtepi32_epi8(c[h][j]));
+    }
+  __m512i s[2];
+  for (int h = 0; h < 2; h++) {
+    RP_REDUCE16(__m512i, _mm512_add_epi32, RP_SHUF4_EPI, RP_SHUF_EPI, c[h], s[h]);
+    s[h] = _mm512_permutexvar_epi32(order, s[h]);
+  }
+  const __m512 scale = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
+  _mm512_storeu_ps(sx, scale);
+  _mm512_storeu_ps(sxq, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(s[0], s[1]))));
+  /* sum16 [2 j + h] = s[h] lane j */
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  _mm512_storeu_si512(sum16, _mm512_permutex2var_epi32(s[0], lo, s[1]));
+  _mm512_storeu_si512(sum16 + 16, _mm512_permutex2var_epi32(s[0], hi, s[1]));
+}
+#endif
+
 /* Row x [K] into q [K], sx, sxq [K / 32], sum16 [K / 16] (see repack.h's rp_acts_t). */
 static void quantize_row(const float *x, long K, int8_t *q, float *sx, float *sxq,
                          int32_t *sum16) {
-  for (long g = 0; g < K / 32; g++) {
+  long g = 0;
+#if LANES == 16
+  for (; g + 16 <= K / 32; g += 16)
+    quantize_16_groups(x + 32 * g, q + 32 * g, sx + g, sxq + g, sum16 + 2 * g);
+#endif
+  for (; g < K / 32; g++) {
     const float *v = x + 32 * g;
     float amax = 0.0f;
 #if LANES == 16
