@@ -48,7 +48,7 @@ SOURCES = tuple(_HERE / name for name in ("gemm.c", "qgemm.c", "attention.c", "r
 HEADER = _HERE / "plait_cpu.h"
 HEADERS = (HEADER, _HERE / "vec.h", _HERE / "quant.h", _HERE / "qgemm_bf16.h",
            _HERE / "qgemm_batch.h", _HERE / "qgemm_batch_bf16.h", _HERE / "attention_bf16.h",
-           _HERE / "repack.h", _HERE / "repack_vnni.h",
+           _HERE / "repack.h", _HERE / "repack_acts.h", _HERE / "repack_vnni.h",
            _HERE / "repack_wide.h", _HERE / "repack_amx.h", _HERE / "repack_amx_bf16.h",
            _HERE / "amx.h", _HERE / "attention_amx.h")
 # -Wall -Werror: a warning fails the build; -Wmissing-prototypes: so does a non-static
