@@ -255,6 +255,14 @@ static const uint8_t *rp_tile_at(const rp_part_t *parts, int num_parts, long row
   return NULL;
 }
 
+/* Whether every 16 rows of W's N lie in one part as one of its tiles (rp_tile_at). */
+static int rp_whole_tiles(const rp_part_t *parts, int num_parts, long N) {
+  const rp_part_t *p;
+  for (long row = 0; row < N; row += 16)
+    if (!rp_tile_at(parts, num_parts, row, &p)) return 0;
+  return 1;
+}
+
 #include "repack_vnni.h"
 #include "repack_wide.h"
 #include "repack_amx.h"
@@ -394,40 +402,7 @@ static size_t rp_scratch_bytes(const rp_part_t *parts, int num_parts, long M, in
   return (bytes + 63) / 64 * 64;
 }
 
-/* All units of parts against the quantized rows, shared by the threads; each thread holds
- * a scratch for the prefill rungs where a part takes one, and loads the AMX tile
- * configuration (released after) where a part takes that rung. PLAIT_ERR_NOMEM where a
- * scratch fails. */
-static int rp_products(const rp_part_t *parts, int num_parts, long units, const rp_acts_t *a,
-                       long M, long K, const float *bias, float *y, long ldy, int isa) {
-  int amx;
-  const size_t scratch_bytes = rp_scratch_bytes(parts, num_parts, M, isa, &amx);
-  int rc = PLAIT_OK;
-#pragma omp parallel
-  {
-    uint8_t *scratch = scratch_bytes ? aligned_alloc(64, scratch_bytes) : NULL;
-    if (scratch_bytes && !scratch) {
-#pragma omp atomic write
-      rc = PLAIT_ERR_NOMEM;
-    }
-#pragma omp barrier
-    if (rc == PLAIT_OK) {
-#if REPACK_AMX
-      if (amx) am_config();
-#endif
-#pragma omp for schedule(static)
-      for (long t = 0; t < units; t++) rp_unit(parts, t, a, M, K, bias, y, ldy, isa, scratch);
-#if REPACK_AMX
-      if (amx) _tile_release();
-#endif
-    }
-    free(scratch);
-  }
-  (void)amx;
-  return rc;
-}
-
-/* plait_repack_gemm_silu's columns 16 j .. 16 j + 15 of act: gate tile j (W's rows 16 j ..)
+/* Silu unit j of rp_products, act's columns 16 j .. 16 j + 15: gate tile j (W's rows 16 j ..)
  * and up tile j (rows N / 2 + 16 j ..) each through rp_unit as a part of one tile (the rung
  * and so the bits of plait_repack_gemm's columns; no bias) into gbuf and ubuf [M, 16], then
  * silu(gate) * up LANES columns at a time by vsilu_mul, plait_silu_mul's vector arithmetic
@@ -448,43 +423,46 @@ static void rp_silu_unit(const rp_part_t *parts, int num_parts, long N, long j,
           vsilu_mul(*(const vf *)(gbuf + m * 16 + c), *(const vf *)(ubuf + m * 16 + c));
 }
 
-int plait_repack_gemm_silu(const float *x, long M, long ldx, const int64_t *desc, long K,
-                           const float *bias, float *act, long lda, int isa) {
-  rp_part_t parts[PLAIT_MAX_PARTS];
-  int num_parts;
-  long N;
-  if (rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK || M < 0 || K % 32 || bias ||
-      N % 32 || lda < N / 2 || isa < PLAIT_REPACK_C || isa > plait_repack_isa())
-    return PLAIT_ERR_SHAPES;
-  for (long row = 0; row < N; row += 16) { /* every 16 rows one tile of one part */
-    const rp_part_t *p;
-    if (!rp_tile_at(parts, num_parts, row, &p)) return PLAIT_ERR_SHAPES;
-  }
-  if (M == 0) return PLAIT_OK;
-  rp_acts_t acts;
-  void *mem;
-  if (quantize_acts(x, M, ldx, K, &acts, &mem) != PLAIT_OK) return PLAIT_ERR_NOMEM;
+/* The units of parts against the quantized rows, shared by the threads: with act NULL,
+ * rp_unit's (two tiles, y's columns; units of them), else silu units (rp_silu_unit: act's
+ * 16 columns each, N / 32 of them), each thread then holding their two [M, 16] buffers.
+ * Each thread holds a scratch for the prefill rungs where a part takes one, and loads the
+ * AMX tile configuration (released after) where a part takes that rung. PLAIT_ERR_NOMEM
+ * where a thread's buffers fail. */
+static int rp_products(const rp_part_t *parts, int num_parts, long N, const rp_acts_t *a,
+                       long M, long K, const float *bias, float *y, long ldy, float *act,
+                       long lda, int isa) {
   int amx;
   const size_t scratch_bytes = rp_scratch_bytes(parts, num_parts, M, isa, &amx);
-  const size_t buf_bytes = sizeof(float) * 16 * (size_t)M; /* a multiple of 64 */
+  const size_t own_bytes = scratch_bytes + (act ? 2 * sizeof(float) * 16 * (size_t)M : 0);
+  long units = act ? N / 32 : 0;
+  for (int i = 0; !act && i < num_parts; i++) units += rp_units(&parts[i]);
   int rc = PLAIT_OK;
 #pragma omp parallel
   {
-    uint8_t *own = aligned_alloc(64, scratch_bytes + 2 * buf_bytes);
-    if (!own) {
+    uint8_t *own = own_bytes ? aligned_alloc(64, own_bytes) : NULL; /* multiples of 64 */
+    if (own_bytes && !own) {
 #pragma omp atomic write
       rc = PLAIT_ERR_NOMEM;
     }
 #pragma omp barrier
     if (rc == PLAIT_OK) {
-      float *gbuf = (float *)(own + scratch_bytes), *ubuf = gbuf + 16 * M;
+      uint8_t *scratch = scratch_bytes ? own : NULL;
+      float *gbuf = NULL, *ubuf = NULL;
+      if (act) {
+        gbuf = (float *)(own + scratch_bytes);
+        ubuf = gbuf + 16 * M;
+      }
 #if REPACK_AMX
       if (amx) am_config();
 #endif
 #pragma omp for schedule(static)
-      for (long j = 0; j < N / 32; j++)
-        rp_silu_unit(parts, num_parts, N, j, &acts, M, K, isa, scratch_bytes ? own : NULL,
-                     gbuf, ubuf, act, lda);
+      for (long t = 0; t < units; t++) {
+        if (act)
+          rp_silu_unit(parts, num_parts, N, t, a, M, K, isa, scratch, gbuf, ubuf, act, lda);
+        else
+          rp_unit(parts, t, a, M, K, bias, y, ldy, isa, scratch);
+      }
 #if REPACK_AMX
       if (amx) _tile_release();
 #endif
@@ -492,26 +470,37 @@ int plait_repack_gemm_silu(const float *x, long M, long ldx, const int64_t *desc
     free(own);
   }
   (void)amx;
+  return rc;
+}
+
+/* plait_repack_gemm (act NULL) and plait_repack_gemm_silu: their checks, x quantized
+ * (quantize_acts), then rp_products. */
+static int rp_gemm(const float *x, long M, long ldx, const int64_t *desc, long K,
+                   const float *bias, float *y, long ldy, float *act, long lda, int isa) {
+  rp_part_t parts[PLAIT_MAX_PARTS];
+  int num_parts;
+  long N;
+  if (rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK || M < 0 || K % 32 ||
+      isa < PLAIT_REPACK_C || isa > plait_repack_isa() ||
+      (act && (bias || N % 32 || lda < N / 2 || !rp_whole_tiles(parts, num_parts, N))))
+    return PLAIT_ERR_SHAPES;
+  if (M == 0 || N == 0) return PLAIT_OK;
+  rp_acts_t acts;
+  void *mem;
+  if (quantize_acts(x, M, ldx, K, &acts, &mem) != PLAIT_OK) return PLAIT_ERR_NOMEM;
+  int rc = rp_products(parts, num_parts, N, &acts, M, K, bias, y, ldy, act, lda, isa);
   free(mem);
   return rc;
 }
 
 int plait_repack_gemm(const float *x, long M, long ldx, const int64_t *desc, long K,
                       const float *bias, float *y, long ldy, int isa) {
-  rp_part_t parts[PLAIT_MAX_PARTS];
-  int num_parts;
-  long N, units = 0;
-  if (rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK || M < 0 || K % 32 ||
-      isa < PLAIT_REPACK_C || isa > plait_repack_isa())
-    return PLAIT_ERR_SHAPES;
-  if (M == 0 || N == 0) return PLAIT_OK;
-  for (int i = 0; i < num_parts; i++) units += rp_units(&parts[i]);
-  rp_acts_t acts;
-  void *mem;
-  if (quantize_acts(x, M, ldx, K, &acts, &mem) != PLAIT_OK) return PLAIT_ERR_NOMEM;
-  int rc = rp_products(parts, num_parts, units, &acts, M, K, bias, y, ldy, isa);
-  free(mem);
-  return rc;
+  return rp_gemm(x, M, ldx, desc, K, bias, y, ldy, NULL, 0, isa);
+}
+
+int plait_repack_gemm_silu(const float *x, long M, long ldx, const int64_t *desc, long K,
+                           const float *bias, float *act, long lda, int isa) {
+  return rp_gemm(x, M, ldx, desc, K, bias, NULL, 0, act, lda, isa);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -606,10 +595,7 @@ static int ab_checked(const float *x, long M, long ldx, const int64_t *desc, lon
   if (!plait_repack_prompt_bf16() || rp_read_desc(desc, K, parts, &num_parts, &N) != PLAIT_OK ||
       M < 0 || K % 32 || (act && (bias || N % 32 || lda < N / 2)))
     return PLAIT_ERR_SHAPES;
-  for (long row = 0; act && row < N; row += 16) {  /* every 16 rows one tile of one part */
-    const rp_part_t *p;
-    if (!rp_tile_at(parts, num_parts, row, &p)) return PLAIT_ERR_SHAPES;
-  }
+  if (act && !rp_whole_tiles(parts, num_parts, N)) return PLAIT_ERR_SHAPES;
   if (M == 0 || N == 0) return PLAIT_OK;
   return ab_gemm(x, M, ldx, parts, num_parts, N, K, bias, y, ldy, act, lda);
 }

@@ -196,12 +196,17 @@ def product(
     what: str = "W",
 ) -> torch.Tensor:  # [M, N] float32
     """`repack_gemm` given the weight's descriptor and shape (what a product row keeps)."""
-    lib = loaded()
+    return _gemm("repack_gemm", loaded().plait_repack_gemm, x, desc, in_features,
+                 out_features, bias, what, _kernel_isa(kernel_isa, "repack_gemm"))
+
+
+def _kernel_isa(kernel_isa: int | None, kernel: str) -> int:
+    """The isa a call of `kernel` asked for (None: `isa()`), or ValueError where this
+    build does not have it."""
     chosen = isa() if kernel_isa is None else kernel_isa
     if chosen not in ISA_NAMES or chosen > isa():
-        raise ValueError(f"repack_gemm: kernel isa {chosen} (this build has up to {isa()})")
-    return _gemm("repack_gemm", lib.plait_repack_gemm, x, desc, in_features, out_features,
-                 bias, what, chosen)
+        raise ValueError(f"{kernel}: kernel isa {chosen} (this build has up to {isa()})")
+    return chosen
 
 
 @functools.cache
@@ -247,10 +252,7 @@ def product_silu(
     """silu(gate) * up of `product`'s gate | up product in one pass (per 16 columns the
     gate's tile and the up's tile meet each row; no [M, 2 I] temporary): the same bits as
     `native.silu_mul(product(...))`. Needs `silu_fusable(desc)` (ValueError otherwise)."""
-    chosen = isa() if kernel_isa is None else kernel_isa
-    if chosen not in ISA_NAMES or chosen > isa():
-        raise ValueError(f"repack product_silu: kernel isa {chosen} (this build has up to "
-                         f"{isa()})")
+    chosen = _kernel_isa(kernel_isa, "repack product_silu")
     if not silu_fusable(desc):
         raise ValueError("repack product_silu: the gate | up halves are not whole tiles of "
                          "16 rows in one part each")
