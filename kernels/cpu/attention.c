@@ -56,7 +56,8 @@ INLINE vf load_kv(const void *row, long i, const int bf16) {
  * (plait_decode_attention's window and softcap). The running max starts at -FLT_MAX, not
  * -inf: a window can mask every token of a query in a slice (scores -inf), and -FLT_MAX
  * keeps softmax_update's e^(m - m') from -inf - -inf (NaN); the first real score gives
- * alpha = e^-87 (vexp's floor) either way, so without a window the bits are the same. */
+ * alpha = e^-87 (vexp's floor; vexp_fma's: 0) either way, so without a window the bits
+ * are the same. */
 typedef struct {
   long nq, dv;
   float *q;    /* [nq, D] */
@@ -120,27 +121,63 @@ static inline vf round_to_bf16(vf x) {
   return (vf)(round_bf16_high(x) & 0xffff0000u);
 }
 
+#if LANES == 16
+/* e^x, x <= 0 (-inf: 0), to about 2 ulp: x = n ln2 + r (|r| <= ln2 / 2), vexp's degree-6
+ * polynomial for e^r by FMAs, times 2^n by vscalefps (which gives 0 below float32's range,
+ * so no clamp but the one that keeps -inf from making r a NaN). Spelled in intrinsics, so
+ * its roundings do not depend on the compiler's contractions. A third of vexp's work: the
+ * bfloat16-product loops (attention_bf16.h, attention_amx.h) take one per score, and
+ * their every softmax runs on it (softmax_exp), so they agree bit for bit. */
+static inline __attribute__((always_inline)) __m512 vexp_fma(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-160.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* The softmax's e^x: vexp_fma in the loops with bfloat16 products (`dot`, a constant:
+ * their weights are rounded to bfloat16 anyway), vexp in the float32 ones, whose bits
+ * the builds without AVX-512 repeat. */
+static inline __attribute__((always_inline)) vf softmax_exp(vf x, const int dot) {
+#if LANES == 16
+  if (dot) return (vf)vexp_fma((__m512)x);
+#endif
+  return vexp(x);
+}
+
 /* The online-softmax update, the one every path runs: a running max m and normaliser l
  * meet n new score vectors s[j * s_stride] (floats; pre-scaled): m' = max(m, s), the
  * weights p[j * p_stride] = e^(s_j - m') are written (p may be s), l' = l e^(m - m') +
  * sum_j p_j; returns alpha = e^(m - m'), by which the caller scales the query's weighted sum
  * of values before adding sum_j p_j V_j. With `round_p` (a constant) each p_j is rounded to
  * a bfloat16 value first (round_to_bf16), the weight vdpbf16ps then multiplies V by
- * (attention_bf16.h), so l sums the weights actually applied. One query per lane (m, l,
+ * (attention_bf16.h), so l sums the weights actually applied, and every e^ is vexp_fma's
+ * (softmax_exp). One query per lane (m, l,
  * alpha lane by lane), one token per vector (a row's few queries with the tokens across
  * the lanes take few_weights, attention_bf16.h, instead). alpha is exactly 1 when the max
- * did not move (vexp(0) = 1); from m = -inf (nothing attended yet) it is e^-87 (vexp's
- * floor), which scales an l and a weighted sum still 0. Inlined: it is the hot loop of
+ * did not move (e^0 = 1); from m = -FLT_MAX (nothing attended yet) it is e^-87 (vexp's
+ * floor) or 0 (vexp_fma), which scales an l and a weighted sum still 0. Inlined: it is the hot loop of
  * the shared-token attention. */
 static inline __attribute__((always_inline)) vf softmax_update(
     vf *m, vf *l, const float *s, long s_stride, float *p, long p_stride, long n,
     const int round_p) {
   vf mx = *m;
   for (long j = 0; j < n; j++) mx = vmax(*(const vf *)(s + j * s_stride), mx);
-  const vf alpha = vexp(*m - mx);
+  const vf alpha = softmax_exp(*m - mx, round_p);
   vf sum = (vf){0};
   for (long j = 0; j < n; j++) {
-    vf e = vexp(*(const vf *)(s + j * s_stride) - mx);
+    vf e = softmax_exp(*(const vf *)(s + j * s_stride) - mx, round_p);
     if (round_p) e = round_to_bf16(e);
     *(vf *)(p + j * p_stride) = e;
     sum += e;
@@ -374,7 +411,7 @@ INLINE void attend_few_nq(const int NQ, const int VAR, state_t *st, const int32_
       for (int a = 0; a < NQ; a++) sc[a] = vfma(vsplat(st->q[a * head_dim + d]), kt[d], sc[a]);
     float alpha[FEW_MAX], sum[FEW_MAX];
     for (int a = 0; a < NQ; a++) {
-      *(vf *)e[a] = few_weights(st, a, sc[a], t, live, VAR, &alpha[a]);
+      *(vf *)e[a] = few_weights(st, a, sc[a], t, live, VAR, 0, &alpha[a]);
       sum[a] = 0.0f;
     }
     for (long j = 0; j < n; j++)  /* in token order, as each lane of the shared loop */

@@ -63,28 +63,6 @@ static inline void ax_config(void) {
   am_load_config(colsb, rows);
 }
 
-/* e^x, x <= 0 (-inf: 0), to about 2 ulp: x = n ln2 + r (|r| <= ln2 / 2), a degree-6
- * polynomial for e^r by FMAs, times 2^n by vscalefps (which gives 0 below float32's range,
- * so no clamp but the one that keeps -inf from making r a NaN). Spelled in intrinsics, so
- * its roundings do not depend on the compiler's contractions. A third of vexp's work: the
- * softmax takes one per score. */
-static inline __attribute__((always_inline)) __m512 ax_exp(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-160.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 /* qt: the B tiles of Q^T, D / 32 of 16 rows x 16 pairs: row i of tile kk, column c =
  * (q[c][32 kk + 2 i], q[c][32 kk + 2 i + 1]), q = scale * the query, rounded to bfloat16
  * (nearest even); zero past nc. */
@@ -186,12 +164,12 @@ static inline void ax_slice(ax_group_t *g, long t, long n, const uint16_t *k, lo
     *(vf *)(sp + 16 * j) = s;
     mx = vmax(s, mx);
   }
-  const vf alpha = (vf)ax_exp((__m512)(g->m - mx));
+  const vf alpha = (vf)vexp_fma((__m512)(g->m - mx));
   vf sum = (vf){0};
   for (long j = 0; j < 16; j++) {
     vf e = (vf){0};
     if (j < n) {
-      e = round_to_bf16((vf)ax_exp((__m512)(*(const vf *)(sp + 16 * j) - mx)));
+      e = round_to_bf16((vf)vexp_fma((__m512)(*(const vf *)(sp + 16 * j) - mx)));
       if (masked) e = vselect(vsplat((float)(t + j)) >= g->ctx, (vf){0}, e);
       sum += e;
     }

@@ -271,9 +271,10 @@ INLINE void attend_shared_dot(state_t *st, const int32_t *table, long t_from, lo
  * tokens across the lanes): query a's scores s of tokens t .. t + 15 (`live` the slice's
  * lanes) capped and masked to its window (VAR), its running max st->m[a] moved to the
  * slice's, *alpha = e^(old max - new max); returns e^(s - new max), the caller's weights
- * before it rounds or stores them. */
+ * before it rounds or stores them. Every e^ is softmax_exp's for `DOT` (a constant: 1 in
+ * attend_few_dot, as its shared loop's softmax_update takes them; 0 in attend_few). */
 INLINE vf few_weights(state_t *st, int a, vf s, long t, __mmask16 live, const int VAR,
-                      float *alpha) {
+                      const int DOT, float *alpha) {
   if (VAR && st->softcap > 0) s = st->softcap * vtanh(s * (1.0f / st->softcap));
   if (VAR && t < st->lo_max) {
     vf pos;
@@ -282,9 +283,9 @@ INLINE vf few_weights(state_t *st, int a, vf s, long t, __mmask16 live, const in
   }
   const float top = _mm512_mask_reduce_max_ps(live, (__m512)s);
   const float mx = top > st->m[a] ? top : st->m[a];
-  *alpha = vexp(vsplat(st->m[a] - mx))[0];
+  *alpha = softmax_exp(vsplat(st->m[a] - mx), DOT)[0];
   st->m[a] = mx;
-  return vexp(s - vsplat(mx));
+  return softmax_exp(s - vsplat(mx), DOT);
 }
 
 /* A query's weighted sum of values, acc [D/16] = acc * alpha + sum_j p_j V_j, over the
@@ -379,7 +380,7 @@ INLINE void attend_few_dot_nq(const int NQ, const int G, const int VAR, state_t 
                                  (__m512bh)kt[a / G][i]);
     float alpha[FEW_MAX], sum[FEW_MAX];
     for (int a = 0; a < NQ; a++) {
-      vf w = few_weights(st, a, (vf)sc[a], t, live, VAR, &alpha[a]);
+      vf w = few_weights(st, a, (vf)sc[a], t, live, VAR, 1, &alpha[a]);
       /* the weights, 0 past n (an odd n's last pair: p = 0) */
       _mm512_store_ps(e[a], _mm512_maskz_mov_ps(live, (__m512)round_to_bf16(w)));
       sum[a] = 0.0f;
