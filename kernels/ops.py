@@ -10,7 +10,8 @@ backend, chosen once per engine (`select_ops`), as vLLM's `CustomOp` picks `forw
 step's batch, carried on its `AttentionMetadata`. The GEMMs are the linear modules' own
 (engine/models/linear.py); a table names the format the runner gives them at load
 (`cpu_gemm`, `native`). `CpuNativeOps` also runs a whole decoder stack in one call for a
-step of at most `stack_rows` tokens (`decoder_stack`).
+step of at most `stack_rows` tokens (`decoder_stack`): NATIVE_MAX_ROWS, or the bound stack's
+`max_rows` once the model binds it (`bind_stack`).
 """
 
 from __future__ import annotations
@@ -205,8 +206,11 @@ class TorchOps:
         return paged_attention_reference(*args, plan=meta.plan, window=window,
                                          softcap=softcap)
 
-    def decoder_stack(self, stack: NativeStack, x: torch.Tensor,
-                      positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def bind_stack(self, native_stack: NativeStack) -> None:
+        raise NotImplementedError(f"{self.name} ops run no whole decoder stack")
+
+    def decoder_stack(self, stack: NativeStack, x: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
         raise NotImplementedError(f"{self.name} ops run no whole decoder stack")
 
 
@@ -275,17 +279,26 @@ class CpuNativeOps(TorchOps):
         return native_attention(q, k_cache, v_cache, meta.block_tables, meta.plan, scale,
                                 self.compute_dtype, window, softcap, prompt)
 
-    def decoder_stack(self, native_stack: NativeStack, x: torch.Tensor,
-                      positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def bind_stack(self, native_stack: NativeStack) -> None:
+        """The model's stack, bound at load: steps of up to its `max_rows` tokens are
+        planned `whole_stack` from now on (more than NATIVE_MAX_ROWS, a prompt's, where its
+        every product computes any rows as the layer loop does)."""
+        if native_stack.max_rows != self.stack_rows:
+            logger.info("whole decoder stack up to %d tokens", native_stack.max_rows)
+        self.stack_rows = native_stack.max_rows
+
+    def decoder_stack(self, native_stack: NativeStack, x: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
         """Every layer and the final norm in one native call (`stack.decoder_stack`), for
         a step `plan` marked `whole_stack`; `native_stack` is the model's, bound at load.
-        In a prompt pass (`in_prompt_rows()`), with the prompt rows' products and attention."""
+        In a prompt pass (`in_prompt_rows()`), with the prompt rows' products and attention.
+        With `num_layers`, only those first layers: their last MLP output, x the stream."""
         rows = meta.plan
         return stack.decoder_stack(
             native_stack, x, positions.to(torch.int64).contiguous(),
             meta.slot_mapping.to(torch.int64).contiguous(), meta.block_tables.int().contiguous(),
             rows.chunk_start, rows.chunk_shared, rows.q_rows, rows.table_rows, rows.ctx_lens,
-            prompt=in_prompt_rows())
+            prompt=in_prompt_rows(), num_layers=num_layers)
 
 
 class TritonOps(TorchOps):
@@ -334,7 +347,8 @@ def select_ops(device: torch.device, dtype: torch.dtype, shape: AttentionShape, 
 
     `cpu_gemm` is the BLAS format the CPU linear layers get (a resolved `products.BLAS`
     name); `compute_dtype` the engine's (`CpuNativeOps`' attention over bf16 caches). Logged
-    once; never changes afterwards."""
+    once; never changes afterwards but for `stack_rows`, which the model's stack sets when
+    it is bound (`bind_stack`)."""
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                          f"not {attention_backend!r}")

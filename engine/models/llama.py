@@ -81,6 +81,8 @@ class LlamaForCausalLM(nn.Module):
             assert table is not None
             layer.self_attn.bind_cache(k_cache.dtype, table)
         self.stack = self._native_stack() if self.ops.stack_rows else None
+        if self.stack is not None:
+            self.ops.bind_stack(self.stack)
 
     def forward(
         self,
@@ -90,17 +92,23 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], or [K, hidden] (rows `meta.keep`)
         """The final hidden states of every token, or with `meta.keep` of those rows only:
         the last layer then writes every token's K/V but attends and runs its MLP for those
-        rows alone (a prefill chunk samples one row of hundreds: ~1/36 of its GEMMs saved)."""
+        rows alone (a prefill chunk samples one row of hundreds: ~1/36 of its GEMMs saved).
+        A step planned `whole_stack` runs its layers in the native stack; with `meta.keep`,
+        all but the last, which runs here, pruned."""
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale is not None:  # in x's dtype, as transformers rounds it
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
-        if meta.whole_stack and self.stack is not None:
-            hidden = self.ops.decoder_stack(self.stack, x, positions, meta)
-            return hidden if meta.keep is None else hidden[meta.keep]
-        residual, delta = x, None
         last = len(self.layers) - 1
+        residual, delta, first = x, None, 0
+        if meta.whole_stack and self.stack is not None:
+            if meta.keep is None or last == 0:
+                hidden = self.ops.decoder_stack(self.stack, x, positions, meta)
+                return hidden if meta.keep is None else hidden[meta.keep]
+            delta, first = self.ops.decoder_stack(self.stack, x, positions, meta, last), last
         layers = self.decoder_layers()
         for i, (layer, kv_cache) in enumerate(zip(layers, self.kv_caches, strict=True)):
+            if i < first:
+                continue
             table = self.cos_sin_local if layer.local_rope else self.cos_sin
             assert table is not None
             residual, delta = layer(positions, residual, delta, table, kv_cache, meta,

@@ -1,4 +1,4 @@
-/* A Llama decoder stack for the few rows of a decode step, in one call (see vec.h). */
+/* A Llama decoder stack over a step's rows, every layer in one call (see vec.h). */
 #include "plait_cpu.h"
 #include "vec.h"
 
@@ -52,7 +52,9 @@ static int gate_up_silu(const float *h, long rows, long k, const int64_t *desc, 
  *       if set, are its alone)
  *   x, h = x + a @ Wo^T, rms_norm(...);  m = down(silu(gate) * up) of h
  *
- * and at the end x += m, out = rms_norm(x) with final_norm. With PLAIT_STACK_PROMPT in
+ * and at the end x += m, out = rms_norm(x) with final_norm; or, with final_norm NULL (and
+ * num_layers >= 1), out = m and x as it is: the stream and the last MLP's output, for the
+ * caller to go on with further layers. With PLAIT_STACK_PROMPT in
  * kv_dtype the rows are prompt rows: the repacked projections take plait_repack_gemm_bf16
  * (plait_cpu.h), what the layer-by-layer forward's prompt pass computes. x [rows, hidden]
  * (dense) is the residual stream, updated in place; out [rows, hidden]. Returns PLAIT_OK, or the first
@@ -68,6 +70,7 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
                         const int64_t *chunk_start, const int32_t *chunk_shared,
                         const int64_t *q_rows, const int64_t *table_rows,
                         const int32_t *ctx_len, float scale, float *out) {
+  if (!final_norm && num_layers < 1) return PLAIT_ERR_SHAPES;
   const int prompt = (kv_dtype & PLAIT_STACK_PROMPT) != 0;
   const int attn_dtype = kv_dtype & ~PLAIT_STACK_PROMPT;
   const int cache_dtype = attn_dtype & ~(PLAIT_ATTN_BF16_DOT | PLAIT_ATTN_AMX);
@@ -115,9 +118,11 @@ int plait_decoder_stack(long num_layers, const int64_t *layers, long rows, long 
 #undef CACHE
 #undef DESC
   }
-  if (rc == PLAIT_OK)
+  if (rc == PLAIT_OK && final_norm)
     rc = plait_add_rms_norm(x, hidden, num_layers > 0 ? m : NULL, hidden, final_norm, rows,
                             hidden, eps, x, out);
+  else if (rc == PLAIT_OK)
+    memcpy(out, m, sizeof(float) * (size_t)(rows * hidden));
   free(buf);
   return rc;
 }

@@ -57,8 +57,9 @@
  * plait_qgemm as without it; the attention takes kv_dtype's other flags (PLAIT_ATTN_AMX
  * included), the KV write none. */
 #define PLAIT_STACK_PROMPT 2048
-/* The most rows the engine sends through plait_gemm / plait_decoder_stack (a decode step's
- * few rows; more go to BLAS). */
+/* The most rows the engine sends through plait_gemm (a decode step's few rows; more go to
+ * BLAS), and so through plait_decoder_stack, unless every projection is a repacked one
+ * (whose kernel is the same for any rows: then a prompt's rows too, stack.py). */
 #define PLAIT_NATIVE_MAX_ROWS 24
 
 /* GGML type ids (gguf.GGMLQuantizationType) of a weight part in a descriptor (below) that

@@ -57,10 +57,14 @@ class Rung:
 @dataclass(frozen=True, slots=True)
 class StackWeight:
     """A weight as `plait_decoder_stack` reads it: its descriptor and the tensors the
-    descriptor points into (kept alive by the stack)."""
+    descriptor points into (kept alive by the stack); `any_rows`: the stack's C product
+    (plait_qgemm on `desc`) is the row's kernel for any number of rows, so a step of more
+    than NATIVE_MAX_ROWS rows may run in the stack with the layer loop's bits (else only
+    the few rows a decode step has, where the row's ladder starts with that kernel)."""
 
     desc: torch.Tensor  # int64
     tensors: tuple[torch.Tensor, ...]
+    any_rows: bool = False
 
 
 @dataclass(frozen=True, slots=True)

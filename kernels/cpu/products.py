@@ -362,7 +362,8 @@ def _repacked_silu(state: ProductState, x: torch.Tensor) -> torch.Tensor:
 
 def _repacked_stack(state: ProductState) -> StackWeight | None:
     assert state.desc is not None and state.packed is not None
-    return StackWeight(state.desc, (state.packed,))  # the flag sends plait_qgemm there
+    # the flag sends plait_qgemm there (repack.product's kernel, whatever the rows)
+    return StackWeight(state.desc, (state.packed,), any_rows=True)
 
 
 def _repacked_row() -> Product:

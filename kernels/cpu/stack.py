@@ -13,11 +13,16 @@ from dataclasses import dataclass
 import torch
 
 from plait.kernels.cpu import native, repack
-from plait.kernels.cpu.build import ABI, STACK_POINTERS, check_rc, loaded
-from plait.kernels.cpu.products import StackWeight
+from plait.kernels.cpu.build import ABI, NATIVE_MAX_ROWS, STACK_POINTERS, check_rc, loaded
+from plait.kernels.cpu.products import MLP_CHUNK_BYTES, StackWeight
 
 # OR-ed into the stack's kv_dtype for prompt rows (plait_cpu.h's PLAIT_STACK_PROMPT).
 STACK_PROMPT = ABI.constants["PLAIT_STACK_PROMPT"]
+# The most bytes of decoder.c's float32 buffers ([rows, hidden + (H + 2 H_kv) D + H D +
+# 3 I + hidden], one malloc a call) for a step of more than NATIVE_MAX_ROWS rows: under
+# host_memory.MMAP_THRESHOLD, as a repacked MLP chunk's, so each call reuses the heap's
+# pages instead of faulting in a fresh mapping.
+STACK_BYTES = MLP_CHUNK_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,8 @@ class NativeStack:
     block_size: int
     scale: float
     tensors: tuple[torch.Tensor, ...]
+    # the most rows a step may have to run here with the layer loop's bits (`stack_rows`)
+    max_rows: int = NATIVE_MAX_ROWS
 
 
 def decoder_stack(
@@ -71,23 +78,31 @@ def decoder_stack(
     table_rows: torch.Tensor,  # [T] int64
     ctx_lens: torch.Tensor,  # [T] int32
     prompt: bool = False,  # the rows are prompt rows (`products.in_prompt_rows()`)
+    num_layers: int | None = None,  # only the first this many layers (>= 1), no final norm
 ) -> torch.Tensor:  # [T, hidden] float32: the final norm of the last residual stream
     """Every layer of a Llama decoder over the T tokens of a step, one token per sequence
-    (T at most `NATIVE_MAX_ROWS`; every projection a `qgemm` descriptor: a `QuantWeight`'s
+    (T at most `stack.max_rows`; every projection a `qgemm` descriptor: a `QuantWeight`'s
     `desc`, or `panels_desc` of weights packed by `pack_weight`), in one C call:
     the kernels the layer-by-layer forward runs (`add_rms_norm`, `gemm`/`qgemm`, `rope_write_kv`,
     `decode_attention`, `silu_mul`), in its order, with no Python between them, so the same
     bits. `stack.layers[l]` holds layer l's tensors' `data_ptr()`s in `STACK_POINTERS`
     order. x is updated in place. With `prompt`, the products and the attention are those
-    of the prompt pass (`NativeStack.prompt_kv_dtype`)."""
+    of the prompt pass (`NativeStack.prompt_kv_dtype`). With `num_layers` (1 <= n < the
+    stack's layers), only layers [0, n) run and the result is the last one's MLP output,
+    x the stream before it is added: the layer loop's (residual, delta) after layer n - 1,
+    for the caller's next layer."""
     rows, shape = x.shape[0], stack.shape
     if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == shape.hidden):
         raise ValueError(f"decoder_stack: x must be [T, {shape.hidden}] float32 contiguous")
+    total = stack.layers.shape[0]
+    if num_layers is not None and not 1 <= num_layers <= total:
+        raise ValueError(f"decoder_stack: num_layers must be in [1, {total}], not {num_layers}")
     out = torch.empty(rows, shape.hidden, dtype=torch.float32)
     rc = loaded().plait_decoder_stack(
-        stack.layers.shape[0], stack.layers.data_ptr(), rows, shape.hidden, shape.num_heads,
-        shape.num_kv_heads, shape.head_dim, shape.intermediate, shape.eps,
-        stack.final_norm.data_ptr(), x.data_ptr(), stack.cos_sin.data_ptr(),
+        total if num_layers is None else num_layers, stack.layers.data_ptr(), rows,
+        shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate,
+        shape.eps, None if num_layers is not None else stack.final_norm.data_ptr(),
+        x.data_ptr(), stack.cos_sin.data_ptr(),
         positions.data_ptr(), slot_mapping.data_ptr(),
         stack.prompt_kv_dtype if prompt else stack.kv_dtype, stack.block_size,
         block_tables.data_ptr(), block_tables.stride(0), chunk_shared.shape[0],
@@ -157,6 +172,8 @@ def gather_stack(layers: list[StackLayer], shape: StackShape, final_norm: torch.
     dtype code."""
     rows: list[list[int]] = []
     tensors: list[torch.Tensor] = []
+    any_rows = all(w is not None and w.any_rows for layer in layers
+                   for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
     for layer in layers:
         row = _layer_row(layer)
         if row is None:
@@ -173,7 +190,17 @@ def gather_stack(layers: list[StackLayer], shape: StackShape, final_norm: torch.
         if native.takes_prompt_rows(k_cache, compute_dtype, shape.head_dim):
             prompt_kv_dtype |= native.ATTN_AMX
     return NativeStack(torch.tensor(rows, dtype=torch.int64), shape, final_norm, cos_sin,
-                       kv_dtype, prompt_kv_dtype, k_cache.shape[1], scale, tuple(tensors))
+                       kv_dtype, prompt_kv_dtype, k_cache.shape[1], scale, tuple(tensors),
+                       stack_rows(shape) if any_rows else NATIVE_MAX_ROWS)
 
 
-__all__ = ["NativeStack", "StackLayer", "StackShape", "decoder_stack", "gather_stack"]
+def stack_rows(shape: StackShape) -> int:
+    """The most rows a stack whose every projection takes any rows (`StackWeight.any_rows`)
+    runs a step of: those whose buffers fit STACK_BYTES, and at least NATIVE_MAX_ROWS."""
+    q_dim, kv_dim = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    row_floats = 2 * shape.hidden + 2 * q_dim + 2 * kv_dim + 3 * shape.intermediate
+    return max(NATIVE_MAX_ROWS, STACK_BYTES // (4 * row_floats))
+
+
+__all__ = ["STACK_BYTES", "NativeStack", "StackLayer", "StackShape", "decoder_stack",
+           "gather_stack", "stack_rows"]

@@ -17,7 +17,7 @@ from helpers.model import PagedHarness, load_model
 from helpers.tiny_model import make_tiny_model
 
 from plait.engine.models.llama import LlamaForCausalLM
-from plait.kernels.cpu import build, native, quant
+from plait.kernels.cpu import build, native, quant, stack
 from plait.kernels.cpu.build import NATIVE_MAX_ROWS
 from plait.kernels.cpu.native import STACK_POINTERS
 
@@ -175,3 +175,80 @@ def test_quantized_descriptors_through_the_stack(tmp_path, default_model) -> Non
     for (k, v), (k_ref, v_ref) in zip(kv_quant, kv_float, strict=True):
         assert torch.allclose(k, k_ref, rtol=1e-4, atol=1e-4)
         assert torch.allclose(v, v_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_kept_rows_run_all_but_the_last_layer_in_the_stack(tmp_path, default_model,
+                                                          monkeypatch) -> None:
+    """A step that keeps some rows (`meta.keep`: a prompt chunk's sampled row) runs every
+    layer but the last in the stack (`num_layers`: the stream and the last MLP output, no
+    final norm), the last pruned in the loop: the layer loop's bits for the kept rows, and
+    its K/V for every row."""
+    model = _model(tmp_path, default_model, "qwen2")
+    harness = _prefilled(model)
+    seqs = _sequences()
+    ids, positions, meta = harness.step([(t, len(t) - 1, table) for t, table in seqs])
+    meta.keep = torch.tensor([1, 4])
+    layers: list[int | None] = []
+    run = stack.decoder_stack
+
+    def spy(*args: object, **kwargs: object) -> object:
+        layers.append(kwargs["num_layers"])  # type: ignore[arg-type]
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(stack, "decoder_stack", spy)
+    (stacked, kv_stack), (looped, kv_loop) = _both(model, harness, ids, positions, meta)
+    assert layers == [model.config.num_layers - 1]
+    assert stacked.shape == (2, model.config.hidden_size) and torch.equal(stacked, looped)
+    for (k, v), (k_ref, v_ref) in zip(kv_stack, kv_loop, strict=True):
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def test_num_layers_is_checked(tmp_path, default_model) -> None:
+    model = _model(tmp_path, default_model, "llama")
+    harness = _prefilled(model)
+    seqs = _sequences()
+    ids, positions, meta = harness.step([(t, len(t) - 1, table) for t, table in seqs])
+    model.bind(harness.kv)
+    meta = model.ops.plan(meta, positions)
+    assert model.stack is not None
+    x = model.embed_tokens(ids).detach().contiguous()
+    for bad in (0, model.config.num_layers + 1):
+        with pytest.raises(ValueError, match="num_layers must be in"):
+            model.ops.decoder_stack(model.stack, x, positions, meta, bad)
+
+
+def test_a_stack_of_any_rows_projections_takes_a_prompt(tmp_path, default_model) -> None:
+    """The stack's row bound: NATIVE_MAX_ROWS where a projection's row computes more rows
+    with another kernel (float32 panels: BLAS), else as many as its buffers' STACK_BYTES
+    hold; the ops table plans whole stacks up to it once the model binds it."""
+    model = _model(tmp_path, default_model, "llama")
+    harness = _prefilled(model)
+    model.bind(harness.kv)
+    assert model.stack is not None and model.stack.max_rows == NATIVE_MAX_ROWS
+    assert model.ops.stack_rows == NATIVE_MAX_ROWS
+    shape = model.stack.shape
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    floats = 2 * shape.hidden + 2 * q + 2 * kv + 3 * shape.intermediate
+    assert stack.stack_rows(shape) == max(NATIVE_MAX_ROWS, stack.STACK_BYTES // (4 * floats))
+    huge = dataclasses.replace(shape, intermediate=stack.STACK_BYTES)
+    assert stack.stack_rows(huge) == NATIVE_MAX_ROWS
+    layers = [stack.StackLayer(
+        input_norm=layer.input_layernorm.weight.detach(),
+        post_norm=layer.post_attention_layernorm.weight.detach(),
+        qkv=dataclasses.replace(layer.self_attn.qkv_proj.stack_weight(), any_rows=True),
+        qkv_bias=None, o=dataclasses.replace(layer.self_attn.o_proj.stack_weight(), any_rows=True),
+        gate_up=dataclasses.replace(layer.mlp.gate_up_proj.stack_weight(), any_rows=True),
+        down=dataclasses.replace(layer.mlp.down_proj.stack_weight(), any_rows=i > 0),
+        extra_bias=False, k_cache=k, v_cache=v)
+        for i, (layer, (k, v)) in enumerate(zip(model.layers, harness.kv, strict=True))]
+    args = (shape, model.norm.weight.detach(), model.cos_sin, 0.5, torch.float32)
+    mixed = stack.gather_stack(layers, *args)
+    assert mixed is not None and mixed.max_rows == NATIVE_MAX_ROWS  # one layer's down: 24
+    layers[0] = dataclasses.replace(layers[0], down=dataclasses.replace(layers[0].down,
+                                                                         any_rows=True))
+    every = stack.gather_stack(layers, *args)
+    assert every is not None and every.max_rows == stack.stack_rows(shape) > NATIVE_MAX_ROWS
+    model.ops.bind_stack(every)
+    long = prompt(50, NATIVE_MAX_ROWS + 1)
+    _, positions, meta = harness.step([(long, 0, list(range(40, 47)))])
+    assert model.ops.plan(meta, positions).whole_stack

@@ -20,6 +20,7 @@ from plait.engine.spec.config import SpeculativeConfig
 from plait.engine.spec.driver import SpecDecoder
 from plait.kernels import ops
 from plait.kernels.cpu import build, native, products, repack
+from plait.kernels.cpu.build import NATIVE_MAX_ROWS
 
 pytestmark = [
     pytest.mark.skipif(not build.available() or repack.isa() < repack.ISA_VNNI512,
@@ -179,11 +180,14 @@ def test_a_prompt_beside_decode_rows_changes_neither_stream(prompts, reference) 
 def test_the_prompt_pass_attends_through_its_own_kernel(prompts, monkeypatch) -> None:
     """Where the runner passes prompt rows apart and the process has the AMX prompt
     attention (kernels/cpu/attention_amx.h), every attention call of a long prompt's pass
-    takes it and no call outside it does; a prompt of a few tokens runs the native stack
-    with the prompt rows' kernels (PLAIT_STACK_PROMPT), the decode steps without them."""
+    layer by layer takes it and no call outside it does. Every projection repacked, the
+    native stack takes a prompt of more than NATIVE_MAX_ROWS tokens too: then a prompt,
+    long or short, runs in the stack with the prompt rows' kernels (PLAIT_STACK_PROMPT), all
+    but its last layer (pruned to the sampled row, in the loop), and the decode steps
+    without them."""
     llm = LLM(**OPTIONS, enable_prefix_caching=False)
     calls: list[tuple[bool, bool]] = []
-    stacks: list[bool] = []
+    stacks: list[tuple[bool, int | None]] = []
     attention, decoder_stack = ops.native_attention, ops.stack.decoder_stack
 
     def spy(*args: object, **kwargs: object) -> object:
@@ -191,7 +195,7 @@ def test_the_prompt_pass_attends_through_its_own_kernel(prompts, monkeypatch) ->
         return attention(*args, **kwargs)
 
     def stack_spy(*args: object, **kwargs: object) -> object:
-        stacks.append(bool(kwargs["prompt"]))
+        stacks.append((bool(kwargs["prompt"]), kwargs["num_layers"]))  # type: ignore[arg-type]
         return decoder_stack(*args, **kwargs)
 
     monkeypatch.setattr(ops, "native_attention", spy)
@@ -199,32 +203,46 @@ def test_the_prompt_pass_attends_through_its_own_kernel(prompts, monkeypatch) ->
     runner = llm.engine.runner
     split = runner.split_prompt_rows and native.prompt_attention_amx()
     long = prompts[0] + prompts[1] + prompts[2]
-    assert len(long) > runner.ops.stack_rows >= len(prompts[0])
-    for rid, ids in (("long", long), ("short", prompts[0])):
+    assert NATIVE_MAX_ROWS < len(long) <= runner.ops.stack_rows
+    layers = runner.model.config.num_layers
+    stack = runner.model.stack
+    for rid, ids, whole in (("long", long, False), ("long in the stack", long, True),
+                            ("short", prompts[0], True)):
         calls.clear()
         stacks.clear()
+        runner.model.stack = stack if whole else None
         llm.engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=4,
                                                         ignore_eos=True))
         while llm.engine.has_unfinished():
             llm.engine.step()
-        layers = runner.model.config.num_layers
-        if rid == "long" and split:  # one pass, layer by layer
-            assert calls == [(True, True)] * layers and stacks == [False] * 3
-        elif rid == "long":
-            assert not any(tiles for _, tiles in calls)
+        if not whole:  # one pass, layer by layer, then the decode steps
+            assert stacks == []
+            if split:
+                assert calls[:layers] == [(True, True)] * layers
+                assert not any(tiles for _, tiles in calls[layers:])
+            else:
+                assert not any(tiles for _, tiles in calls)
         else:  # every step in the stack, the first with the prompt rows' kernels
-            assert calls == [] and stacks == [runner.split_prompt_rows, False, False, False]
+            # the pruned last layer's attention, in the loop
+            assert calls == [(runner.split_prompt_rows, split)]
+            assert stacks == [(runner.split_prompt_rows, layers - 1)] + [(False, None)] * 3
     assert_pool_clean(llm)
 
 
-def test_a_short_prompt_in_the_stack_is_the_layer_loop(prompts, reference) -> None:
-    """A prompt of fewer tokens than the native stack takes (prompts[0]) computes in one C
-    call; without the stack, layer by layer: the same greedy tokens and logprobs (the prompt
-    pass's products and attention are the same kernels either way)."""
+@pytest.mark.parametrize("which", ["short", "long"])
+def test_a_prompt_in_the_stack_is_the_layer_loop(prompts, reference, which: str) -> None:
+    """A prompt computes its every layer but the last in one C call: one of fewer tokens
+    than NATIVE_MAX_ROWS (prompts[0]) as a decode step would, and, every projection
+    repacked, one of more too; without the stack, layer by layer: the same greedy tokens
+    and logprobs (the prompt pass's products and attention are the same kernels either
+    way)."""
     llm = LLM(**OPTIONS, enable_prefix_caching=False)
     runner = llm.engine.runner
-    assert len(prompts[0]) <= runner.ops.stack_rows and runner.model.stack is not None
-    stacked = greedy(llm.generate([prompts[0]], PARAMS)[0])
-    assert stacked == reference[0]
+    ids = prompts[0] if which == "short" else prompts[0] + prompts[1] + prompts[2]
+    assert (len(ids) <= NATIVE_MAX_ROWS) == (which == "short")
+    assert len(ids) <= runner.ops.stack_rows and runner.model.stack is not None
+    stacked = greedy(llm.generate([ids], PARAMS)[0])
+    if which == "short":
+        assert stacked == reference[0]
     runner.model.stack = None  # every step layer by layer
-    assert greedy(llm.generate([prompts[0]], PARAMS)[0]) == stacked
+    assert greedy(llm.generate([ids], PARAMS)[0]) == stacked
