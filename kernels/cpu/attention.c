@@ -163,12 +163,11 @@ static inline __attribute__((always_inline)) vf softmax_exp(vf x, const int dot)
  * of values before adding sum_j p_j V_j. With `round_p` (a constant) each p_j is rounded to
  * a bfloat16 value first (round_to_bf16), the weight vdpbf16ps then multiplies V by
  * (attention_bf16.h), so l sums the weights actually applied, and every e^ is vexp_fma's
- * (softmax_exp). One query per lane (m, l,
- * alpha lane by lane), one token per vector (a row's few queries with the tokens across
- * the lanes take few_weights, attention_bf16.h, instead). alpha is exactly 1 when the max
- * did not move (e^0 = 1); from m = -FLT_MAX (nothing attended yet) it is e^-87 (vexp's
- * floor) or 0 (vexp_fma), which scales an l and a weighted sum still 0. Inlined: it is the hot loop of
- * the shared-token attention. */
+ * (softmax_exp). One query per lane (m, l, alpha lane by lane), one token per vector (a
+ * row's few queries with the tokens across the lanes take few_weights, attention_bf16.h,
+ * instead). alpha is exactly 1 when the max did not move (e^0 = 1); from m = -FLT_MAX
+ * (nothing attended yet) it is e^-87 (vexp's floor) or 0 (vexp_fma), which scales an l and
+ * a weighted sum still 0. Inlined: it is the hot loop of the shared-token attention. */
 static inline __attribute__((always_inline)) vf softmax_update(
     vf *m, vf *l, const float *s, long s_stride, float *p, long p_stride, long n,
     const int round_p) {

@@ -87,7 +87,7 @@ def decoder_stack(
     `decode_attention`, `silu_mul`), in its order, with no Python between them, so the same
     bits. `stack.layers[l]` holds layer l's tensors' `data_ptr()`s in `STACK_POINTERS`
     order. x is updated in place. With `prompt`, the products and the attention are those
-    of the prompt pass (`NativeStack.prompt_kv_dtype`). With `num_layers` (1 <= n < the
+    of the prompt pass (`NativeStack.prompt_kv_dtype`). With `num_layers` (1 <= n <= the
     stack's layers), only layers [0, n) run and the result is the last one's MLP output,
     x the stream before it is added: the layer loop's (residual, delta) after layer n - 1,
     for the caller's next layer."""
