@@ -62,6 +62,11 @@ def _both(model: LlamaForCausalLM, harness: PagedHarness, ids, positions, meta):
     return (stacked, kv_stack), (looped, kv_loop)
 
 
+def _same_caches(kv: list, kv_ref: list) -> None:
+    for (k, v), (k_ref, v_ref) in zip(kv, kv_ref, strict=True):
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
 @pytest.mark.parametrize(("model_type", "kv_dtype"), [
     ("llama", torch.float32), ("qwen2", torch.float32),  # qwen2: a q|k|v bias
     ("llama", torch.bfloat16),  # --kv-cache-dtype bfloat16
@@ -83,8 +88,7 @@ def test_decode_step_is_the_layer_loop_bit_for_bit(tmp_path, default_model, mode
     assert bool((offsets != 0).all()) == (model_type == "qwen2" and kv_dtype == torch.bfloat16)
     assert stacked is not None and stacked.shape == (6, model.config.hidden_size)
     assert torch.equal(stacked, looped)
-    for (k, v), (k_ref, v_ref) in zip(kv_stack, kv_loop, strict=True):
-        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    _same_caches(kv_stack, kv_loop)
     changed = (kv_stack[0][0] != harness.kv[0][0]).any(dim=(1, 2, 3)).nonzero().flatten()
     # the six new tokens' blocks, each written once
     written = sorted({seqs[i][1][(len(seqs[i][0]) - 1) // 4] for i in order})
@@ -104,8 +108,7 @@ def test_a_small_mixed_step_is_the_layer_loop_bit_for_bit(tmp_path, default_mode
     assert ids.shape == (7,)
     (stacked, kv_stack), (looped, kv_loop) = _both(model, harness, ids, positions, meta)
     assert stacked is not None and torch.equal(stacked, looped)
-    for (k, v), (k_ref, v_ref) in zip(kv_stack, kv_loop, strict=True):
-        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    _same_caches(kv_stack, kv_loop)
 
 
 def test_not_planned_where_the_loop_is_not_all_native(tmp_path, default_model) -> None:
@@ -199,8 +202,7 @@ def test_kept_rows_run_all_but_the_last_layer_in_the_stack(tmp_path, default_mod
     (stacked, kv_stack), (looped, kv_loop) = _both(model, harness, ids, positions, meta)
     assert layers == [model.config.num_layers - 1]
     assert stacked.shape == (2, model.config.hidden_size) and torch.equal(stacked, looped)
-    for (k, v), (k_ref, v_ref) in zip(kv_stack, kv_loop, strict=True):
-        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    _same_caches(kv_stack, kv_loop)
 
 
 def test_num_layers_is_checked(tmp_path, default_model) -> None:
