@@ -105,10 +105,8 @@ class LlamaForCausalLM(nn.Module):
                 hidden = self.ops.decoder_stack(self.stack, x, positions, meta)
                 return hidden if meta.keep is None else hidden[meta.keep]
             delta, first = self.ops.decoder_stack(self.stack, x, positions, meta, last), last
-        layers = self.decoder_layers()
-        for i, (layer, kv_cache) in enumerate(zip(layers, self.kv_caches, strict=True)):
-            if i < first:
-                continue
+        layers = list(zip(self.decoder_layers(), self.kv_caches, strict=True))
+        for i, (layer, kv_cache) in enumerate(layers[first:], start=first):
             table = self.cos_sin_local if layer.local_rope else self.cos_sin
             assert table is not None
             residual, delta = layer(positions, residual, delta, table, kv_cache, meta,

@@ -53,6 +53,11 @@ def _prefilled(model: LlamaForCausalLM,
     return harness
 
 
+def _last_tokens(harness: PagedHarness):
+    """(ids, positions, unplanned metadata) of a decode step: every sequence's last token."""
+    return harness.step([(t, len(t) - 1, table) for t, table in _sequences()])
+
+
 def _both(model: LlamaForCausalLM, harness: PagedHarness, ids, positions, meta):
     """(native stack's hidden states and caches, the layer loop's)."""
     kv_stack, kv_loop = copy.deepcopy(harness.kv), copy.deepcopy(harness.kv)
@@ -114,8 +119,7 @@ def test_a_small_mixed_step_is_the_layer_loop_bit_for_bit(tmp_path, default_mode
 def test_not_planned_where_the_loop_is_not_all_native(tmp_path, default_model) -> None:
     model = _model(tmp_path, default_model, "llama")
     harness = _prefilled(model)
-    seqs = _sequences()
-    _, positions, meta = harness.step([(t, len(t) - 1, table) for t, table in seqs])
+    _, positions, meta = _last_tokens(harness)
     model.bind(harness.kv)
     assert model.stack is not None and model.ops.plan(meta, positions).whole_stack
     # more rows than the native GEMM takes: a prefill of NATIVE_MAX_ROWS + 1 tokens
@@ -155,8 +159,7 @@ def test_quantized_descriptors_through_the_stack(tmp_path, default_model) -> Non
             lin.select(lin.product)  # its row packs the new weights again
             weights.append(weight)
     harness = _prefilled(model)
-    seqs = _sequences()
-    ids, positions, meta = harness.step([(t, len(t) - 1, table) for t, table in seqs])
+    ids, positions, meta = _last_tokens(harness)
     kv_float, kv_quant = copy.deepcopy(harness.kv), copy.deepcopy(harness.kv)
     floats = harness.forward(model, ids, positions, meta, kv_float)
     model.bind(kv_quant)
@@ -188,8 +191,7 @@ def test_kept_rows_run_all_but_the_last_layer_in_the_stack(tmp_path, default_mod
     its K/V for every row."""
     model = _model(tmp_path, default_model, "qwen2")
     harness = _prefilled(model)
-    seqs = _sequences()
-    ids, positions, meta = harness.step([(t, len(t) - 1, table) for t, table in seqs])
+    ids, positions, meta = _last_tokens(harness)
     meta.keep = torch.tensor([1, 4])
     layers: list[int | None] = []
     run = stack.decoder_stack
@@ -208,8 +210,7 @@ def test_kept_rows_run_all_but_the_last_layer_in_the_stack(tmp_path, default_mod
 def test_num_layers_is_checked(tmp_path, default_model) -> None:
     model = _model(tmp_path, default_model, "llama")
     harness = _prefilled(model)
-    seqs = _sequences()
-    ids, positions, meta = harness.step([(t, len(t) - 1, table) for t, table in seqs])
+    ids, positions, meta = _last_tokens(harness)
     model.bind(harness.kv)
     meta = model.ops.plan(meta, positions)
     assert model.stack is not None
